@@ -1,0 +1,9 @@
+"""SQLAlchemy models and the session factory."""
+
+from .base import Base, utcnow
+from .request import InferenceRequest, Priority, SizeClass, Status
+from .session import Database
+from .tenant import ApiKey, Tenant, hash_key, new_key
+
+__all__ = ["ApiKey", "Base", "Database", "InferenceRequest", "Priority", "SizeClass", "Status",
+           "Tenant", "hash_key", "new_key", "utcnow"]

@@ -1,0 +1,117 @@
+"""The request metadata table: one row per request, the contract between every layer.
+
+The row is written (and committed) before anything is queued; its primary key is the Celery
+task id. Every later step (publish, start, first token, finish) writes its timestamp here, so
+queue wait and inference time can always be told apart.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Enum, ForeignKey, Index, String, Text, func
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import Mapped, mapped_column
+
+from .base import Base
+
+
+class Status(enum.StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+    REJECTED = "rejected"
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (Status.QUEUED, Status.RUNNING)
+
+
+class Priority(enum.StrEnum):
+    REALTIME = "realtime"
+    BATCH = "batch"
+
+
+class SizeClass(enum.StrEnum):
+    SMALL = "small"
+    LARGE = "large"
+
+
+def _str_enum(cls: type[enum.StrEnum], name: str) -> Enum:
+    # VARCHAR + CHECK rather than a native PG enum: adding a value later is a plain migration.
+    return Enum(cls, name=name, native_enum=False, create_constraint=True, length=16,
+                values_callable=lambda e: [m.value for m in e])
+
+
+class InferenceRequest(Base):
+    __tablename__ = "requests"
+    __table_args__ = (
+        Index("ix_requests_status_created_at", "status", "created_at"),
+        Index("ix_requests_tenant_id_created_at", "tenant_id", "created_at"),
+    )
+
+    id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
+    tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    status: Mapped[Status] = mapped_column(_str_enum(Status, "status"), default=Status.QUEUED)
+    priority: Mapped[Priority] = mapped_column(_str_enum(Priority, "priority"))
+    size_class: Mapped[SizeClass] = mapped_column(_str_enum(SizeClass, "size_class"))
+    queue: Mapped[str] = mapped_column(String(64))
+
+    model_requested: Mapped[str] = mapped_column(String(128))
+    model_used: Mapped[str | None] = mapped_column(String(128))
+
+    # What to run. Prompt text lives only here, never in logs or task messages.
+    input: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    params: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSONB, default=dict)
+
+    # Resource quota granted at admission.
+    max_tokens: Mapped[int]
+    time_limit_s: Mapped[float]
+    reserved_tokens: Mapped[int]  # input estimate + max_tokens, what admission priced
+
+    # Outcome.
+    input_tokens: Mapped[int]  # estimate at admission; the engine's count once it ran
+    output_tokens: Mapped[int | None]
+    cached_tokens: Mapped[int | None]
+    output_text: Mapped[str | None] = mapped_column(Text)
+    finish_reason: Mapped[str | None] = mapped_column(String(16))
+    error_code: Mapped[str | None] = mapped_column(String(64))
+    error_message: Mapped[str | None] = mapped_column(String(500))
+    degradation_step: Mapped[str | None] = mapped_column(String(32))
+    cache_hit: Mapped[bool] = mapped_column(default=False)
+
+    # Who ran it. `worker` names one worker process instance, so a restarted worker with the
+    # same node name is a different owner and the sweep can tell its rows from the dead one's.
+    worker: Mapped[str | None] = mapped_column(String(200))
+    device: Mapped[str | None] = mapped_column(String(64))
+    attempts: Mapped[int] = mapped_column(default=0)
+
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    enqueued_at: Mapped[datetime | None]
+    started_at: Mapped[datetime | None]
+    first_token_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    cancel_requested_at: Mapped[datetime | None]
+
+    def __repr__(self) -> str:
+        return f"<InferenceRequest {self.id} {self.status} {self.queue}>"
+
+    @property
+    def queue_wait_s(self) -> float | None:
+        if self.started_at is None:
+            return None
+        return (self.started_at - self.created_at).total_seconds()
+
+    @property
+    def inference_s(self) -> float | None:
+        if self.started_at is None or self.finished_at is None:
+            return None
+        return (self.finished_at - self.started_at).total_seconds()

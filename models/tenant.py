@@ -1,0 +1,49 @@
+"""Tenants and their API keys. Only a key's SHA-256 is stored; the key is shown once."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import uuid
+from datetime import datetime
+
+from sqlalchemy import ForeignKey, String, func
+from sqlalchemy.orm import Mapped, mapped_column, relationship
+
+from .base import Base
+
+KEY_PREFIX = "sk-sluice-"
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+
+    keys: Mapped[list["ApiKey"]] = relationship(back_populates="tenant")
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
+    tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    # The first characters of the key, to tell keys apart in listings without revealing them.
+    prefix: Mapped[str] = mapped_column(String(32))
+    # Keys are 256-bit random secrets, so a plain SHA-256 is as strong as a slow hash here and
+    # lets authentication be one indexed lookup.
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    revoked_at: Mapped[datetime | None]
+
+    tenant: Mapped[Tenant] = relationship(back_populates="keys")
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)

@@ -1,0 +1,24 @@
+"""Redis key names shared by the web tier and the workers, and the Redis client factory."""
+
+from __future__ import annotations
+
+import redis
+
+CANCEL_PREFIX = "sluice:cancel:"
+WORKER_PREFIX = "sluice:worker:"
+
+
+def cancel_key(request_id: str) -> str:
+    """Set by the web tier when a running request is cancelled; polled by its worker."""
+    return CANCEL_PREFIX + request_id
+
+
+def worker_key(worker_id: str) -> str:
+    """A worker's heartbeat (its engine stats as JSON), expiring when the worker goes silent."""
+    return WORKER_PREFIX + worker_id
+
+
+def redis_client(url: str, timeout_s: float = 2.0) -> redis.Redis:
+    # Bounded timeouts: a hung Redis must not hang a web request or a worker thread.
+    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                health_check_interval=30, decode_responses=True)

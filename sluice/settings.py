@@ -1,0 +1,174 @@
+"""One typed, read-only settings object for every Sluice process.
+
+Values come from ``SLUICE_*`` environment variables (plus the conventional ``DATABASE_URL``
+and ``REDIS_URL``); every default lives in this file. ``Settings.from_env()`` reads and
+validates once at process start; after that the object is frozen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SettingsError(ValueError):
+    """A setting is missing or malformed; the message names the variable."""
+
+
+def _field(env: str, default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"env": env, "help": help, **kw})
+
+
+@dataclass(frozen=True)
+class Settings:
+    database_url: str | None = _field(
+        "DATABASE_URL", None,
+        "PostgreSQL URL (postgresql+psycopg://…). Unset: `sluice up` starts an embedded server.")
+    redis_url: str | None = _field(
+        "REDIS_URL", None,
+        "Redis URL for broker, limits and cancel flags. Unset: `sluice up` starts an embedded one.")
+    data_dir: str = _field(
+        "SLUICE_DATA_DIR", ".sluice", "Where `sluice up` keeps embedded Postgres/Redis data and logs.")
+
+    # Request limits
+    max_body_bytes: int = _field(
+        "SLUICE_MAX_BODY_BYTES", 1_048_576, "Largest accepted request body; larger gets 413.")
+    max_prompt_chars: int = _field(
+        "SLUICE_MAX_PROMPT_CHARS", 400_000, "Largest prompt (or sum of chat message contents).")
+    max_output_tokens: int = _field(
+        "SLUICE_MAX_OUTPUT_TOKENS", 8192, "Upper bound a request may ask for in max_tokens.")
+    default_max_tokens: int = _field(
+        "SLUICE_DEFAULT_MAX_TOKENS", 256, "max_tokens when the request does not say.")
+    time_limit_s: float = _field(
+        "SLUICE_TIME_LIMIT_S", 120.0,
+        "Default and maximum per-request inference time limit; requests may ask for less.")
+    large_threshold_tokens: int = _field(
+        "SLUICE_LARGE_THRESHOLD_TOKENS", 4096,
+        "Requests whose estimated input + max_tokens exceed this go to the *.large queues.")
+
+    # Engine and workers
+    engine: str = _field("SLUICE_ENGINE", "simulated", "Engine workers load: simulated | vllm.")
+    model: str = _field("SLUICE_MODEL", "simulated-llama-8b", "Model name reported on rows.")
+    sim_speed: float = _field(
+        "SLUICE_SIM_SPEED", 1.0, "Simulated engine speed; 1.0 = one H200's real step times.")
+    worker_concurrency: int = _field(
+        "SLUICE_WORKER_CONCURRENCY", 64,
+        "Tasks one worker keeps in flight, all feeding its single engine (thread pool).")
+    worker_heartbeat_s: float = _field(
+        "SLUICE_WORKER_HEARTBEAT_S", 5.0, "How often a worker proves it is alive.")
+    worker_dead_after_s: float = _field(
+        "SLUICE_WORKER_DEAD_AFTER_S", 30.0,
+        "A worker silent this long is dead; its running requests are requeued by the sweep.")
+    max_attempts: int = _field(
+        "SLUICE_MAX_ATTEMPTS", 3, "Deliveries a request may use before it fails as worker_lost.")
+    sweep_interval_s: float = _field(
+        "SLUICE_SWEEP_INTERVAL_S", 10.0, "How often beat runs the stranded-request sweep.")
+    publish_grace_s: float = _field(
+        "SLUICE_PUBLISH_GRACE_S", 30.0,
+        "A queued row never published after this long is re-published by the sweep.")
+    cancel_poll_s: float = _field(
+        "SLUICE_CANCEL_POLL_S", 0.5, "How often a worker checks for cancelled in-flight requests.")
+
+    # Serving
+    web_host: str = _field("SLUICE_WEB_HOST", "127.0.0.1", "`sluice up`: web bind address.")
+    web_port: int = _field("SLUICE_WEB_PORT", 8000, "`sluice up`: web port.")
+    web_workers: int = _field("SLUICE_WEB_WORKERS", 2, "`sluice up`: gunicorn worker processes.")
+    flower_port: int = _field("SLUICE_FLOWER_PORT", 5555, "`sluice up`: Flower port.")
+    public_url: str | None = _field(
+        "SLUICE_PUBLIC_URL", None, "Base URL used in status links; default: the request's host.")
+    log_level: str = _field("SLUICE_LOG_LEVEL", "INFO", "Log level for every process.")
+
+    # ---------------------------------------------------------------- construction
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = environ.get(f.metadata["env"])
+            if raw is not None and raw != "":
+                values[f.name] = _parse(f, raw)
+        values.update(overrides)
+        settings = cls(**values)
+        settings.validate()
+        return settings
+
+    def replace(self, **changes: Any) -> "Settings":
+        new = dataclasses.replace(self, **changes)
+        new.validate()
+        return new
+
+    def validate(self) -> None:
+        positive = ["max_body_bytes", "max_prompt_chars", "max_output_tokens", "default_max_tokens",
+                    "time_limit_s", "large_threshold_tokens", "sim_speed", "worker_concurrency",
+                    "worker_heartbeat_s", "worker_dead_after_s", "max_attempts", "sweep_interval_s",
+                    "publish_grace_s", "cancel_poll_s", "web_workers"]
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"{_env(name)} must be > 0, got {getattr(self, name)!r}")
+        if self.default_max_tokens > self.max_output_tokens:
+            raise SettingsError("SLUICE_DEFAULT_MAX_TOKENS must not exceed SLUICE_MAX_OUTPUT_TOKENS")
+        if self.worker_dead_after_s <= 2 * self.worker_heartbeat_s:
+            raise SettingsError("SLUICE_WORKER_DEAD_AFTER_S must exceed twice SLUICE_WORKER_HEARTBEAT_S")
+        if self.engine not in ("simulated", "vllm"):
+            raise SettingsError(f"SLUICE_ENGINE must be simulated or vllm, got {self.engine!r}")
+        if self.database_url and not self.database_url.startswith("postgresql"):
+            raise SettingsError("DATABASE_URL must be a postgresql:// URL (Sluice runs on PostgreSQL only)")
+        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise SettingsError("REDIS_URL must be a redis://, rediss:// or unix:// URL")
+
+    def require_services(self) -> None:
+        """Fail clearly when a process that needs Postgres and Redis has neither URL."""
+        missing = [n for n, v in (("DATABASE_URL", self.database_url), ("REDIS_URL", self.redis_url)) if not v]
+        if missing:
+            raise SettingsError(
+                f"{' and '.join(missing)} not set; export it, or run `sluice up`, which starts embedded servers")
+
+    @property
+    def sqlalchemy_url(self) -> str:
+        """DATABASE_URL with the psycopg 3 driver, whatever scheme the user wrote."""
+        assert self.database_url
+        url = self.database_url
+        for prefix in ("postgresql+psycopg://", "postgresql://", "postgres://"):
+            if url.startswith(prefix):
+                return "postgresql+psycopg://" + url[len(prefix):]
+        return url
+
+    @property
+    def visibility_timeout_s(self) -> int:
+        # Redis has no real acks: a message a worker took but has not acked is handed to another
+        # worker once this timeout passes. It must exceed the longest a task can legitimately hold
+        # a message (its time limit plus the wait in a full worker), or a long request would run
+        # twice. Recovery from dead workers does not wait for it: the sweep requeues their rows.
+        return int(3 * self.time_limit_s + 600)
+
+    @classmethod
+    def describe(cls) -> list[tuple[str, str, str]]:
+        """(variable, default, meaning) for every setting: the README's configuration table."""
+        return [(f.metadata["env"], "" if f.default is None else str(f.default), f.metadata["help"])
+                for f in dataclasses.fields(cls)]
+
+
+def _env(name: str) -> str:
+    return next(f.metadata["env"] for f in dataclasses.fields(Settings) if f.name == name)
+
+
+def _parse(f: dataclasses.Field, raw: str) -> Any:
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    try:
+        if kind.startswith("int"):
+            return int(raw)
+        if kind.startswith("float"):
+            return float(raw)
+        if kind.startswith("bool"):
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+    except ValueError:
+        raise SettingsError(f"{f.metadata['env']}={raw!r} is not a valid {kind}") from None
+    return raw

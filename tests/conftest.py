@@ -1,0 +1,224 @@
+"""Fixtures: a fresh Postgres database and Redis database per test session, real worker processes.
+
+Postgres and Redis are real servers: TEST_DATABASE_URL / TEST_REDIS_URL if set, else the local
+ones on their default ports (what .ci/run starts when none answer). Each session creates its
+own database and uses its own Redis database numbers, so runs never see each other's rows or
+queues. Tests are isolated by tenant: every test gets a new tenant and API key, so a worker
+shared by the whole session can keep running between tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+import pytest
+import redis as redis_lib
+
+from sluice.cli import create_key, upgrade_database
+from sluice.keys import WORKER_PREFIX
+from sluice.settings import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+ADMIN_DB_URL = os.environ.get("TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+REDIS_BASE = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379")
+TERMINAL = {"succeeded", "failed", "timed_out", "cancelled", "expired", "rejected"}
+
+# Settings every test process shares: short heartbeats so dead workers are found in seconds.
+TEST_ENV = {
+    "SLUICE_WORKER_HEARTBEAT_S": "0.5",
+    "SLUICE_WORKER_DEAD_AFTER_S": "3",
+    "SLUICE_PUBLISH_GRACE_S": "1",
+    "SLUICE_LARGE_THRESHOLD_TOKENS": "1024",
+    "SLUICE_CANCEL_POLL_S": "0.2",
+    "SLUICE_LOG_LEVEL": "INFO",
+}
+
+
+def _with_db(url: str, name: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(path="/" + name))
+
+
+@pytest.fixture(scope="session")
+def database_url() -> Iterator[str]:
+    name = f"sluice_test_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+    with psycopg.connect(ADMIN_DB_URL, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = _with_db(ADMIN_DB_URL, name)
+    upgrade_database(Settings(database_url=url).sqlalchemy_url)
+    yield url
+    with psycopg.connect(ADMIN_DB_URL, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _free_redis_db(taken: set[int]) -> int:
+    """A Redis database number that is empty now, so parallel runs do not collide."""
+    for number in range(15, 0, -1):
+        if number in taken:
+            continue
+        client = redis_lib.Redis.from_url(f"{REDIS_BASE}/{number}")
+        try:
+            if client.dbsize() == 0 and client.set("sluice:test:lock", os.getpid(), nx=True, ex=3600):
+                return number
+        finally:
+            client.close()
+    raise RuntimeError("no empty Redis database left for the tests")
+
+
+@pytest.fixture(scope="session")
+def redis_dbs() -> Iterator[Callable[[], str]]:
+    """Hands out fresh Redis database URLs; flushes them at the end."""
+    taken: set[int] = set()
+
+    def allocate() -> str:
+        number = _free_redis_db(taken)
+        taken.add(number)
+        return f"{REDIS_BASE}/{number}"
+
+    yield allocate
+    for number in taken:
+        client = redis_lib.Redis.from_url(f"{REDIS_BASE}/{number}")
+        client.flushdb()
+        client.close()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_dbs) -> str:
+    return redis_dbs()
+
+
+def make_settings(database_url: str, redis_url: str, **overrides) -> Settings:
+    env = {**TEST_ENV, "DATABASE_URL": database_url, "REDIS_URL": redis_url}
+    return Settings.from_env(env, **overrides)
+
+
+class WorkerProcess:
+    """A real `sluice worker` process (Celery, thread pool, simulated engine)."""
+
+    def __init__(self, database_url: str, redis_url: str, tmp: Path, role: str = "all",
+                 extra_env: dict[str, str] | None = None) -> None:
+        self.redis = redis_lib.Redis.from_url(redis_url, decode_responses=True)
+        self.log_path = tmp / f"worker-{role}-{uuid.uuid4().hex[:6]}.log"
+        env = {**os.environ, **TEST_ENV, "DATABASE_URL": database_url, "REDIS_URL": redis_url,
+               "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        before = set(self.redis.keys(WORKER_PREFIX + "*"))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sluice.cli", "worker", "--role", role, "--concurrency", "64",
+             "--name", f"{role}-{uuid.uuid4().hex[:6]}@test"],
+            cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.worker_key = self._wait_ready(before)
+
+    def _wait_ready(self, before: set[str], timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited early:\n{self.log_path.read_text()[-3000:]}")
+            new = set(self.redis.keys(WORKER_PREFIX + "*")) - before
+            if new:
+                return new.pop()
+            time.sleep(0.2)
+        raise RuntimeError(f"worker not warm after {timeout}s:\n{self.log_path.read_text()[-3000:]}")
+
+    def stats(self) -> dict:
+        raw = self.redis.get(self.worker_key)
+        return json.loads(raw) if raw else {}
+
+    def kill(self) -> None:
+        """SIGKILL the whole worker: no cleanup, no acks, exactly like an OOM kill."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
+        self.redis.close()
+
+
+@pytest.fixture(scope="session")
+def worker(database_url, redis_url, tmp_path_factory) -> Iterator[WorkerProcess]:
+    proc = WorkerProcess(database_url, redis_url, tmp_path_factory.mktemp("worker"))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def app(database_url, redis_url):
+    from web import create_app
+
+    application = create_app(make_settings(database_url, redis_url))
+    yield application
+    application.extensions["sluice.db"].dispose()
+
+
+class ApiClient:
+    """The HTTP API as a tenant sees it, through Flask's test client (full WSGI stack)."""
+
+    def __init__(self, app, key: str) -> None:
+        self.http = app.test_client()
+        self.key = key
+        self.headers = {"Authorization": f"Bearer {key}"}
+
+    def submit(self, **body):
+        return self.http.post("/v1/requests", json=body, headers=self.headers)
+
+    def get(self, request_id: str):
+        return self.http.get(f"/v1/requests/{request_id}", headers=self.headers)
+
+    def cancel(self, request_id: str):
+        return self.http.post(f"/v1/requests/{request_id}/cancel", headers=self.headers)
+
+    def wait(self, request_id: str, statuses=TERMINAL, timeout: float = 60) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            view = self.get(request_id).get_json()
+            if view["status"] in statuses:
+                return view
+            if time.monotonic() > deadline:
+                raise AssertionError(f"request {request_id} still {view['status']} after {timeout}s")
+            time.sleep(0.05)
+
+
+@pytest.fixture
+def new_client(app, database_url) -> Callable[..., ApiClient]:
+    def make(application=None) -> ApiClient:
+        key = create_key(Settings(database_url=database_url).sqlalchemy_url, f"tenant-{uuid.uuid4().hex[:10]}")
+        return ApiClient(application or app, key)
+
+    return make
+
+
+@pytest.fixture
+def client(new_client) -> ApiClient:
+    return new_client()
+
+
+@pytest.fixture(autouse=True)
+def _no_outbound_network(monkeypatch):
+    """Fail a test that tries to reach anything but this machine."""
+    real_connect = socket.socket.connect
+
+    def guarded(self, address):
+        host = address[0] if isinstance(address, tuple) else address
+        if isinstance(host, str) and not (host.startswith(("127.", "::1", "/", "localhost")) or host == "0.0.0.0"):
+            raise AssertionError(f"test tried to connect to {address!r}")
+        return real_connect(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", guarded)

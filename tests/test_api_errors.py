@@ -1,0 +1,139 @@
+"""Garbage in: every bad input gets a 4xx with the one error envelope, never a 500."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+
+def assert_envelope(response, status: int, code: str | None = None) -> dict:
+    assert response.status_code == status, response.get_data(as_text=True)
+    body = response.get_json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert isinstance(error["code"], str) and error["code"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert "Traceback" not in error["message"]
+    if code:
+        assert error["code"] == code
+    return error
+
+
+def test_no_key_wrong_key_malformed_header(app):
+    http = app.test_client()
+    body = {"prompt": "hi"}
+    assert_envelope(http.post("/v1/requests", json=body), 401, "missing_api_key")
+    assert_envelope(http.post("/v1/requests", json=body, headers={"Authorization": "Bearer sk-sluice-nope"}),
+                    401, "invalid_api_key")
+    assert_envelope(http.post("/v1/requests", json=body, headers={"Authorization": "Basic abc"}),
+                    401, "invalid_api_key")
+    response = http.get(f"/v1/requests/{uuid.uuid4()}", headers={"Authorization": "Bearer"})
+    assert_envelope(response, 401)
+    assert response.headers["WWW-Authenticate"].startswith("Bearer")
+
+
+def test_malformed_json_and_content_type(client):
+    http, headers = client.http, client.headers
+    assert_envelope(http.post("/v1/requests", data="{not json", headers={**headers, "Content-Type": "application/json"}),
+                    400, "malformed_json")
+    assert_envelope(http.post("/v1/requests", data="prompt=hi", headers={**headers, "Content-Type": "text/plain"}),
+                    415, "unsupported_media_type")
+    assert_envelope(http.post("/v1/requests", json=["prompt"], headers=headers), 422, "invalid_request")
+
+
+@pytest.mark.parametrize("body, field", [
+    ({}, "_schema"),
+    ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "_schema"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": "a", "max_tokens": "5"}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": 1.5}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": 10**9}, "max_tokens"),
+    ({"prompt": "a", "temperature": "hot"}, "temperature"),
+    ({"prompt": "a", "temperature": 2.5}, "temperature"),
+    ({"prompt": "a", "top_p": 0}, "top_p"),
+    ({"prompt": "a", "priority": "urgent"}, "priority"),
+    ({"prompt": "a", "stop": ["1", "2", "3", "4", "5"]}, "stop"),
+    ({"prompt": "a", "time_limit_s": -1}, "time_limit_s"),
+    ({"prompt": "a", "time_limit_s": 10**6}, "time_limit_s"),
+    ({"prompt": "a", "metadata": {"k": 1}}, "metadata"),
+    ({"prompt": "a", "model": "gpt-17"}, "model"),
+    ({"prompt": "a", "temperture": 0.5}, "temperture"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hello"}, "messages"),
+])
+def test_invalid_fields_are_named(client, body, field):
+    error = assert_envelope(client.submit(**body), 422, "invalid_request")
+    assert field in error["details"], error
+
+
+def test_oversized_body_and_prompt(app, client):
+    limit = app.config["SLUICE"].max_body_bytes
+    error = assert_envelope(client.submit(prompt="x" * (limit + 1)), 413, "body_too_large")
+    assert str(limit) in error["message"]
+    chars = app.config["SLUICE"].max_prompt_chars
+    small_app_limit = min(limit - 100, chars + 1)
+    if small_app_limit > chars:  # only reachable when the char cap is below the body cap
+        error = assert_envelope(client.submit(prompt="x" * small_app_limit), 422, "invalid_request")
+        assert "prompt" in error["details"]
+
+
+def test_unknown_route_and_wrong_method(client):
+    assert_envelope(client.http.get("/v2/nothing"), 404, "not_found")
+    response = client.http.delete("/v1/requests", headers=client.headers)
+    assert_envelope(response, 405, "method_not_allowed")
+    assert "POST" in response.headers["Allow"]
+
+
+def test_ids_of_other_tenants_and_garbage_ids_are_404(client, new_client):
+    accepted = client.submit(prompt="mine").get_json()
+    other = new_client()
+    assert_envelope(other.get(accepted["id"]), 404, "not_found")
+    assert_envelope(other.cancel(accepted["id"]), 404, "not_found")
+    assert_envelope(client.get("not-a-uuid"), 404, "not_found")
+    assert_envelope(client.cancel("../../etc"), 404)
+    assert client.get(accepted["id"]).status_code == 200
+
+
+def test_openapi_is_generated_from_the_validating_schema(app):
+    from web.schemas import SubmitRequestSchema
+
+    spec = app.test_client().get("/openapi.json").get_json()
+    assert spec["openapi"].startswith("3.")
+    submit = spec["components"]["schemas"]["SubmitRequest"]
+    assert set(submit["properties"]) == set(SubmitRequestSchema().fields)
+    assert submit["properties"]["temperature"]["maximum"] == 2
+    assert "/v1/requests/{request_id}/cancel" in spec["paths"]
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=5),
+    max_leaves=12)
+field_names = st.sampled_from(["prompt", "messages", "max_tokens", "priority", "temperature", "top_p", "seed",
+                               "stop", "time_limit_s", "metadata", "model"]) | st.text(max_size=8)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.dictionaries(field_names, json_values, max_size=6) | json_values,
+       raw=st.binary(max_size=64), path_id=st.text(min_size=1, max_size=40))
+def test_fuzzed_input_never_500s(client, body, raw, path_id):
+    for response in (
+        client.http.post("/v1/requests", data=json.dumps(body), headers={**client.headers,
+                                                                        "Content-Type": "application/json"}),
+        client.http.post("/v1/requests", data=raw, headers={**client.headers, "Content-Type": "application/json"}),
+        client.http.get("/v1/requests/" + path_id.replace("/", "_").replace("?", "_").replace("#", "_"),
+                        headers=client.headers),
+        client.http.post("/v1/requests/" + path_id.replace("/", "_").replace("?", "_").replace("#", "_") + "/cancel",
+                         headers=client.headers),
+    ):
+        assert response.status_code < 500, response.get_data(as_text=True)
+        if response.status_code >= 400:
+            assert_envelope(response, response.status_code)

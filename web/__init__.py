@@ -1,0 +1,61 @@
+"""Flask API. `create_app(settings)` wires everything; importing builds nothing."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from flask import Flask, Response, jsonify
+
+from models.session import Database
+from sluice.keys import redis_client
+from sluice.logs import configure_logging
+from sluice.settings import Settings
+
+
+def create_app(settings: Settings | None = None) -> Flask:
+    settings = settings or Settings.from_env()
+    settings.require_services()
+    configure_logging(settings.log_level)
+
+    app = Flask("sluice")
+    app.config["SLUICE"] = settings
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.json.sort_keys = False
+
+    db = Database()
+    db.configure(settings.sqlalchemy_url)
+    app.extensions["sluice.db"] = db
+    app.extensions["sluice.redis"] = redis_client(settings.redis_url)
+
+    from workers.celery_app import celery_init_app
+
+    celery_init_app(app)
+
+    from . import api, errors, health
+
+    errors.register_error_handlers(app)
+    app.register_blueprint(api.bp)
+    app.register_blueprint(health.bp)
+
+    spec = None
+
+    @app.get("/openapi.json")
+    def openapi() -> Response:
+        nonlocal spec
+        if spec is None:
+            from .openapi import build_spec
+
+            spec = build_spec(_version())
+        return jsonify(spec)
+
+    return app
+
+
+def _version() -> str:
+    try:
+        return version("sluice")
+    except PackageNotFoundError:
+        return "0.0.0"
+
+
+__all__ = ["create_app"]

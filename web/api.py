@@ -1,0 +1,102 @@
+"""The REST API: thin handlers that parse, call the service and render."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Blueprint, Response, current_app, jsonify, request, url_for
+from marshmallow import ValidationError
+
+from models import InferenceRequest
+
+from . import service
+from .auth import authenticate
+from .errors import ApiError, InvalidRequest
+from .schemas import SubmitRequestSchema
+
+bp = Blueprint("api", __name__, url_prefix="/v1")
+_submit_schema = SubmitRequestSchema()
+
+
+def _ext(name: str) -> Any:
+    return current_app.extensions[name]
+
+
+def _json_body() -> Any:
+    if not request.is_json:
+        raise ApiError("Send the body as JSON with Content-Type: application/json.",
+                       code="unsupported_media_type", status=415)
+    body = request.get_json(silent=True)
+    if body is None:
+        raise ApiError("The body is not valid JSON.", code="malformed_json", status=400)
+    return body
+
+
+@bp.post("/requests")
+def submit_request() -> tuple[Response, int, dict[str, str]]:
+    tenant_id = authenticate(_ext("sluice.db"))
+    body = _json_body()
+    if not isinstance(body, dict):
+        raise InvalidRequest("The body must be a JSON object.")
+    try:
+        data = _submit_schema.load(body)
+    except ValidationError as exc:
+        raise InvalidRequest("The request has invalid fields; see details.", details=exc.messages) from None
+    row = service.submit(_ext("sluice.db"), _ext("celery"), current_app.config["SLUICE"], tenant_id, data)
+    status_url = _status_url(row)
+    return (jsonify(id=str(row.id), status=row.status.value, status_url=status_url,
+                    priority=row.priority.value, size_class=row.size_class.value),
+            202, {"Location": status_url})
+
+
+@bp.get("/requests/<request_id>")
+def get_request(request_id: str) -> Response:
+    tenant_id = authenticate(_ext("sluice.db"))
+    return jsonify(render(service.get(_ext("sluice.db"), tenant_id, request_id)))
+
+
+@bp.post("/requests/<request_id>/cancel")
+def cancel_request(request_id: str) -> Response:
+    tenant_id = authenticate(_ext("sluice.db"))
+    row = service.cancel(_ext("sluice.db"), _ext("sluice.redis"), tenant_id, request_id)
+    return jsonify(render(row))
+
+
+def _status_url(row: InferenceRequest) -> str:
+    base = current_app.config["SLUICE"].public_url
+    if base:
+        return f"{base.rstrip('/')}/v1/requests/{row.id}"
+    return url_for("api.get_request", request_id=str(row.id), _external=True)
+
+
+def _iso(value) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def render(row: InferenceRequest) -> dict[str, Any]:
+    ttft = ((row.first_token_at - row.started_at).total_seconds()
+            if row.first_token_at and row.started_at else None)
+    done = row.status.value == "succeeded" or row.output_text is not None
+    return {
+        "id": str(row.id),
+        "status": row.status.value,
+        "priority": row.priority.value,
+        "size_class": row.size_class.value,
+        "queue": row.queue,
+        "model": row.model_requested,
+        "model_used": row.model_used,
+        "max_tokens": row.max_tokens,
+        "time_limit_s": row.time_limit_s,
+        "output": {"text": row.output_text or "", "finish_reason": row.finish_reason} if done else None,
+        "usage": {"input_tokens": row.input_tokens, "output_tokens": row.output_tokens,
+                  "cached_tokens": row.cached_tokens, "reserved_tokens": row.reserved_tokens},
+        "timings": {"created_at": _iso(row.created_at), "enqueued_at": _iso(row.enqueued_at),
+                    "started_at": _iso(row.started_at), "first_token_at": _iso(row.first_token_at),
+                    "finished_at": _iso(row.finished_at), "queue_wait_s": row.queue_wait_s,
+                    "inference_s": row.inference_s, "time_to_first_token_s": ttft},
+        "error": {"code": row.error_code, "message": row.error_message} if row.error_code else None,
+        "cancel_requested": row.cancel_requested_at is not None,
+        "attempts": row.attempts,
+        "worker": row.worker,
+        "metadata": row.meta,
+    }

@@ -1,0 +1,33 @@
+"""API key authentication: `Authorization: Bearer <key>` → the key's tenant."""
+
+from __future__ import annotations
+
+import uuid
+
+from flask import request
+from sqlalchemy import select
+
+from models import ApiKey, hash_key
+from models.session import Database
+
+from .errors import Unauthorized
+
+_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="sluice"'}
+
+
+def authenticate(db: Database) -> uuid.UUID:
+    """Return the tenant id of the request's API key, or raise 401."""
+    header = request.headers.get("Authorization", "")
+    scheme, _, key = header.partition(" ")
+    if not header:
+        raise Unauthorized("Missing API key: send `Authorization: Bearer <key>`.",
+                           code="missing_api_key", headers=_CHALLENGE)
+    if scheme.lower() != "bearer" or not key.strip():
+        raise Unauthorized("Malformed Authorization header: use `Authorization: Bearer <key>`.",
+                           headers=_CHALLENGE)
+    with db.session() as session:
+        tenant_id = session.scalar(select(ApiKey.tenant_id).where(
+            ApiKey.key_hash == hash_key(key.strip()), ApiKey.revoked_at.is_(None)))
+    if tenant_id is None:
+        raise Unauthorized("Invalid or revoked API key.", headers=_CHALLENGE)
+    return tenant_id

@@ -1,0 +1,97 @@
+"""Domain errors and the single JSON error envelope every error response uses.
+
+    {"error": {"code": "<stable_snake_case>", "message": "<what to do about it>", "details": {...}}}
+
+Handlers raise :class:`ApiError` subclasses; nothing else reaches the client. An unexpected
+exception becomes a generic 500 and its traceback goes to the log, never to the response.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from flask import Flask, Response, g, jsonify
+from werkzeug.exceptions import HTTPException
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    status = 400
+    code = "bad_request"
+
+    def __init__(self, message: str, *, code: str | None = None, status: int | None = None,
+                 details: Any = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code or self.code
+        self.status = status or self.status
+        self.details = details
+        self.headers = headers or {}
+
+
+class InvalidRequest(ApiError):
+    status, code = 422, "invalid_request"
+
+
+class Unauthorized(ApiError):
+    status, code = 401, "invalid_api_key"
+
+
+class NotFound(ApiError):
+    status, code = 404, "not_found"
+
+
+class Conflict(ApiError):
+    status, code = 409, "conflict"
+
+
+class ServiceUnavailable(ApiError):
+    status, code = 503, "service_unavailable"
+
+
+# Werkzeug's own errors (routing, body size, methods) mapped to stable codes and plain messages.
+_HTTP_CODES = {
+    400: ("bad_request", "The request could not be read."),
+    404: ("not_found", "No such endpoint. See /openapi.json for the API."),
+    405: ("method_not_allowed", "This endpoint does not accept that HTTP method."),
+    413: ("body_too_large", "The request body is larger than this server accepts."),
+    415: ("unsupported_media_type", "Send the body as JSON with Content-Type: application/json."),
+}
+
+
+def error_response(status: int, code: str, message: str, details: Any = None,
+                   headers: dict[str, str] | None = None) -> Response:
+    body: dict[str, Any] = {"code": code, "message": message}
+    if details is not None:
+        body["details"] = details
+    request_id = g.get("request_id") if g else None
+    if request_id:
+        body["request_id"] = request_id
+    response = jsonify(error=body)
+    response.status_code = status
+    response.headers.update(headers or {})
+    return response
+
+
+def register_error_handlers(app: Flask) -> None:
+    @app.errorhandler(ApiError)
+    def _api_error(exc: ApiError) -> Response:
+        return error_response(exc.status, exc.code, exc.message, exc.details, exc.headers)
+
+    @app.errorhandler(HTTPException)
+    def _http_error(exc: HTTPException) -> Response:
+        status = exc.code or 500
+        code, message = _HTTP_CODES.get(status, ("http_error", exc.name))
+        if status == 413:
+            limit = app.config.get("MAX_CONTENT_LENGTH")
+            message = f"The request body is larger than the {limit} bytes this server accepts."
+        headers = {"Allow": ", ".join(exc.valid_methods)} if getattr(exc, "valid_methods", None) else None
+        return error_response(status, code, message, headers=headers)
+
+    @app.errorhandler(Exception)
+    def _unexpected(exc: Exception) -> Response:
+        log.exception("unhandled error")
+        return error_response(500, "internal_error",
+                              "Something went wrong on our side. It was logged; retry later.")

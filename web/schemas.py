@@ -1,0 +1,130 @@
+"""Request and response schemas: they validate input and generate /openapi.json.
+
+Fields are strict about JSON types: ``"5"`` is not a number and ``true`` is not an integer,
+because a client that sends those has a bug we should tell it about, not guess around.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+from marshmallow import Schema, ValidationError, fields, validate, validates_schema
+
+
+class StrictInteger(fields.Integer):
+    def _validated(self, value):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise self.make_error("invalid")
+        return super()._validated(value)
+
+
+class StrictFloat(fields.Float):
+    def _validated(self, value):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise self.make_error("invalid")
+        return super()._validated(value)
+
+
+class ChatMessageSchema(Schema):
+    role = fields.String(required=True, validate=validate.OneOf(["system", "user", "assistant"]))
+    content = fields.String(required=True, validate=validate.Length(min=1))
+
+
+class SubmitRequestSchema(Schema):
+    """Body of POST /v1/requests. Exactly one of `prompt` or `messages`."""
+
+    prompt = fields.String(validate=validate.Length(min=1),
+                           metadata={"description": "Plain-text prompt. Give this or `messages`."})
+    messages = fields.List(fields.Nested(ChatMessageSchema), validate=validate.Length(min=1, max=256),
+                           metadata={"description": "Chat messages, oldest first. Give this or `prompt`."})
+    model = fields.String(validate=validate.Length(min=1, max=128),
+                          metadata={"description": "Model name; default: the platform's main model."})
+    max_tokens = StrictInteger(validate=validate.Range(min=1),
+                               metadata={"description": "Most tokens to generate (server caps apply)."})
+    priority = fields.String(load_default="realtime", validate=validate.OneOf(["realtime", "batch"]),
+                             metadata={"description": "realtime: interactive; batch: uses idle capacity."})
+    temperature = StrictFloat(load_default=1.0, validate=validate.Range(min=0, max=2))
+    top_p = StrictFloat(load_default=1.0, validate=validate.Range(min=0, max=1, min_inclusive=False))
+    seed = StrictInteger(validate=validate.Range(min=0, max=2**63 - 1))
+    stop = fields.List(fields.String(validate=validate.Length(min=1, max=64)),
+                       validate=validate.Length(max=4),
+                       metadata={"description": "Up to 4 strings that end generation when produced."})
+    time_limit_s = StrictFloat(validate=validate.Range(min=0, min_inclusive=False),
+                               metadata={"description": "Inference time limit in seconds; at most the server's."})
+    metadata = fields.Dict(keys=fields.String(validate=validate.Length(min=1, max=64)),
+                           values=fields.String(validate=validate.Length(max=512)),
+                           validate=validate.Length(max=16),
+                           metadata={"description": "Up to 16 string pairs, echoed back, never interpreted."})
+
+    @validates_schema
+    def _one_input(self, data, **kwargs):
+        if ("prompt" in data) == ("messages" in data):
+            raise ValidationError("Give exactly one of `prompt` or `messages`.", "_schema")
+
+
+class UsageSchema(Schema):
+    input_tokens = fields.Integer()
+    output_tokens = fields.Integer(allow_none=True)
+    cached_tokens = fields.Integer(allow_none=True)
+    reserved_tokens = fields.Integer()
+
+
+class TimingsSchema(Schema):
+    created_at = fields.DateTime()
+    enqueued_at = fields.DateTime(allow_none=True)
+    started_at = fields.DateTime(allow_none=True)
+    first_token_at = fields.DateTime(allow_none=True)
+    finished_at = fields.DateTime(allow_none=True)
+    queue_wait_s = fields.Float(allow_none=True, metadata={"description": "started_at - created_at"})
+    inference_s = fields.Float(allow_none=True, metadata={"description": "finished_at - started_at"})
+    time_to_first_token_s = fields.Float(allow_none=True)
+
+
+class OutputSchema(Schema):
+    text = fields.String()
+    finish_reason = fields.String(allow_none=True)
+
+
+class RequestErrorSchema(Schema):
+    code = fields.String()
+    message = fields.String()
+
+
+class RequestViewSchema(Schema):
+    id = fields.UUID()
+    status = fields.String(metadata={"enum": ["queued", "running", "succeeded", "failed", "timed_out",
+                                              "cancelled", "expired", "rejected"]})
+    priority = fields.String()
+    size_class = fields.String()
+    queue = fields.String()
+    model = fields.String(metadata={"description": "Model asked for."})
+    model_used = fields.String(allow_none=True, metadata={"description": "Model that actually ran."})
+    max_tokens = fields.Integer()
+    time_limit_s = fields.Float()
+    output = fields.Nested(OutputSchema, allow_none=True)
+    usage = fields.Nested(UsageSchema)
+    timings = fields.Nested(TimingsSchema)
+    error = fields.Nested(RequestErrorSchema, allow_none=True)
+    cancel_requested = fields.Boolean()
+    attempts = fields.Integer()
+    worker = fields.String(allow_none=True)
+    metadata = fields.Dict()
+
+
+class AcceptedSchema(Schema):
+    id = fields.UUID()
+    status = fields.String()
+    status_url = fields.Url()
+    priority = fields.String()
+    size_class = fields.String()
+
+
+class ErrorBodySchema(Schema):
+    code = fields.String(metadata={"description": "Stable, machine-readable error code."})
+    message = fields.String(metadata={"description": "What went wrong and what to do about it."})
+    details = fields.Raw(metadata={"description": "Per-field problems, when there are any."})
+    request_id = fields.String()
+
+
+class ErrorSchema(Schema):
+    error = fields.Nested(ErrorBodySchema)

@@ -1,0 +1,113 @@
+"""Request lifecycle on the web side: submit, read, cancel. Each runs in one transaction.
+
+Publishing happens only after the row is committed. If the publish itself fails (broker down),
+the row is still accepted: it stays `queued` with no `enqueued_at`, and the sweep publishes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import select
+
+from models import InferenceRequest, Priority, Status, utcnow
+from models.session import Database
+from sluice.keys import cancel_key
+from sluice.settings import Settings
+from workers.routing import publish_committed, queue_name, size_class_for
+
+from .errors import Conflict, InvalidRequest, NotFound
+from .tokens import estimate_input_tokens
+
+log = logging.getLogger(__name__)
+
+
+def submit(db: Database, celery: Celery, settings: Settings, tenant_id: uuid.UUID,
+           body: dict[str, Any]) -> InferenceRequest:
+    max_tokens = body.get("max_tokens", settings.default_max_tokens)
+    time_limit = body.get("time_limit_s", settings.time_limit_s)
+    problems: dict[str, list[str]] = {}
+    if max_tokens > settings.max_output_tokens:
+        problems["max_tokens"] = [f"Must be at most {settings.max_output_tokens}."]
+    if time_limit > settings.time_limit_s:
+        problems["time_limit_s"] = [f"Must be at most {settings.time_limit_s:g} seconds."]
+    model = body.get("model", settings.model)
+    if model != settings.model:
+        problems["model"] = [f"Unknown model {model!r}; this platform serves {settings.model!r}."]
+    request_input = {"messages": body["messages"]} if "messages" in body else {"prompt": body["prompt"]}
+    chars = sum(len(m["content"]) for m in body["messages"]) if "messages" in body else len(body["prompt"])
+    if chars > settings.max_prompt_chars:
+        problems["prompt" if "prompt" in body else "messages"] = [
+            f"Input is {chars} characters; at most {settings.max_prompt_chars} are accepted."]
+    if problems:
+        raise InvalidRequest("The request has invalid fields; see details.", details=problems)
+
+    priority = Priority(body["priority"])
+    input_tokens = estimate_input_tokens(request_input)
+    reserved = input_tokens + max_tokens
+    size_class = size_class_for(reserved, settings.large_threshold_tokens)
+    params = {k: body[k] for k in ("temperature", "top_p", "seed", "stop") if k in body}
+    row = InferenceRequest(
+        id=uuid.uuid4(), tenant_id=tenant_id, status=Status.QUEUED, priority=priority,
+        size_class=size_class, queue=queue_name(priority, size_class), model_requested=model,
+        input=request_input, params=params, meta=body.get("metadata", {}), max_tokens=max_tokens,
+        time_limit_s=float(time_limit), reserved_tokens=reserved, input_tokens=input_tokens,
+        cache_hit=False, attempts=0,
+    )
+    with db.session() as session:
+        session.add(row)
+    # Committed: from here on the request is accepted and must reach a terminal status.
+    try:
+        publish_committed(db, celery, [row])
+    except Exception:
+        log.warning("request %s: publish failed; the sweep will publish it", row.id, exc_info=True)
+    return row
+
+
+def get(db: Database, tenant_id: uuid.UUID, request_id: str) -> InferenceRequest:
+    rid = _parse_id(request_id)
+    with db.session() as session:
+        row = session.scalar(select(InferenceRequest).where(
+            InferenceRequest.id == rid, InferenceRequest.tenant_id == tenant_id))
+    if row is None:
+        raise NotFound(f"No request {request_id} for this API key.")
+    return row
+
+
+def cancel(db: Database, redis, tenant_id: uuid.UUID, request_id: str) -> InferenceRequest:
+    """Cancel a queued request outright; ask the worker of a running one to abort it."""
+    rid = _parse_id(request_id)
+    with db.session() as session:
+        # Row lock: the worker's queued → running claim waits for this, so a request is
+        # either cancelled before it starts or flagged for its worker, never neither.
+        row = session.scalar(select(InferenceRequest).where(
+            InferenceRequest.id == rid, InferenceRequest.tenant_id == tenant_id).with_for_update())
+        if row is None:
+            raise NotFound(f"No request {request_id} for this API key.")
+        if row.status.terminal:
+            raise Conflict(f"Request is already {row.status.value}; nothing to cancel.",
+                           code="not_cancellable")
+        now = utcnow()
+        row.cancel_requested_at = row.cancel_requested_at or now
+        if row.status == Status.QUEUED:
+            row.status = Status.CANCELLED
+            row.finished_at = now
+            row.error_code = "cancelled"
+            row.error_message = "Cancelled by the client before it started."
+    if row.status == Status.RUNNING:
+        try:
+            redis.set(cancel_key(str(rid)), "1", ex=int(row.time_limit_s) + 600)
+        except Exception:
+            # The flag on the row is durable; the sweep re-raises it in Redis.
+            log.warning("request %s: cancel flag not set in Redis; the sweep will retry", rid)
+    return row
+
+
+def _parse_id(request_id: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(request_id)
+    except ValueError:
+        raise NotFound(f"No request {request_id}: request ids are UUIDs.") from None

@@ -1,0 +1,1 @@
+"""Celery app, tasks, engine runtime and engines. Importing this package starts nothing."""

@@ -1,0 +1,62 @@
+"""Celery wired the Flask way: one app per Flask app, tasks run inside the app context."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from celery import Celery, Task
+from flask import Flask
+from kombu import Queue
+
+from sluice.settings import Settings
+
+from .routing import ALL_REQUEST_QUEUES, MAINTENANCE_QUEUE, SWEEP_TASK
+
+
+def celery_config(settings: Settings) -> dict:
+    return {
+        "broker_url": settings.redis_url,
+        "broker_connection_retry_on_startup": True,
+        "broker_transport_options": {
+            # See Settings.visibility_timeout_s for why this is far above the time limit.
+            "visibility_timeout": settings.visibility_timeout_s,
+            "socket_timeout": 5,
+            "socket_connect_timeout": 5,
+        },
+        # The request row is the result; Celery keeps none.
+        "task_ignore_result": True,
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        # Ack after the task ran, so a worker that dies mid-flight loses nothing.
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        # Each thread takes one message at a time: a worker never hoards work it cannot start.
+        "worker_prefetch_multiplier": 1,
+        "task_queues": [Queue(name, routing_key=name) for name in (*ALL_REQUEST_QUEUES, MAINTENANCE_QUEUE)],
+        "task_default_queue": MAINTENANCE_QUEUE,
+        # Flower shows tasks from these events.
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "worker_hijack_root_logger": False,
+        "beat_schedule": {
+            "sweep-stranded-requests": {
+                "task": SWEEP_TASK,
+                "schedule": timedelta(seconds=settings.sweep_interval_s),
+                "options": {"queue": MAINTENANCE_QUEUE, "expires": settings.sweep_interval_s},
+            },
+        },
+        "include": ["workers.tasks"],
+    }
+
+
+def celery_init_app(app: Flask) -> Celery:
+    class FlaskTask(Task):
+        def __call__(self, *args: object, **kwargs: object) -> object:
+            with app.app_context():
+                return self.run(*args, **kwargs)
+
+    celery_app = Celery(app.name, task_cls=FlaskTask)
+    celery_app.config_from_object(celery_config(app.config["SLUICE"]))
+    celery_app.set_default()
+    app.extensions["celery"] = celery_app
+    return celery_app

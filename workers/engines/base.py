@@ -1,0 +1,111 @@
+"""The engine boundary: one small interface every inference engine implements.
+
+Plain frozen dataclasses cross the boundary in both directions, so the worker runtime
+never sees engine internals and an engine never sees Celery, SQLAlchemy or Flask.
+
+Contract shared by every engine:
+
+* ``start()`` loads the model and returns only when the engine can generate. It is awaited
+  once per worker process, before the worker takes any task (a warm engine).
+* ``generate(request)`` is an async iterator. Many calls run concurrently on the same event
+  loop and the engine batches them together (continuous batching); it never serves them one
+  at a time. Each yielded :class:`GenerationOutput` is cumulative (the text so far); the last
+  one has ``finished=True``. A request whose ``request_id`` is already in flight is a
+  programming error and raises ``ValueError``.
+* ``abort(request_id)`` stops a request wherever it is (waiting or running) and frees its KV
+  cache; its ``generate`` iterator then yields a final output with ``finish_reason="abort"``.
+  Aborting an unknown or finished id is a no-op.
+* ``stats()`` is cheap and thread-safe enough to be read from a metrics thread.
+* ``shutdown()`` aborts everything in flight and releases the device.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt: str
+    params: SamplingParams
+    # Lower runs first (vLLM's convention): realtime work is 0, batch work is 1.
+    priority: int = 0
+    # Input tokens as counted by the caller; an engine with its own tokenizer recounts.
+    prompt_tokens: int | None = None
+
+    def __repr__(self) -> str:  # never put prompt text in logs or reprs
+        return (f"GenerationRequest(request_id={self.request_id!r}, prompt=<{len(self.prompt)} chars>, "
+                f"params={self.params!r}, priority={self.priority})")
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    request_id: str
+    text: str
+    prompt_tokens: int
+    output_tokens: int
+    finished: bool
+    # "stop" (stop string or end of sequence), "length" (max_tokens), "abort"; None while running
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+
+    def __repr__(self) -> str:
+        return (f"GenerationOutput(request_id={self.request_id!r}, text=<{len(self.text)} chars>, "
+                f"prompt_tokens={self.prompt_tokens}, output_tokens={self.output_tokens}, "
+                f"finished={self.finished}, finish_reason={self.finish_reason!r})")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    engine: str
+    model: str
+    simulated: bool
+    running: int = 0  # sequences in the current batch
+    waiting: int = 0  # sequences admitted but not yet scheduled (e.g. no KV room)
+    kv_used_tokens: int = 0
+    kv_capacity_tokens: int = 0
+    steps: int = 0
+    max_batch_seen: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    aborted: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Engine(abc.ABC):
+    """An inference engine owned by exactly one worker process."""
+
+    name: str = "engine"
+    simulated: bool = False
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load weights and warm up; return when ``generate`` can be called."""
+
+    @abc.abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        """Yield cumulative outputs for ``request`` until one has ``finished=True``."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Stop ``request_id`` and free its KV cache; a no-op if it is unknown or done."""
+
+    @abc.abstractmethod
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's state."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Abort everything in flight and release the device."""

@@ -1,0 +1,349 @@
+"""A simulated engine: a cost model of one GPU running continuous batching, in pure asyncio.
+
+It schedules, batches, reserves KV cache and preempts like vLLM's v1 engine core, but
+``execute`` is an ``asyncio.sleep`` of the step time the cost model predicts for an 8B bf16
+model on one H200 (see /work/shared/calibration/h200-llama8b.md), divided by ``speed``.
+Its text is deterministic filler that always starts with ``[simulated] ``, so nobody can
+mistake it for model output. Use it for development and benchmarks, never as a model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import heapq
+import itertools
+import logging
+import math
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from workers.engines.base import Engine, EngineStats, GenerationOutput, GenerationRequest
+
+log = logging.getLogger(__name__)
+
+MARKER = "[simulated] "
+_WORDS = ("alpha", "river", "stone", "cloud", "ember", "maple", "quartz", "harbor", "signal",
+          "lantern", "meadow", "copper", "falcon", "glacier", "orbit", "willow", "cedar", "delta",
+          "prism", "summit", "tundra", "velvet", "anchor", "beacon", "canyon", "dune", "fjord",
+          "grove", "island", "jasper", "kelp", "lagoon")
+
+
+@dataclass(frozen=True)
+class SimulatedConfig:
+    """Cost-model constants; defaults model Llama-3-8B (bf16) on one H200 under vLLM."""
+
+    model_name: str = "simulated-llama-8b"
+    weight_bytes: float = 15.0e9  # calibration: 15.0 GB of bf16 weights
+    # 32 layers x 8 KV heads x 128 dims x 2 (K and V) x 2 bytes (bf16)
+    kv_bytes_per_token: int = 131072
+    # calibration: B=1 decode takes 4.61 ms, i.e. 15e9 B / 4.61 ms = 3.26e12 B/s effective
+    memory_bandwidth: float = 3.3e12
+    params: float = 8.0e9  # forward pass costs 2 x params FLOPs per token
+    prefill_flops: float = 7.0e14  # calibration: prefill measured at 677-709 TFLOP/s
+    # Decode GEMMs have M = batch size, far below peak: B=256 at L=512 took 11.48 ms for
+    # 4.1e12 FLOPs, ~3.6e14 FLOP/s, ~36% of the 990 TFLOP/s datasheet figure.
+    decode_flops: float = 3.6e14
+    hbm_bytes: float = 141e9  # H200 datasheet: 141 GB HBM3e
+    gpu_memory_utilization: float = 0.9  # vLLM's default share of HBM it may use
+    kv_capacity_tokens: int | None = None  # None: derived from HBM (override for tests/other GPUs)
+    block_size: int = 16  # vLLM's default KV block size, in tokens
+    max_num_seqs: int = 256  # vLLM's default cap on sequences per batch
+    max_num_batched_tokens: int = 8192  # per-step token budget, prefill chunks + decodes
+    # Scheduling, sampling and Python work per step, absent from the ideal CUDA-graph calibration.
+    step_overhead_s: float = 0.3e-3
+    speed: float = 1.0  # 1.0 = real H200 time, 2.0 = twice as fast
+    stream_every: int = 0  # also yield every N tokens; 0 = first token and final output only
+
+    @property
+    def capacity_tokens(self) -> int:
+        """KV capacity in tokens: HBM the engine may use, minus weights, over bytes per token."""
+        if self.kv_capacity_tokens is not None:
+            return self.kv_capacity_tokens
+        free = self.hbm_bytes * self.gpu_memory_utilization - self.weight_bytes
+        return max(0, int(free // self.kv_bytes_per_token))
+
+
+def step_time_s(cfg: SimulatedConfig, *, decode_seqs: int = 0, prefill_tokens: int = 0,
+                context_tokens: int = 0) -> float:
+    """Real-GPU seconds for one step (before ``speed``); 0.0 for an empty step.
+
+    A step reads the weights once plus the KV of ``context_tokens`` already-cached tokens
+    (memory term), and does 2 x params FLOPs per processed token (compute term); the slower
+    one wins because they overlap. Decode and prefill tokens run at different GEMM rates.
+    """
+    if decode_seqs == 0 and prefill_tokens == 0:
+        return 0.0
+    memory = (cfg.weight_bytes + context_tokens * cfg.kv_bytes_per_token) / cfg.memory_bandwidth
+    compute = 2 * cfg.params * (decode_seqs / cfg.decode_flops + prefill_tokens / cfg.prefill_flops)
+    return max(memory, compute) + cfg.step_overhead_s
+
+
+def estimate_prompt_tokens(request: GenerationRequest) -> int:
+    """The caller's count if given, else ~4 UTF-8 bytes per token, at least 1."""
+    if request.prompt_tokens is not None:
+        return max(1, request.prompt_tokens)
+    return max(1, math.ceil(len(request.prompt.encode()) / 4))
+
+
+@dataclass(eq=False)
+class _Seq:
+    request: GenerationRequest
+    prompt_tokens: int
+    arrival: int
+    rng: random.Random
+    stops: tuple[str, ...]
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    state: str = "waiting"  # waiting | running | finished
+    num_computed: int = 0  # tokens whose KV is in the cache; reset to 0 on preemption
+    num_output: int = 0
+    blocks: int = 0
+    text: str = MARKER
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_tokens + self.num_output
+
+    def sort_key(self) -> tuple[int, int]:
+        return (self.request.priority, self.arrival)
+
+    def __lt__(self, other: _Seq) -> bool:  # heap order: priority, then arrival
+        return self.sort_key() < other.sort_key()
+
+
+class SimulatedEngine(Engine):
+    """Continuous batching over a cost model; the loop is schedule -> execute -> update.
+
+    Invariants: every sequence is in exactly one of waiting (a heap by priority, arrival) or
+    running; ``_used_blocks`` is the sum of running sequences' blocks and never exceeds
+    capacity; waiting sequences hold no KV.
+    """
+
+    name = "simulated"
+    simulated = True
+
+    def __init__(self, config: SimulatedConfig | None = None) -> None:
+        self.config = config or SimulatedConfig()
+        self._num_blocks = self.config.capacity_tokens // self.config.block_size
+        self._seqs: dict[str, _Seq] = {}
+        self._waiting: list[_Seq] = []
+        self._running: list[_Seq] = []
+        self._used_blocks = 0
+        self._arrivals = itertools.count()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._closed = False
+        self._steps = self._max_batch = self._generated = self._prompt = self._aborted = 0
+        self._preemptions = 0
+        self._last_batch, self._last_step_ms, self._sim_time_s = 0, 0.0, 0.0
+
+    async def start(self) -> None:
+        """Start the engine loop on the running event loop; idempotent."""
+        if self._closed:
+            raise RuntimeError("engine is shut down")
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="simulated-engine")
+            log.info("simulated engine started: model=%s kv_capacity_tokens=%d",
+                     self.config.model_name, self._num_blocks * self.config.block_size)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        """Yield the first-token output, every ``stream_every`` tokens, and the final output.
+
+        Raises ValueError (on first iteration) for a duplicate in-flight id, ``max_tokens < 1``, or a request that
+        could not fit in the KV cache even alone. If the consumer stops iterating (close,
+        cancellation), the request is aborted and its KV freed.
+        """
+        if self._task is None or self._closed:
+            raise RuntimeError("engine is not running")
+        rid, max_tokens = request.request_id, request.params.max_tokens
+        if rid in self._seqs:
+            raise ValueError(f"request {rid!r} is already in flight")
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        prompt_tokens = estimate_prompt_tokens(request)
+        if math.ceil((prompt_tokens + max_tokens) / self.config.block_size) > self._num_blocks:
+            raise ValueError(f"request {rid!r} needs {prompt_tokens + max_tokens} KV tokens, "
+                             f"more than the capacity of {self._num_blocks * self.config.block_size}")
+        digest = hashlib.sha256(request.prompt.encode()).digest()
+        seed = int.from_bytes(hashlib.sha256(digest + repr(request.params.seed).encode()).digest())
+        seq = _Seq(request, prompt_tokens, next(self._arrivals), random.Random(seed),
+                   tuple(s for s in request.params.stop if s))
+        self._seqs[rid] = seq
+        self._prompt += prompt_tokens
+        heapq.heappush(self._waiting, seq)
+        self._wake.set()
+        log.debug("submitted %s: prompt_tokens=%d max_tokens=%d", rid, prompt_tokens, max_tokens)
+        try:
+            while True:
+                item = await seq.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if seq.state != "finished":
+                self._finish(seq, "abort")
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a waiting or running request now and free its KV; unknown ids are a no-op."""
+        seq = self._seqs.get(request_id)
+        if seq is not None and seq.state != "finished":
+            self._finish(seq, "abort")
+
+    def stats(self) -> EngineStats:
+        """A snapshot; reads plain counters only, so it is cheap."""
+        cfg = self.config
+        return EngineStats(
+            engine=self.name, model=cfg.model_name, simulated=True, running=len(self._running),
+            waiting=len(self._waiting), kv_used_tokens=self._used_blocks * cfg.block_size,
+            kv_capacity_tokens=self._num_blocks * cfg.block_size, steps=self._steps,
+            max_batch_seen=self._max_batch, generated_tokens=self._generated,
+            prompt_tokens=self._prompt, aborted=self._aborted,
+            extra={"last_batch_size": self._last_batch, "last_step_ms": self._last_step_ms,
+                   "simulated_time_s": self._sim_time_s, "preemptions": self._preemptions,
+                   "speed": cfg.speed})
+
+    async def shutdown(self) -> None:
+        """Abort everything in flight, then stop the loop task; idempotent."""
+        self._closed = True
+        for seq in list(self._running) + list(self._waiting):
+            self._finish(seq, "abort")
+        if self._task is not None:
+            self._task.cancel()
+            # return_exceptions: a loop that already failed was logged; shutdown still completes
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    # -- engine loop ---------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        try:
+            while True:
+                batch = self._schedule()
+                if not batch:  # nothing schedulable: sleep until generate() wakes us
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                cost = self._cost(batch)
+                await asyncio.sleep(cost / self.config.speed)
+                self._update(batch, cost)
+        except Exception:  # fan the failure out so no consumer hangs
+            log.exception("simulated engine loop failed")
+            for seq in list(self._seqs.values()):
+                seq.queue.put_nowait(RuntimeError("simulated engine loop failed"))
+            raise
+
+    def _schedule(self) -> list[tuple[_Seq, int]]:
+        """Pick (sequence, tokens to process) pairs for one step, like vLLM's v1 scheduler.
+
+        Running sequences go first in priority order; if one cannot grow its KV, the worst
+        running sequence is preempted back to waiting (recomputed later). New sequences are
+        admitted in priority order only if no preemption happened and their whole prompt plus
+        output so far fits; the head of the queue blocks the rest so priority is strict.
+        """
+        cfg, budget, batch = self.config, self.config.max_num_batched_tokens, []
+        self._running.sort(key=_Seq.sort_key)
+        preempted, i = False, 0
+        while i < len(self._running) and budget > 0:
+            seq = self._running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            need = math.ceil((seq.num_computed + n) / cfg.block_size) - seq.blocks
+            while need > self._num_blocks - self._used_blocks:
+                victim = self._running.pop()
+                self._release(victim)
+                victim.state, victim.num_computed = "waiting", 0
+                heapq.heappush(self._waiting, victim)
+                preempted, self._preemptions = True, self._preemptions + 1
+                if victim is seq:
+                    break
+            if seq.state != "running":
+                continue
+            seq.blocks += max(0, need)
+            self._used_blocks += max(0, need)
+            batch.append((seq, n))
+            budget -= n
+            i += 1
+        # After a preemption KV is tight, so admit nothing new unless the batch is empty.
+        while ((not preempted or not self._running) and self._waiting and budget > 0
+               and len(self._running) < cfg.max_num_seqs):
+            seq = self._waiting[0]
+            need = math.ceil(seq.num_tokens / cfg.block_size)
+            if need > self._num_blocks - self._used_blocks:
+                break
+            heapq.heappop(self._waiting)
+            seq.state, seq.blocks = "running", need
+            self._used_blocks += need
+            self._running.append(seq)
+            n = min(seq.num_tokens, budget)
+            batch.append((seq, n))
+            budget -= n
+        return batch
+
+    def _cost(self, batch: list[tuple[_Seq, int]]) -> float:
+        decode = sum(1 for seq, n in batch if n == 1 and seq.num_computed >= seq.prompt_tokens)
+        tokens = sum(n for _, n in batch)
+        context = sum(seq.num_computed for seq, _ in batch)
+        return step_time_s(self.config, decode_seqs=decode, prefill_tokens=tokens - decode,
+                           context_tokens=context)
+
+    def _update(self, batch: list[tuple[_Seq, int]], cost: float) -> None:
+        self._steps += 1
+        self._last_batch, self._last_step_ms = len(batch), cost * 1e3
+        self._max_batch = max(self._max_batch, len(batch))
+        self._sim_time_s += cost
+        for seq, n in batch:
+            if seq.state != "running":  # aborted while the step was executing
+                continue
+            seq.num_computed += n
+            if seq.num_computed < seq.num_tokens:  # prompt chunk done, more to prefill
+                continue
+            self._append_token(seq)
+
+    def _append_token(self, seq: _Seq) -> None:
+        word = _WORDS[seq.rng.randrange(len(_WORDS))]
+        piece = word if seq.num_output == 0 else " " + word
+        seq.text += piece
+        seq.num_output += 1
+        self._generated += 1
+        # A new stop match must end inside the new piece, so only the tail needs searching.
+        hits = []
+        for stop in seq.stops:
+            at = seq.text.find(stop, max(len(MARKER), len(seq.text) - len(piece) - len(stop) + 1))
+            if at >= 0:
+                hits.append(at)
+        if hits:
+            seq.text = seq.text[:min(hits)]
+            self._finish(seq, "stop")
+        elif seq.num_output >= seq.request.params.max_tokens:
+            self._finish(seq, "length")
+        elif seq.num_output == 1 or (self.config.stream_every
+                                     and seq.num_output % self.config.stream_every == 0):
+            self._emit(seq, None)
+
+    def _finish(self, seq: _Seq, reason: str) -> None:
+        """Take ``seq`` out of the scheduler, free its KV and deliver its final output."""
+        if seq.state == "running":
+            self._running.remove(seq)
+            self._release(seq)
+        elif seq.state == "waiting" and seq in self._waiting:
+            self._waiting.remove(seq)
+            heapq.heapify(self._waiting)
+        seq.state = "finished"
+        if reason == "abort":
+            self._aborted += 1
+        if self._seqs.get(seq.request.request_id) is seq:
+            del self._seqs[seq.request.request_id]  # the id may be reused from now on
+        self._emit(seq, reason)
+        log.debug("finished %s: reason=%s prompt_tokens=%d output_tokens=%d",
+                  seq.request.request_id, reason, seq.prompt_tokens, seq.num_output)
+
+    def _release(self, seq: _Seq) -> None:
+        self._used_blocks -= seq.blocks
+        seq.blocks = 0
+
+    def _emit(self, seq: _Seq, reason: str | None) -> None:
+        seq.queue.put_nowait(GenerationOutput(
+            request_id=seq.request.request_id, text=seq.text, prompt_tokens=seq.prompt_tokens,
+            output_tokens=seq.num_output, finished=reason is not None, finish_reason=reason))

@@ -1,0 +1,138 @@
+"""One request's life on a worker: claim the row, run it in the engine, write the outcome.
+
+No database session is held across inference: the claim and the outcome are separate short
+transactions. Both are conditional updates, so a duplicate delivery, a cancel that won the
+race, or a sweep that requeued the row after this worker was presumed dead can never make a
+request run twice or reach two terminal states.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.exc import OperationalError
+
+from models import InferenceRequest, Priority, Status, utcnow
+from models.session import Database
+
+from .engines import GenerationRequest, SamplingParams
+from .runtime import EngineRuntime, RunResult
+
+log = logging.getLogger(__name__)
+
+# Seconds to wait before each retry of the outcome write when Postgres is briefly unreachable;
+# the answer was computed at GPU cost, so it is worth a few seconds of patience.
+OUTCOME_WRITE_BACKOFF = (0.5, 2.0, 5.0, 10.0)
+
+ENGINE_PRIORITY = {Priority.REALTIME: 0, Priority.BATCH: 1}
+
+
+@dataclass(frozen=True)
+class Claim:
+    request: GenerationRequest
+    time_limit_s: float
+
+
+def claim(db: Database, request_id: uuid.UUID, worker_id: str, device: str) -> Claim | None:
+    """queued → running for this worker, or None if the row is not ours to run."""
+    table = InferenceRequest
+    with db.session() as session:
+        row = session.execute(
+            update(table)
+            .where(table.id == request_id, table.status == Status.QUEUED,
+                   table.cancel_requested_at.is_(None))
+            .values(status=Status.RUNNING, started_at=utcnow(), worker=worker_id, device=device,
+                    attempts=table.attempts + 1)
+            .returning(table.input, table.params, table.max_tokens, table.time_limit_s,
+                       table.priority, table.input_tokens)
+        ).one_or_none()
+        if row is None:
+            status = session.scalar(select(table.status).where(table.id == request_id))
+            log.info("not running: row is %s", status.value if status else "missing")
+            return None
+    params = row.params
+    generation = GenerationRequest(
+        request_id=str(request_id), prompt=render_prompt(row.input),
+        params=SamplingParams(max_tokens=row.max_tokens, temperature=params.get("temperature", 1.0),
+                              top_p=params.get("top_p", 1.0), seed=params.get("seed"),
+                              stop=tuple(params.get("stop", ()))),
+        priority=ENGINE_PRIORITY[row.priority], prompt_tokens=row.input_tokens)
+    return Claim(generation, row.time_limit_s)
+
+
+def render_prompt(request_input: dict[str, Any]) -> str:
+    """Flatten chat messages into one prompt (engines with a chat template replace this)."""
+    if "prompt" in request_input:
+        return request_input["prompt"]
+    lines = [f"{m['role']}: {m['content']}" for m in request_input["messages"]]
+    return "\n".join(lines) + "\nassistant:"
+
+
+_OUTCOMES = {
+    "finished": (Status.SUCCEEDED, None, None),
+    "timeout": (Status.TIMED_OUT, "time_limit_exceeded",
+                "Inference ran past the request's time limit and was stopped."),
+    "cancel": (Status.CANCELLED, "cancelled", "Cancelled by the client while running."),
+    "engine_abort": (Status.FAILED, "engine_shutdown", "The worker shut down while this ran; retry."),
+}
+
+
+def finish(db: Database, request_id: uuid.UUID, worker_id: str, model: str, result: RunResult) -> bool:
+    """running → terminal, only if this worker still owns the row. Returns whether it did."""
+    status, code, message = _OUTCOMES[result.ended_by]
+    out = result.output
+    values: dict[str, Any] = dict(status=status, finished_at=utcnow(), model_used=model,
+                                  first_token_at=result.first_token_at, error_code=code,
+                                  error_message=message)
+    if out is not None:
+        values.update(output_text=out.text, output_tokens=out.output_tokens,
+                      input_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
+                      finish_reason=out.finish_reason)
+    return _write_terminal(db, request_id, worker_id, values)
+
+
+def fail(db: Database, request_id: uuid.UUID, worker_id: str, code: str, message: str) -> bool:
+    return _write_terminal(db, request_id, worker_id, dict(
+        status=Status.FAILED, finished_at=utcnow(), error_code=code, error_message=message))
+
+
+def _write_terminal(db: Database, request_id: uuid.UUID, worker_id: str, values: dict) -> bool:
+    table = InferenceRequest
+    statement = update(table).where(
+        table.id == request_id, table.status == Status.RUNNING, table.worker == worker_id
+    ).values(**values)
+    for delay in (*OUTCOME_WRITE_BACKOFF, None):
+        try:
+            with db.session() as session:
+                result = session.execute(statement)
+            break
+        except OperationalError:
+            if delay is None:
+                raise
+            log.warning("outcome write failed; retrying in %.1fs", delay)
+            time.sleep(delay)
+    if result.rowcount == 0:
+        log.warning("outcome %s discarded: this worker no longer owns the row", values["status"])
+        return False
+    log.info("%s", values["status"].value)
+    return True
+
+
+def execute(db: Database, runtime: EngineRuntime, request_id: uuid.UUID, device: str,
+            model: str) -> None:
+    c = claim(db, request_id, runtime.worker_id, device)
+    if c is None:
+        return
+    try:
+        result = runtime.run(c.request, c.time_limit_s)
+    except Exception:
+        log.exception("engine error")
+        fail(db, request_id, runtime.worker_id, "engine_error",
+             "The inference engine failed on this request.")
+        return
+    finish(db, request_id, runtime.worker_id, model, result)

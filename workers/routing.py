@@ -1,0 +1,68 @@
+"""Queue names, worker roles and the one way a request is published.
+
+Queues are named ``<priority>.<size class>``. A worker's role fixes the queues it consumes,
+listed in the order it should prefer them. The web tier and the sweep both publish through
+:func:`publish_request`, so a request's message always looks the same.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from celery import Celery
+from sqlalchemy import update
+
+from models import InferenceRequest, Priority, SizeClass, Status, utcnow
+from models.session import Database
+
+RUN_TASK = "sluice.run_request"
+SWEEP_TASK = "sluice.sweep"
+MAINTENANCE_QUEUE = "maintenance"
+
+
+def queue_name(priority: Priority, size_class: SizeClass) -> str:
+    return f"{priority.value}.{size_class.value}"
+
+
+ALL_REQUEST_QUEUES = tuple(queue_name(p, s) for p in Priority for s in SizeClass)
+
+# Realtime workers own reserved devices and never take batch work; the large worker keeps long
+# contexts away from short ones; batch workers use what is left, large batch work included.
+ROLES: dict[str, tuple[str, ...]] = {
+    "realtime": ("realtime.small",),
+    "large": ("realtime.large", "batch.large"),
+    "batch": ("batch.small", "batch.large"),
+    "all": ("realtime.small", "realtime.large", "batch.small", "batch.large"),
+}
+
+
+def queues_for_role(role: str) -> tuple[str, ...]:
+    """The queues a worker of ``role`` consumes; every role also runs maintenance tasks."""
+    try:
+        return ROLES[role] + (MAINTENANCE_QUEUE,)
+    except KeyError:
+        raise ValueError(f"unknown worker role {role!r}; choose one of {', '.join(ROLES)}") from None
+
+
+def size_class_for(estimated_tokens: int, threshold: int) -> SizeClass:
+    return SizeClass.LARGE if estimated_tokens > threshold else SizeClass.SMALL
+
+
+def publish_request(celery: Celery, request_id: uuid.UUID, queue: str) -> None:
+    """Send the run task for a committed row. Only the id travels; the task id is the row id."""
+    celery.send_task(RUN_TASK, args=[str(request_id)], task_id=str(request_id), queue=queue,
+                     routing_key=queue)
+
+
+def publish_committed(db: Database, celery: Celery, rows) -> None:
+    """Publish rows already committed as queued, then stamp enqueued_at.
+
+    A crash between the two leaves enqueued_at NULL and the next sweep publishes again; the
+    duplicate message is harmless because only one delivery can claim the row.
+    """
+    t = InferenceRequest
+    for row in rows:
+        publish_request(celery, row.id, row.queue)
+        with db.session() as session:
+            session.execute(update(t).where(t.id == row.id, t.status == Status.QUEUED)
+                            .values(enqueued_at=utcnow()))

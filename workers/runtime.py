@@ -1,0 +1,161 @@
+"""The worker's engine runtime: one engine, one event loop thread, many task threads.
+
+Celery runs tasks on a thread pool. Each task thread calls :meth:`EngineRuntime.run`, which
+hands the request to the engine's event loop and blocks until it finishes. All requests in
+flight share the one engine, which batches them continuously.
+
+Two housekeeping threads run beside it:
+* the cancel watcher polls Redis for cancel flags of in-flight requests and aborts them in
+  the engine (one round trip per poll for all of them);
+* the heartbeat refreshes this worker's Redis key (with engine stats), whose expiry tells the
+  sweep that this worker died and its running requests must be requeued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime
+
+import redis
+
+from models import utcnow
+from sluice.keys import cancel_key, worker_key
+
+from .engines import Engine, GenerationOutput, GenerationRequest, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    output: GenerationOutput | None  # the last output seen; None if none arrived
+    first_token_at: datetime | None
+    ended_by: str  # "finished" | "timeout" | "cancel" | "engine_abort"
+
+
+class EngineRuntime:
+    def __init__(self, engine: Engine, redis_client: redis.Redis, worker_id: str, *,
+                 heartbeat_s: float, dead_after_s: float, cancel_poll_s: float) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self._redis = redis_client
+        self._heartbeat_s = heartbeat_s
+        self._dead_after_s = dead_after_s
+        self._cancel_poll_s = cancel_poll_s
+        self._loop = asyncio.new_event_loop()
+        self._in_flight: set[str] = set()
+        self._cancelled: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.cold_start_s: float | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start the loop, load the engine and run one warm-up generation; then start watchers."""
+        began = time.monotonic()
+        loop_thread = threading.Thread(target=self._loop.run_forever, name="engine-loop", daemon=True)
+        loop_thread.start()
+        self._threads.append(loop_thread)
+        self._call(self.engine.start())
+        warmup = GenerationRequest(request_id=f"warmup-{self.worker_id}", prompt="warm up",
+                                   params=SamplingParams(max_tokens=4))
+        self._call(self._drain(warmup))
+        self.cold_start_s = time.monotonic() - began
+        log.info("engine %s warm in %.2fs", self.engine.name, self.cold_start_s)
+        for target, name in ((self._watch_cancels, "cancel-watcher"), (self._heartbeat, "heartbeat")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(Exception):
+            self._call(self.engine.shutdown(), timeout=30)
+        with contextlib.suppress(Exception):
+            self._redis.delete(worker_key(self.worker_id))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+    # ------------------------------------------------------------------ requests
+
+    def run(self, request: GenerationRequest, time_limit_s: float) -> RunResult:
+        """Run ``request`` to completion, abort on its time limit or on cancel. Blocking."""
+        rid = request.request_id
+        with self._lock:
+            self._in_flight.add(rid)
+        try:
+            result = self._call(self._run(request, time_limit_s))
+            if result.ended_by == "cancel" and rid not in self._cancelled:
+                # Aborted, but nobody cancelled it: the engine is shutting down.
+                result = RunResult(result.output, result.first_token_at, "engine_abort")
+            return result
+        finally:
+            with self._lock:
+                self._in_flight.discard(rid)
+                self._cancelled.discard(rid)
+
+    async def _run(self, request: GenerationRequest, time_limit_s: float) -> RunResult:
+        last: GenerationOutput | None = None
+        first_token_at: datetime | None = None
+        try:
+            async with asyncio.timeout(time_limit_s):
+                # aclosing: a timeout must close the engine's generator at once, which aborts
+                # the sequence and frees its KV cache, not whenever it is garbage collected.
+                async with contextlib.aclosing(self.engine.generate(request)) as stream:
+                    async for out in stream:
+                        if first_token_at is None and out.output_tokens > 0:
+                            first_token_at = utcnow()
+                        last = out
+        except TimeoutError:
+            await self.engine.abort(request.request_id)
+            return RunResult(last, first_token_at, "timeout")
+        cancelled = last is not None and last.finish_reason == "abort"
+        return RunResult(last, first_token_at, "cancel" if cancelled else "finished")
+
+    async def _drain(self, request: GenerationRequest) -> None:
+        async for _ in self.engine.generate(request):
+            pass
+
+    def _call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    # ------------------------------------------------------------------ housekeeping
+
+    def _watch_cancels(self) -> None:
+        while not self._stop.wait(self._cancel_poll_s):
+            with self._lock:
+                ids = list(self._in_flight)
+            if not ids:
+                continue
+            try:
+                flags = self._redis.mget([cancel_key(i) for i in ids])
+            except redis.RedisError:
+                log.warning("cancel watcher: Redis unreachable; retrying")
+                continue
+            for rid, flag in zip(ids, flags):
+                if flag is None:
+                    continue
+                # Abort again on every poll while the flag stands: if the request had not reached
+                # the engine yet, the first abort was a no-op.
+                with self._lock:
+                    self._cancelled.add(rid)
+                asyncio.run_coroutine_threadsafe(self.engine.abort(rid), self._loop)
+
+    def _heartbeat(self) -> None:
+        while True:
+            try:
+                stats = asdict(self.engine.stats())
+                stats.update(in_flight=len(self._in_flight), cold_start_s=self.cold_start_s)
+                self._redis.set(worker_key(self.worker_id), json.dumps(stats),
+                                ex=max(1, int(self._dead_after_s)))
+            except redis.RedisError:
+                log.warning("heartbeat: Redis unreachable; retrying")
+            if self._stop.wait(self._heartbeat_s):
+                return

@@ -1,0 +1,102 @@
+"""The sweep: gets every accepted request moving again after a crash anywhere.
+
+Beat runs it every few seconds on the maintenance queue. Each rule is a conditional update
+on rows locked with SKIP LOCKED, so overlapping sweeps never act on one row twice.
+
+1. Unpublished: `queued`, never published, older than the publish grace (the web process
+   died or the broker refused between commit and publish) → publish.
+2. Orphaned: `running` on a worker whose heartbeat expired (SIGKILL, OOM, lost host) →
+   back to `queued` and republished, or `failed` with `worker_lost` once it used all its
+   attempts, or `cancelled` if the client had asked for that.
+3. Cancel flags: `running` with a cancel request → make sure the flag is in Redis (it may
+   have been lost with a Redis restart, or never written).
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+import redis
+from celery import Celery
+from sqlalchemy import select, update
+
+from models import InferenceRequest, Status, utcnow
+from models.session import Database
+from sluice.keys import cancel_key, worker_key
+from sluice.settings import Settings
+
+from .routing import publish_committed
+
+log = logging.getLogger(__name__)
+
+BATCH = 500
+
+
+def sweep(db: Database, redis_client: redis.Redis, celery: Celery, settings: Settings) -> dict[str, int]:
+    return {
+        "published": _publish_unpublished(db, celery, settings),
+        **_recover_orphans(db, redis_client, celery, settings),
+        "cancel_flags": _reraise_cancel_flags(db, redis_client),
+    }
+
+
+def _publish_unpublished(db: Database, celery: Celery, settings: Settings) -> int:
+    t = InferenceRequest
+    cutoff = utcnow() - timedelta(seconds=settings.publish_grace_s)
+    with db.session() as session:
+        rows = session.execute(
+            select(t.id, t.queue).where(t.status == Status.QUEUED, t.enqueued_at.is_(None),
+                                        t.created_at < cutoff)
+            .order_by(t.created_at).limit(BATCH)).all()
+    publish_committed(db, celery, rows)
+    return len(rows)
+
+
+def _recover_orphans(db: Database, redis_client: redis.Redis, celery: Celery,
+                     settings: Settings) -> dict[str, int]:
+    t = InferenceRequest
+    counts = {"requeued": 0, "worker_lost": 0, "cancelled_orphans": 0}
+    cutoff = utcnow() - timedelta(seconds=settings.worker_dead_after_s)
+    with db.session() as session:
+        rows = session.execute(
+            select(t.id, t.queue, t.worker, t.attempts, t.cancel_requested_at)
+            .where(t.status == Status.RUNNING, t.started_at < cutoff)
+            .limit(BATCH).with_for_update(skip_locked=True)).all()
+        alive = {w: bool(redis_client.exists(worker_key(w))) for w in {r.worker for r in rows if r.worker}}
+        now = utcnow()
+        requeued = []
+        for row in rows:
+            if row.worker and alive.get(row.worker):
+                continue
+            owned = (t.id == row.id, t.status == Status.RUNNING, t.worker == row.worker)
+            if row.cancel_requested_at is not None:
+                session.execute(update(t).where(*owned).values(
+                    status=Status.CANCELLED, finished_at=now, error_code="cancelled",
+                    error_message="Cancelled by the client; its worker died while running it."))
+                counts["cancelled_orphans"] += 1
+            elif row.attempts >= settings.max_attempts:
+                session.execute(update(t).where(*owned).values(
+                    status=Status.FAILED, finished_at=now, error_code="worker_lost",
+                    error_message=f"The worker running this died {row.attempts} times; gave up."))
+                counts["worker_lost"] += 1
+            else:
+                session.execute(update(t).where(*owned).values(
+                    status=Status.QUEUED, worker=None, device=None, started_at=None, enqueued_at=None))
+                requeued.append(row)
+                counts["requeued"] += 1
+    # Publish only after the requeue is committed.
+    publish_committed(db, celery, requeued)
+    if any(counts.values()):
+        log.warning("recovered requests of dead workers: %s", counts)
+    return counts
+
+
+def _reraise_cancel_flags(db: Database, redis_client: redis.Redis) -> int:
+    t = InferenceRequest
+    with db.session() as session:
+        rows = session.execute(select(t.id, t.time_limit_s).where(
+            t.status == Status.RUNNING, t.cancel_requested_at.is_not(None)).limit(BATCH)).all()
+    for row in rows:
+        redis_client.set(cancel_key(str(row.id)), "1", ex=int(row.time_limit_s) + 600)
+    return len(rows)

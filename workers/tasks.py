@@ -1,0 +1,39 @@
+"""Celery tasks. Names, queues and ack behaviour are declared here; the work lives elsewhere."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from celery import shared_task
+from flask import current_app
+
+from sluice.logs import current_request_id
+
+from . import execution, sweep
+from .bootstrap import current_runtime
+from .routing import RUN_TASK, SWEEP_TASK
+
+log = logging.getLogger(__name__)
+
+
+@shared_task(name=RUN_TASK, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def run_request(request_id: str) -> None:
+    """Run one request. Safe to deliver twice: the row's conditional claim lets one run win."""
+    token = current_request_id.set(request_id)
+    try:
+        runtime, device = current_runtime()
+        settings = current_app.config["SLUICE"]
+        execution.execute(current_app.extensions["sluice.db"], runtime, uuid.UUID(request_id),
+                          device, settings.model)
+    finally:
+        current_request_id.reset(token)
+
+
+@shared_task(name=SWEEP_TASK, ignore_result=True)
+def sweep_stranded() -> dict:
+    report = sweep.sweep(current_app.extensions["sluice.db"], current_app.extensions["sluice.redis"],
+                         current_app.extensions["celery"], current_app.config["SLUICE"])
+    if any(report.values()):
+        log.info("sweep: %s", report)
+    return report

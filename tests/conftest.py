@@ -135,10 +135,20 @@ class WorkerProcess:
         raw = self.redis.get(self.worker_key)
         return json.loads(raw) if raw else {}
 
+    def wait_stats(self, predicate: Callable[[dict], bool], timeout: float = 10) -> dict:
+        """Engine stats arrive with the heartbeat; wait for a snapshot that satisfies predicate."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            if predicate(stats) or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.1)
+
     def kill(self) -> None:
         """SIGKILL the whole worker: no cleanup, no acks, exactly like an OOM kill."""
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
+        self.stop()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -148,8 +158,9 @@ class WorkerProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
-        self._log.close()
-        self.redis.close()
+        if not self._log.closed:
+            self._log.close()
+            self.redis.close()
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,124 @@
+"""Nothing accepted is lost: cancels before start, web crashes before publish, SIGKILLed workers.
+
+These tests use their own Redis database, so the session's shared worker never sees their
+queues and each test decides exactly which worker runs (or does not run) what.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import select
+
+from conftest import ApiClient, WorkerProcess, make_settings
+from models import InferenceRequest, Priority, SizeClass, Status, utcnow
+from workers.sweep import sweep
+
+
+@pytest.fixture
+def isolated(database_url, redis_dbs, new_client):
+    """An app on a Redis database of its own, with no worker consuming it yet."""
+    from web import create_app
+
+    redis_url = redis_dbs()
+    application = create_app(make_settings(database_url, redis_url))
+    client = new_client(application)
+    yield application, client, redis_url
+    application.extensions["sluice.redis"].flushdb()
+    application.extensions["sluice.db"].dispose()
+
+
+def run_sweep(application) -> dict:
+    ext = application.extensions
+    return sweep(ext["sluice.db"], ext["sluice.redis"], ext["celery"], application.config["SLUICE"])
+
+
+def rows(application, ids) -> dict[str, InferenceRequest]:
+    with application.extensions["sluice.db"].session() as session:
+        found = session.scalars(select(InferenceRequest).where(InferenceRequest.id.in_(
+            [uuid.UUID(i) for i in ids]))).all()
+    return {str(r.id): r for r in found}
+
+
+def test_cancelled_while_queued_never_runs(isolated, database_url, tmp_path):
+    application, client, redis_url = isolated
+    request_id = client.submit(prompt="to be cancelled", max_tokens=8).get_json()["id"]
+    response = client.cancel(request_id)
+    assert response.status_code == 200 and response.get_json()["status"] == "cancelled"
+    control = client.submit(prompt="control", max_tokens=8).get_json()["id"]
+    worker = WorkerProcess(database_url, redis_url, tmp_path)
+    try:
+        assert client.wait(control)["status"] == "succeeded"  # the worker drained the queue
+    finally:
+        worker.stop()
+    row = rows(application, [request_id])[request_id]
+    assert row.status == Status.CANCELLED and row.started_at is None and row.attempts == 0
+
+
+def test_row_committed_but_never_published_is_published_by_the_sweep(isolated, database_url, tmp_path):
+    application, client, redis_url = isolated
+    tenant_id = client_tenant(application, client)
+    stranded = InferenceRequest(
+        tenant_id=tenant_id, status=Status.QUEUED, priority=Priority.REALTIME, size_class=SizeClass.SMALL,
+        queue="realtime.small", model_requested="simulated-llama-8b", input={"prompt": "stranded"},
+        params={}, meta={}, max_tokens=8, time_limit_s=30.0, reserved_tokens=10, input_tokens=2,
+        cache_hit=False, attempts=0, created_at=utcnow() - timedelta(minutes=1))
+    with application.extensions["sluice.db"].session() as session:
+        session.add(stranded)
+    request_id = str(stranded.id)
+    worker = WorkerProcess(database_url, redis_url, tmp_path)
+    try:
+        assert run_sweep(application)["published"] >= 1
+        view = client.wait(request_id)
+        assert view["status"] == "succeeded" and view["timings"]["enqueued_at"] is not None
+        assert run_sweep(application)["published"] == 0
+    finally:
+        worker.stop()
+
+
+def test_sigkilled_worker_loses_nothing_and_runs_nothing_twice(isolated, database_url, tmp_path, request):
+    application, client, redis_url = isolated
+    first = WorkerProcess(database_url, redis_url, tmp_path)
+    request.addfinalizer(first.stop)
+    quick = [client.submit(prompt=f"quick {i}", max_tokens=4).get_json()["id"] for i in range(10)]
+    for request_id in quick:
+        assert client.wait(request_id)["status"] == "succeeded"
+    done_before = {i: (r.finished_at, r.attempts) for i, r in rows(application, quick).items()}
+
+    # ~2,000 decode steps of a batch of 40 take several seconds: they are mid-flight at the kill.
+    slow = [client.submit(prompt=f"slow {i}", max_tokens=2000).get_json()["id"] for i in range(40)]
+    for request_id in slow[:5]:
+        client.wait(request_id, statuses={"running", "succeeded"})
+    first.kill()
+    running_at_kill = [i for i, r in rows(application, slow).items() if r.status == Status.RUNNING]
+    assert running_at_kill, "nothing was in flight when the worker died"
+
+    second = WorkerProcess(database_url, redis_url, tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            run_sweep(application)
+            current = rows(application, slow)
+            if all(r.status.terminal for r in current.values()):
+                break
+            time.sleep(1)
+        current = rows(application, slow)
+        assert len(current) == len(slow)
+        assert {r.status for r in current.values()} == {Status.SUCCEEDED}
+        for request_id in running_at_kill:
+            row = current[request_id]
+            assert row.attempts == 2 and row.worker != first.worker_key
+        # Requests finished before the crash were not run again.
+        assert {i: (r.finished_at, r.attempts) for i, r in rows(application, quick).items()} == done_before
+    finally:
+        second.stop()
+
+
+def client_tenant(application, client: ApiClient) -> uuid.UUID:
+    from models import ApiKey, hash_key
+
+    with application.extensions["sluice.db"].session() as session:
+        return session.scalar(select(ApiKey.tenant_id).where(ApiKey.key_hash == hash_key(client.key)))

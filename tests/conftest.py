@@ -163,6 +163,25 @@ class WorkerProcess:
             self.redis.close()
 
 
+class BeatProcess:
+    """A real `sluice beat` process: schedules the sweep onto the maintenance queue."""
+
+    def __init__(self, database_url: str, redis_url: str, tmp: Path, interval_s: float = 1.0) -> None:
+        self.log_path = tmp / f"beat-{uuid.uuid4().hex[:6]}.log"
+        env = {**os.environ, **TEST_ENV, "DATABASE_URL": database_url, "REDIS_URL": redis_url,
+               "SLUICE_SWEEP_INTERVAL_S": str(interval_s), "SLUICE_DATA_DIR": str(tmp / "beat-data")}
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "beat"], cwd=ROOT, env=env,
+                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(30)
+        if not self._log.closed:
+            self._log.close()
+
+
 @pytest.fixture(scope="session")
 def worker(database_url, redis_url, tmp_path_factory) -> Iterator[WorkerProcess]:
     proc = WorkerProcess(database_url, redis_url, tmp_path_factory.mktemp("worker"))

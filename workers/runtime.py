@@ -8,7 +8,10 @@ Two housekeeping threads run beside it:
 * the cancel watcher polls Redis for cancel flags of in-flight requests and aborts them in
   the engine (one round trip per poll for all of them);
 * the heartbeat refreshes this worker's Redis key (with engine stats), whose expiry tells the
-  sweep that this worker died and its running requests must be requeued.
+  sweep that this worker died and its running requests must be requeued. It doubles as the
+  watchdog: before each beat it checks that the engine's event loop still answers, and if the
+  loop is stuck it exits the process (status 70) instead of holding requests hostage; the
+  process manager restarts the worker and the sweep requeues what it was running.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -40,14 +44,18 @@ class RunResult:
 
 
 class EngineRuntime:
+    WATCHDOG_EXIT_CODE = 70
+
     def __init__(self, engine: Engine, redis_client: redis.Redis, worker_id: str, *,
-                 heartbeat_s: float, dead_after_s: float, cancel_poll_s: float) -> None:
+                 heartbeat_s: float, dead_after_s: float, cancel_poll_s: float,
+                 watchdog_s: float = 30.0) -> None:
         self.engine = engine
         self.worker_id = worker_id
         self._redis = redis_client
         self._heartbeat_s = heartbeat_s
         self._dead_after_s = dead_after_s
         self._cancel_poll_s = cancel_poll_s
+        self._watchdog_s = watchdog_s
         self._loop = asyncio.new_event_loop()
         self._in_flight: set[str] = set()
         self._cancelled: set[str] = set()
@@ -150,6 +158,12 @@ class EngineRuntime:
 
     def _heartbeat(self) -> None:
         while True:
+            try:
+                self._call(asyncio.sleep(0), timeout=self._watchdog_s)
+            except Exception:
+                log.critical("watchdog: engine loop unresponsive for %.0fs; exiting so the worker "
+                             "restarts and its requests are requeued", self._watchdog_s)
+                os._exit(self.WATCHDOG_EXIT_CODE)
             try:
                 stats = asdict(self.engine.stats())
                 stats.update(in_flight=len(self._in_flight), cold_start_s=self.cold_start_s)

@@ -22,7 +22,7 @@ class Tenant(Base):
     name: Mapped[str] = mapped_column(String(100), unique=True)
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
 
-    keys: Mapped[list["ApiKey"]] = relationship(back_populates="tenant")
+    keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant")
 
 
 class ApiKey(Base):

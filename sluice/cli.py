@@ -46,14 +46,15 @@ def main() -> None:
               help="Engine for the worker (default: SLUICE_ENGINE, else simulated).")
 @click.option("--role", default="all", show_default=True, help="Role of the single worker started.")
 @click.option("--no-flower", is_flag=True, help="Do not start Flower.")
-def up(engine: str | None, role: str, no_flower: bool) -> None:
+@click.option("--smoke", is_flag=True, help="Stop after the demo request; exit 0 only if it succeeded.")
+def up(engine: str | None, role: str, no_flower: bool, smoke: bool) -> None:
     """Start everything: Postgres and Redis (embedded unless URLs are set), web, worker, beat, Flower."""
     from .supervisor import run_platform
 
     settings = _settings()
     if engine:
         settings = settings.replace(engine=engine)
-    sys.exit(run_platform(settings, role=role, flower=not no_flower))
+    sys.exit(run_platform(settings, role=role, flower=not no_flower, smoke=smoke))
 
 
 @main.command()

@@ -50,7 +50,7 @@ class Settings:
         "Requests whose estimated input + max_tokens exceed this go to the *.large queues.")
 
     # Engine and workers
-    engine: str = _field("SLUICE_ENGINE", "simulated", "Engine workers load: simulated | vllm.")
+    engine: str = _field("SLUICE_ENGINE", "simulated", "Engine workers load: simulated or vllm.")
     model: str = _field("SLUICE_MODEL", "simulated-llama-8b", "Model name reported on rows.")
     sim_speed: float = _field(
         "SLUICE_SIM_SPEED", 1.0, "Simulated engine speed; 1.0 = one H200's real step times.")
@@ -84,7 +84,7 @@ class Settings:
     # ---------------------------------------------------------------- construction
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
@@ -96,7 +96,7 @@ class Settings:
         settings.validate()
         return settings
 
-    def replace(self, **changes: Any) -> "Settings":
+    def replace(self, **changes: Any) -> Settings:
         new = dataclasses.replace(self, **changes)
         new.validate()
         return new

@@ -30,8 +30,10 @@ from sluice.keys import WORKER_PREFIX
 from sluice.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
-ADMIN_DB_URL = os.environ.get("TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
-REDIS_BASE = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379")
+LOCAL_DB_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
+LOCAL_REDIS_URL = "redis://127.0.0.1:6379"
+# TEST_SERVICES=embedded: behave as on a bare machine even where local servers run.
+FORCE_EMBEDDED = os.environ.get("TEST_SERVICES") == "embedded"
 TERMINAL = {"succeeded", "failed", "timed_out", "cancelled", "expired", "rejected"}
 
 # Settings every test process shares: short heartbeats so dead workers are found in seconds.
@@ -50,24 +52,60 @@ def _with_db(url: str, name: str) -> str:
     return urlunsplit(parts._replace(path="/" + name))
 
 
+def _answers(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(1)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 @pytest.fixture(scope="session")
-def database_url() -> Iterator[str]:
+def admin_db_url(tmp_path_factory) -> Iterator[str]:
+    """TEST_DATABASE_URL, else the local server, else an embedded one for this session."""
+    if os.environ.get("TEST_DATABASE_URL"):
+        yield os.environ["TEST_DATABASE_URL"]
+    elif _answers(5432) and not FORCE_EMBEDDED:
+        yield LOCAL_DB_URL
+    else:
+        from sluice.embedded import start_postgres
+
+        server = start_postgres(tmp_path_factory.mktemp("embedded"))
+        yield server.url
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_base(tmp_path_factory) -> Iterator[str]:
+    """TEST_REDIS_URL, else the local server, else an embedded one (all without a db number)."""
+    if os.environ.get("TEST_REDIS_URL"):
+        yield os.environ["TEST_REDIS_URL"].rstrip("/")
+    elif _answers(6379) and not FORCE_EMBEDDED:
+        yield LOCAL_REDIS_URL
+    else:
+        from sluice.embedded import start_redis
+
+        server = start_redis(tmp_path_factory.mktemp("embedded"))
+        yield server.url.rsplit("/", 1)[0]
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def database_url(admin_db_url) -> Iterator[str]:
     name = f"sluice_test_{os.getpid()}_{uuid.uuid4().hex[:6]}"
-    with psycopg.connect(ADMIN_DB_URL, autocommit=True) as conn:
+    with psycopg.connect(admin_db_url, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
-    url = _with_db(ADMIN_DB_URL, name)
+    url = _with_db(admin_db_url, name)
     upgrade_database(Settings(database_url=url).sqlalchemy_url)
     yield url
-    with psycopg.connect(ADMIN_DB_URL, autocommit=True) as conn:
+    with psycopg.connect(admin_db_url, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-def _free_redis_db(taken: set[int]) -> int:
+def _free_redis_db(base: str, taken: set[int]) -> int:
     """A Redis database number that is empty now, so parallel runs do not collide."""
     for number in range(15, 0, -1):
         if number in taken:
             continue
-        client = redis_lib.Redis.from_url(f"{REDIS_BASE}/{number}")
+        client = redis_lib.Redis.from_url(f"{base}/{number}")
         try:
             if client.dbsize() == 0 and client.set("sluice:test:lock", os.getpid(), nx=True, ex=3600):
                 return number
@@ -77,18 +115,18 @@ def _free_redis_db(taken: set[int]) -> int:
 
 
 @pytest.fixture(scope="session")
-def redis_dbs() -> Iterator[Callable[[], str]]:
+def redis_dbs(redis_base) -> Iterator[Callable[[], str]]:
     """Hands out fresh Redis database URLs; flushes them at the end."""
     taken: set[int] = set()
 
     def allocate() -> str:
-        number = _free_redis_db(taken)
+        number = _free_redis_db(redis_base, taken)
         taken.add(number)
-        return f"{REDIS_BASE}/{number}"
+        return f"{redis_base}/{number}"
 
     yield allocate
     for number in taken:
-        client = redis_lib.Redis.from_url(f"{REDIS_BASE}/{number}")
+        client = redis_lib.Redis.from_url(f"{redis_base}/{number}")
         client.flushdb()
         client.close()
 

@@ -38,8 +38,8 @@ def test_no_key_wrong_key_malformed_header(app):
 
 def test_malformed_json_and_content_type(client):
     http, headers = client.http, client.headers
-    assert_envelope(http.post("/v1/requests", data="{not json", headers={**headers, "Content-Type": "application/json"}),
-                    400, "malformed_json")
+    as_json = {**headers, "Content-Type": "application/json"}
+    assert_envelope(http.post("/v1/requests", data="{not json", headers=as_json), 400, "malformed_json")
     assert_envelope(http.post("/v1/requests", data="prompt=hi", headers={**headers, "Content-Type": "text/plain"}),
                     415, "unsupported_media_type")
     assert_envelope(http.post("/v1/requests", json=["prompt"], headers=headers), 422, "invalid_request")

@@ -10,9 +10,9 @@ import uuid
 from datetime import timedelta
 
 import pytest
+from conftest import ApiClient, BeatProcess, WorkerProcess, make_settings
 from sqlalchemy import select
 
-from conftest import ApiClient, BeatProcess, WorkerProcess, make_settings
 from models import InferenceRequest, Priority, SizeClass, Status, utcnow
 from workers.sweep import sweep
 

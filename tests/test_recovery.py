@@ -78,6 +78,33 @@ def test_row_committed_but_never_published_is_published_by_the_sweep(isolated, d
         worker.stop()
 
 
+def test_message_taken_by_a_worker_that_died_before_claiming_is_republished(isolated, database_url, tmp_path):
+    """The gap between a worker taking a message and claiming its row, closed by the sweep.
+
+    Set up exactly what a SIGKILL in that gap leaves: a queued, published row whose message
+    sits in the broker's unacked set (not in any queue), reserved by a worker with no heartbeat.
+    """
+    from sluice.keys import RESERVED_KEY
+
+    application, client, redis_url = isolated
+    tenant_id = client_tenant(application, client)
+    lost = InferenceRequest(
+        tenant_id=tenant_id, status=Status.QUEUED, priority=Priority.REALTIME, size_class=SizeClass.SMALL,
+        queue="realtime.small", model_requested="simulated-llama-8b", input={"prompt": "in limbo"},
+        params={}, meta={}, max_tokens=8, time_limit_s=30.0, reserved_tokens=10, input_tokens=2,
+        cache_hit=False, attempts=0, enqueued_at=utcnow())
+    with application.extensions["sluice.db"].session() as session:
+        session.add(lost)
+    application.extensions["sluice.redis"].hset(RESERVED_KEY, str(lost.id), "all@gone/1.dead")
+    worker = WorkerProcess(database_url, redis_url, tmp_path)
+    try:
+        assert run_sweep(application)["unreserved"] == 1
+        assert client.wait(str(lost.id))["status"] == "succeeded"
+        assert not application.extensions["sluice.redis"].hexists(RESERVED_KEY, str(lost.id))
+    finally:
+        worker.stop()
+
+
 def test_sigkilled_worker_loses_nothing_and_runs_nothing_twice(isolated, database_url, tmp_path, request):
     application, client, redis_url = isolated
     first = WorkerProcess(database_url, redis_url, tmp_path)

@@ -10,12 +10,14 @@ import logging
 import os
 import uuid
 
-from celery.signals import worker_init, worker_shutdown
+from celery.signals import task_received, worker_init, worker_shutdown
 from flask import Flask
 
+from sluice.keys import RESERVED_KEY
 from sluice.settings import Settings
 
 from .engines import load_engine
+from .routing import RUN_TASK
 from .runtime import EngineRuntime
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,17 @@ def connect(app: Flask) -> None:
     @worker_init.connect(weak=False)
     def _on_init(sender, **kwargs) -> None:
         start_runtime(app, sender.hostname)
+
+    @task_received.connect(weak=False)
+    def _on_received(request, **kwargs) -> None:
+        runtime = _state.get("runtime")
+        if runtime is None or request.name != RUN_TASK:
+            return
+        try:
+            app.extensions["sluice.redis"].hset(RESERVED_KEY, request.id, runtime.worker_id)  # type: ignore[attr-defined]
+        except Exception:
+            log.warning("could not record reservation of %s; recovery falls back to the visibility timeout",
+                        request.id)
 
     @worker_shutdown.connect(weak=False)
     def _on_shutdown(**kwargs) -> None:

@@ -8,13 +8,16 @@ on rows locked with SKIP LOCKED, so overlapping sweeps never act on one row twic
 2. Orphaned: `running` on a worker whose heartbeat expired (SIGKILL, OOM, lost host) →
    back to `queued` and republished, or `failed` with `worker_lost` once it used all its
    attempts, or `cancelled` if the client had asked for that.
-3. Cancel flags: `running` with a cancel request → make sure the flag is in Redis (it may
+3. Reserved but unclaimed: messages a dead worker had taken off a queue but not yet claimed
+   (recorded in Redis on receipt) → republish the row if it is still `queued`.
+4. Cancel flags: `running` with a cancel request → make sure the flag is in Redis (it may
    have been lost with a Redis restart, or never written).
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from datetime import timedelta
 
 import redis
@@ -23,7 +26,7 @@ from sqlalchemy import select, update
 
 from models import InferenceRequest, Status, utcnow
 from models.session import Database
-from sluice.keys import cancel_key, worker_key
+from sluice.keys import RESERVED_KEY, cancel_key, worker_key
 from sluice.settings import Settings
 
 from .routing import publish_committed
@@ -37,6 +40,7 @@ def sweep(db: Database, redis_client: redis.Redis, celery: Celery, settings: Set
     return {
         "published": _publish_unpublished(db, celery, settings),
         **_recover_orphans(db, redis_client, celery, settings),
+        "unreserved": _recover_reserved(db, redis_client, celery),
         "cancel_flags": _reraise_cancel_flags(db, redis_client),
     }
 
@@ -90,6 +94,21 @@ def _recover_orphans(db: Database, redis_client: redis.Redis, celery: Celery,
     if any(counts.values()):
         log.warning("recovered requests of dead workers: %s", counts)
     return counts
+
+
+def _recover_reserved(db: Database, redis_client: redis.Redis, celery: Celery) -> int:
+    reserved = redis_client.hgetall(RESERVED_KEY)
+    alive = {w: bool(redis_client.exists(worker_key(w))) for w in set(reserved.values())}
+    dead = [rid for rid, w in reserved.items() if not alive[w]]
+    if not dead:
+        return 0
+    t = InferenceRequest
+    with db.session() as session:
+        rows = session.execute(select(t.id, t.queue).where(
+            t.id.in_([uuid.UUID(r) for r in dead]), t.status == Status.QUEUED)).all()
+    publish_committed(db, celery, rows)
+    redis_client.hdel(RESERVED_KEY, *dead)
+    return len(rows)
 
 
 def _reraise_cancel_flags(db: Database, redis_client: redis.Redis) -> int:

@@ -8,6 +8,7 @@ import uuid
 from celery import shared_task
 from flask import current_app
 
+from sluice.keys import RESERVED_KEY
 from sluice.logs import current_request_id
 
 from . import execution, sweep
@@ -27,6 +28,11 @@ def run_request(request_id: str) -> None:
         execution.execute(current_app.extensions["sluice.db"], runtime, uuid.UUID(request_id),
                           device, settings.model)
     finally:
+        # Claimed (the heartbeat now covers it) or not ours to run: either way no longer reserved.
+        try:
+            current_app.extensions["sluice.redis"].hdel(RESERVED_KEY, request_id)
+        except Exception:
+            log.warning("could not clear reservation; the sweep will")
         current_request_id.reset(token)
 
 

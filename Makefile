@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: up test lint clean
+.PHONY: up test lint docs clean
 
 up: $(VENV)/.installed
 	$(BIN)/sluice up
@@ -22,3 +22,6 @@ $(VENV)/.installed: pyproject.toml
 
 clean:
 	rm -rf $(VENV) .sluice
+
+docs: $(VENV)/.installed
+	$(BIN)/python -c "import re,subprocess,pathlib; p=pathlib.Path('README.md'); t=subprocess.check_output(['$(BIN)/sluice','config'],text=True).strip(); s=p.read_text(); p.write_text(re.sub(r'(<!-- config-table[^>]*-->\n).*?(\n<!-- /config-table -->)', lambda m: m.group(1)+t+m.group(2), s, flags=re.S))"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -112,25 +113,41 @@ def create_key(url: str, tenant_name: str) -> str:
 @main.command()
 @click.option("--role", type=click.Choice(["realtime", "batch", "large", "all"]), default="all",
               show_default=True, help="Fixes the queues this worker consumes.")
+@click.option("--model", default=None, help="Registry name of the model to serve (default: the main model).")
 @click.option("--gpus", default=None, help="Devices this worker owns, e.g. 0 or 0,1 (sets CUDA_VISIBLE_DEVICES).")
 @click.option("--concurrency", type=int, default=None, help="Requests in flight (default SLUICE_WORKER_CONCURRENCY).")
-@click.option("--name", default=None, help="Node name (default ROLE@HOST).")
-def worker(role: str, gpus: str | None, concurrency: int | None, name: str | None) -> None:
+@click.option("--name", default=None, help="Node name (default ROLE@HOST); also names its direct queue.")
+def worker(role: str, model: str | None, gpus: str | None, concurrency: int | None, name: str | None) -> None:
     """Run one GPU worker: one engine, many requests in flight feeding it."""
-    from workers.routing import queues_for_role
-
     settings = _service_settings()
     if gpus is not None:
         # Before anything can touch CUDA: the engine is imported only after exec.
         os.environ["CUDA_VISIBLE_DEVICES"] = gpus
-    _exec(worker_argv(settings, role, concurrency, name, queues_for_role(role)))
+    try:
+        argv = worker_argv(settings, role, concurrency, name, model)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    _exec(argv)
 
 
-def worker_argv(settings: Settings, role: str, concurrency: int | None, name: str | None,
-                queues: tuple[str, ...]) -> list[str]:
-    return [sys.executable, "-m", "celery", "-A", "workers.entry", "worker",
+def worker_argv(settings: Settings, role: str, concurrency: int | None = None, name: str | None = None,
+                model: str | None = None) -> list[str]:
+    """argv of a Celery worker for ``role`` serving ``model``; raises ValueError for a bad pair."""
+    from workers.routing import queues_for_role
+
+    registry = settings.registry
+    spec = registry.get(model) if model else registry.default
+    if spec is None:
+        raise ValueError(f"model {model!r} is not in the registry ({', '.join(m.name for m in registry.models)})")
+    if role not in spec.worker_roles:
+        raise ValueError(f"model {spec.name!r} is not served by role {role!r} (only {', '.join(spec.worker_roles)})")
+    node = name or f"{role}@{socket.gethostname()}"
+    queues = queues_for_role(role, registry.queue_suffix(spec), node)
+    # `env` carries the role and model into the worker process without touching our own env.
+    return ["env", f"SLUICE_WORKER_ROLE={role}", f"SLUICE_WORKER_MODEL={spec.name}",
+            sys.executable, "-m", "celery", "-A", "workers.entry", "worker",
             "--pool", "threads", "--concurrency", str(concurrency or settings.worker_concurrency),
-            "--queues", ",".join(queues), "--hostname", name or f"{role}@%h",
+            "--queues", ",".join(queues), "--hostname", node,
             "--loglevel", settings.log_level, "--without-mingle", "--without-gossip"]
 
 

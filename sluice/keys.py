@@ -6,6 +6,8 @@ import redis
 
 CANCEL_PREFIX = "sluice:cancel:"
 WORKER_PREFIX = "sluice:worker:"
+NODE_PREFIX = "sluice:node:"
+CONVERSATION_PREFIX = "sluice:conv:"
 # Hash request id → worker id: messages a worker has taken off a queue but not yet claimed.
 # A worker killed in that gap leaves its messages in the broker's unacked set, which Redis
 # only restores after the visibility timeout; this lets the sweep restore them at once.
@@ -20,6 +22,16 @@ def cancel_key(request_id: str) -> str:
 def worker_key(worker_id: str) -> str:
     """A worker's heartbeat (its engine stats as JSON), expiring when the worker goes silent."""
     return WORKER_PREFIX + worker_id
+
+
+def node_key(node: str) -> str:
+    """Which live worker process answers to a Celery node name (same TTL as its heartbeat)."""
+    return NODE_PREFIX + node
+
+
+def conversation_key(tenant_id: str, conversation_id: str) -> str:
+    """The node that served a conversation's last turn, so the next turn reuses its prefix cache."""
+    return f"{CONVERSATION_PREFIX}{tenant_id}:{conversation_id}"
 
 
 def redis_client(url: str, timeout_s: float = 2.0) -> redis.Redis:

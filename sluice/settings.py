@@ -8,10 +8,13 @@ validates once at process start; after that the object is frozen.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from .registry import Registry, RegistryError, parse_registry
 
 
 class SettingsError(ValueError):
@@ -51,12 +54,26 @@ class Settings:
 
     # Engine and workers
     engine: str = _field("SLUICE_ENGINE", "simulated", "Engine workers load: simulated or vllm.")
-    model: str = _field("SLUICE_MODEL", "simulated-llama-8b", "Model name reported on rows.")
+    model: str = _field("SLUICE_MODEL", "simulated-llama-8b",
+                        "Name of the default (main) model; requests that name no model get it.")
+    model_path: str | None = _field(
+        "SLUICE_MODEL_PATH", None,
+        "Directory of the default model (weights + tokenizer) for the vllm engine and token counting.")
+    max_context_tokens: int = _field(
+        "SLUICE_MAX_CONTEXT_TOKENS", 8192, "Context length of the default model (input + output tokens).")
+    models_json: str | None = _field(
+        "SLUICE_MODELS", None,
+        "Model registry as JSON: [{name, path, role: main|light, context_tokens, worker_roles}]; "
+        "unset: one main model from SLUICE_MODEL / SLUICE_MODEL_PATH.")
     sim_speed: float = _field(
         "SLUICE_SIM_SPEED", 1.0, "Simulated engine speed; 1.0 = one H200's real step times.")
     worker_concurrency: int = _field(
         "SLUICE_WORKER_CONCURRENCY", 64,
         "Tasks one worker keeps in flight, all feeding its single engine (thread pool).")
+    worker_role: str = _field(
+        "SLUICE_WORKER_ROLE", "all", "Set by `sluice worker --role`: the worker's role, shown in /readyz.")
+    worker_model: str | None = _field(
+        "SLUICE_WORKER_MODEL", None, "Set by `sluice worker --model`: the model this worker serves.")
     worker_heartbeat_s: float = _field(
         "SLUICE_WORKER_HEARTBEAT_S", 5.0, "How often a worker proves it is alive.")
     worker_dead_after_s: float = _field(
@@ -117,8 +134,17 @@ class Settings:
             raise SettingsError(f"SLUICE_ENGINE must be simulated or vllm, got {self.engine!r}")
         if self.database_url and not self.database_url.startswith("postgresql"):
             raise SettingsError("DATABASE_URL must be a postgresql:// URL (Sluice runs on PostgreSQL only)")
+        try:
+            self.registry  # noqa: B018 - parse once, now, so a bad registry fails at start
+        except RegistryError as exc:
+            raise SettingsError(str(exc)) from None
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise SettingsError("REDIS_URL must be a redis://, rediss:// or unix:// URL")
+
+    @functools.cached_property
+    def registry(self) -> Registry:
+        return parse_registry(self.models_json, name=self.model, path=self.model_path,
+                              context_tokens=self.max_context_tokens)
 
     def require_services(self) -> None:
         """Fail clearly when a process that needs Postgres and Redis has neither URL."""

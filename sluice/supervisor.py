@@ -106,12 +106,10 @@ class Platform:
 
 def run_platform(settings: Settings, role: str = "all", flower: bool = True, smoke: bool = False) -> int:
     """Run everything until Ctrl-C/SIGTERM (or, with ``smoke``, until the demo finished); exit code."""
-    from workers.routing import queues_for_role
-
     data_dir = Path(settings.data_dir).resolve()
     (data_dir / "logs").mkdir(parents=True, exist_ok=True)
     try:
-        queues = queues_for_role(role)
+        cli.worker_argv(settings, role)  # fail early on a bad role or model
     except ValueError as exc:
         say(f"error: {exc}")
         return 1
@@ -135,7 +133,7 @@ def run_platform(settings: Settings, role: str = "all", flower: bool = True, smo
         env = child_env(settings)
         known_workers = _worker_ids(settings.redis_url)
         platform.spawn("web", cli.web_argv(settings), env)
-        platform.spawn("worker", cli.worker_argv(settings, role, None, None, queues), env)
+        platform.spawn("worker", cli.worker_argv(settings, role), env)
         platform.spawn("beat", cli.beat_argv(settings), env)
         if flower:
             platform.spawn("flower", cli.flower_argv(settings), env)

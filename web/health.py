@@ -1,9 +1,14 @@
-"""Liveness: this process answers, and can reach Postgres and Redis."""
+"""Liveness (/healthz: this process, Postgres, Redis) and readiness (/readyz: warm workers)."""
 
 from __future__ import annotations
 
+import json
+import time
+
 from flask import Blueprint, Response, current_app, jsonify
 from sqlalchemy import text
+
+from sluice.keys import WORKER_PREFIX
 
 bp = Blueprint("health", __name__)
 
@@ -24,3 +29,34 @@ def healthz() -> tuple[Response, int]:
         checks["redis"] = "unreachable"
     healthy = all(v == "ok" for v in checks.values())
     return jsonify(status="ok" if healthy else "degraded", checks=checks), 200 if healthy else 503
+
+
+@bp.get("/readyz")
+def readyz() -> tuple[Response, int]:
+    """Which workers are warm (engine loaded and warmed up), serving which model, with stats.
+
+    200 when the default model has at least one warm worker, else 503: nothing would run.
+    """
+    settings = current_app.config["SLUICE"]
+    try:
+        workers = warm_workers(current_app.extensions["sluice.redis"])
+    except Exception:
+        return jsonify(ready=False, reason="redis unreachable", workers=[], models={}), 503
+    models = {m.name: 0 for m in settings.registry.models}
+    for w in workers:
+        models[w.get("model", "?")] = models.get(w.get("model", "?"), 0) + 1
+    ready = models.get(settings.registry.default.name, 0) > 0
+    return jsonify(ready=ready, models=models, workers=workers), 200 if ready else 503
+
+
+def warm_workers(redis) -> list[dict]:
+    """Heartbeats of live workers. A worker writes one only after its engine warmed up."""
+    keys = sorted(redis.scan_iter(match=WORKER_PREFIX + "*", count=200))
+    now = time.time()
+    workers = []
+    for raw in redis.mget(keys) if keys else []:
+        if raw:
+            beat = json.loads(raw)
+            beat["heartbeat_age_s"] = round(now - beat.pop("at", now), 3)
+            workers.append(beat)
+    return workers

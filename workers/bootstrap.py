@@ -14,6 +14,7 @@ from celery.signals import task_received, worker_init, worker_shutdown
 from flask import Flask
 
 from sluice.keys import RESERVED_KEY
+from sluice.registry import ModelSpec
 from sluice.settings import Settings
 
 from .engines import load_engine
@@ -32,17 +33,28 @@ def device_label(settings: Settings) -> str:
     return f"cuda:{visible}" if visible else "cpu"
 
 
-def start_runtime(app: Flask, hostname: str) -> EngineRuntime:
+def start_runtime(app: Flask, hostname: str, queues: list[str]) -> EngineRuntime:
     settings: Settings = app.config["SLUICE"]
     worker_id = f"{hostname}/{os.getpid()}.{uuid.uuid4().hex[:6]}"
-    runtime = EngineRuntime(load_engine(settings), app.extensions["sluice.redis"], worker_id,
+    model = served_model(settings)
+    info = {"node": hostname, "role": settings.worker_role, "model": model.name, "engine": settings.engine,
+            "device": device_label(settings), "queues": queues}
+    runtime = EngineRuntime(load_engine(settings, model), app.extensions["sluice.redis"], worker_id,
                             heartbeat_s=settings.worker_heartbeat_s,
                             dead_after_s=settings.worker_dead_after_s,
-                            cancel_poll_s=settings.cancel_poll_s)
+                            cancel_poll_s=settings.cancel_poll_s, node=hostname, info=info)
     runtime.start()
     _state["runtime"] = runtime
-    _state["device"] = device_label(settings)
+    _state["device"] = info["device"]
     return runtime
+
+
+def served_model(settings: Settings) -> ModelSpec:
+    registry = settings.registry
+    spec = registry.get(settings.worker_model) if settings.worker_model else registry.default
+    if spec is None:
+        raise RuntimeError(f"SLUICE_WORKER_MODEL={settings.worker_model!r} is not in the model registry")
+    return spec
 
 
 def current_runtime() -> tuple[EngineRuntime, str]:
@@ -57,7 +69,8 @@ def connect(app: Flask) -> None:
 
     @worker_init.connect(weak=False)
     def _on_init(sender, **kwargs) -> None:
-        start_runtime(app, sender.hostname)
+        queues = sorted(sender.app.amqp.queues.consume_from) if sender.app.amqp.queues.consume_from else []
+        start_runtime(app, sender.hostname, queues)
 
     @task_received.connect(weak=False)
     def _on_received(request, **kwargs) -> None:

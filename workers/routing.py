@@ -1,8 +1,10 @@
 """Queue names, worker roles and the one way a request is published.
 
-Queues are named ``<priority>.<size class>``. A worker's role fixes the queues it consumes,
-listed in the order it should prefer them. The web tier and the sweep both publish through
-:func:`publish_request`, so a request's message always looks the same.
+Queues are named ``<priority>.<size class>[.<model>]`` (the default model has no suffix). A
+worker's role fixes the queues it consumes, listed in the order it should prefer them. Every
+worker also consumes ``direct.<node>``, its own queue: later turns of a conversation are sent
+there so they hit the prefix cache the earlier turns filled. The web tier and the sweep both
+publish through :func:`publish_request`, so a request's message always looks the same.
 """
 
 from __future__ import annotations
@@ -20,8 +22,15 @@ SWEEP_TASK = "sluice.sweep"
 MAINTENANCE_QUEUE = "maintenance"
 
 
-def queue_name(priority: Priority, size_class: SizeClass) -> str:
-    return f"{priority.value}.{size_class.value}"
+DIRECT_PREFIX = "direct."
+
+
+def queue_name(priority: Priority, size_class: SizeClass, suffix: str = "") -> str:
+    return f"{priority.value}.{size_class.value}{suffix}"
+
+
+def direct_queue(node: str) -> str:
+    return DIRECT_PREFIX + node
 
 
 ALL_REQUEST_QUEUES = tuple(queue_name(p, s) for p in Priority for s in SizeClass)
@@ -36,12 +45,14 @@ ROLES: dict[str, tuple[str, ...]] = {
 }
 
 
-def queues_for_role(role: str) -> tuple[str, ...]:
-    """The queues a worker of ``role`` consumes; every role also runs maintenance tasks."""
+def queues_for_role(role: str, suffix: str = "", node: str | None = None) -> tuple[str, ...]:
+    """The queues a worker of ``role`` consumes, preferred first: its own direct queue, the
+    role's queues for its model, then maintenance tasks."""
     try:
-        return ROLES[role] + (MAINTENANCE_QUEUE,)
+        shared = tuple(q + suffix for q in ROLES[role])
     except KeyError:
         raise ValueError(f"unknown worker role {role!r}; choose one of {', '.join(ROLES)}") from None
+    return ((direct_queue(node),) if node else ()) + shared + (MAINTENANCE_QUEUE,)
 
 
 def size_class_for(estimated_tokens: int, threshold: int) -> SizeClass:

@@ -29,7 +29,7 @@ from datetime import datetime
 import redis
 
 from models import utcnow
-from sluice.keys import cancel_key, worker_key
+from sluice.keys import cancel_key, node_key, worker_key
 
 from .engines import Engine, GenerationOutput, GenerationRequest, SamplingParams
 
@@ -48,7 +48,7 @@ class EngineRuntime:
 
     def __init__(self, engine: Engine, redis_client: redis.Redis, worker_id: str, *,
                  heartbeat_s: float, dead_after_s: float, cancel_poll_s: float,
-                 watchdog_s: float = 30.0) -> None:
+                 watchdog_s: float = 30.0, node: str | None = None, info: dict | None = None) -> None:
         self.engine = engine
         self.worker_id = worker_id
         self._redis = redis_client
@@ -56,6 +56,8 @@ class EngineRuntime:
         self._dead_after_s = dead_after_s
         self._cancel_poll_s = cancel_poll_s
         self._watchdog_s = watchdog_s
+        self.node = node
+        self.info = info or {}  # static facts for /readyz: node, role, model, device, queues
         self._loop = asyncio.new_event_loop()
         self._in_flight: set[str] = set()
         self._cancelled: set[str] = set()
@@ -89,6 +91,8 @@ class EngineRuntime:
             self._call(self.engine.shutdown(), timeout=30)
         with contextlib.suppress(Exception):
             self._redis.delete(worker_key(self.worker_id))
+            if self.node and self._redis.get(node_key(self.node)) == self.worker_id:
+                self._redis.delete(node_key(self.node))
         self._loop.call_soon_threadsafe(self._loop.stop)
 
     # ------------------------------------------------------------------ requests
@@ -166,9 +170,14 @@ class EngineRuntime:
                 os._exit(self.WATCHDOG_EXIT_CODE)
             try:
                 stats = asdict(self.engine.stats())
-                stats.update(in_flight=len(self._in_flight), cold_start_s=self.cold_start_s)
-                self._redis.set(worker_key(self.worker_id), json.dumps(stats),
-                                ex=max(1, int(self._dead_after_s)))
+                stats.update(self.info, worker=self.worker_id, in_flight=len(self._in_flight),
+                             cold_start_s=self.cold_start_s, at=time.time())
+                ttl = max(1, int(self._dead_after_s))
+                with self._redis.pipeline(transaction=False) as pipe:
+                    pipe.set(worker_key(self.worker_id), json.dumps(stats), ex=ttl)
+                    if self.node:
+                        pipe.set(node_key(self.node), self.worker_id, ex=ttl)
+                    pipe.execute()
             except redis.RedisError:
                 log.warning("heartbeat: Redis unreachable; retrying")
             if self._stop.wait(self._heartbeat_s):

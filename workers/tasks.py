@@ -24,9 +24,8 @@ def run_request(request_id: str) -> None:
     token = current_request_id.set(request_id)
     try:
         runtime, device = current_runtime()
-        settings = current_app.config["SLUICE"]
         execution.execute(current_app.extensions["sluice.db"], runtime, uuid.UUID(request_id),
-                          device, settings.model)
+                          device, runtime.info["model"])
     finally:
         # Claimed (the heartbeat now covers it) or not ours to run: either way no longer reserved.
         try:

@@ -1,0 +1,87 @@
+"""The model registry: which models the platform serves, where they live, who serves them.
+
+Configured with ``SLUICE_MODELS`` (JSON list) or, when unset, one main model built from
+``SLUICE_MODEL`` / ``SLUICE_MODEL_PATH`` / ``SLUICE_MAX_CONTEXT_TOKENS``. The first model
+with role ``main`` is the default for requests that name none. A ``light`` model is the
+cheaper step that degradation (a later issue) falls back to.
+
+Each model has its own queues: the default model keeps the plain names (``realtime.small``),
+others append their name (``realtime.small.<model>``), so a worker serves exactly one model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+ALL_ROLES = ("realtime", "batch", "large", "all")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class RegistryError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    path: str | None = None
+    role: str = "main"  # main | light
+    context_tokens: int = 8192
+    worker_roles: tuple[str, ...] = ALL_ROLES
+
+
+@dataclass(frozen=True)
+class Registry:
+    models: tuple[ModelSpec, ...]
+
+    @property
+    def default(self) -> ModelSpec:
+        return next(m for m in self.models if m.role == "main")
+
+    def get(self, name: str) -> ModelSpec | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    def queue_suffix(self, model: ModelSpec) -> str:
+        return "" if model.name == self.default.name else f".{model.name}"
+
+
+def parse_registry(models_json: str | None, *, name: str, path: str | None, context_tokens: int) -> Registry:
+    if not models_json:
+        return Registry((ModelSpec(name=name, path=path, context_tokens=context_tokens),))
+    try:
+        raw = json.loads(models_json)
+    except json.JSONDecodeError as exc:
+        raise RegistryError(f"SLUICE_MODELS is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    if not isinstance(raw, list) or not raw:
+        raise RegistryError("SLUICE_MODELS must be a non-empty JSON list of models")
+    models = []
+    for i, entry in enumerate(raw):
+        if not isinstance(entry, dict) or "name" not in entry:
+            raise RegistryError(f"SLUICE_MODELS[{i}] must be an object with at least a name")
+        unknown = set(entry) - {"name", "path", "role", "context_tokens", "worker_roles"}
+        if unknown:
+            raise RegistryError(f"SLUICE_MODELS[{i}] has unknown keys: {', '.join(sorted(unknown))}")
+        spec = ModelSpec(name=entry["name"], path=entry.get("path"), role=entry.get("role", "main"),
+                         context_tokens=entry.get("context_tokens", context_tokens),
+                         worker_roles=tuple(entry.get("worker_roles", ALL_ROLES)))
+        _check(spec, i)
+        models.append(spec)
+    names = [m.name for m in models]
+    if len(set(names)) != len(names):
+        raise RegistryError("SLUICE_MODELS has duplicate model names")
+    if not any(m.role == "main" for m in models):
+        raise RegistryError("SLUICE_MODELS needs at least one model with role main")
+    return Registry(tuple(models))
+
+
+def _check(spec: ModelSpec, i: int) -> None:
+    if not isinstance(spec.name, str) or not _NAME.match(spec.name):
+        raise RegistryError(f"SLUICE_MODELS[{i}].name must be 1-128 letters, digits, '.', '_' or '-'")
+    if spec.role not in ("main", "light"):
+        raise RegistryError(f"SLUICE_MODELS[{i}].role must be main or light")
+    if not isinstance(spec.context_tokens, int) or isinstance(spec.context_tokens, bool) or spec.context_tokens < 16:
+        raise RegistryError(f"SLUICE_MODELS[{i}].context_tokens must be an integer ≥ 16")
+    if not set(spec.worker_roles) <= set(ALL_ROLES):
+        raise RegistryError(f"SLUICE_MODELS[{i}].worker_roles must be among {', '.join(ALL_ROLES)}")

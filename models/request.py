@@ -71,6 +71,8 @@ class InferenceRequest(Base):
     input: Mapped[dict[str, Any]] = mapped_column(JSONB)
     params: Mapped[dict[str, Any]] = mapped_column(JSONB)
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSONB, default=dict)
+    # Turns of one conversation go to the worker that served the last one (prefix cache reuse).
+    conversation_id: Mapped[str | None] = mapped_column(String(128))
 
     # Resource quota granted at admission.
     max_tokens: Mapped[int]

@@ -11,6 +11,8 @@ from sluice.keys import redis_client
 from sluice.logs import configure_logging
 from sluice.settings import Settings
 
+from .tokens import TokenCounters
+
 
 def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or Settings.from_env()
@@ -26,6 +28,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     db.configure(settings.sqlalchemy_url)
     app.extensions["sluice.db"] = db
     app.extensions["sluice.redis"] = redis_client(settings.redis_url)
+    app.extensions["sluice.tokens"] = TokenCounters(settings.registry)
 
     from workers.celery_app import celery_init_app
 

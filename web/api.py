@@ -42,7 +42,8 @@ def submit_request() -> tuple[Response, int, dict[str, str]]:
         data = _submit_schema.load(body)
     except ValidationError as exc:
         raise InvalidRequest("The request has invalid fields; see details.", details=exc.messages) from None
-    row = service.submit(_ext("sluice.db"), _ext("celery"), current_app.config["SLUICE"], tenant_id, data)
+    row = service.submit(_ext("sluice.db"), _ext("celery"), _ext("sluice.redis"), _ext("sluice.tokens"),
+                         current_app.config["SLUICE"], tenant_id, data)
     status_url = _status_url(row)
     return (jsonify(id=str(row.id), status=row.status.value, status_url=status_url,
                     priority=row.priority.value, size_class=row.size_class.value),
@@ -99,4 +100,5 @@ def render(row: InferenceRequest) -> dict[str, Any]:
         "attempts": row.attempts,
         "worker": row.worker,
         "metadata": row.meta,
+        "conversation_id": row.conversation_id,
     }

@@ -56,6 +56,11 @@ class SubmitRequestSchema(Schema):
                            validate=validate.Length(max=16),
                            metadata={"description": "Up to 16 string pairs, echoed back, never interpreted."})
 
+    conversation_id = fields.String(
+        validate=validate.Length(min=1, max=128),
+        metadata={"description": "Turns sharing this id run on the worker that served the previous turn, "
+                                 "reusing its prefix cache, while that worker is alive."})
+
     @validates_schema
     def _one_input(self, data, **kwargs):
         if ("prompt" in data) == ("messages" in data):
@@ -65,7 +70,8 @@ class SubmitRequestSchema(Schema):
 class UsageSchema(Schema):
     input_tokens = fields.Integer()
     output_tokens = fields.Integer(allow_none=True)
-    cached_tokens = fields.Integer(allow_none=True)
+    cached_tokens = fields.Integer(allow_none=True,
+                                   metadata={"description": "Input tokens served from the prefix cache."})
     reserved_tokens = fields.Integer()
 
 
@@ -109,6 +115,7 @@ class RequestViewSchema(Schema):
     attempts = fields.Integer()
     worker = fields.String(allow_none=True)
     metadata = fields.Dict()
+    conversation_id = fields.String(allow_none=True)
 
 
 class AcceptedSchema(Schema):

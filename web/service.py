@@ -15,18 +15,18 @@ from sqlalchemy import select
 
 from models import InferenceRequest, Priority, Status, utcnow
 from models.session import Database
-from sluice.keys import cancel_key
+from sluice.keys import cancel_key, conversation_key, node_key
 from sluice.settings import Settings
-from workers.routing import publish_committed, queue_name, size_class_for
+from workers.routing import direct_queue, publish_committed, queue_name, size_class_for
 
 from .errors import Conflict, InvalidRequest, NotFound
-from .tokens import estimate_input_tokens
+from .tokens import TokenCounters
 
 log = logging.getLogger(__name__)
 
 
-def submit(db: Database, celery: Celery, settings: Settings, tenant_id: uuid.UUID,
-           body: dict[str, Any]) -> InferenceRequest:
+def submit(db: Database, celery: Celery, redis, counters: TokenCounters, settings: Settings,
+           tenant_id: uuid.UUID, body: dict[str, Any]) -> InferenceRequest:
     max_tokens = body.get("max_tokens", settings.default_max_tokens)
     time_limit = body.get("time_limit_s", settings.time_limit_s)
     problems: dict[str, list[str]] = {}
@@ -34,9 +34,11 @@ def submit(db: Database, celery: Celery, settings: Settings, tenant_id: uuid.UUI
         problems["max_tokens"] = [f"Must be at most {settings.max_output_tokens}."]
     if time_limit > settings.time_limit_s:
         problems["time_limit_s"] = [f"Must be at most {settings.time_limit_s:g} seconds."]
-    model = body.get("model", settings.model)
-    if model != settings.model:
-        problems["model"] = [f"Unknown model {model!r}; this platform serves {settings.model!r}."]
+    registry = settings.registry
+    model = registry.get(body["model"]) if "model" in body else registry.default
+    if model is None:
+        served = ", ".join(m.name for m in registry.models)
+        problems["model"] = [f"Unknown model {body['model']!r}; this platform serves: {served}."]
     request_input = {"messages": body["messages"]} if "messages" in body else {"prompt": body["prompt"]}
     chars = sum(len(m["content"]) for m in body["messages"]) if "messages" in body else len(body["prompt"])
     if chars > settings.max_prompt_chars:
@@ -46,13 +48,17 @@ def submit(db: Database, celery: Celery, settings: Settings, tenant_id: uuid.UUI
         raise InvalidRequest("The request has invalid fields; see details.", details=problems)
 
     priority = Priority(body["priority"])
-    input_tokens = estimate_input_tokens(request_input)
+    input_tokens = counters.for_model(model).count(request_input)
     reserved = input_tokens + max_tokens
     size_class = size_class_for(reserved, settings.large_threshold_tokens)
+    queue = queue_name(priority, size_class, registry.queue_suffix(model))
+    conversation_id = body.get("conversation_id")
+    if conversation_id:
+        queue = conversation_queue(redis, tenant_id, conversation_id) or queue
     params = {k: body[k] for k in ("temperature", "top_p", "seed", "stop") if k in body}
     row = InferenceRequest(
         id=uuid.uuid4(), tenant_id=tenant_id, status=Status.QUEUED, priority=priority,
-        size_class=size_class, queue=queue_name(priority, size_class), model_requested=model,
+        size_class=size_class, queue=queue, model_requested=model.name, conversation_id=conversation_id,
         input=request_input, params=params, meta=body.get("metadata", {}), max_tokens=max_tokens,
         time_limit_s=float(time_limit), reserved_tokens=reserved, input_tokens=input_tokens,
         cache_hit=False, attempts=0,
@@ -65,6 +71,21 @@ def submit(db: Database, celery: Celery, settings: Settings, tenant_id: uuid.UUI
     except Exception:
         log.warning("request %s: publish failed; the sweep will publish it", row.id, exc_info=True)
     return row
+
+
+def conversation_queue(redis, tenant_id: uuid.UUID, conversation_id: str) -> str | None:
+    """The direct queue of the live worker that served this conversation's last turn, if any.
+
+    Best effort: if Redis cannot say, the turn goes to the shared queue and only loses its
+    prefix cache hit.
+    """
+    try:
+        node = redis.get(conversation_key(str(tenant_id), conversation_id))
+        if node and redis.exists(node_key(node)):
+            return direct_queue(node)
+    except Exception:
+        log.warning("conversation routing unavailable; using the shared queue")
+    return None
 
 
 def get(db: Database, tenant_id: uuid.UUID, request_id: str) -> InferenceRequest:

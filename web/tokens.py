@@ -1,14 +1,29 @@
-"""Token estimates used for pricing and size classes before any tokenizer is involved.
+"""Input token counts for pricing, size classes and admission.
 
-About four bytes of UTF-8 per token holds for English BPE vocabularies and over-counts for
-code and non-Latin scripts, which errs on the safe side for admission. Each chat message adds
-a few tokens of role and separator formatting.
+With a model directory configured, tokens are counted with that model's own tokenizer
+(`tokenizer.json`, loaded with the `tokenizers` library: no torch, no vLLM in the web tier).
+Chat messages are rendered with the model's chat template first, as the engine will, so the
+count matches what the engine sees.
+
+Without a tokenizer the count is an estimate: about four bytes of UTF-8 per token holds for
+English BPE vocabularies and over-counts for code and non-Latin scripts, which errs on the safe
+side for admission; each chat message adds a few tokens of role and separator formatting.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import threading
+from pathlib import Path
 from typing import Any
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from sluice.registry import ModelSpec, Registry
+
+log = logging.getLogger(__name__)
 
 BYTES_PER_TOKEN = 4
 MESSAGE_OVERHEAD_TOKENS = 4
@@ -23,3 +38,68 @@ def estimate_input_tokens(request_input: dict[str, Any]) -> int:
         return sum(estimate_text_tokens(m["content"]) + MESSAGE_OVERHEAD_TOKENS
                    for m in request_input["messages"])
     return estimate_text_tokens(request_input["prompt"])
+
+
+class TokenCounter:
+    """Counts a request's input tokens for one model; exact when the model has a tokenizer."""
+
+    def __init__(self, model_dir: str | None) -> None:
+        self.tokenizer = None
+        self.chat_template = None
+        self._special: dict[str, str] = {}
+        if not model_dir or not (Path(model_dir) / "tokenizer.json").exists():
+            return
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+        config_path = Path(model_dir) / "tokenizer_config.json"
+        if config_path.exists():
+            config = json.loads(config_path.read_text())
+            template = config.get("chat_template")
+            if isinstance(template, str):
+                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+                env.globals["raise_exception"] = _raise
+                self.chat_template = env.from_string(template)
+            self._special = {k: v for k in ("bos_token", "eos_token")
+                             if isinstance(v := config.get(k), str)}
+
+    @property
+    def exact(self) -> bool:
+        return self.tokenizer is not None
+
+    def count(self, request_input: dict[str, Any]) -> int:
+        if self.tokenizer is None:
+            return estimate_input_tokens(request_input)
+        if "prompt" in request_input:
+            return len(self.tokenizer.encode(request_input["prompt"]).ids)
+        if self.chat_template is None:
+            return sum(len(self.tokenizer.encode(m["content"], add_special_tokens=False).ids)
+                       + MESSAGE_OVERHEAD_TOKENS for m in request_input["messages"])
+        try:
+            text = self.chat_template.render(messages=request_input["messages"], add_generation_prompt=True,
+                                             **self._special)
+        except Exception:  # a template that rejects these messages: the engine will say so
+            return estimate_input_tokens(request_input)
+        # The rendered template already holds its special tokens, as the engine tokenizes it.
+        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def _raise(message: str) -> None:
+    raise ValueError(message)
+
+
+class TokenCounters:
+    """One lazily loaded counter per registry model, shared by a web process's threads."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+        self._counters: dict[str, TokenCounter] = {}
+        self._lock = threading.Lock()
+
+    def for_model(self, model: ModelSpec) -> TokenCounter:
+        with self._lock:
+            counter = self._counters.get(model.name)
+            if counter is None:
+                counter = self._counters[model.name] = TokenCounter(model.path)
+                log.info("token counting for %s: %s", model.name, "tokenizer" if counter.exact else "estimate")
+            return counter

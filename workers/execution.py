@@ -19,6 +19,7 @@ from sqlalchemy.exc import OperationalError
 
 from models import InferenceRequest, Priority, Status, utcnow
 from models.session import Database
+from sluice.keys import conversation_key
 
 from .engines import GenerationRequest, SamplingParams
 from .runtime import EngineRuntime, RunResult
@@ -36,6 +37,8 @@ ENGINE_PRIORITY = {Priority.REALTIME: 0, Priority.BATCH: 1}
 class Claim:
     request: GenerationRequest
     time_limit_s: float
+    tenant_id: uuid.UUID
+    conversation_id: str | None
 
 
 def claim(db: Database, request_id: uuid.UUID, worker_id: str, device: str) -> Claim | None:
@@ -49,7 +52,7 @@ def claim(db: Database, request_id: uuid.UUID, worker_id: str, device: str) -> C
             .values(status=Status.RUNNING, started_at=utcnow(), worker=worker_id, device=device,
                     attempts=table.attempts + 1)
             .returning(table.input, table.params, table.max_tokens, table.time_limit_s,
-                       table.priority, table.input_tokens)
+                       table.priority, table.input_tokens, table.tenant_id, table.conversation_id)
         ).one_or_none()
         if row is None:
             status = session.scalar(select(table.status).where(table.id == request_id))
@@ -61,8 +64,9 @@ def claim(db: Database, request_id: uuid.UUID, worker_id: str, device: str) -> C
         params=SamplingParams(max_tokens=row.max_tokens, temperature=params.get("temperature", 1.0),
                               top_p=params.get("top_p", 1.0), seed=params.get("seed"),
                               stop=tuple(params.get("stop", ()))),
-        priority=ENGINE_PRIORITY[row.priority], prompt_tokens=row.input_tokens)
-    return Claim(generation, row.time_limit_s)
+        priority=ENGINE_PRIORITY[row.priority], prompt_tokens=row.input_tokens,
+        messages=tuple(row.input["messages"]) if "messages" in row.input else None)
+    return Claim(generation, row.time_limit_s, row.tenant_id, row.conversation_id)
 
 
 def render_prompt(request_input: dict[str, Any]) -> str:
@@ -123,11 +127,20 @@ def _write_terminal(db: Database, request_id: uuid.UUID, worker_id: str, values:
     return True
 
 
-def execute(db: Database, runtime: EngineRuntime, request_id: uuid.UUID, device: str,
+# A conversation sticks to its worker this long after its last turn started.
+CONVERSATION_TTL_S = 3600
+
+
+def execute(db: Database, redis, runtime: EngineRuntime, request_id: uuid.UUID, device: str,
             model: str) -> None:
     c = claim(db, request_id, runtime.worker_id, device)
     if c is None:
         return
+    if c.conversation_id and runtime.node:
+        try:
+            redis.set(conversation_key(str(c.tenant_id), c.conversation_id), runtime.node, ex=CONVERSATION_TTL_S)
+        except Exception:
+            log.warning("could not record conversation affinity; the next turn may miss the prefix cache")
     try:
         result = runtime.run(c.request, c.time_limit_s)
     except Exception:

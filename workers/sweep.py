@@ -10,7 +10,9 @@ on rows locked with SKIP LOCKED, so overlapping sweeps never act on one row twic
    attempts, or `cancelled` if the client had asked for that.
 3. Reserved but unclaimed: messages a dead worker had taken off a queue but not yet claimed
    (recorded in Redis on receipt) → republish the row if it is still `queued`.
-4. Cancel flags: `running` with a cancel request → make sure the flag is in Redis (it may
+4. Stranded conversation turns: `queued` on the direct queue of a worker that is gone →
+   moved to the model's shared queue (they only lose their prefix cache hit).
+5. Cancel flags: `running` with a cancel request → make sure the flag is in Redis (it may
    have been lost with a Redis restart, or never written).
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import logging
 import uuid
 from datetime import timedelta
+from typing import NamedTuple
 
 import redis
 from celery import Celery
@@ -26,10 +29,10 @@ from sqlalchemy import select, update
 
 from models import InferenceRequest, Status, utcnow
 from models.session import Database
-from sluice.keys import RESERVED_KEY, cancel_key, worker_key
+from sluice.keys import RESERVED_KEY, cancel_key, node_key, worker_key
 from sluice.settings import Settings
 
-from .routing import publish_committed
+from .routing import DIRECT_PREFIX, direct_queue, publish_committed, queue_name
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,7 @@ def sweep(db: Database, redis_client: redis.Redis, celery: Celery, settings: Set
         "published": _publish_unpublished(db, celery, settings),
         **_recover_orphans(db, redis_client, celery, settings),
         "unreserved": _recover_reserved(db, redis_client, celery),
+        "rerouted": _reroute_direct(db, redis_client, celery, settings),
         "cancel_flags": _reraise_cancel_flags(db, redis_client),
     }
 
@@ -109,6 +113,38 @@ def _recover_reserved(db: Database, redis_client: redis.Redis, celery: Celery) -
     publish_committed(db, celery, rows)
     redis_client.hdel(RESERVED_KEY, *dead)
     return len(rows)
+
+
+def _reroute_direct(db: Database, redis_client: redis.Redis, celery: Celery, settings: Settings) -> int:
+    t = InferenceRequest
+    registry = settings.registry
+    cutoff = utcnow() - timedelta(seconds=settings.worker_dead_after_s)
+    moved: list[Routed] = []
+    with db.session() as session:
+        rows = session.execute(
+            select(t.id, t.queue, t.priority, t.size_class, t.model_requested)
+            .where(t.status == Status.QUEUED, t.queue.startswith(DIRECT_PREFIX), t.enqueued_at < cutoff)
+            .limit(BATCH).with_for_update(skip_locked=True)).all()
+        nodes = {r.queue.removeprefix(DIRECT_PREFIX) for r in rows}
+        dead = {n for n in nodes if not redis_client.exists(node_key(n))}
+        for row in rows:
+            if row.queue.removeprefix(DIRECT_PREFIX) not in dead:
+                continue
+            model = registry.get(row.model_requested) or registry.default
+            queue = queue_name(row.priority, row.size_class, registry.queue_suffix(model))
+            session.execute(update(t).where(t.id == row.id, t.status == Status.QUEUED)
+                            .values(queue=queue, enqueued_at=None))
+            moved.append(Routed(row.id, queue))
+    publish_committed(db, celery, moved)
+    # Nobody consumes a dead node's queue; its rows were rerouted above (or will be next time).
+    for node in dead:
+        redis_client.delete(direct_queue(node))
+    return len(moved)
+
+
+class Routed(NamedTuple):
+    id: uuid.UUID
+    queue: str
 
 
 def _reraise_cancel_flags(db: Database, redis_client: redis.Redis) -> int:

@@ -24,8 +24,8 @@ def run_request(request_id: str) -> None:
     token = current_request_id.set(request_id)
     try:
         runtime, device = current_runtime()
-        execution.execute(current_app.extensions["sluice.db"], runtime, uuid.UUID(request_id),
-                          device, runtime.info["model"])
+        execution.execute(current_app.extensions["sluice.db"], current_app.extensions["sluice.redis"], runtime,
+                          uuid.UUID(request_id), device, runtime.info["model"])
     finally:
         # Claimed (the heartbeat now covers it) or not ours to run: either way no longer reserved.
         try:

@@ -44,6 +44,9 @@ class GenerationRequest:
     priority: int = 0
     # Input tokens as counted by the caller; an engine with its own tokenizer recounts.
     prompt_tokens: int | None = None
+    # Chat requests carry their messages too: an engine with a chat template renders them
+    # itself; others use `prompt`, a plain flattening of the same messages.
+    messages: tuple[dict[str, str], ...] | None = None
 
     def __repr__(self) -> str:  # never put prompt text in logs or reprs
         return (f"GenerationRequest(request_id={self.request_id!r}, prompt=<{len(self.prompt)} chars>, "

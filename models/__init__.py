@@ -1,9 +1,10 @@
 """SQLAlchemy models and the session factory."""
 
 from .base import Base, utcnow
+from .idempotency import IdempotencyKey
 from .request import InferenceRequest, Priority, SizeClass, Status
 from .session import Database
 from .tenant import ApiKey, Tenant, hash_key, new_key
 
-__all__ = ["ApiKey", "Base", "Database", "InferenceRequest", "Priority", "SizeClass", "Status",
+__all__ = ["ApiKey", "Base", "Database", "IdempotencyKey", "InferenceRequest", "Priority", "SizeClass", "Status",
            "Tenant", "hash_key", "new_key", "utcnow"]

@@ -102,6 +102,8 @@ class InferenceRequest(Base):
     first_token_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
     cancel_requested_at: Mapped[datetime | None]
+    # Not started by then → dropped as `expired` instead of computing an answer nobody reads.
+    deadline_at: Mapped[datetime | None]
 
     def __repr__(self) -> str:
         return f"<InferenceRequest {self.id} {self.status} {self.queue}>"

@@ -7,7 +7,7 @@ import secrets
 import uuid
 from datetime import datetime
 
-from sqlalchemy import ForeignKey, String, func
+from sqlalchemy import CheckConstraint, ForeignKey, String, func
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from .base import Base
@@ -21,8 +21,19 @@ class Tenant(Base):
     id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
     name: Mapped[str] = mapped_column(String(100), unique=True)
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    # Admission limits: the tier's (SLUICE_TIERS), unless overridden below. NULL tier = the
+    # platform's default tier (SLUICE_DEFAULT_TIER); NULL override = the tier's value.
+    tier: Mapped[str | None] = mapped_column(String(32))
+    tokens_per_minute: Mapped[int | None]
+    requests_per_minute: Mapped[int | None]
+    max_concurrent: Mapped[int | None]
+    max_request_tokens: Mapped[int | None]
 
     keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant")
+
+    __table_args__ = tuple(
+        CheckConstraint(f"{column} > 0", name=f"{column}_positive")
+        for column in ("tokens_per_minute", "requests_per_minute", "max_concurrent", "max_request_tokens"))
 
 
 class ApiKey(Base):

@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from .settings import Settings, SettingsError
+from .tenants_cli import tenants
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,19 +43,28 @@ def main() -> None:
     """Sluice: a job-queue platform for LLM inference."""
 
 
+main.add_command(tenants)
+
+
 @main.command()
 @click.option("--engine", type=click.Choice(["simulated", "vllm"]), default=None,
               help="Engine for the worker (default: SLUICE_ENGINE, else simulated).")
 @click.option("--role", default="all", show_default=True, help="Role of the single worker started.")
 @click.option("--no-flower", is_flag=True, help="Do not start Flower.")
+@click.option("--model", "model_path", type=click.Path(exists=True, file_okay=False, resolve_path=True),
+              default=None, help="Model directory to serve (weights + tokenizer); named after the directory.")
 @click.option("--smoke", is_flag=True, help="Stop after the demo request; exit 0 only if it succeeded.")
-def up(engine: str | None, role: str, no_flower: bool, smoke: bool) -> None:
+def up(engine: str | None, role: str, no_flower: bool, model_path: str | None, smoke: bool) -> None:
     """Start everything: Postgres and Redis (embedded unless URLs are set), web, worker, beat, Flower."""
     from .supervisor import run_platform
 
     settings = _settings()
     if engine:
         settings = settings.replace(engine=engine)
+    if model_path:
+        settings = settings.replace(model_path=model_path, model=Path(model_path).name)
+    if settings.engine == "vllm" and not settings.registry.default.path:
+        raise click.UsageError("the vllm engine needs a model: --model PATH (or SLUICE_MODEL_PATH)")
     sys.exit(run_platform(settings, role=role, flower=not no_flower, smoke=smoke))
 
 

@@ -34,6 +34,23 @@ def conversation_key(tenant_id: str, conversation_id: str) -> str:
     return f"{CONVERSATION_PREFIX}{tenant_id}:{conversation_id}"
 
 
+# Admission (sluice/limiter.py). A missing bucket is a full one, so idle tenants cost nothing.
+LOAD_LEVEL_KEY = "sluice:load:level"  # hash {level, updated_at_ms}, written by the load monitor
+PLATFORM_BUCKET_KEY = "sluice:limit:platform"
+TENANT_LIMIT_PREFIX = "sluice:limit:tenant:"
+INFLIGHT_SUFFIX = ":inflight"
+
+
+def tenant_bucket_key(tenant_id: str) -> str:
+    """A tenant's token and request buckets (one hash)."""
+    return TENANT_LIMIT_PREFIX + tenant_id
+
+
+def inflight_key(tenant_id: str) -> str:
+    """Sorted set of a tenant's admitted, unfinished request ids, scored by admission time (ms)."""
+    return TENANT_LIMIT_PREFIX + tenant_id + INFLIGHT_SUFFIX
+
+
 def redis_client(url: str, timeout_s: float = 2.0) -> redis.Redis:
     # Bounded timeouts: a hung Redis must not hang a web request or a worker thread.
     return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .registry import Registry, RegistryError, parse_registry
+from .tiers import Limits, TierError, parse_tiers
 
 
 class SettingsError(ValueError):
@@ -48,6 +49,11 @@ class Settings:
     time_limit_s: float = _field(
         "SLUICE_TIME_LIMIT_S", 120.0,
         "Default and maximum per-request inference time limit; requests may ask for less.")
+    realtime_deadline_s: float = _field(
+        "SLUICE_REALTIME_DEADLINE_S", 300.0,
+        "A realtime request not started this long after submission expires (request may set deadline_s).")
+    batch_deadline_s: float = _field(
+        "SLUICE_BATCH_DEADLINE_S", 86400.0, "The same for batch requests.")
     large_threshold_tokens: int = _field(
         "SLUICE_LARGE_THRESHOLD_TOKENS", 4096,
         "Requests whose estimated input + max_tokens exceed this go to the *.large queues.")
@@ -65,6 +71,21 @@ class Settings:
         "SLUICE_MODELS", None,
         "Model registry as JSON: [{name, path, role: main|light, context_tokens, worker_roles}]; "
         "unset: one main model from SLUICE_MODEL / SLUICE_MODEL_PATH.")
+    vllm_max_num_seqs: int = _field(
+        "SLUICE_VLLM_MAX_NUM_SEQS", 256, "vLLM max batch size (sequences per engine step).")
+    vllm_max_num_batched_tokens: int = _field(
+        "SLUICE_VLLM_MAX_NUM_BATCHED_TOKENS", 8192, "vLLM token budget per engine step (prefill + decode).")
+    vllm_max_model_len: int | None = _field(
+        "SLUICE_VLLM_MAX_MODEL_LEN", None, "vLLM context length; default: the model's context_tokens.")
+    vllm_gpu_memory_utilization: float = _field(
+        "SLUICE_VLLM_GPU_MEMORY_UTILIZATION", 0.9, "Share of device memory vLLM may use (weights + KV cache).")
+    vllm_tensor_parallel_size: int = _field(
+        "SLUICE_VLLM_TENSOR_PARALLEL_SIZE", 1, "Devices one model is split across (`sluice worker --gpus 0,1`).")
+    vllm_dtype: str = _field("SLUICE_VLLM_DTYPE", "auto", "Weight dtype: auto, bfloat16, float16, float32.")
+    vllm_enforce_eager: bool = _field(
+        "SLUICE_VLLM_ENFORCE_EAGER", False, "Skip CUDA graphs / torch.compile: starts faster, runs slower.")
+    vllm_kv_cache_bytes: int | None = _field(
+        "SLUICE_VLLM_KV_CACHE_BYTES", None, "Fixed KV cache size in bytes (CPU hosts); default: from utilization.")
     sim_speed: float = _field(
         "SLUICE_SIM_SPEED", 1.0, "Simulated engine speed; 1.0 = one H200's real step times.")
     worker_concurrency: int = _field(
@@ -88,6 +109,31 @@ class Settings:
         "A queued row never published after this long is re-published by the sweep.")
     cancel_poll_s: float = _field(
         "SLUICE_CANCEL_POLL_S", 0.5, "How often a worker checks for cancelled in-flight requests.")
+
+    # Admission (tokens = estimated input + max_tokens)
+    tiers_spec: str = _field(
+        "SLUICE_TIERS", "free=40000/20/4/4096,standard=2000000/1200/512/8192,enterprise=5000000/6000/4096/32768",
+        "Tenant tiers, comma-separated: name=tokens_per_minute/requests_per_minute/max_concurrent/"
+        "max_request_tokens.")
+    default_tier: str = _field("SLUICE_DEFAULT_TIER", "standard", "Tier of tenants that have none set.")
+    platform_tokens_per_minute: int = _field(
+        "SLUICE_PLATFORM_TOKENS_PER_MINUTE", 10_000_000,
+        "Global gate: tokens the whole platform admits per minute; 0 = no platform cap.")
+    load_level_max_age_s: float = _field(
+        "SLUICE_LOAD_LEVEL_MAX_AGE_S", 30.0,
+        "A degradation level in Redis older than this is stale and ignored (treated as normal).")
+    idempotency_window_s: float = _field(
+        "SLUICE_IDEMPOTENCY_WINDOW_S", 86400.0, "How long an Idempotency-Key is remembered.")
+    redis_timeout_s: float = _field(
+        "SLUICE_REDIS_TIMEOUT_S", 0.25,
+        "Timeout of each Redis call the web tier makes on a request (limits, publish, cancel); "
+        "past it the local floor takes over.")
+    local_floor_tokens_per_minute: int = _field(
+        "SLUICE_LOCAL_FLOOR_TOKENS_PER_MINUTE", 100_000,
+        "Local floor: tokens one web process admits per minute (realtime only) while Redis is unreachable.")
+    admin_key: str | None = field(default=None, repr=False, metadata={
+        "env": "SLUICE_ADMIN_KEY",
+        "help": "Bearer key of the /admin API (at least 16 characters); unset: the admin API is off."})
 
     # Serving
     web_host: str = _field("SLUICE_WEB_HOST", "127.0.0.1", "`sluice up`: web bind address.")
@@ -119,7 +165,8 @@ class Settings:
         return new
 
     def validate(self) -> None:
-        positive = ["max_body_bytes", "max_prompt_chars", "max_output_tokens", "default_max_tokens",
+        positive = ["realtime_deadline_s", "batch_deadline_s",
+                    "max_body_bytes", "max_prompt_chars", "max_output_tokens", "default_max_tokens",
                     "time_limit_s", "large_threshold_tokens", "sim_speed", "worker_concurrency",
                     "worker_heartbeat_s", "worker_dead_after_s", "max_attempts", "sweep_interval_s",
                     "publish_grace_s", "cancel_poll_s", "web_workers"]
@@ -140,6 +187,28 @@ class Settings:
             raise SettingsError(str(exc)) from None
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise SettingsError("REDIS_URL must be a redis://, rediss:// or unix:// URL")
+        self._validate_admission()
+
+    def _validate_admission(self) -> None:
+        for name in ("load_level_max_age_s", "idempotency_window_s", "redis_timeout_s",
+                     "local_floor_tokens_per_minute"):
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"{_env(name)} must be > 0, got {getattr(self, name)!r}")
+        if self.platform_tokens_per_minute < 0:
+            raise SettingsError("SLUICE_PLATFORM_TOKENS_PER_MINUTE must be ≥ 0 (0 = no platform cap)")
+        try:
+            tiers = self.tiers
+        except TierError as exc:
+            raise SettingsError(f"SLUICE_TIERS: {exc}") from None
+        if self.default_tier not in tiers:
+            raise SettingsError(f"SLUICE_DEFAULT_TIER {self.default_tier!r} is not one of SLUICE_TIERS "
+                                f"({', '.join(tiers)})")
+        if self.admin_key is not None and len(self.admin_key) < 16:
+            raise SettingsError("SLUICE_ADMIN_KEY must be at least 16 characters")
+
+    @functools.cached_property
+    def tiers(self) -> dict[str, Limits]:
+        return parse_tiers(self.tiers_spec)
 
     @functools.cached_property
     def registry(self) -> Registry:

@@ -35,6 +35,8 @@ LOCAL_REDIS_URL = "redis://127.0.0.1:6379"
 # TEST_SERVICES=embedded: behave as on a bare machine even where local servers run.
 FORCE_EMBEDDED = os.environ.get("TEST_SERVICES") == "embedded"
 TERMINAL = {"succeeded", "failed", "timed_out", "cancelled", "expired", "rejected"}
+# Fixtures of the admission tests (isolated apps on one shared, flushed Redis database).
+pytest_plugins = ("admission_support",)
 
 # Settings every test process shares: short heartbeats so dead workers are found in seconds.
 TEST_ENV = {
@@ -136,8 +138,8 @@ def redis_url(redis_dbs) -> str:
     return redis_dbs()
 
 
-def make_settings(database_url: str, redis_url: str, **overrides) -> Settings:
-    env = {**TEST_ENV, "DATABASE_URL": database_url, "REDIS_URL": redis_url}
+def make_settings(database_url: str, redis_url: str, env: dict[str, str] | None = None, **overrides) -> Settings:
+    env = {**TEST_ENV, "DATABASE_URL": database_url, "REDIS_URL": redis_url, **(env or {})}
     return Settings.from_env(env, **overrides)
 
 
@@ -145,7 +147,7 @@ class WorkerProcess:
     """A real `sluice worker` process (Celery, thread pool, simulated engine)."""
 
     def __init__(self, database_url: str, redis_url: str, tmp: Path, role: str = "all",
-                 extra_env: dict[str, str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, ready_timeout: float = 60) -> None:
         self.redis = redis_lib.Redis.from_url(redis_url, decode_responses=True)
         self.log_path = tmp / f"worker-{role}-{uuid.uuid4().hex[:6]}.log"
         env = {**os.environ, **TEST_ENV, "DATABASE_URL": database_url, "REDIS_URL": redis_url,
@@ -156,7 +158,7 @@ class WorkerProcess:
             [sys.executable, "-m", "sluice.cli", "worker", "--role", role, "--concurrency", "64",
              "--name", f"{role}-{uuid.uuid4().hex[:6]}@test"],
             cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.worker_key = self._wait_ready(before)
+        self.worker_key = self._wait_ready(before, ready_timeout)
 
     def _wait_ready(self, before: set[str], timeout: float = 60) -> str:
         deadline = time.monotonic() + timeout

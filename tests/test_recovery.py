@@ -6,12 +6,13 @@ queues and each test decides exactly which worker runs (or does not run) what.
 
 from __future__ import annotations
 
+import time
 import uuid
 from datetime import timedelta
 
 import pytest
 from conftest import ApiClient, BeatProcess, WorkerProcess, make_settings
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from models import InferenceRequest, Priority, SizeClass, Status, utcnow
 from workers.sweep import sweep
@@ -55,6 +56,29 @@ def test_cancelled_while_queued_never_runs(isolated, database_url, tmp_path):
         worker.stop()
     row = rows(application, [request_id])[request_id]
     assert row.status == Status.CANCELLED and row.started_at is None and row.attempts == 0
+
+
+def test_request_past_its_deadline_is_dropped_not_computed(isolated, database_url, tmp_path):
+    application, client, redis_url = isolated
+    late = client.submit(prompt="too late", max_tokens=8, deadline_s=0.2).get_json()["id"]
+    swept = client.submit(prompt="too late too", max_tokens=8, deadline_s=0.2).get_json()["id"]
+    control = client.submit(prompt="in time", max_tokens=8).get_json()["id"]
+    time.sleep(0.5)
+    # The sweep expires what it finds; a worker dequeuing a late request drops it too.
+    with application.extensions["sluice.db"].session() as session:
+        session.execute(update(InferenceRequest).where(InferenceRequest.id == uuid.UUID(late))
+                        .values(deadline_at=utcnow() + timedelta(seconds=1)))
+    assert run_sweep(application)["expired"] == 1
+    time.sleep(1.2)
+    worker = WorkerProcess(database_url, redis_url, tmp_path)
+    try:
+        assert client.wait(control)["status"] == "succeeded"
+        for request_id in (late, swept):
+            view = client.wait(request_id)
+            assert view["status"] == "expired" and view["error"]["code"] == "deadline_exceeded"
+            assert view["timings"]["started_at"] is None and view["output"] is None
+    finally:
+        worker.stop()
 
 
 def test_row_committed_but_never_published_is_published_by_the_sweep(isolated, database_url, tmp_path):

@@ -30,15 +30,24 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.extensions["sluice.redis"] = redis_client(settings.redis_url)
     app.extensions["sluice.tokens"] = TokenCounters(settings.registry)
 
-    from workers.celery_app import celery_init_app
+    from workers.celery_app import celery_init_app, celery_publisher
 
     celery_init_app(app)
+    # Web requests publish through a fail-fast app; workers and the sweep keep the patient one.
+    app.extensions["sluice.publisher"] = celery_publisher(settings)
 
-    from . import api, errors, health
+    from .admission import Admission
+
+    app.extensions["sluice.admission"] = Admission(settings)
+
+    from . import admin, api, errors, health, metrics
 
     errors.register_error_handlers(app)
     app.register_blueprint(api.bp)
     app.register_blueprint(health.bp)
+    app.register_blueprint(metrics.bp)
+    if settings.admin_key:
+        app.register_blueprint(admin.bp)
 
     spec = None
 

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from flask import Blueprint, Response, current_app, jsonify, request, url_for
+from flask import Blueprint, Response, current_app, g, jsonify, request, url_for
 from marshmallow import ValidationError
 
 from models import InferenceRequest
 
-from . import service
+from . import idempotency, service
 from .auth import authenticate
 from .errors import ApiError, InvalidRequest
 from .schemas import SubmitRequestSchema
 
+log = logging.getLogger(__name__)
 bp = Blueprint("api", __name__, url_prefix="/v1")
 _submit_schema = SubmitRequestSchema()
 
@@ -34,7 +36,7 @@ def _json_body() -> Any:
 
 @bp.post("/requests")
 def submit_request() -> tuple[Response, int, dict[str, str]]:
-    tenant_id = authenticate(_ext("sluice.db"))
+    tenant_id = g.tenant_id = authenticate(_ext("sluice.db"))
     body = _json_body()
     if not isinstance(body, dict):
         raise InvalidRequest("The body must be a JSON object.")
@@ -42,12 +44,31 @@ def submit_request() -> tuple[Response, int, dict[str, str]]:
         data = _submit_schema.load(body)
     except ValidationError as exc:
         raise InvalidRequest("The request has invalid fields; see details.", details=exc.messages) from None
-    row = service.submit(_ext("sluice.db"), _ext("celery"), _ext("sluice.redis"), _ext("sluice.tokens"),
-                         current_app.config["SLUICE"], tenant_id, data)
+    settings, gates = current_app.config["SLUICE"], _ext("sluice.admission")
+    key = idempotency.key_from(request.headers.get(idempotency.HEADER), tenant_id, body,
+                               settings.idempotency_window_s)
+    row, replayed = idempotency.submit_once(_ext("sluice.db"), key, lambda: service.submit(
+        _ext("sluice.db"), _ext("sluice.publisher"), gates.redis, _ext("sluice.tokens"), settings, tenant_id,
+        data, gates=gates, idempotency_key=key))
     status_url = _status_url(row)
+    headers = {"Location": status_url, **({"Idempotent-Replayed": "true"} if replayed else {})}
     return (jsonify(id=str(row.id), status=row.status.value, status_url=status_url,
                     priority=row.priority.value, size_class=row.size_class.value),
-            202, {"Location": status_url})
+            202, headers)
+
+
+@bp.after_request
+def _ratelimit_headers(response: Response) -> Response:
+    """Every answer to a submit after authentication carries the tenant's x-ratelimit-* headers."""
+    if request.endpoint == "api.submit_request" and "x-ratelimit-limit-tokens" not in response.headers:
+        headers = g.get("ratelimit_headers")
+        if headers is None and g.get("tenant_id") is not None:
+            try:
+                headers = _ext("sluice.admission").headers(_ext("sluice.db"), g.tenant_id)
+            except Exception:
+                log.warning("could not compute rate limit headers", exc_info=True)
+        response.headers.update(headers or {})
+    return response
 
 
 @bp.get("/requests/<request_id>")
@@ -59,7 +80,8 @@ def get_request(request_id: str) -> Response:
 @bp.post("/requests/<request_id>/cancel")
 def cancel_request(request_id: str) -> Response:
     tenant_id = authenticate(_ext("sluice.db"))
-    row = service.cancel(_ext("sluice.db"), _ext("sluice.redis"), tenant_id, request_id)
+    gates = _ext("sluice.admission")
+    row = service.cancel(_ext("sluice.db"), gates.redis, tenant_id, request_id, gates)
     return jsonify(render(row))
 
 

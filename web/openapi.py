@@ -28,15 +28,30 @@ def build_spec(version: str) -> dict:
     auth_errors = {"401": _error("Missing, malformed or invalid API key.")}
     id_param = {"name": "request_id", "in": "path", "required": True,
                 "schema": {"type": "string", "format": "uuid"}}
+    limit_headers = {f"x-ratelimit-{kind}-{unit}": {"schema": {"type": "string"}}
+                     for kind in ("limit", "remaining", "reset") for unit in ("tokens", "requests")}
+    retry_headers = {**limit_headers, "Retry-After": {"schema": {"type": "integer"}}}
     spec.path(path="/v1/requests", operations={"post": {
         "summary": "Submit a generation request",
+        "description": "Priced in tokens (input + max_tokens) and admitted by three gates: global, "
+                       "tenant, per request. Every answer after authentication carries x-ratelimit-* headers.",
         "security": [{"bearer": []}],
+        "parameters": [{"name": "Idempotency-Key", "in": "header", "required": False,
+                        "schema": {"type": "string", "maxLength": 255},
+                        "description": "A retry with the same key and body returns the original request "
+                                       "(Idempotent-Replayed: true); another body is 422."}],
         "requestBody": {"required": True, "content": {"application/json": {"schema": "SubmitRequest"}}},
-        "responses": {"202": _json("Accepted", "Accepted; poll status_url."), **auth_errors,
+        "responses": {"202": {**_json("Accepted", "Accepted; poll status_url."), "headers": limit_headers},
+                      **auth_errors,
                       "400": _error("Body is not valid JSON."),
-                      "413": _error("Body too large."),
+                      "413": _error("Body too large (body_too_large), or input + max_tokens over the context "
+                                    "length or the tenant's per-request maximum (request_too_large)."),
                       "415": _error("Body is not JSON."),
-                      "422": _error("Invalid fields; `details` names each.")},
+                      "422": _error("Invalid fields; `details` names each. Or idempotency_key_reused."),
+                      "429": {**_error("rate_limited or tenant_concurrency_limit; retry after Retry-After."),
+                              "headers": retry_headers},
+                      "503": {**_error("overloaded: the platform sheds load or pauses batch work."),
+                              "headers": retry_headers}},
     }})
     spec.path(path="/v1/requests/{request_id}", operations={"get": {
         "summary": "Status, output, usage and timings of a request",

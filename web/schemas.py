@@ -25,6 +25,13 @@ class StrictFloat(fields.Float):
         return super()._validated(value)
 
 
+class StrictBoolean(fields.Boolean):
+    def _deserialize(self, value, attr, data, **kwargs):
+        if not isinstance(value, bool):
+            raise self.make_error("invalid", input=value)
+        return value
+
+
 class ChatMessageSchema(Schema):
     role = fields.String(required=True, validate=validate.OneOf(["system", "user", "assistant"]))
     content = fields.String(required=True, validate=validate.Length(min=1))
@@ -49,6 +56,11 @@ class SubmitRequestSchema(Schema):
     stop = fields.List(fields.String(validate=validate.Length(min=1, max=64)),
                        validate=validate.Length(max=4),
                        metadata={"description": "Up to 4 strings that end generation when produced."})
+    ignore_eos = StrictBoolean(metadata={"description": "Keep generating past end-of-sequence up to max_tokens "
+                                                        "(fixed-length benchmarks)."})
+    deadline_s = StrictFloat(validate=validate.Range(min=0, min_inclusive=False),
+                             metadata={"description": "Drop the request as `expired` if it has not started within "
+                                                      "this many seconds of submission. Default depends on priority."})
     time_limit_s = StrictFloat(validate=validate.Range(min=0, min_inclusive=False),
                                metadata={"description": "Inference time limit in seconds; at most the server's."})
     metadata = fields.Dict(keys=fields.String(validate=validate.Length(min=1, max=64)),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from datetime import timedelta
 from typing import Any
 
 from celery import Celery
@@ -19,6 +20,8 @@ from sluice.keys import cancel_key, conversation_key, node_key
 from sluice.settings import Settings
 from workers.routing import direct_queue, publish_committed, queue_name, size_class_for
 
+from . import idempotency
+from .admission import Admission
 from .errors import Conflict, InvalidRequest, NotFound
 from .tokens import TokenCounters
 
@@ -26,7 +29,9 @@ log = logging.getLogger(__name__)
 
 
 def submit(db: Database, celery: Celery, redis, counters: TokenCounters, settings: Settings,
-           tenant_id: uuid.UUID, body: dict[str, Any]) -> InferenceRequest:
+           tenant_id: uuid.UUID, body: dict[str, Any], *, gates: Admission,
+           idempotency_key: idempotency.Key | None = None) -> InferenceRequest:
+    """Validate, admit (raises the gate's rejection), insert, commit, publish."""
     max_tokens = body.get("max_tokens", settings.default_max_tokens)
     time_limit = body.get("time_limit_s", settings.time_limit_s)
     problems: dict[str, list[str]] = {}
@@ -55,17 +60,29 @@ def submit(db: Database, celery: Celery, redis, counters: TokenCounters, setting
     conversation_id = body.get("conversation_id")
     if conversation_id:
         queue = conversation_queue(redis, tenant_id, conversation_id) or queue
-    params = {k: body[k] for k in ("temperature", "top_p", "seed", "stop") if k in body}
+    params = {k: body[k] for k in ("temperature", "top_p", "seed", "stop", "ignore_eos") if k in body}
+    default_deadline = settings.realtime_deadline_s if priority == Priority.REALTIME else settings.batch_deadline_s
+    deadline_s = body.get("deadline_s", default_deadline)
     row = InferenceRequest(
         id=uuid.uuid4(), tenant_id=tenant_id, status=Status.QUEUED, priority=priority,
         size_class=size_class, queue=queue, model_requested=model.name, conversation_id=conversation_id,
         input=request_input, params=params, meta=body.get("metadata", {}), max_tokens=max_tokens,
         time_limit_s=float(time_limit), reserved_tokens=reserved, input_tokens=input_tokens,
-        cache_hit=False, attempts=0,
+        cache_hit=False, attempts=0, deadline_at=utcnow() + timedelta(seconds=deadline_s),
     )
-    with db.session() as session:
-        session.add(row)
+    ticket = gates.admit(db, tenant_id, row)
+    try:
+        with db.session() as session:
+            session.add(row)
+            if idempotency_key is not None:
+                idempotency_key.claim(session, row.id)
+    except BaseException:
+        gates.cancel(ticket)  # no row was written, so nothing stays reserved
+        raise
     # Committed: from here on the request is accepted and must reach a terminal status.
+    if not gates.redis_healthy:
+        log.warning("request %s: Redis unreachable; the sweep will publish it", row.id)
+        return row
     try:
         publish_committed(db, celery, [row])
     except Exception:
@@ -98,7 +115,8 @@ def get(db: Database, tenant_id: uuid.UUID, request_id: str) -> InferenceRequest
     return row
 
 
-def cancel(db: Database, redis, tenant_id: uuid.UUID, request_id: str) -> InferenceRequest:
+def cancel(db: Database, redis, tenant_id: uuid.UUID, request_id: str,
+           gates: Admission | None = None) -> InferenceRequest:
     """Cancel a queued request outright; ask the worker of a running one to abort it."""
     rid = _parse_id(request_id)
     with db.session() as session:
@@ -118,6 +136,8 @@ def cancel(db: Database, redis, tenant_id: uuid.UUID, request_id: str) -> Infere
             row.finished_at = now
             row.error_code = "cancelled"
             row.error_message = "Cancelled by the client before it started."
+    if row.status == Status.CANCELLED and gates is not None:
+        gates.release(row)  # it never ran: its whole reservation and its slot go back
     if row.status == Status.RUNNING:
         try:
             redis.set(cancel_key(str(rid)), "1", ex=int(row.time_limit_s) + 600)

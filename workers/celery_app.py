@@ -60,3 +60,22 @@ def celery_init_app(app: Flask) -> Celery:
     celery_app.set_default()
     app.extensions["celery"] = celery_app
     return celery_app
+
+
+def celery_publisher(settings: Settings) -> Celery:
+    """A Celery app that only publishes, for the web tier: it fails fast instead of retrying.
+
+    With the defaults a publish to a hung Redis blocks a request for ~25 s (several reconnects at
+    a 5 s socket timeout) and one to a refused port for ~2 s. The web tier cannot wait that long
+    and does not need to: the row is committed first, and the sweep publishes rows whose publish
+    failed. So one attempt, bounded by SLUICE_REDIS_TIMEOUT_S.
+    """
+    config = {k: v for k, v in celery_config(settings).items() if k not in ("beat_schedule", "include")}
+    timeout = settings.redis_timeout_s
+    config["broker_transport_options"] = {**config["broker_transport_options"], "socket_timeout": timeout,
+                                          "socket_connect_timeout": timeout, "max_retries": 0}
+    config["broker_connection_timeout"] = timeout
+    config["task_publish_retry"] = False
+    publisher = Celery("sluice-publisher", set_as_current=False)
+    publisher.config_from_object(config)
+    return publisher

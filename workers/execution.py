@@ -14,12 +14,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import or_, select, update
 from sqlalchemy.exc import OperationalError
 
 from models import InferenceRequest, Priority, Status, utcnow
 from models.session import Database
 from sluice.keys import conversation_key
+from sluice.limiter import limiter_for
 
 from .engines import GenerationRequest, SamplingParams
 from .runtime import EngineRuntime, RunResult
@@ -44,17 +45,22 @@ class Claim:
 def claim(db: Database, request_id: uuid.UUID, worker_id: str, device: str) -> Claim | None:
     """queued → running for this worker, or None if the row is not ours to run."""
     table = InferenceRequest
+    now = utcnow()
     with db.session() as session:
         row = session.execute(
             update(table)
             .where(table.id == request_id, table.status == Status.QUEUED,
-                   table.cancel_requested_at.is_(None))
+                   table.cancel_requested_at.is_(None),
+                   or_(table.deadline_at.is_(None), table.deadline_at > now))
             .values(status=Status.RUNNING, started_at=utcnow(), worker=worker_id, device=device,
                     attempts=table.attempts + 1)
             .returning(table.input, table.params, table.max_tokens, table.time_limit_s,
                        table.priority, table.input_tokens, table.tenant_id, table.conversation_id)
         ).one_or_none()
         if row is None:
+            if expire_if_late(session, table.id == request_id):
+                log.info("expired: its deadline passed while it was queued")
+                return None
             status = session.scalar(select(table.status).where(table.id == request_id))
             log.info("not running: row is %s", status.value if status else "missing")
             return None
@@ -63,10 +69,21 @@ def claim(db: Database, request_id: uuid.UUID, worker_id: str, device: str) -> C
         request_id=str(request_id), prompt=render_prompt(row.input),
         params=SamplingParams(max_tokens=row.max_tokens, temperature=params.get("temperature", 1.0),
                               top_p=params.get("top_p", 1.0), seed=params.get("seed"),
-                              stop=tuple(params.get("stop", ()))),
+                              stop=tuple(params.get("stop", ())), ignore_eos=params.get("ignore_eos", False)),
         priority=ENGINE_PRIORITY[row.priority], prompt_tokens=row.input_tokens,
         messages=tuple(row.input["messages"]) if "messages" in row.input else None)
     return Claim(generation, row.time_limit_s, row.tenant_id, row.conversation_id)
+
+
+def expire_if_late(session, *where) -> int:
+    """queued → expired for rows matching ``where`` whose deadline has passed; returns how many."""
+    table = InferenceRequest
+    now = utcnow()
+    result = session.execute(update(table).where(
+        *where, table.status == Status.QUEUED, table.deadline_at <= now).values(
+        status=Status.EXPIRED, finished_at=now, error_code="deadline_exceeded",
+        error_message="Not started before its deadline; dropped instead of computing an answer too late."))
+    return result.rowcount
 
 
 def render_prompt(request_input: dict[str, Any]) -> str:
@@ -86,45 +103,48 @@ _OUTCOMES = {
 }
 
 
-def finish(db: Database, request_id: uuid.UUID, worker_id: str, model: str, result: RunResult) -> bool:
-    """running → terminal, only if this worker still owns the row. Returns whether it did."""
+def finish(db: Database, request_id: uuid.UUID, worker_id: str, model: str, result: RunResult):
+    """running → terminal, only if this worker still owns the row: the row's tokens, or None."""
     status, code, message = _OUTCOMES[result.ended_by]
     out = result.output
     values: dict[str, Any] = dict(status=status, finished_at=utcnow(), model_used=model,
                                   first_token_at=result.first_token_at, error_code=code,
                                   error_message=message)
     if out is not None:
-        values.update(output_text=out.text, output_tokens=out.output_tokens,
+        # PostgreSQL text cannot hold NUL, and a model may emit it.
+        values.update(output_text=out.text.replace("\x00", "\ufffd"), output_tokens=out.output_tokens,
                       input_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
                       finish_reason=out.finish_reason)
     return _write_terminal(db, request_id, worker_id, values)
 
 
-def fail(db: Database, request_id: uuid.UUID, worker_id: str, code: str, message: str) -> bool:
+def fail(db: Database, request_id: uuid.UUID, worker_id: str, code: str, message: str):
     return _write_terminal(db, request_id, worker_id, dict(
         status=Status.FAILED, finished_at=utcnow(), error_code=code, error_message=message))
 
 
-def _write_terminal(db: Database, request_id: uuid.UUID, worker_id: str, values: dict) -> bool:
+def _write_terminal(db: Database, request_id: uuid.UUID, worker_id: str, values: dict):
+    """The conditional final write; returns the row's token columns, or None if not ours."""
     table = InferenceRequest
     statement = update(table).where(
         table.id == request_id, table.status == Status.RUNNING, table.worker == worker_id
-    ).values(**values)
+    ).values(**values).returning(table.id, table.tenant_id, table.reserved_tokens, table.input_tokens,
+                                 table.output_tokens, table.started_at)
     for delay in (*OUTCOME_WRITE_BACKOFF, None):
         try:
             with db.session() as session:
-                result = session.execute(statement)
+                ended = session.execute(statement).one_or_none()
             break
         except OperationalError:
             if delay is None:
                 raise
             log.warning("outcome write failed; retrying in %.1fs", delay)
             time.sleep(delay)
-    if result.rowcount == 0:
+    if ended is None:
         log.warning("outcome %s discarded: this worker no longer owns the row", values["status"])
-        return False
+        return None
     log.info("%s", values["status"].value)
-    return True
+    return ended
 
 
 # A conversation sticks to its worker this long after its last turn started.
@@ -145,7 +165,30 @@ def execute(db: Database, redis, runtime: EngineRuntime, request_id: uuid.UUID, 
         result = runtime.run(c.request, c.time_limit_s)
     except Exception:
         log.exception("engine error")
-        fail(db, request_id, runtime.worker_id, "engine_error",
-             "The inference engine failed on this request.")
+        release_admission(redis, fail(db, request_id, runtime.worker_id, "engine_error",
+                                      "The inference engine failed on this request."))
         return
-    finish(db, request_id, runtime.worker_id, model, result)
+    try:
+        ended = finish(db, request_id, runtime.worker_id, model, result)
+    except OperationalError:
+        raise  # Postgres stayed unreachable through every retry; the sweep finds the overdue row
+    except Exception:
+        # The outcome itself cannot be stored: say so on the row rather than leave it running.
+        log.exception("outcome not storable")
+        ended = fail(db, request_id, runtime.worker_id, "result_not_storable",
+                     "The engine's result could not be stored; retry the request.")
+    release_admission(redis, ended)
+
+
+def release_admission(redis, ended) -> None:
+    """Give back the finished request's unused reserved tokens and its concurrency slot.
+
+    Once only (the limiter's release is idempotent); if Redis does not answer, the sweep's
+    reconciliation does it from the row.
+    """
+    if ended is None:
+        return
+    try:
+        limiter_for(redis).release_row(ended)
+    except Exception:
+        log.warning("could not release the admission reservation; the sweep will")

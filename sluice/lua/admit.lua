@@ -1,0 +1,94 @@
+-- Admission in one step: the global gate, then the tenant's gates, then the per-request verdict.
+-- Every limit is charged or none is: Redis runs a script with no other command in between.
+--
+-- A token bucket holds at most one minute's budget (cap) and refills continuously at cap per
+-- 60 s. It is two hash fields, the level <f> and the time <f>_t (ms) the level was computed for;
+-- a missing bucket is full (keys expire only after they would have refilled).
+--
+-- KEYS  1 platform bucket (hash)  2 load level (hash)  3 tenant buckets (hash)  4 tenant in-flight (zset)
+-- ARGV  1 request id  2 cost in tokens  3 platform tokens/min (0 = no cap)  4 tenant tokens/min
+--       5 tenant requests/min  6 tenant max concurrent  7 priority  8 too large (1|0), the
+--       per-request gate's verdict  9 load level max age (ms)  10 reject-batch level  11 shed level
+--       12 dry run (1|0)  13 now in ms ('' = the Redis clock)
+-- Returns {gate, reason, retry_ms, tokens limit, tokens remaining, tokens reset ms,
+--          requests limit, requests remaining, requests reset ms, load level}; gate '' = admitted.
+
+local now
+if ARGV[13] ~= '' then
+  now = tonumber(ARGV[13])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- The bucket's level refilled up to now, and the time that level belongs to.
+local function bucket(key, field, cap)
+  local v = redis.call('HMGET', key, field, field .. '_t')
+  local level, t = tonumber(v[1]), tonumber(v[2])
+  if level == nil or t == nil then return cap, now end
+  if now > t then
+    level = level + (now - t) * cap / 60000
+    t = now
+  end
+  if level > cap then level = cap end
+  return level, t
+end
+
+local function wait_ms(level, need, cap)
+  if level >= need then return 0 end
+  return math.ceil((need - level) * 60000 / cap)
+end
+
+local function full_ms(level, cap)
+  return math.max(0, math.ceil((cap - level) * 60000 / cap))
+end
+
+local cost = tonumber(ARGV[2])
+local ptpm, tpm, rpm = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local gate, reason, retry = '', '', 0
+
+-- 1. Global: the degradation level (only while fresh) and the platform's token rate. A request
+-- larger than a whole bucket asks only for a full bucket here: the per-request gate rejects it.
+local load = 0
+local lv = redis.call('HMGET', KEYS[2], 'level', 'updated_at_ms')
+if lv[1] and lv[2] and now - tonumber(lv[2]) <= tonumber(ARGV[9]) then load = tonumber(lv[1]) or 0 end
+local ptok, pt = 0, now
+if ptpm > 0 then ptok, pt = bucket(KEYS[1], 'tok', ptpm) end
+if load >= tonumber(ARGV[11]) then
+  gate, reason = 'global', 'shed'
+elseif load >= tonumber(ARGV[10]) and ARGV[7] == 'batch' then
+  gate, reason = 'global', 'batch_paused'
+elseif ptpm > 0 and ptok < math.min(cost, ptpm) then
+  gate, reason, retry = 'global', 'platform_tokens', wait_ms(ptok, math.min(cost, ptpm), ptpm)
+end
+
+-- 2. Tenant: tokens per minute, requests per minute, requests in flight.
+local tok, tt = bucket(KEYS[3], 'tok', tpm)
+local req, rt = bucket(KEYS[3], 'req', rpm)
+if gate == '' then
+  if tok < math.min(cost, tpm) then
+    gate, reason, retry = 'tenant', 'tokens_per_minute', wait_ms(tok, math.min(cost, tpm), tpm)
+  elseif req < 1 then
+    gate, reason, retry = 'tenant', 'requests_per_minute', wait_ms(req, 1, rpm)
+  elseif redis.call('ZCARD', KEYS[4]) >= tonumber(ARGV[6]) then
+    gate, reason = 'tenant', 'concurrency'
+  end
+end
+
+-- 3. Per request: input + max_tokens against the context length and the tenant's maximum.
+if gate == '' and ARGV[8] == '1' then gate, reason = 'request', 'too_large' end
+
+if gate == '' and ARGV[12] ~= '1' then
+  tok, req = tok - cost, req - 1
+  redis.call('HSET', KEYS[3], 'tok', tok, 'tok_t', tt, 'tok_cap', tpm, 'req', req, 'req_t', rt)
+  redis.call('PEXPIRE', KEYS[3], math.max(full_ms(tok, tpm), full_ms(req, rpm)) + 60000)
+  if ptpm > 0 then
+    ptok = ptok - cost
+    redis.call('HSET', KEYS[1], 'tok', ptok, 'tok_t', pt, 'tok_cap', ptpm)
+    redis.call('PEXPIRE', KEYS[1], full_ms(ptok, ptpm) + 60000)
+  end
+  redis.call('ZADD', KEYS[4], now, ARGV[1])
+end
+
+return {gate, reason, retry, tpm, math.max(0, math.floor(tok)), full_ms(tok, tpm),
+        rpm, math.max(0, math.floor(req)), full_ms(req, rpm), load}

@@ -1,0 +1,100 @@
+"""Tenant management shared by ``sluice tenants`` and the admin API: create, update, list, keys.
+
+A tenant's limits are its tier's (``SLUICE_TIERS``) with its own overrides on top; an override of
+None goes back to the tier's value. Changes apply to the tenant's next submit.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from models import ApiKey, Tenant, hash_key, new_key
+
+from .settings import Settings
+from .tiers import LIMIT_FIELDS, effective_limits
+
+
+class TenantError(ValueError):
+    """A management request that cannot be carried out; ``code`` is stable, the message says why."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def find_tenant(session: Session, ref: str) -> Tenant | None:
+    """By name, or by id when ``ref`` is a UUID."""
+    try:
+        return session.get(Tenant, uuid.UUID(ref))
+    except ValueError:
+        return session.scalar(select(Tenant).where(Tenant.name == ref))
+
+
+def create_tenant(session: Session, settings: Settings, name: str, tier: str | None = None,
+                  overrides: dict[str, int | None] | None = None) -> Tenant:
+    if not name or len(name) > 100:
+        raise TenantError("A tenant name is 1 to 100 characters.", "invalid_request")
+    if session.scalar(select(Tenant.id).where(Tenant.name == name)) is not None:
+        raise TenantError(f"A tenant named {name!r} already exists.", "tenant_exists")
+    tenant = Tenant(name=name)
+    _apply(tenant, settings, {"tier": tier, **(overrides or {})})
+    session.add(tenant)
+    session.flush()
+    return tenant
+
+
+def update_tenant(session: Session, settings: Settings, tenant: Tenant, changes: dict[str, Any]) -> Tenant:
+    """Apply ``changes`` (``tier`` and/or limit fields); a value of None resets it to the default."""
+    _apply(tenant, settings, changes)
+    session.flush()
+    return tenant
+
+
+def add_key(session: Session, tenant: Tenant) -> str:
+    """Create an API key for ``tenant``; the key is returned once and only its hash is stored."""
+    key = new_key()
+    session.add(ApiKey(tenant_id=tenant.id, prefix=key[:14], key_hash=hash_key(key)))
+    return key
+
+
+def list_tenants(session: Session, settings: Settings) -> list[dict[str, Any]]:
+    keys = dict(session.execute(select(ApiKey.tenant_id, func.count()).where(ApiKey.revoked_at.is_(None))
+                                .group_by(ApiKey.tenant_id)).all())
+    return [tenant_view(t, settings, keys.get(t.id, 0)) for t in session.scalars(select(Tenant).order_by(Tenant.name))]
+
+
+def tenant_view(tenant: Tenant, settings: Settings, active_keys: int | None = None) -> dict[str, Any]:
+    view = {
+        "id": str(tenant.id),
+        "name": tenant.name,
+        "tier": tenant.tier or settings.default_tier,
+        "tier_is_default": tenant.tier is None,
+        "overrides": {f: getattr(tenant, f) for f in LIMIT_FIELDS if getattr(tenant, f) is not None},
+        "limits": effective_limits(settings.tiers, settings.default_tier, tenant).as_dict(),
+        "created_at": tenant.created_at.isoformat() if tenant.created_at else None,
+    }
+    if active_keys is not None:
+        view["active_keys"] = active_keys
+    return view
+
+
+def _apply(tenant: Tenant, settings: Settings, changes: dict[str, Any]) -> None:
+    unknown = set(changes) - {"tier", *LIMIT_FIELDS}
+    if unknown:
+        raise TenantError(f"Unknown fields: {', '.join(sorted(unknown))}.", "invalid_request")
+    if "tier" in changes:
+        tier = changes["tier"]
+        if tier is not None and tier not in settings.tiers:
+            raise TenantError(f"Unknown tier {tier!r}; the tiers are {', '.join(settings.tiers)}.", "unknown_tier")
+        tenant.tier = tier
+    for name in LIMIT_FIELDS:
+        if name in changes:
+            value = changes[name]
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise TenantError(f"{name} must be a whole number > 0, or null for the tier's value.",
+                                  "invalid_request")
+            setattr(tenant, name, value)

@@ -1,0 +1,139 @@
+"""``sluice tenants create/update/list``: tenants, their tiers and per-tenant limit overrides."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import click
+
+from .settings import Settings
+from .tiers import LIMIT_FIELDS
+
+
+class _LimitValue(click.ParamType):
+    """A whole number > 0, or ``tier`` to drop the override and use the tier's value (None)."""
+
+    name = "N|tier"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int | None:
+        if value is None or isinstance(value, int):
+            return value
+        if value == "tier":
+            return None
+        try:
+            number = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is not a whole number or 'tier'", param, ctx)
+        if number <= 0:
+            self.fail("must be > 0", param, ctx)
+        return number
+
+
+def _limit_options(command: Callable) -> Callable:
+    for name in reversed(LIMIT_FIELDS):
+        command = click.option(f"--{name.replace('_', '-')}", name, type=_LimitValue(), default=None,
+                               help=f"Override the tier's {name.replace('_', ' ')} ('tier' removes it).")(command)
+    return click.option("--tier", default=None, help="Tier name from SLUICE_TIERS ('default': the default tier).")(
+        command)
+
+
+def _changes(tier: str | None, limits: dict[str, Any], ctx: click.Context) -> dict[str, Any]:
+    """Only what was given on the command line: an absent option leaves the value alone."""
+    changes: dict[str, Any] = {}
+    if tier is not None:
+        changes["tier"] = None if tier == "default" else tier
+    for name, value in limits.items():
+        if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+            changes[name] = value
+    return changes
+
+
+@contextmanager
+def _session() -> Iterator[tuple[Any, Settings]]:
+    from models import Database
+
+    from .cli import _service_settings
+    from .tenants import TenantError
+
+    settings = _service_settings()
+    db = Database()
+    db.configure(settings.sqlalchemy_url, pool_size=1, max_overflow=0)
+    try:
+        with db.session() as session:
+            yield session, settings
+    except TenantError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        db.dispose()
+
+
+def _summary(view: dict[str, Any]) -> str:
+    limits = view["limits"]
+    marks = {f: "*" if f in view["overrides"] else "" for f in LIMIT_FIELDS}
+    return (f"{view['name']}  tier={view['tier']}{' (default)' if view['tier_is_default'] else ''}  "
+            f"tokens/min={limits['tokens_per_minute']}{marks['tokens_per_minute']}  "
+            f"requests/min={limits['requests_per_minute']}{marks['requests_per_minute']}  "
+            f"concurrent={limits['max_concurrent']}{marks['max_concurrent']}  "
+            f"max_request_tokens={limits['max_request_tokens']}{marks['max_request_tokens']}")
+
+
+@click.group()
+def tenants() -> None:
+    """Manage tenants, their tiers and limits (* marks a per-tenant override)."""
+
+
+@tenants.command("create")
+@click.argument("name")
+@_limit_options
+@click.option("--no-key", is_flag=True, help="Do not create an API key.")
+@click.pass_context
+def create(ctx: click.Context, name: str, tier: str | None, no_key: bool, **limits: Any) -> None:
+    """Create tenant NAME and print its first API key (shown only this once)."""
+    from .tenants import add_key, create_tenant, tenant_view
+
+    changes = _changes(tier, limits, ctx)
+    with _session() as (session, settings):
+        tenant = create_tenant(session, settings, name, changes.pop("tier", None), changes)
+        key = None if no_key else add_key(session, tenant)
+        summary = _summary(tenant_view(tenant, settings))
+    click.echo(summary, err=True)
+    if key:
+        click.echo(key)
+
+
+@tenants.command("update")
+@click.argument("name")
+@_limit_options
+@click.pass_context
+def update(ctx: click.Context, name: str, tier: str | None, **limits: Any) -> None:
+    """Change tenant NAME's tier or limit overrides; options not given stay as they are."""
+    from .tenants import find_tenant, tenant_view, update_tenant
+
+    changes = _changes(tier, limits, ctx)
+    if not changes:
+        raise click.UsageError("nothing to change: give --tier or a limit option")
+    with _session() as (session, settings):
+        tenant = find_tenant(session, name)
+        if tenant is None:
+            raise click.ClickException(f"no tenant named {name!r}")
+        update_tenant(session, settings, tenant, changes)
+        summary = _summary(tenant_view(tenant, settings))
+    click.echo(summary)
+
+
+@tenants.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of one line per tenant.")
+def list_(as_json: bool) -> None:
+    """List tenants with their tier and effective limits."""
+    from .tenants import list_tenants
+
+    with _session() as (session, settings):
+        views = list_tenants(session, settings)
+    if as_json:
+        click.echo(json.dumps(views, indent=2))
+        return
+    for view in views:
+        click.echo(f"{_summary(view)}  keys={view['active_keys']}")

@@ -1,0 +1,33 @@
+"""The worker's row writes, against real Postgres, for outcomes an engine can really produce."""
+
+from __future__ import annotations
+
+import uuid
+
+from sqlalchemy import select
+
+from models import InferenceRequest, Priority, SizeClass, Status, Tenant, utcnow
+from workers.engines import GenerationOutput
+from workers.execution import finish
+from workers.runtime import RunResult
+
+
+def test_output_with_nul_bytes_is_stored(app):
+    """A random model can emit U+0000, which PostgreSQL text refuses; the row must still finish."""
+    db = app.extensions["sluice.db"]
+    with db.session() as session:
+        tenant = Tenant(name=f"nul-{uuid.uuid4().hex[:8]}")
+        session.add(tenant)
+        session.flush()
+        row = InferenceRequest(
+            tenant_id=tenant.id, status=Status.RUNNING, priority=Priority.REALTIME, size_class=SizeClass.SMALL,
+            queue="realtime.small", model_requested="m", input={"prompt": "p"}, params={}, meta={}, max_tokens=3,
+            time_limit_s=5.0, reserved_tokens=4, input_tokens=1, cache_hit=False, attempts=1, worker="w/1",
+            started_at=utcnow())
+        session.add(row)
+    out = GenerationOutput(request_id=str(row.id), text="a\x00b", prompt_tokens=1, output_tokens=3, finished=True,
+                           finish_reason="length")
+    assert finish(db, row.id, "w/1", "m", RunResult(out, utcnow(), "finished")) is not None
+    with db.session() as session:
+        stored = session.scalar(select(InferenceRequest).where(InferenceRequest.id == row.id))
+    assert stored.status == Status.SUCCEEDED and stored.output_text == "a\ufffdb"

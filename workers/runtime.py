@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 import redis
 
@@ -34,6 +34,10 @@ from sluice.keys import cancel_key, node_key, worker_key
 from .engines import Engine, GenerationOutput, GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
+
+# How long past its time limit an aborted request's stream may take to end before we stop
+# waiting for the engine's final output.
+ABORT_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -114,19 +118,35 @@ class EngineRuntime:
                 self._cancelled.discard(rid)
 
     async def _run(self, request: GenerationRequest, time_limit_s: float) -> RunResult:
+        rid = request.request_id
+        timed_out = False
+
+        def over_limit() -> None:
+            # Abort inside the engine: it frees the KV cache and ends the stream with a final
+            # output that still carries what was generated so far.
+            nonlocal timed_out
+            timed_out = True
+            asyncio.ensure_future(self.engine.abort(rid))
+
+        timer = asyncio.get_running_loop().call_later(time_limit_s, over_limit)
         last: GenerationOutput | None = None
         first_token_at: datetime | None = None
         try:
-            async with asyncio.timeout(time_limit_s):
-                # aclosing: a timeout must close the engine's generator at once, which aborts
-                # the sequence and frees its KV cache, not whenever it is garbage collected.
+            # Backstop for an engine that never ends an aborted stream. aclosing: leaving early
+            # must close the engine's generator now (aborting the sequence), not at GC time.
+            async with asyncio.timeout(time_limit_s + ABORT_GRACE_S):
                 async with contextlib.aclosing(self.engine.generate(request)) as stream:
                     async for out in stream:
                         if first_token_at is None and out.output_tokens > 0:
-                            first_token_at = utcnow()
+                            first_token_at = (datetime.fromtimestamp(out.first_token_time, UTC)
+                                              if out.first_token_time else utcnow())
                         last = out
         except TimeoutError:
-            await self.engine.abort(request.request_id)
+            await self.engine.abort(rid)
+            timed_out = True
+        finally:
+            timer.cancel()
+        if timed_out:
             return RunResult(last, first_token_at, "timeout")
         cancelled = last is not None and last.finish_reason == "abort"
         return RunResult(last, first_token_at, "cancel" if cancelled else "finished")

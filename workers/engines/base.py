@@ -10,7 +10,8 @@ Contract shared by every engine:
 * ``generate(request)`` is an async iterator. Many calls run concurrently on the same event
   loop and the engine batches them together (continuous batching); it never serves them one
   at a time. Each yielded :class:`GenerationOutput` is cumulative (the text so far); the last
-  one has ``finished=True``. A request whose ``request_id`` is already in flight is a
+  one has ``finished=True``. An engine may yield only that last one if it reports
+  ``first_token_time`` on it. A request whose ``request_id`` is already in flight is a
   programming error and raises ``ValueError``.
 * ``abort(request_id)`` stops a request wherever it is (waiting or running) and frees its KV
   cache; its ``generate`` iterator then yields a final output with ``finish_reason="abort"``.
@@ -64,6 +65,10 @@ class GenerationOutput:
     # "stop" (stop string or end of sequence), "length" (max_tokens), "abort"; None while running
     finish_reason: str | None = None
     cached_tokens: int = 0
+    # Wall-clock time (epoch seconds) of the first generated token, when the engine knows it.
+    # An engine that yields only final outputs must set it; otherwise the caller uses the
+    # arrival time of the first output that carries tokens.
+    first_token_time: float | None = None
 
     def __repr__(self) -> str:
         return (f"GenerationOutput(request_id={self.request_id!r}, text=<{len(self.text)} chars>, "

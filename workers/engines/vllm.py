@@ -48,6 +48,14 @@ class VllmConfig:
     kv_cache_memory_bytes: int | None = None  # fixed KV size (CPU hosts, tests); else from utilization
 
 
+def _first_token_time(out: Any) -> float | None:
+    """Wall-clock first-token time from vLLM's per-request stats (on while a stat logger is)."""
+    metrics = getattr(out, "metrics", None)
+    if metrics is None or not getattr(metrics, "first_token_latency", 0):
+        return None
+    return metrics.arrival_time + metrics.first_token_latency
+
+
 class _StatsProbe(StatLoggerBase):
     """vLLM calls ``record`` on the event loop after each step; it copies what Sluice shows."""
 
@@ -115,7 +123,9 @@ class VllmEngine(Engine):
             p = request.params
             params = VllmSamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
                                         seed=p.seed, stop=list(p.stop), ignore_eos=p.ignore_eos,
-                                        output_kind=RequestOutputKind.CUMULATIVE)
+                                        # One output per request, not one per step: the caller
+                                        # needs only the result and the first-token time.
+                                        output_kind=RequestOutputKind.FINAL_ONLY)
             (engine_input,) = await llm.renderer.render_cmpl_async(
                 [parse_model_prompt(llm.model_config, self._prompt(request))])
             async for out in llm.generate(engine_input, params, request_id=rid, priority=request.priority):
@@ -124,7 +134,7 @@ class VllmEngine(Engine):
                     request_id=rid, text=completion.text, prompt_tokens=len(out.prompt_token_ids or ()),
                     output_tokens=len(completion.token_ids), finished=out.finished,
                     finish_reason=completion.finish_reason if out.finished else None,
-                    cached_tokens=out.num_cached_tokens or 0)
+                    cached_tokens=out.num_cached_tokens or 0, first_token_time=_first_token_time(out))
         finally:
             self._in_flight.discard(rid)
 

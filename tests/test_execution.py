@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import uuid
 
+from factories import request_row
 from sqlalchemy import select
 
-from models import InferenceRequest, Priority, SizeClass, Status, Tenant, utcnow
+from models import InferenceRequest, Status, Tenant, utcnow
 from workers.engines import GenerationOutput
 from workers.execution import finish
 from workers.runtime import RunResult
@@ -19,11 +20,7 @@ def test_output_with_nul_bytes_is_stored(app):
         tenant = Tenant(name=f"nul-{uuid.uuid4().hex[:8]}")
         session.add(tenant)
         session.flush()
-        row = InferenceRequest(
-            tenant_id=tenant.id, status=Status.RUNNING, priority=Priority.REALTIME, size_class=SizeClass.SMALL,
-            queue="realtime.small", model_requested="m", input={"prompt": "p"}, params={}, meta={}, max_tokens=3,
-            time_limit_s=5.0, reserved_tokens=4, input_tokens=1, cache_hit=False, attempts=1, worker="w/1",
-            started_at=utcnow())
+        row = request_row(tenant.id, status=Status.RUNNING, attempts=1, worker="w/1", started_at=utcnow())
         session.add(row)
     out = GenerationOutput(request_id=str(row.id), text="a\x00b", prompt_tokens=1, output_tokens=3, finished=True,
                            finish_reason="length")

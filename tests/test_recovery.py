@@ -12,9 +12,10 @@ from datetime import timedelta
 
 import pytest
 from conftest import ApiClient, BeatProcess, WorkerProcess, make_settings
+from factories import request_row
 from sqlalchemy import select, update
 
-from models import InferenceRequest, Priority, SizeClass, Status, utcnow
+from models import InferenceRequest, Status, utcnow
 from workers.sweep import sweep
 
 
@@ -84,11 +85,7 @@ def test_request_past_its_deadline_is_dropped_not_computed(isolated, database_ur
 def test_row_committed_but_never_published_is_published_by_the_sweep(isolated, database_url, tmp_path):
     application, client, redis_url = isolated
     tenant_id = client_tenant(application, client)
-    stranded = InferenceRequest(
-        tenant_id=tenant_id, status=Status.QUEUED, priority=Priority.REALTIME, size_class=SizeClass.SMALL,
-        queue="realtime.small", model_requested="simulated-llama-8b", input={"prompt": "stranded"},
-        params={}, meta={}, max_tokens=8, time_limit_s=30.0, reserved_tokens=10, input_tokens=2,
-        cache_hit=False, attempts=0, created_at=utcnow() - timedelta(minutes=1))
+    stranded = request_row(tenant_id, created_at=utcnow() - timedelta(minutes=1))
     with application.extensions["sluice.db"].session() as session:
         session.add(stranded)
     request_id = str(stranded.id)
@@ -112,11 +109,7 @@ def test_message_taken_by_a_worker_that_died_before_claiming_is_republished(isol
 
     application, client, redis_url = isolated
     tenant_id = client_tenant(application, client)
-    lost = InferenceRequest(
-        tenant_id=tenant_id, status=Status.QUEUED, priority=Priority.REALTIME, size_class=SizeClass.SMALL,
-        queue="realtime.small", model_requested="simulated-llama-8b", input={"prompt": "in limbo"},
-        params={}, meta={}, max_tokens=8, time_limit_s=30.0, reserved_tokens=10, input_tokens=2,
-        cache_hit=False, attempts=0, enqueued_at=utcnow())
+    lost = request_row(tenant_id, enqueued_at=utcnow())
     with application.extensions["sluice.db"].session() as session:
         session.add(lost)
     application.extensions["sluice.redis"].hset(RESERVED_KEY, str(lost.id), "all@gone/1.dead")

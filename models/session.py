@@ -22,6 +22,16 @@ class Database:
         engine_kw.setdefault("pool_pre_ping", True)
         engine_kw.setdefault("pool_size", 10)
         engine_kw.setdefault("max_overflow", 20)
+        engine_kw.setdefault("pool_timeout", 10)
+        # Never put bound parameters (prompts, outputs) into exception messages and logs.
+        engine_kw.setdefault("hide_parameters", True)
+        # Bounded waits: a partitioned or stuck database must fail a web request or a worker
+        # step in seconds, not hang it for the kernel's TCP timeouts.
+        engine_kw.setdefault("connect_args", {
+            "connect_timeout": 5,
+            "options": "-c statement_timeout=15000 -c lock_timeout=5000",
+            "tcp_user_timeout": 10000,
+        })
         self.dispose()
         self._engine = create_engine(url, **engine_kw)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)

@@ -152,6 +152,9 @@ def worker_argv(settings: Settings, role: str, concurrency: int | None = None, n
     if role not in spec.worker_roles:
         raise ValueError(f"model {spec.name!r} is not served by role {role!r} (only {', '.join(spec.worker_roles)})")
     node = name or f"{role}@{socket.gethostname()}"
+    if len(node) > 56 or not node.isprintable() or " " in node:
+        raise ValueError(f"node name {node!r} must be at most 56 printable characters without spaces "
+                         "(it names the worker's direct queue); pass a shorter --name")
     queues = queues_for_role(role, registry.queue_suffix(spec), node)
     # `env` carries the role and model into the worker process without touching our own env.
     return ["env", f"SLUICE_WORKER_ROLE={role}", f"SLUICE_WORKER_MODEL={spec.name}",

@@ -19,6 +19,11 @@ def cancel_key(request_id: str) -> str:
     return CANCEL_PREFIX + request_id
 
 
+def raise_cancel_flag(client: redis.Redis, request_id: str, time_limit_s: float) -> None:
+    """Ask whichever worker runs ``request_id`` to abort it; the flag outlives any run of it."""
+    client.set(cancel_key(request_id), "1", ex=int(time_limit_s) + 600)
+
+
 def worker_key(worker_id: str) -> str:
     """A worker's heartbeat (its engine stats as JSON), expiring when the worker goes silent."""
     return WORKER_PREFIX + worker_id

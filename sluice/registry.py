@@ -16,7 +16,8 @@ import re
 from dataclasses import dataclass
 
 ALL_ROLES = ("realtime", "batch", "large", "all")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# Model names end up in queue names (`realtime.small.<model>`, 64 characters at most).
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,47}$")
 
 
 class RegistryError(ValueError):
@@ -78,7 +79,7 @@ def parse_registry(models_json: str | None, *, name: str, path: str | None, cont
 
 def _check(spec: ModelSpec, i: int) -> None:
     if not isinstance(spec.name, str) or not _NAME.match(spec.name):
-        raise RegistryError(f"SLUICE_MODELS[{i}].name must be 1-128 letters, digits, '.', '_' or '-'")
+        raise RegistryError(f"SLUICE_MODELS[{i}].name must be 1-48 letters, digits, '.', '_' or '-'")
     if spec.role not in ("main", "light"):
         raise RegistryError(f"SLUICE_MODELS[{i}].role must be main or light")
     if not isinstance(spec.context_tokens, int) or isinstance(spec.context_tokens, bool) or spec.context_tokens < 16:

@@ -39,11 +39,18 @@ DEMO_BODY = {"prompt": "In one sentence: why put a job queue in front of GPUs?",
 say = functools.partial(print, flush=True)
 
 
+WATCHDOG_EXIT_CODE = 70  # workers.runtime.EngineRuntime.WATCHDOG_EXIT_CODE (not imported: no engine here)
+MAX_WORKER_RESTARTS = 5
+
+
 @dataclass
 class Child:
     name: str
     proc: subprocess.Popen
     log: Path
+    argv: list[str]
+    env: dict[str, str]
+    restarts: int = 0
 
 
 @dataclass
@@ -61,19 +68,30 @@ class Platform:
             time.sleep(0.1)
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        self.children.append(Child(name, self._start(name, argv, env), self.data_dir / "logs" / f"{name}.log",
+                                   argv, env))
+
+    def _start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
         log = self.data_dir / "logs" / f"{name}.log"
         with log.open("ab") as fh:
             fh.write(f"\n{LOG_MARKER} {name} at {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n".encode())
             fh.flush()
             # Own session: a Ctrl-C in the terminal reaches only the supervisor, which then stops
             # the pieces in order (web first, so nothing new is accepted while workers drain).
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
+            return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
                                     env=env, start_new_session=True, preexec_fn=embedded.die_with_parent)
-        self.children.append(Child(name, proc, log))
 
     def dead(self) -> str | None:
         """A line saying which piece stopped on its own, with its log tail; None if all run."""
         for child in self.children:
+            if (child.name == "worker" and child.proc.poll() == WATCHDOG_EXIT_CODE
+                    and child.restarts < MAX_WORKER_RESTARTS):
+                # The worker's watchdog found its engine stuck and exited so that it is restarted;
+                # the sweep requeues what it was running.
+                child.restarts += 1
+                say(f"worker exited by its watchdog; restarting it ({child.restarts}/{MAX_WORKER_RESTARTS})")
+                child.proc = self._start(child.name, child.argv, child.env)
+                continue
             if child.proc.poll() is not None:
                 return _report(f"{child.name} exited unexpectedly (code {child.proc.returncode})", child.log)
         for service in self.services:

@@ -158,7 +158,11 @@ class WorkerProcess:
             [sys.executable, "-m", "sluice.cli", "worker", "--role", role, "--concurrency", "64",
              "--name", f"{role}-{uuid.uuid4().hex[:6]}@test"],
             cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.worker_key = self._wait_ready(before, ready_timeout)
+        try:
+            self.worker_key = self._wait_ready(before, ready_timeout)
+        except BaseException:
+            self.stop()
+            raise
 
     def _wait_ready(self, before: set[str], timeout: float = 60) -> str:
         deadline = time.monotonic() + timeout

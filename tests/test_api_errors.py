@@ -66,6 +66,12 @@ def test_malformed_json_and_content_type(client):
     ({"prompt": "a", "model": "gpt-17"}, "model"),
     ({"prompt": "a", "temperture": 0.5}, "temperture"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ({"prompt": "nul \u0000 inside"}, "prompt"),
+    ({"prompt": "lone \ud800 surrogate"}, "prompt"),
+    ({"messages": [{"role": "user", "content": "\u0000"}]}, "messages"),
+    ({"prompt": "a", "metadata": {"k": "\u0000"}}, "metadata"),
+    ({"prompt": "a", "conversation_id": "c\u0000"}, "conversation_id"),
+    ({"prompt": "a", "deadline_s": 1e12}, "deadline_s"),
     ({"messages": []}, "messages"),
     ({"messages": "hello"}, "messages"),
 ])

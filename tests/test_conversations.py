@@ -36,6 +36,7 @@ def test_turns_follow_the_worker_that_served_the_first(two_workers):
     assert other["queue"] == "realtime.small"
 
 
+
 def test_turn_for_a_dead_worker_is_rerouted_to_the_shared_queue(two_workers, database_url, tmp_path):
     _, client, workers, redis_url = two_workers
     first = client.wait(client.submit(prompt="turn 1", max_tokens=4, conversation_id="c-2").get_json()["id"])
@@ -52,3 +53,27 @@ def test_turn_for_a_dead_worker_is_rerouted_to_the_shared_queue(two_workers, dat
     assert view["status"] == "succeeded"
     # Routed to the shared queue up front, or rerouted there by the sweep: either way the survivor ran it.
     assert view["queue"] == "realtime.small" and node_of(view) != node
+
+
+def test_affinity_never_puts_batch_work_on_a_realtime_worker(database_url, redis_dbs, new_client, tmp_path):
+    from web import create_app
+
+    redis_url = redis_dbs()
+    application = create_app(make_settings(database_url, redis_url))
+    client = new_client(application)
+    workers = [WorkerProcess(database_url, redis_url, tmp_path, role=role) for role in ("realtime", "batch")]
+    try:
+        first = client.wait(client.submit(prompt="turn 1", max_tokens=4, conversation_id="c-3").get_json()["id"])
+        assert node_of(first).startswith("realtime-")
+        batch_turn = client.wait(client.submit(prompt="turn 2", max_tokens=4, priority="batch",
+                                               conversation_id="c-3").get_json()["id"])
+        assert batch_turn["queue"] == "batch.small" and node_of(batch_turn).startswith("batch-")
+        # The batch worker served the last turn; a realtime turn cannot follow it there either.
+        realtime_turn = client.wait(client.submit(prompt="turn 3", max_tokens=4, conversation_id="c-3")
+                                    .get_json()["id"])
+        assert realtime_turn["queue"] == "realtime.small" and node_of(realtime_turn).startswith("realtime-")
+    finally:
+        for worker in workers:
+            worker.stop()
+        application.extensions["sluice.redis"].flushdb()
+        application.extensions["sluice.db"].dispose()

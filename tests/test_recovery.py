@@ -163,3 +163,16 @@ def client_tenant(application, client: ApiClient) -> uuid.UUID:
 
     with application.extensions["sluice.db"].session() as session:
         return session.scalar(select(ApiKey.tenant_id).where(ApiKey.key_hash == hash_key(client.key)))
+
+
+def test_worker_whose_engine_cannot_start_exits_instead_of_eating_messages(isolated, database_url, tmp_path):
+    application, client, redis_url = isolated
+    request_id = client.submit(prompt="must survive a broken worker", max_tokens=4).get_json()["id"]
+    with pytest.raises(RuntimeError, match="exited early"):
+        WorkerProcess(database_url, redis_url, tmp_path, extra_env={"SLUICE_ENGINE": "vllm"})  # no model path
+    assert client.get(request_id).get_json()["status"] == "queued"
+    worker = WorkerProcess(database_url, redis_url, tmp_path)
+    try:
+        assert client.wait(request_id)["status"] == "succeeded"
+    finally:
+        worker.stop()

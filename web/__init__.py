@@ -43,6 +43,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     from . import admin, api, errors, health, metrics
 
     errors.register_error_handlers(app)
+    _bind_request_ids(app)
     app.register_blueprint(api.bp)
     app.register_blueprint(health.bp)
     app.register_blueprint(metrics.bp)
@@ -61,6 +62,33 @@ def create_app(settings: Settings | None = None) -> Flask:
         return jsonify(spec)
 
     return app
+
+
+def _bind_request_ids(app: Flask) -> None:
+    """Every HTTP request gets an id: on each log line, in error envelopes, in X-Request-Id."""
+    import uuid
+
+    from flask import g, request
+
+    from sluice.logs import current_request_id
+
+    @app.before_request
+    def _bind() -> None:
+        incoming = request.headers.get("X-Request-Id", "")
+        g.request_id = incoming if 0 < len(incoming) <= 64 and incoming.isprintable() else uuid.uuid4().hex
+        g.request_id_token = current_request_id.set(g.request_id)
+
+    @app.after_request
+    def _tag(response: Response) -> Response:
+        if "request_id" in g:
+            response.headers["X-Request-Id"] = g.request_id
+        return response
+
+    @app.teardown_request
+    def _unbind(exc: BaseException | None) -> None:
+        token = g.pop("request_id_token", None)
+        if token is not None:
+            current_request_id.reset(token)
 
 
 def _version() -> str:

@@ -12,6 +12,8 @@ import logging
 from typing import Any
 
 from flask import Flask, Response, g, jsonify
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as SQLAlchemyTimeoutError
 from werkzeug.exceptions import HTTPException
 
 log = logging.getLogger(__name__)
@@ -45,10 +47,6 @@ class NotFound(ApiError):
 
 class Conflict(ApiError):
     status, code = 409, "conflict"
-
-
-class ServiceUnavailable(ApiError):
-    status, code = 503, "service_unavailable"
 
 
 # Werkzeug's own errors (routing, body size, methods) mapped to stable codes and plain messages.
@@ -90,8 +88,20 @@ def register_error_handlers(app: Flask) -> None:
         headers = {"Allow": ", ".join(exc.valid_methods)} if getattr(exc, "valid_methods", None) else None
         return error_response(status, code, message, headers=headers)
 
+    @app.errorhandler(OperationalError)
+    @app.errorhandler(SQLAlchemyTimeoutError)
+    def _database_unavailable(exc: Exception) -> Response:
+        log.error("database unavailable: %s", type(exc).__name__)
+        return error_response(503, "service_unavailable",
+                              "The request store is unreachable right now; retry shortly.",
+                              headers={"Retry-After": "5"})
+
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception) -> Response:
-        log.exception("unhandled error")
+        if isinstance(exc, DBAPIError):
+            # The driver's message can quote the data (CONTEXT: JSON data …): class name only.
+            log.error("unhandled database error: %s", type(exc.orig).__name__)
+        else:
+            log.exception("unhandled error")
         return error_response(500, "internal_error",
                               "Something went wrong on our side. It was logged; retry later.")

@@ -25,6 +25,20 @@ class StrictFloat(fields.Float):
         return super()._validated(value)
 
 
+class SafeString(fields.String):
+    """A string PostgreSQL can store: no NUL, no lone UTF-16 surrogates (both valid in JSON)."""
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        text = super()._deserialize(value, attr, data, **kwargs)
+        if "\x00" in text:
+            raise ValidationError("Must not contain the NUL character (\\u0000).")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValidationError("Must be valid Unicode (no unpaired surrogates).") from None
+        return text
+
+
 class StrictBoolean(fields.Boolean):
     def _deserialize(self, value, attr, data, **kwargs):
         if not isinstance(value, bool):
@@ -33,42 +47,42 @@ class StrictBoolean(fields.Boolean):
 
 
 class ChatMessageSchema(Schema):
-    role = fields.String(required=True, validate=validate.OneOf(["system", "user", "assistant"]))
-    content = fields.String(required=True, validate=validate.Length(min=1))
+    role = SafeString(required=True, validate=validate.OneOf(["system", "user", "assistant"]))
+    content = SafeString(required=True, validate=validate.Length(min=1))
 
 
 class SubmitRequestSchema(Schema):
     """Body of POST /v1/requests. Exactly one of `prompt` or `messages`."""
 
-    prompt = fields.String(validate=validate.Length(min=1),
+    prompt = SafeString(validate=validate.Length(min=1),
                            metadata={"description": "Plain-text prompt. Give this or `messages`."})
     messages = fields.List(fields.Nested(ChatMessageSchema), validate=validate.Length(min=1, max=256),
                            metadata={"description": "Chat messages, oldest first. Give this or `prompt`."})
-    model = fields.String(validate=validate.Length(min=1, max=128),
+    model = SafeString(validate=validate.Length(min=1, max=128),
                           metadata={"description": "Model name; default: the platform's main model."})
     max_tokens = StrictInteger(validate=validate.Range(min=1),
                                metadata={"description": "Most tokens to generate (server caps apply)."})
-    priority = fields.String(load_default="realtime", validate=validate.OneOf(["realtime", "batch"]),
+    priority = SafeString(load_default="realtime", validate=validate.OneOf(["realtime", "batch"]),
                              metadata={"description": "realtime: interactive; batch: uses idle capacity."})
     temperature = StrictFloat(load_default=1.0, validate=validate.Range(min=0, max=2))
     top_p = StrictFloat(load_default=1.0, validate=validate.Range(min=0, max=1, min_inclusive=False))
     seed = StrictInteger(validate=validate.Range(min=0, max=2**63 - 1))
-    stop = fields.List(fields.String(validate=validate.Length(min=1, max=64)),
+    stop = fields.List(SafeString(validate=validate.Length(min=1, max=64)),
                        validate=validate.Length(max=4),
                        metadata={"description": "Up to 4 strings that end generation when produced."})
     ignore_eos = StrictBoolean(metadata={"description": "Keep generating past end-of-sequence up to max_tokens "
                                                         "(fixed-length benchmarks)."})
-    deadline_s = StrictFloat(validate=validate.Range(min=0, min_inclusive=False),
+    deadline_s = StrictFloat(validate=validate.Range(min=0, max=7 * 86400, min_inclusive=False),
                              metadata={"description": "Drop the request as `expired` if it has not started within "
                                                       "this many seconds of submission. Default depends on priority."})
     time_limit_s = StrictFloat(validate=validate.Range(min=0, min_inclusive=False),
                                metadata={"description": "Inference time limit in seconds; at most the server's."})
-    metadata = fields.Dict(keys=fields.String(validate=validate.Length(min=1, max=64)),
-                           values=fields.String(validate=validate.Length(max=512)),
+    metadata = fields.Dict(keys=SafeString(validate=validate.Length(min=1, max=64)),
+                           values=SafeString(validate=validate.Length(max=512)),
                            validate=validate.Length(max=16),
                            metadata={"description": "Up to 16 string pairs, echoed back, never interpreted."})
 
-    conversation_id = fields.String(
+    conversation_id = SafeString(
         validate=validate.Length(min=1, max=128),
         metadata={"description": "Turns sharing this id run on the worker that served the previous turn, "
                                  "reusing its prefix cache, while that worker is alive."})
@@ -99,24 +113,24 @@ class TimingsSchema(Schema):
 
 
 class OutputSchema(Schema):
-    text = fields.String()
-    finish_reason = fields.String(allow_none=True)
+    text = SafeString()
+    finish_reason = SafeString(allow_none=True)
 
 
 class RequestErrorSchema(Schema):
-    code = fields.String()
-    message = fields.String()
+    code = SafeString()
+    message = SafeString()
 
 
 class RequestViewSchema(Schema):
     id = fields.UUID()
-    status = fields.String(metadata={"enum": ["queued", "running", "succeeded", "failed", "timed_out",
+    status = SafeString(metadata={"enum": ["queued", "running", "succeeded", "failed", "timed_out",
                                               "cancelled", "expired", "rejected"]})
-    priority = fields.String()
-    size_class = fields.String()
-    queue = fields.String()
-    model = fields.String(metadata={"description": "Model asked for."})
-    model_used = fields.String(allow_none=True, metadata={"description": "Model that actually ran."})
+    priority = SafeString()
+    size_class = SafeString()
+    queue = SafeString()
+    model = SafeString(metadata={"description": "Model asked for."})
+    model_used = SafeString(allow_none=True, metadata={"description": "Model that actually ran."})
     max_tokens = fields.Integer()
     time_limit_s = fields.Float()
     output = fields.Nested(OutputSchema, allow_none=True)
@@ -125,24 +139,24 @@ class RequestViewSchema(Schema):
     error = fields.Nested(RequestErrorSchema, allow_none=True)
     cancel_requested = fields.Boolean()
     attempts = fields.Integer()
-    worker = fields.String(allow_none=True)
+    worker = SafeString(allow_none=True)
     metadata = fields.Dict()
-    conversation_id = fields.String(allow_none=True)
+    conversation_id = SafeString(allow_none=True)
 
 
 class AcceptedSchema(Schema):
     id = fields.UUID()
-    status = fields.String()
+    status = SafeString()
     status_url = fields.Url()
-    priority = fields.String()
-    size_class = fields.String()
+    priority = SafeString()
+    size_class = SafeString()
 
 
 class ErrorBodySchema(Schema):
-    code = fields.String(metadata={"description": "Stable, machine-readable error code."})
-    message = fields.String(metadata={"description": "What went wrong and what to do about it."})
+    code = SafeString(metadata={"description": "Stable, machine-readable error code."})
+    message = SafeString(metadata={"description": "What went wrong and what to do about it."})
     details = fields.Raw(metadata={"description": "Per-field problems, when there are any."})
-    request_id = fields.String()
+    request_id = SafeString()
 
 
 class ErrorSchema(Schema):

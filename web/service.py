@@ -6,6 +6,7 @@ the row is still accepted: it stays `queued` with no `enqueued_at`, and the swee
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from datetime import timedelta
@@ -16,14 +17,14 @@ from sqlalchemy import select
 
 from models import InferenceRequest, Priority, Status, utcnow
 from models.session import Database
-from sluice.keys import cancel_key, conversation_key, node_key
+from sluice.keys import conversation_key, node_key, raise_cancel_flag
 from sluice.settings import Settings
 from workers.routing import direct_queue, publish_committed, queue_name, size_class_for
 
 from . import idempotency
 from .admission import Admission
 from .errors import Conflict, InvalidRequest, NotFound
-from .tokens import TokenCounters
+from .tokens import ChatTemplateError, TokenCounters
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +54,16 @@ def submit(db: Database, celery: Celery, redis, counters: TokenCounters, setting
         raise InvalidRequest("The request has invalid fields; see details.", details=problems)
 
     priority = Priority(body["priority"])
-    input_tokens = counters.for_model(model).count(request_input)
+    try:
+        input_tokens = counters.for_model(model).count(request_input)
+    except ChatTemplateError as exc:
+        raise InvalidRequest(str(exc)[:300], details={"messages": [str(exc)[:300]]}) from None
     reserved = input_tokens + max_tokens
     size_class = size_class_for(reserved, settings.large_threshold_tokens)
     queue = queue_name(priority, size_class, registry.queue_suffix(model))
     conversation_id = body.get("conversation_id")
     if conversation_id:
-        queue = conversation_queue(redis, tenant_id, conversation_id) or queue
+        queue = conversation_queue(redis, tenant_id, conversation_id, queue) or queue
     params = {k: body[k] for k in ("temperature", "top_p", "seed", "stop", "ignore_eos") if k in body}
     default_deadline = settings.realtime_deadline_s if priority == Priority.REALTIME else settings.batch_deadline_s
     deadline_s = body.get("deadline_s", default_deadline)
@@ -90,15 +94,18 @@ def submit(db: Database, celery: Celery, redis, counters: TokenCounters, setting
     return row
 
 
-def conversation_queue(redis, tenant_id: uuid.UUID, conversation_id: str) -> str | None:
+def conversation_queue(redis, tenant_id: uuid.UUID, conversation_id: str, shared_queue: str) -> str | None:
     """The direct queue of the live worker that served this conversation's last turn, if any.
 
+    Only if that worker also consumes ``shared_queue``: affinity never moves a turn to a worker
+    of another role (a batch turn onto a reserved realtime device), size class or model.
     Best effort: if Redis cannot say, the turn goes to the shared queue and only loses its
     prefix cache hit.
     """
     try:
         node = redis.get(conversation_key(str(tenant_id), conversation_id))
-        if node and redis.exists(node_key(node)):
+        owner = json.loads(redis.get(node_key(node)) or "{}") if node else {}
+        if shared_queue in owner.get("queues", ()):
             return direct_queue(node)
     except Exception:
         log.warning("conversation routing unavailable; using the shared queue")
@@ -140,7 +147,7 @@ def cancel(db: Database, redis, tenant_id: uuid.UUID, request_id: str,
         gates.release(row)  # it never ran: its whole reservation and its slot go back
     if row.status == Status.RUNNING:
         try:
-            redis.set(cancel_key(str(rid)), "1", ex=int(row.time_limit_s) + 600)
+            raise_cancel_flag(redis, str(rid), row.time_limit_s)
         except Exception:
             # The flag on the row is durable; the sweep re-raises it in Redis.
             log.warning("request %s: cancel flag not set in Redis; the sweep will retry", rid)

@@ -40,6 +40,10 @@ def estimate_input_tokens(request_input: dict[str, Any]) -> int:
     return estimate_text_tokens(request_input["prompt"])
 
 
+class ChatTemplateError(ValueError):
+    """The served model's chat template refuses the messages (e.g. roles must alternate)."""
+
+
 class TokenCounter:
     """Counts a request's input tokens for one model; exact when the model has a tokenizer."""
 
@@ -78,8 +82,8 @@ class TokenCounter:
         try:
             text = self.chat_template.render(messages=request_input["messages"], add_generation_prompt=True,
                                              **self._special)
-        except Exception:  # a template that rejects these messages: the engine will say so
-            return estimate_input_tokens(request_input)
+        except Exception as exc:  # the engine would fail on the same template: say so now
+            raise ChatTemplateError(f"The model's chat template rejects these messages: {exc}") from None
         # The rendered template already holds its special tokens, as the engine tokenizes it.
         return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
 

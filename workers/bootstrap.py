@@ -70,7 +70,13 @@ def connect(app: Flask) -> None:
     @worker_init.connect(weak=False)
     def _on_init(sender, **kwargs) -> None:
         queues = sorted(sender.app.amqp.queues.consume_from) if sender.app.amqp.queues.consume_from else []
-        start_runtime(app, sender.hostname, queues)
+        try:
+            start_runtime(app, sender.hostname, queues)
+        except Exception:
+            # Celery logs and ignores exceptions from signal handlers; a worker without an
+            # engine must not start consuming, so leave with a BaseException it does not catch.
+            log.exception("engine failed to start; the worker exits")
+            raise SystemExit(1) from None
 
     @task_received.connect(weak=False)
     def _on_received(request, **kwargs) -> None:

@@ -42,8 +42,24 @@ class Claim:
     conversation_id: str | None
 
 
+def with_db_retries(attempt):
+    """Run ``attempt()``, retrying on a lost Postgres connection along OUTCOME_WRITE_BACKOFF."""
+    for delay in (*OUTCOME_WRITE_BACKOFF, None):
+        try:
+            return attempt()
+        except OperationalError:
+            if delay is None:
+                raise
+            log.warning("database unreachable; retrying in %.1fs", delay)
+            time.sleep(delay)
+
+
 def claim(db: Database, request_id: uuid.UUID, worker_id: str, device: str) -> Claim | None:
     """queued → running for this worker, or None if the row is not ours to run."""
+    return with_db_retries(lambda: _claim_once(db, request_id, worker_id, device))
+
+
+def _claim_once(db: Database, request_id: uuid.UUID, worker_id: str, device: str) -> Claim | None:
     table = InferenceRequest
     now = utcnow()
     with db.session() as session:
@@ -130,16 +146,11 @@ def _write_terminal(db: Database, request_id: uuid.UUID, worker_id: str, values:
         table.id == request_id, table.status == Status.RUNNING, table.worker == worker_id
     ).values(**values).returning(table.id, table.tenant_id, table.reserved_tokens, table.input_tokens,
                                  table.output_tokens, table.started_at)
-    for delay in (*OUTCOME_WRITE_BACKOFF, None):
-        try:
-            with db.session() as session:
-                ended = session.execute(statement).one_or_none()
-            break
-        except OperationalError:
-            if delay is None:
-                raise
-            log.warning("outcome write failed; retrying in %.1fs", delay)
-            time.sleep(delay)
+    def attempt():
+        with db.session() as session:
+            return session.execute(statement).one_or_none()
+
+    ended = with_db_retries(attempt)
     if ended is None:
         log.warning("outcome %s discarded: this worker no longer owns the row", values["status"])
         return None

@@ -14,7 +14,7 @@ import uuid
 from celery import Celery
 from sqlalchemy import update
 
-from models import InferenceRequest, Priority, SizeClass, Status, utcnow
+from models import InferenceRequest, Priority, SizeClass, utcnow
 from models.session import Database
 
 RUN_TASK = "sluice.run_request"
@@ -75,5 +75,7 @@ def publish_committed(db: Database, celery: Celery, rows) -> None:
     for row in rows:
         publish_request(celery, row.id, row.queue)
         with db.session() as session:
-            session.execute(update(t).where(t.id == row.id, t.status == Status.QUEUED)
+            # Not conditional on `queued`: an idle worker often claims the row before this
+            # stamp, and the row must still say when it was published.
+            session.execute(update(t).where(t.id == row.id, t.enqueued_at.is_(None))
                             .values(enqueued_at=utcnow()))

@@ -32,6 +32,7 @@ from models import utcnow
 from sluice.keys import cancel_key, node_key, worker_key
 
 from .engines import Engine, GenerationOutput, GenerationRequest, SamplingParams
+from .engines.base import EngineDead
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class EngineRuntime:
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._background: set[asyncio.Future] = set()
         self._threads: list[threading.Thread] = []
         self.cold_start_s: float | None = None
 
@@ -95,7 +97,8 @@ class EngineRuntime:
             self._call(self.engine.shutdown(), timeout=30)
         with contextlib.suppress(Exception):
             self._redis.delete(worker_key(self.worker_id))
-            if self.node and self._redis.get(node_key(self.node)) == self.worker_id:
+            owner = json.loads(self._redis.get(node_key(self.node)) or "{}") if self.node else {}
+            if owner.get("worker") == self.worker_id:
                 self._redis.delete(node_key(self.node))
         self._loop.call_soon_threadsafe(self._loop.stop)
 
@@ -107,7 +110,12 @@ class EngineRuntime:
         with self._lock:
             self._in_flight.add(rid)
         try:
-            result = self._call(self._run(request, time_limit_s))
+            # The engine ends every stream by time_limit + ABORT_GRACE_S; past that the loop itself
+            # is stuck and the watchdog is about to restart this worker.
+            try:
+                result = self._call(self._run(request, time_limit_s), timeout=time_limit_s + ABORT_GRACE_S + 30)
+            except EngineDead as exc:
+                self._die(str(exc))
             if result.ended_by == "cancel" and rid not in self._cancelled:
                 # Aborted, but nobody cancelled it: the engine is shutting down.
                 result = RunResult(result.output, result.first_token_at, "engine_abort")
@@ -126,7 +134,9 @@ class EngineRuntime:
             # output that still carries what was generated so far.
             nonlocal timed_out
             timed_out = True
-            asyncio.ensure_future(self.engine.abort(rid))
+            task = asyncio.ensure_future(self.engine.abort(rid))
+            self._background.add(task)  # the loop keeps only weak references to tasks
+            task.add_done_callback(self._background.discard)
 
         timer = asyncio.get_running_loop().call_later(time_limit_s, over_limit)
         last: GenerationOutput | None = None
@@ -158,6 +168,11 @@ class EngineRuntime:
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
+    def _die(self, why: str) -> None:
+        """Exit now: rows stay `running`, the heartbeat stops, the sweep requeues them."""
+        log.critical("watchdog: %s; exiting so the worker restarts and its requests are requeued", why)
+        os._exit(self.WATCHDOG_EXIT_CODE)
+
     # ------------------------------------------------------------------ housekeeping
 
     def _watch_cancels(self) -> None:
@@ -168,8 +183,8 @@ class EngineRuntime:
                 continue
             try:
                 flags = self._redis.mget([cancel_key(i) for i in ids])
-            except redis.RedisError:
-                log.warning("cancel watcher: Redis unreachable; retrying")
+            except Exception:  # this thread must outlive any error, or cancels stop working
+                log.warning("cancel watcher: Redis unreachable; retrying", exc_info=True)
                 continue
             for rid, flag in zip(ids, flags, strict=True):
                 if flag is None:
@@ -181,24 +196,31 @@ class EngineRuntime:
                 asyncio.run_coroutine_threadsafe(self.engine.abort(rid), self._loop)
 
     def _heartbeat(self) -> None:
+        last_steps, last_progress = -1, time.monotonic()
         while True:
             try:
                 self._call(asyncio.sleep(0), timeout=self._watchdog_s)
             except Exception:
-                log.critical("watchdog: engine loop unresponsive for %.0fs; exiting so the worker "
-                             "restarts and its requests are requeued", self._watchdog_s)
-                os._exit(self.WATCHDOG_EXIT_CODE)
+                self._die(f"engine loop unresponsive for {self._watchdog_s:.0f}s")
+            engine_stats = self.engine.stats()
+            # A loop that answers but an engine that stopped stepping with work in flight is
+            # just as stuck (a hung engine-core process, for instance).
+            if engine_stats.steps != last_steps or not self._in_flight:
+                last_steps, last_progress = engine_stats.steps, time.monotonic()
+            elif time.monotonic() - last_progress > self._watchdog_s:
+                self._die(f"engine made no progress for {self._watchdog_s:.0f}s with work in flight")
             try:
-                stats = asdict(self.engine.stats())
+                stats = asdict(engine_stats)
                 stats.update(self.info, worker=self.worker_id, in_flight=len(self._in_flight),
                              cold_start_s=self.cold_start_s, at=time.time())
                 ttl = max(1, int(self._dead_after_s))
                 with self._redis.pipeline(transaction=False) as pipe:
                     pipe.set(worker_key(self.worker_id), json.dumps(stats), ex=ttl)
                     if self.node:
-                        pipe.set(node_key(self.node), self.worker_id, ex=ttl)
+                        pipe.set(node_key(self.node), json.dumps(
+                            {"worker": self.worker_id, "queues": self.info.get("queues", [])}), ex=ttl)
                     pipe.execute()
-            except redis.RedisError:
-                log.warning("heartbeat: Redis unreachable; retrying")
+            except Exception:  # this thread must outlive any error, or the sweep declares us dead
+                log.warning("heartbeat: Redis unreachable; retrying", exc_info=True)
             if self._stop.wait(self._heartbeat_s):
                 return

@@ -34,7 +34,7 @@ from sqlalchemy import func, or_, select, update
 
 from models import InferenceRequest, Status, utcnow
 from models.session import Database
-from sluice.keys import RESERVED_KEY, cancel_key, node_key, worker_key
+from sluice.keys import RESERVED_KEY, node_key, raise_cancel_flag, worker_key
 from sluice.limiter import limiter_for, reconcile_in_flight
 from sluice.settings import Settings
 from web.idempotency import expire_keys
@@ -154,7 +154,8 @@ def _reroute_direct(db: Database, redis_client: redis.Redis, celery: Celery, set
     publish_committed(db, celery, moved)
     # Nobody consumes a dead node's queue; its rows were rerouted above (or will be next time).
     for node in dead:
-        redis_client.delete(direct_queue(node))
+        if not redis_client.exists(node_key(node)):  # not restarted under the same name meanwhile
+            redis_client.delete(direct_queue(node))
     return len(moved)
 
 
@@ -174,5 +175,5 @@ def _reraise_cancel_flags(db: Database, redis_client: redis.Redis) -> int:
         rows = session.execute(select(t.id, t.time_limit_s).where(
             t.status == Status.RUNNING, t.cancel_requested_at.is_not(None)).limit(BATCH)).all()
     for row in rows:
-        redis_client.set(cancel_key(str(row.id)), "1", ex=int(row.time_limit_s) + 600)
+        raise_cancel_flag(redis_client, str(row.id), row.time_limit_s)
     return len(rows)

@@ -6,7 +6,9 @@ import logging
 import uuid
 
 from celery import shared_task
+from celery.exceptions import Reject
 from flask import current_app
+from sqlalchemy.exc import OperationalError
 
 from sluice.keys import RESERVED_KEY
 from sluice.logs import current_request_id
@@ -26,6 +28,12 @@ def run_request(request_id: str) -> None:
         runtime, device = current_runtime()
         execution.execute(current_app.extensions["sluice.db"], current_app.extensions["sluice.redis"], runtime,
                           uuid.UUID(request_id), device, runtime.info["model"])
+    except (OperationalError, RuntimeError) as exc:
+        # Postgres unreachable through every retry, or no engine in this process: hand the
+        # message back to the queue rather than ack it, so the request is not stranded. The
+        # claim is conditional, so a later delivery can never run it twice.
+        log.error("handing the message back to the queue: %s", type(exc).__name__)
+        raise Reject(requeue=True) from exc
     finally:
         # Claimed (the heartbeat now covers it) or not ours to run: either way no longer reserved.
         try:

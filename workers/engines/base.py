@@ -27,6 +27,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 
+class EngineDead(RuntimeError):
+    """The engine can serve nothing more (its loop or process died). Fatal for the worker."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int

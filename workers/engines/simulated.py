@@ -19,7 +19,7 @@ import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from workers.engines.base import Engine, EngineStats, GenerationOutput, GenerationRequest
+from workers.engines.base import Engine, EngineDead, EngineStats, GenerationOutput, GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +156,8 @@ class SimulatedEngine(Engine):
         """
         if self._task is None or self._closed:
             raise RuntimeError("engine is not running")
+        if self._task.done():
+            raise EngineDead("the simulated engine loop has stopped")
         rid, max_tokens = request.request_id, request.params.max_tokens
         if rid in self._seqs:
             raise ValueError(f"request {rid!r} is already in flight")

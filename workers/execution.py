@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.exc import OperationalError
 
 from models import InferenceRequest, Priority, Status, utcnow
@@ -40,6 +40,12 @@ class Claim:
     time_limit_s: float
     tenant_id: uuid.UUID
     conversation_id: str | None
+
+
+def db_now():
+    """The database's clock, as `created_at` uses: queue wait and inference time subtract these
+    stamps, so they must not mix the clocks of different hosts."""
+    return func.clock_timestamp()
 
 
 def with_db_retries(attempt):
@@ -68,7 +74,7 @@ def _claim_once(db: Database, request_id: uuid.UUID, worker_id: str, device: str
             .where(table.id == request_id, table.status == Status.QUEUED,
                    table.cancel_requested_at.is_(None),
                    or_(table.deadline_at.is_(None), table.deadline_at > now))
-            .values(status=Status.RUNNING, started_at=utcnow(), worker=worker_id, device=device,
+            .values(status=Status.RUNNING, started_at=db_now(), worker=worker_id, device=device,
                     attempts=table.attempts + 1)
             .returning(table.input, table.params, table.max_tokens, table.time_limit_s,
                        table.priority, table.input_tokens, table.tenant_id, table.conversation_id)
@@ -123,7 +129,7 @@ def finish(db: Database, request_id: uuid.UUID, worker_id: str, model: str, resu
     """running → terminal, only if this worker still owns the row: the row's tokens, or None."""
     status, code, message = _OUTCOMES[result.ended_by]
     out = result.output
-    values: dict[str, Any] = dict(status=status, finished_at=utcnow(), model_used=model,
+    values: dict[str, Any] = dict(status=status, finished_at=db_now(), model_used=model,
                                   first_token_at=result.first_token_at, error_code=code,
                                   error_message=message)
     if out is not None:
@@ -136,7 +142,7 @@ def finish(db: Database, request_id: uuid.UUID, worker_id: str, model: str, resu
 
 def fail(db: Database, request_id: uuid.UUID, worker_id: str, code: str, message: str):
     return _write_terminal(db, request_id, worker_id, dict(
-        status=Status.FAILED, finished_at=utcnow(), error_code=code, error_message=message))
+        status=Status.FAILED, finished_at=db_now(), error_code=code, error_message=message))
 
 
 def _write_terminal(db: Database, request_id: uuid.UUID, worker_id: str, values: dict):

@@ -12,9 +12,9 @@ from __future__ import annotations
 import uuid
 
 from celery import Celery
-from sqlalchemy import update
+from sqlalchemy import func, update
 
-from models import InferenceRequest, Priority, SizeClass, utcnow
+from models import InferenceRequest, Priority, SizeClass
 from models.session import Database
 
 RUN_TASK = "sluice.run_request"
@@ -78,4 +78,4 @@ def publish_committed(db: Database, celery: Celery, rows) -> None:
             # Not conditional on `queued`: an idle worker often claims the row before this
             # stamp, and the row must still say when it was published.
             session.execute(update(t).where(t.id == row.id, t.enqueued_at.is_(None))
-                            .values(enqueued_at=utcnow()))
+                            .values(enqueued_at=func.clock_timestamp()))  # same clock as created_at

@@ -40,7 +40,7 @@ import psycopg
 import redis
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from sluice.cli import create_key, upgrade_database, web_argv  # noqa: E402
 from sluice.settings import Settings  # noqa: E402
@@ -52,17 +52,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def free_redis_db(base: str) -> int:
-    for number in range(15, 0, -1):
-        client = redis.Redis.from_url(f"{base}/{number}")
-        try:
-            if client.dbsize() == 0 and client.set("sluice:bench:lock", os.getpid(), nx=True, ex=3600):
-                return number
-        finally:
-            client.close()
-    raise SystemExit("no empty Redis database")
 
 
 def drive(args: tuple) -> list[float]:
@@ -146,7 +135,9 @@ def main() -> int:
     with psycopg.connect(args.postgres, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     database_url = args.postgres.rsplit("/", 1)[0] + "/" + name
-    redis_url = f"{args.redis}/{free_redis_db(args.redis)}"
+    from conftest import _free_redis_db  # the tests' own picker: an empty db, locked for this run
+
+    redis_url = f"{args.redis}/{_free_redis_db(args.redis, set())}"
     port = free_port()
     env = {**os.environ, "DATABASE_URL": database_url, "REDIS_URL": redis_url, "SLUICE_WEB_PORT": str(port),
            "SLUICE_WEB_WORKERS": str(args.web_workers), "SLUICE_LOG_LEVEL": "WARNING",

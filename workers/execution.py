@@ -152,6 +152,7 @@ def _write_terminal(db: Database, request_id: uuid.UUID, worker_id: str, values:
         table.id == request_id, table.status == Status.RUNNING, table.worker == worker_id
     ).values(**values).returning(table.id, table.tenant_id, table.reserved_tokens, table.input_tokens,
                                  table.output_tokens, table.started_at)
+
     def attempt():
         with db.session() as session:
             return session.execute(statement).one_or_none()

@@ -124,6 +124,9 @@ class VllmEngine(Engine):
             p = request.params
             params = VllmSamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
                                         seed=p.seed, stop=list(p.stop), ignore_eos=p.ignore_eos,
+                                        # Stop strings need text every step; without them the
+                                        # text is decoded once at the end (less frontend CPU).
+                                        detokenize=bool(p.stop),
                                         # One output per request, not one per step: the caller
                                         # needs only the result and the first-token time.
                                         output_kind=RequestOutputKind.FINAL_ONLY)
@@ -133,8 +136,9 @@ class VllmEngine(Engine):
                 stream = llm.generate(engine_input, params, request_id=rid, priority=request.priority)
                 async for out in stream:
                     completion = out.outputs[0]
+                    text = completion.text if p.stop else await self._decode(completion.token_ids)
                     yield GenerationOutput(
-                        request_id=rid, text=completion.text, prompt_tokens=len(out.prompt_token_ids or ()),
+                        request_id=rid, text=text, prompt_tokens=len(out.prompt_token_ids or ()),
                         output_tokens=len(completion.token_ids), finished=out.finished,
                         finish_reason=completion.finish_reason if out.finished else None,
                         cached_tokens=out.num_cached_tokens or 0, first_token_time=_first_token_time(out))
@@ -142,6 +146,11 @@ class VllmEngine(Engine):
                 raise EngineDead("vLLM's engine core died") from exc
         finally:
             self._in_flight.discard(rid)
+
+    async def _decode(self, token_ids) -> str:
+        tokenizer = self._require().get_tokenizer()
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
     async def _prompt(self, request: GenerationRequest) -> Any:
         if request.messages is None:

@@ -17,14 +17,14 @@ import hmac
 from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, request
-from marshmallow import Schema, ValidationError, fields, validate
+from marshmallow import Schema, fields, validate
 from sqlalchemy import func, select
 
 from models import ApiKey
 from sluice.tenants import TenantError, add_key, create_tenant, find_tenant, list_tenants, tenant_view, update_tenant
 
-from .api import _json_body
-from .errors import ApiError, InvalidRequest, NotFound, Unauthorized
+from .bodies import json_object, validated
+from .errors import ApiError, NotFound, Unauthorized
 from .schemas import StrictInteger
 
 bp = Blueprint("admin", __name__, url_prefix="/admin")
@@ -56,13 +56,7 @@ def _require_admin_key() -> None:
 
 
 def _load(schema: Schema) -> dict[str, Any]:
-    body = _json_body()
-    if not isinstance(body, dict):
-        raise InvalidRequest("The body must be a JSON object.")
-    try:
-        return schema.load(body)
-    except ValidationError as exc:
-        raise InvalidRequest("The request has invalid fields; see details.", details=exc.messages) from None
+    return validated(schema, json_object())
 
 
 def _db():

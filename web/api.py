@@ -6,13 +6,12 @@ import logging
 from typing import Any
 
 from flask import Blueprint, Response, current_app, g, jsonify, request, url_for
-from marshmallow import ValidationError
 
 from models import InferenceRequest
 
 from . import idempotency, service
 from .auth import authenticate
-from .errors import ApiError, InvalidRequest
+from .bodies import json_object, validated
 from .schemas import SubmitRequestSchema
 
 log = logging.getLogger(__name__)
@@ -24,26 +23,11 @@ def _ext(name: str) -> Any:
     return current_app.extensions[name]
 
 
-def _json_body() -> Any:
-    if not request.is_json:
-        raise ApiError("Send the body as JSON with Content-Type: application/json.",
-                       code="unsupported_media_type", status=415)
-    body = request.get_json(silent=True)
-    if body is None:
-        raise ApiError("The body is not valid JSON.", code="malformed_json", status=400)
-    return body
-
-
 @bp.post("/requests")
 def submit_request() -> tuple[Response, int, dict[str, str]]:
     tenant_id = g.tenant_id = authenticate(_ext("sluice.db"))
-    body = _json_body()
-    if not isinstance(body, dict):
-        raise InvalidRequest("The body must be a JSON object.")
-    try:
-        data = _submit_schema.load(body)
-    except ValidationError as exc:
-        raise InvalidRequest("The request has invalid fields; see details.", details=exc.messages) from None
+    body = json_object()
+    data = validated(_submit_schema, body)
     settings, gates = current_app.config["SLUICE"], _ext("sluice.admission")
     key = idempotency.key_from(request.headers.get(idempotency.HEADER), tenant_id, body,
                                settings.idempotency_window_s)

@@ -102,20 +102,20 @@ def keys_create(tenant: str) -> None:
 def create_key(url: str, tenant_name: str) -> str:
     from sqlalchemy import select
 
-    from models import ApiKey, Database, Tenant, hash_key, new_key
+    from models import Database, Tenant
+
+    from .tenants import add_key
 
     db = Database()
     db.configure(url, pool_size=1, max_overflow=0)
     try:
-        key = new_key()
         with db.session() as session:
             tenant = session.scalar(select(Tenant).where(Tenant.name == tenant_name))
             if tenant is None:
                 tenant = Tenant(name=tenant_name)
                 session.add(tenant)
                 session.flush()
-            session.add(ApiKey(tenant_id=tenant.id, prefix=key[:14], key_hash=hash_key(key)))
-        return key
+            return add_key(session, tenant)
     finally:
         db.dispose()
 

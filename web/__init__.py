@@ -28,7 +28,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     db.configure(settings.sqlalchemy_url)
     app.extensions["sluice.db"] = db
     app.extensions["sluice.redis"] = redis_client(settings.redis_url)
-    app.extensions["sluice.tokens"] = TokenCounters(settings.registry)
+    app.extensions["sluice.tokens"] = TokenCounters()
 
     from workers.celery_app import celery_init_app, celery_publisher
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from sluice.registry import ModelSpec, Registry
+from sluice.registry import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +95,7 @@ def _raise(message: str) -> None:
 class TokenCounters:
     """One lazily loaded counter per registry model, shared by a web process's threads."""
 
-    def __init__(self, registry: Registry) -> None:
-        self._registry = registry
+    def __init__(self) -> None:
         self._counters: dict[str, TokenCounter] = {}
         self._lock = threading.Lock()
 

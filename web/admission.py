@@ -86,8 +86,10 @@ class Admission:
         return self.breaker.healthy
 
     def limits_for(self, db: Database, tenant_id: uuid.UUID) -> Limits:
-        with db.session() as session:
-            tenant = session.get(Tenant, tenant_id)
+        tenant = g.get("tenant") if has_request_context() else None
+        if tenant is None or tenant.id != tenant_id:  # outside a request authenticated by web.auth
+            with db.session() as session:
+                tenant = session.get(Tenant, tenant_id)
         return effective_limits(self.settings.tiers, self.settings.default_tier, tenant)
 
     def admit(self, db: Database, tenant_id: uuid.UUID, row: InferenceRequest) -> Ticket:

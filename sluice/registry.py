@@ -3,7 +3,9 @@
 Configured with ``SLUICE_MODELS`` (JSON list) or, when unset, one main model built from
 ``SLUICE_MODEL`` / ``SLUICE_MODEL_PATH`` / ``SLUICE_MAX_CONTEXT_TOKENS``. The first model
 with role ``main`` is the default for requests that name none. A ``light`` model is the
-cheaper step that degradation (a later issue) falls back to.
+cheaper step that degradation (a later issue) falls back to. A ``long`` model takes requests
+that name no model and do not fit the default's context (admission routes them there and
+records it on the row); without one, such requests get 413.
 
 Each model has its own queues: the default model keeps the plain names (``realtime.small``),
 others append their name (``realtime.small.<model>``), so a worker serves exactly one model.
@@ -28,7 +30,7 @@ class RegistryError(ValueError):
 class ModelSpec:
     name: str
     path: str | None = None
-    role: str = "main"  # main | light
+    role: str = "main"  # main | light | long
     context_tokens: int = 8192
     worker_roles: tuple[str, ...] = ALL_ROLES
 
@@ -43,6 +45,12 @@ class Registry:
 
     def get(self, name: str) -> ModelSpec | None:
         return next((m for m in self.models if m.name == name), None)
+
+    def long_context_for(self, tokens: int) -> ModelSpec | None:
+        """The long-context model with the smallest context that holds ``tokens``, else the
+        largest one (whose context the 413 then cites), or None if none is configured."""
+        longs = sorted((m for m in self.models if m.role == "long"), key=lambda m: m.context_tokens)
+        return next((m for m in longs if m.context_tokens >= tokens), longs[-1] if longs else None)
 
     def queue_suffix(self, model: ModelSpec) -> str:
         return "" if model.name == self.default.name else f".{model.name}"
@@ -80,8 +88,8 @@ def parse_registry(models_json: str | None, *, name: str, path: str | None, cont
 def _check(spec: ModelSpec, i: int) -> None:
     if not isinstance(spec.name, str) or not _NAME.match(spec.name):
         raise RegistryError(f"SLUICE_MODELS[{i}].name must be 1-48 letters, digits, '.', '_' or '-'")
-    if spec.role not in ("main", "light"):
-        raise RegistryError(f"SLUICE_MODELS[{i}].role must be main or light")
+    if spec.role not in ("main", "light", "long"):
+        raise RegistryError(f"SLUICE_MODELS[{i}].role must be main, light or long")
     if not isinstance(spec.context_tokens, int) or isinstance(spec.context_tokens, bool) or spec.context_tokens < 16:
         raise RegistryError(f"SLUICE_MODELS[{i}].context_tokens must be an integer ≥ 16")
     if not set(spec.worker_roles) <= set(ALL_ROLES):

@@ -156,10 +156,10 @@ class Admission:
 
     def _too_large(self, limits: Limits, row: InferenceRequest) -> tuple[int, str, str] | None:
         """The smallest ceiling the request's tokens exceed, as (tokens, name, description)."""
-        model = self.settings.registry.get(row.model_requested)
+        model = self.settings.registry.get(row.target_model)
         ceilings = [
             (model.context_tokens if model else self.settings.max_context_tokens, "context_length",
-             "the model's context length"),
+             f"{row.target_model}'s context length"),
             (limits.max_request_tokens, "max_request_tokens", "your per-request maximum"),
             # A request larger than a whole minute's budget could never be admitted: say so now.
             (limits.tokens_per_minute, "tokens_per_minute", "your tokens-per-minute limit"),

@@ -92,6 +92,8 @@ def render(row: InferenceRequest) -> dict[str, Any]:
         "queue": row.queue,
         "model": row.model_requested,
         "model_used": row.model_used,
+        "model_routed": row.model_routed,
+        "route_reason": row.route_reason,
         "max_tokens": row.max_tokens,
         "time_limit_s": row.time_limit_s,
         "output": {"text": row.output_text or "", "finish_reason": row.finish_reason} if done else None,

@@ -131,6 +131,10 @@ class RequestViewSchema(Schema):
     queue = SafeString()
     model = SafeString(metadata={"description": "Model asked for."})
     model_used = SafeString(allow_none=True, metadata={"description": "Model that actually ran."})
+    model_routed = SafeString(allow_none=True, metadata={
+        "description": "Model admission sent the request to instead of `model`, if any."})
+    route_reason = SafeString(allow_none=True, metadata={
+        "enum": ["long_context"], "description": "Why: `long_context` = too long for the default model."})
     max_tokens = fields.Integer()
     time_limit_s = fields.Float()
     output = fields.Nested(OutputSchema, allow_none=True)

@@ -18,6 +18,7 @@ from sqlalchemy import select
 from models import InferenceRequest, Priority, Status, utcnow
 from models.session import Database
 from sluice.keys import conversation_key, node_key, raise_cancel_flag
+from sluice.registry import ModelSpec
 from sluice.settings import Settings
 from workers.routing import direct_queue, publish_committed, queue_name, size_class_for
 
@@ -54,10 +55,15 @@ def submit(db: Database, celery: Celery, redis, counters: TokenCounters, setting
         raise InvalidRequest("The request has invalid fields; see details.", details=problems)
 
     priority = Priority(body["priority"])
-    try:
-        input_tokens = counters.for_model(model).count(request_input)
-    except ChatTemplateError as exc:
-        raise InvalidRequest(str(exc)[:300], details={"messages": [str(exc)[:300]]}) from None
+    input_tokens = _count(counters, model, request_input)
+    requested, routed_reason = model, None
+    if "model" not in body and input_tokens + max_tokens > model.context_tokens:
+        # Too long for the default model: a configured long-context model takes it (priced
+        # with its own tokenizer); otherwise the per-request gate answers 413.
+        longer = registry.long_context_for(input_tokens + max_tokens)
+        if longer is not None and longer.context_tokens > model.context_tokens:
+            model, routed_reason = longer, "long_context"
+            input_tokens = _count(counters, model, request_input)
     reserved = input_tokens + max_tokens
     size_class = size_class_for(reserved, settings.large_threshold_tokens)
     queue = queue_name(priority, size_class, registry.queue_suffix(model))
@@ -69,7 +75,8 @@ def submit(db: Database, celery: Celery, redis, counters: TokenCounters, setting
     deadline_s = body.get("deadline_s", default_deadline)
     row = InferenceRequest(
         id=uuid.uuid4(), tenant_id=tenant_id, status=Status.QUEUED, priority=priority,
-        size_class=size_class, queue=queue, model_requested=model.name, conversation_id=conversation_id,
+        size_class=size_class, queue=queue, model_requested=requested.name, conversation_id=conversation_id,
+        model_routed=model.name if routed_reason else None, route_reason=routed_reason,
         input=request_input, params=params, meta=body.get("metadata", {}), max_tokens=max_tokens,
         time_limit_s=float(time_limit), reserved_tokens=reserved, input_tokens=input_tokens,
         cache_hit=False, attempts=0, deadline_at=utcnow() + timedelta(seconds=deadline_s),
@@ -92,6 +99,13 @@ def submit(db: Database, celery: Celery, redis, counters: TokenCounters, setting
     except Exception:
         log.warning("request %s: publish failed; the sweep will publish it", row.id, exc_info=True)
     return row
+
+
+def _count(counters: TokenCounters, model: ModelSpec, request_input: dict[str, Any]) -> int:
+    try:
+        return counters.for_model(model).count(request_input)
+    except ChatTemplateError as exc:
+        raise InvalidRequest(str(exc)[:300], details={"messages": [str(exc)[:300]]}) from None
 
 
 def conversation_queue(redis, tenant_id: uuid.UUID, conversation_id: str, shared_queue: str) -> str | None:

@@ -138,7 +138,7 @@ def _reroute_direct(db: Database, redis_client: redis.Redis, celery: Celery, set
     moved: list[Routed] = []
     with db.session() as session:
         rows = session.execute(
-            select(t.id, t.queue, t.priority, t.size_class, t.model_requested)
+            select(t.id, t.queue, t.priority, t.size_class, t.model_requested, t.model_routed)
             .where(t.status == Status.QUEUED, t.queue.startswith(DIRECT_PREFIX), t.enqueued_at < cutoff)
             .limit(BATCH).with_for_update(skip_locked=True)).all()
         nodes = {r.queue.removeprefix(DIRECT_PREFIX) for r in rows}
@@ -146,7 +146,7 @@ def _reroute_direct(db: Database, redis_client: redis.Redis, celery: Celery, set
         for row in rows:
             if row.queue.removeprefix(DIRECT_PREFIX) not in dead:
                 continue
-            model = registry.get(row.model_requested) or registry.default
+            model = registry.get(row.model_routed or row.model_requested) or registry.default
             queue = queue_name(row.priority, row.size_class, registry.queue_suffix(model))
             session.execute(update(t).where(t.id == row.id, t.status == Status.QUEUED)
                             .values(queue=queue, enqueued_at=None))

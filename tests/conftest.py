@@ -148,7 +148,7 @@ class WorkerProcess:
 
     def __init__(self, database_url: str, redis_url: str, tmp: Path, role: str = "all",
                  extra_env: dict[str, str] | None = None, ready_timeout: float = 60,
-                 model: str | None = None) -> None:
+                 model: str | None = None, concurrency: int = 64) -> None:
         self.redis = redis_lib.Redis.from_url(redis_url, decode_responses=True)
         self.log_path = tmp / f"worker-{role}-{uuid.uuid4().hex[:6]}.log"
         env = {**os.environ, **TEST_ENV, "DATABASE_URL": database_url, "REDIS_URL": redis_url,
@@ -156,7 +156,7 @@ class WorkerProcess:
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         before = set(self.redis.keys(WORKER_PREFIX + "*"))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sluice.cli", "worker", "--role", role, "--concurrency", "64",
+            [sys.executable, "-m", "sluice.cli", "worker", "--role", role, "--concurrency", str(concurrency),
              "--name", f"{role}-{uuid.uuid4().hex[:6]}@test", *(["--model", model] if model else [])],
             cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         try:

@@ -22,6 +22,9 @@ def celery_config(settings: Settings) -> dict:
             "visibility_timeout": settings.visibility_timeout_s,
             "socket_timeout": 5,
             "socket_connect_timeout": 5,
+            # A free thread takes from the first non-empty queue in the worker's --queues order
+            # (realtime before batch), not round-robin: batch work only uses idle capacity.
+            "queue_order_strategy": "priority",
         },
         # The request row is the result; Celery keeps none.
         "task_ignore_result": True,

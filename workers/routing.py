@@ -46,13 +46,15 @@ ROLES: dict[str, tuple[str, ...]] = {
 
 
 def queues_for_role(role: str, suffix: str = "", node: str | None = None) -> tuple[str, ...]:
-    """The queues a worker of ``role`` consumes, preferred first: its own direct queue, the
-    role's queues for its model, then maintenance tasks."""
+    """The queues a worker of ``role`` consumes, in strict order of preference (the broker's
+    ``queue_order_strategy`` is ``priority``): maintenance (one short sweep per interval, which
+    must run even when request queues never drain), its own direct queue (conversation turns),
+    then the role's queues for its model, realtime before batch."""
     try:
         shared = tuple(q + suffix for q in ROLES[role])
     except KeyError:
         raise ValueError(f"unknown worker role {role!r}; choose one of {', '.join(ROLES)}") from None
-    return ((direct_queue(node),) if node else ()) + shared + (MAINTENANCE_QUEUE,)
+    return (MAINTENANCE_QUEUE,) + ((direct_queue(node),) if node else ()) + shared
 
 
 def size_class_for(estimated_tokens: int, threshold: int) -> SizeClass:

@@ -125,7 +125,8 @@ def create_key(url: str, tenant_name: str) -> str:
               show_default=True, help="Fixes the queues this worker consumes.")
 @click.option("--model", default=None, help="Registry name of the model to serve (default: the main model).")
 @click.option("--gpus", default=None, help="Devices this worker owns, e.g. 0 or 0,1 (sets CUDA_VISIBLE_DEVICES).")
-@click.option("--concurrency", type=int, default=None, help="Requests in flight (default SLUICE_WORKER_CONCURRENCY).")
+@click.option("--concurrency", type=int, default=None,
+              help="Requests in flight (default: SLUICE_WORKER_CONCURRENCY, else the engine batch size + 25%).")
 @click.option("--name", default=None, help="Node name (default ROLE@HOST); also names its direct queue.")
 def worker(role: str, model: str | None, gpus: str | None, concurrency: int | None, name: str | None) -> None:
     """Run one GPU worker: one engine, many requests in flight feeding it."""
@@ -161,7 +162,7 @@ def worker_argv(settings: Settings, role: str, concurrency: int | None = None, n
     # `env` carries the role and model into the worker process without touching our own env.
     return ["env", f"SLUICE_WORKER_ROLE={role}", f"SLUICE_WORKER_MODEL={spec.name}",
             sys.executable, "-m", "celery", "-A", "workers.entry", "worker",
-            "--pool", "threads", "--concurrency", str(concurrency or settings.worker_concurrency),
+            "--pool", "threads", "--concurrency", str(concurrency or settings.worker_threads),
             "--queues", ",".join(queues), "--hostname", node,
             "--loglevel", settings.log_level, "--without-mingle", "--without-gossip"]
 

@@ -88,9 +88,11 @@ class Settings:
         "SLUICE_VLLM_KV_CACHE_BYTES", None, "Fixed KV cache size in bytes (CPU hosts); default: from utilization.")
     sim_speed: float = _field(
         "SLUICE_SIM_SPEED", 1.0, "Simulated engine speed; 1.0 = one H200's real step times.")
-    worker_concurrency: int = _field(
-        "SLUICE_WORKER_CONCURRENCY", 64,
-        "Tasks one worker keeps in flight, all feeding its single engine (thread pool).")
+    worker_concurrency: int | None = _field(
+        "SLUICE_WORKER_CONCURRENCY", None,
+        "Tasks one worker keeps in flight, all feeding its single engine (thread pool). Unset: "
+        "SLUICE_VLLM_MAX_NUM_SEQS plus a quarter, so the engine can fill its batch and has the "
+        "next requests waiting when sequences finish.")
     worker_role: str = _field(
         "SLUICE_WORKER_ROLE", "all", "Set by `sluice worker --role`: the worker's role, shown in /readyz.")
     worker_model: str | None = _field(
@@ -171,7 +173,7 @@ class Settings:
                     "worker_heartbeat_s", "worker_dead_after_s", "max_attempts", "sweep_interval_s",
                     "publish_grace_s", "cancel_poll_s", "web_workers"]
         for name in positive:
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise SettingsError(f"{_env(name)} must be > 0, got {getattr(self, name)!r}")
         if self.default_max_tokens > self.max_output_tokens:
             raise SettingsError("SLUICE_DEFAULT_MAX_TOKENS must not exceed SLUICE_MAX_OUTPUT_TOKENS")
@@ -209,6 +211,13 @@ class Settings:
     @functools.cached_property
     def tiers(self) -> dict[str, Limits]:
         return parse_tiers(self.tiers_spec)
+
+    @property
+    def worker_threads(self) -> int:
+        """Tasks in flight per worker: SLUICE_WORKER_CONCURRENCY, else the engine's batch size
+        plus a quarter. Fewer than the batch size would cap the batch (64 threads under
+        max_num_seqs 256 leave half an H200's decode throughput unused)."""
+        return self.worker_concurrency or self.vllm_max_num_seqs + self.vllm_max_num_seqs // 4
 
     @functools.cached_property
     def registry(self) -> Registry:

@@ -1,0 +1,28 @@
+"""Settings that are derived from others, and the worker command line built from them."""
+
+from __future__ import annotations
+
+import pytest
+
+from sluice.cli import worker_argv
+from sluice.settings import Settings, SettingsError
+
+
+def concurrency_of(argv: list[str]) -> int:
+    return int(argv[argv.index("--concurrency") + 1])
+
+
+def test_worker_threads_default_to_the_engine_batch_plus_a_quarter():
+    # Fewer threads than the engine's batch size would cap the batch the engine can form.
+    assert concurrency_of(worker_argv(Settings.from_env({}), "all")) == 256 + 64
+    assert concurrency_of(worker_argv(Settings.from_env({"SLUICE_VLLM_MAX_NUM_SEQS": "64"}), "all")) == 80
+    assert concurrency_of(worker_argv(Settings.from_env({"SLUICE_WORKER_CONCURRENCY": "12"}), "all")) == 12
+    assert concurrency_of(worker_argv(Settings.from_env({}), "all", concurrency=5)) == 5
+    with pytest.raises(SettingsError, match="SLUICE_WORKER_CONCURRENCY must be > 0"):
+        Settings.from_env({"SLUICE_WORKER_CONCURRENCY": "0"})
+
+
+def test_worker_queues_are_listed_in_order_of_preference():
+    argv = worker_argv(Settings.from_env({}), "all", name="w1@host")
+    assert argv[argv.index("--queues") + 1].split(",") == [
+        "maintenance", "direct.w1@host", "realtime.small", "realtime.large", "batch.small", "batch.large"]

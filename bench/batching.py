@@ -12,6 +12,10 @@ Four runs, each of N prompts generating exactly --tokens tokens (ignore_eos, tem
             previous finished (--serial-n of them, the engine never batches).
 Reports output tokens/s for each and the ratios. Needs Postgres and Redis (local defaults or
 --database-url / --redis-url); creates and drops its own database.
+
+On a CPU host the engine's arithmetic and Sluice's own work (web tier, Postgres, Celery) share
+the same cores, which a GPU host does not do. --pin-engine 0 gives vLLM core 0 and everything
+else the other cores (Postgres and Redis, started outside, still float), for a fairer picture.
 """
 
 from __future__ import annotations
@@ -115,7 +119,8 @@ def sluice_stack(args, model: Path):
            "SLUICE_VLLM_ENFORCE_EAGER": "1" if args.eager else "0", "SLUICE_VLLM_DTYPE": args.dtype,
            "SLUICE_VLLM_MAX_NUM_SEQS": str(args.max_num_seqs),
            "SLUICE_VLLM_MAX_NUM_BATCHED_TOKENS": str(args.max_batched_tokens),
-           "SLUICE_WORKER_CONCURRENCY": str(max(64, args.n)), "SLUICE_LOG_LEVEL": "WARNING",
+           "SLUICE_LOG_LEVEL": "WARNING",
+           **({"SLUICE_WORKER_CONCURRENCY": str(args.concurrency)} if args.concurrency else {}),
            **({"SLUICE_VLLM_KV_CACHE_BYTES": str(args.kv_bytes)} if args.kv_bytes else {})}
     app = create_app(make_settings(db_url, args.redis_url, env))
     app.extensions["sluice.redis"].flushdb()
@@ -192,9 +197,22 @@ def main() -> int:
     parser.add_argument("--kv-bytes", type=int, default=256 * 2**20, help="fixed KV cache (0: vLLM decides)")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each kind; medians are reported")
     parser.add_argument("--no-eager", dest="eager", action="store_false")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="worker threads (SLUICE_WORKER_CONCURRENCY; default: the worker's own default)")
+    parser.add_argument("--kinds", default="offline,asyncllm,sluice,serial",
+                        help="comma-separated subset of the runs to do")
+    parser.add_argument("--pin-engine", type=int, metavar="CPU", default=None,
+                        help="CPU hosts: vLLM's compute threads on this core, everything else the bench starts "
+                             "(web tier, Celery worker frontend) on the other cores; the analogue of a GPU host")
     parser.add_argument("--database-url", default="postgresql://postgres@127.0.0.1:5432/postgres")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/13")
     args = parser.parse_args()
+    if args.pin_engine is not None:
+        others = os.sched_getaffinity(0) - {args.pin_engine}
+        if args.pin_engine not in os.sched_getaffinity(0) or not others:
+            parser.error(f"--pin-engine {args.pin_engine}: needs that core and at least one other")
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(args.pin_engine)  # inherited by every engine
+        os.sched_setaffinity(0, others)  # and by every process started from here
 
     if args.model is None:
         from tiny_model import build_tiny_model
@@ -207,24 +225,32 @@ def main() -> int:
         runs[kind].append(result["tokens"] / result["seconds"])
         print(f"{kind:8s} {result['tokens']} tokens in {result['seconds']:.2f}s", flush=True)
 
+    kinds = set(args.kinds.split(","))
+    if kinds - set(runs):
+        parser.error(f"--kinds: unknown {', '.join(sorted(kinds - set(runs)))}; choose from {', '.join(runs)}")
     for _ in range(args.repeat):
-        record("offline", run_vllm(OFFLINE, args, args.model, items))
-        record("asyncllm", run_vllm(ASYNC, args, args.model, items))
-    app, key, _worker, cleanup = sluice_stack(args, args.model)
-    try:
-        for _ in range(args.repeat):
-            record("sluice", run_through_sluice(app, key, items, args.tokens, serial=False))
-            record("serial", run_through_sluice(app, key, prompts(args.serial_n), args.tokens, serial=True))
-    finally:
-        cleanup()
-    rate = {k: statistics.median(v) for k, v in runs.items()}
+        if "offline" in kinds:
+            record("offline", run_vllm(OFFLINE, args, args.model, items))
+        if "asyncllm" in kinds:
+            record("asyncllm", run_vllm(ASYNC, args, args.model, items))
+    if kinds & {"sluice", "serial"}:
+        app, key, _worker, cleanup = sluice_stack(args, args.model)
+        try:
+            for _ in range(args.repeat):
+                if "sluice" in kinds:
+                    record("sluice", run_through_sluice(app, key, items, args.tokens, serial=False))
+                if "serial" in kinds:
+                    record("serial", run_through_sluice(app, key, prompts(args.serial_n), args.tokens, serial=True))
+        finally:
+            cleanup()
+    rate = {k: statistics.median(v) for k, v in runs.items() if v}
     print(f"\n{args.n} prompts x {args.tokens} tokens, model {args.model.name}, max_num_seqs {args.max_num_seqs}, "
           f"median of {args.repeat}")
-    for k in ("offline", "asyncllm", "sluice", "serial"):
-        print(f"  {k:8s} {rate[k]:10.1f} output tokens/s")
-    print(f"  sluice / offline = {rate['sluice'] / rate['offline']:.2f}   "
-          f"sluice / asyncllm = {rate['sluice'] / rate['asyncllm']:.2f}   "
-          f"sluice / serial = {rate['sluice'] / rate['serial']:.1f}")
+    for k, v in rate.items():
+        print(f"  {k:8s} {v:10.1f} output tokens/s")
+    ratios = [(a, b) for a, b in (("sluice", "offline"), ("sluice", "asyncllm"), ("sluice", "serial"))
+              if a in rate and b in rate]
+    print("  " + "   ".join(f"{a} / {b} = {rate[a] / rate[b]:.2f}" for a, b in ratios))
     return 0
 
 

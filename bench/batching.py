@@ -127,7 +127,9 @@ def sluice_stack(args, model: Path):
     key = create_key(Settings(database_url=db_url).sqlalchemy_url, "bench")
     tmp = Path(f"/tmp/{name}")
     tmp.mkdir()
-    worker = WorkerProcess(db_url, args.redis_url, tmp, extra_env=env, ready_timeout=600)
+    threads = make_settings(db_url, args.redis_url, env).worker_threads
+    worker = WorkerProcess(db_url, args.redis_url, tmp, extra_env=env, ready_timeout=600, concurrency=threads)
+    print(f"sluice worker: {threads} threads", flush=True)
 
     def cleanup() -> None:
         worker.stop()

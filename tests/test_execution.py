@@ -28,3 +28,40 @@ def test_output_with_nul_bytes_is_stored(app):
     with db.session() as session:
         stored = session.scalar(select(InferenceRequest).where(InferenceRequest.id == row.id))
     assert stored.status == Status.SUCCEEDED and stored.output_text == "a\ufffdb"
+
+
+def test_row_writes_wait_out_a_busy_connection_pool(database_url):
+    """A worker runs more threads than it has connections; a write that finds every pooled
+    connection busy past pool_timeout is retried, not failed."""
+    import threading
+
+    from models.session import Database
+    from sluice.settings import Settings
+    from workers.execution import with_db_retries
+
+    db = Database()
+    db.configure(Settings(database_url=database_url).sqlalchemy_url, pool_size=1, max_overflow=0, pool_timeout=0.2)
+    held = threading.Event()
+
+    def hold_the_only_connection() -> None:
+        with db.session() as session:
+            session.execute(select(1))
+            held.set()
+            threading.Event().wait(0.4)  # longer than pool_timeout, shorter than the first backoff
+
+    holder = threading.Thread(target=hold_the_only_connection)
+    holder.start()
+    held.wait(5)
+    attempts = []
+
+    def write() -> int:
+        attempts.append(1)
+        with db.session() as session:
+            return session.scalar(select(1))
+
+    try:
+        assert with_db_retries(write) == 1
+        assert len(attempts) == 2  # the first timed out waiting for the pool
+    finally:
+        holder.join()
+        db.dispose()

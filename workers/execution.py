@@ -16,6 +16,7 @@ from typing import Any
 
 from sqlalchemy import func, or_, select, update
 from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from models import InferenceRequest, Priority, Status, utcnow
 from models.session import Database
@@ -30,6 +31,9 @@ log = logging.getLogger(__name__)
 # Seconds to wait before each retry of the outcome write when Postgres is briefly unreachable;
 # the answer was computed at GPU cost, so it is worth a few seconds of patience.
 OUTCOME_WRITE_BACKOFF = (0.5, 2.0, 5.0, 10.0)
+# Postgres unreachable, or every pooled connection busy past pool_timeout (a worker runs more
+# threads than it has connections): transient, so retried, then the message is handed back.
+DB_UNAVAILABLE = (OperationalError, PoolTimeout)
 
 ENGINE_PRIORITY = {Priority.REALTIME: 0, Priority.BATCH: 1}
 
@@ -49,14 +53,14 @@ def db_now():
 
 
 def with_db_retries(attempt):
-    """Run ``attempt()``, retrying on a lost Postgres connection along OUTCOME_WRITE_BACKOFF."""
+    """Run ``attempt()``, retrying while the database is unavailable along OUTCOME_WRITE_BACKOFF."""
     for delay in (*OUTCOME_WRITE_BACKOFF, None):
         try:
             return attempt()
-        except OperationalError:
+        except DB_UNAVAILABLE as exc:
             if delay is None:
                 raise
-            log.warning("database unreachable; retrying in %.1fs", delay)
+            log.warning("database unavailable (%s); retrying in %.1fs", type(exc).__name__, delay)
             time.sleep(delay)
 
 
@@ -188,8 +192,8 @@ def execute(db: Database, redis, runtime: EngineRuntime, request_id: uuid.UUID, 
         return
     try:
         ended = finish(db, request_id, runtime.worker_id, model, result)
-    except OperationalError:
-        raise  # Postgres stayed unreachable through every retry; the sweep finds the overdue row
+    except DB_UNAVAILABLE:
+        raise  # Postgres stayed unavailable through every retry; the sweep finds the overdue row
     except Exception:
         # The outcome itself cannot be stored: say so on the row rather than leave it running.
         log.exception("outcome not storable")

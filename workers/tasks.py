@@ -8,13 +8,13 @@ import uuid
 from celery import shared_task
 from celery.exceptions import Reject
 from flask import current_app
-from sqlalchemy.exc import OperationalError
 
 from sluice.keys import RESERVED_KEY
 from sluice.logs import current_request_id
 
 from . import execution, sweep
 from .bootstrap import current_runtime
+from .execution import DB_UNAVAILABLE
 from .routing import RUN_TASK, SWEEP_TASK
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ def run_request(request_id: str) -> None:
         runtime, device = current_runtime()
         execution.execute(current_app.extensions["sluice.db"], current_app.extensions["sluice.redis"], runtime,
                           uuid.UUID(request_id), device, runtime.info["model"])
-    except (OperationalError, RuntimeError) as exc:
+    except (*DB_UNAVAILABLE, RuntimeError) as exc:
         # Postgres unreachable through every retry, or no engine in this process: hand the
         # message back to the queue rather than ack it, so the request is not stranded. The
         # claim is conditional, so a later delivery can never run it twice.

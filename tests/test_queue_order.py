@@ -1,8 +1,11 @@
-"""A worker that serves realtime and batch queues takes realtime work first, from the broker on."""
+"""A worker that serves realtime and batch queues takes realtime work first, from the broker on,
+and takes turns between queues of the same class."""
 
 from __future__ import annotations
 
 from conftest import WorkerProcess, make_settings
+
+from workers.queue_order import ClassPriorityCycle
 
 
 def test_a_free_worker_thread_takes_realtime_before_batch(database_url, redis_dbs, new_client, tmp_path):
@@ -11,18 +14,39 @@ def test_a_free_worker_thread_takes_realtime_before_batch(database_url, redis_db
     redis_url = redis_dbs()
     application = create_app(make_settings(database_url, redis_url))
     client = new_client(application)
-    # Queued before any worker runs: six batch requests, then three realtime ones.
+    # Queued before any worker runs: six batch requests, then three small and three large
+    # realtime ones (the tests' large threshold is 1,024 tokens).
     batch = [client.submit(prompt=f"batch {i}", max_tokens=4, priority="batch").get_json()["id"] for i in range(6)]
-    realtime = [client.submit(prompt=f"now {i}", max_tokens=4).get_json()["id"] for i in range(3)]
+    small = [client.submit(prompt=f"now {i}", max_tokens=4).get_json()["id"] for i in range(3)]
+    large = [client.submit(prompt="abcd" * 1100, max_tokens=4).get_json()["id"] for _ in range(3)]
     # One thread: requests start one at a time, in the order the worker takes them.
     worker = WorkerProcess(database_url, redis_url, tmp_path, concurrency=1)
     try:
-        views = {i: client.wait(i) for i in [*batch, *realtime]}
+        views = {i: client.wait(i) for i in [*batch, *small, *large]}
     finally:
         worker.stop()
         application.extensions["sluice.redis"].flushdb()
         application.extensions["sluice.db"].dispose()
     assert {v["status"] for v in views.values()} == {"succeeded"}
     order = sorted(views, key=lambda i: views[i]["timings"]["started_at"])
-    # Round-robin consumption would alternate realtime and batch; strict preference does not.
-    assert set(order[:3]) == set(realtime), [views[i]["priority"] for i in order]
+    taken = [(views[i]["queue"], views[i]["timings"]["started_at"]) for i in order]
+    # Strict between classes: all realtime work before any batch work ...
+    assert set(order[:6]) == {*small, *large}, taken
+    # ... and turns within a class: small and large realtime alternate, neither starves.
+    assert [views[i]["size_class"] for i in order[:6]] == ["small", "large"] * 3, taken
+
+
+def test_the_cycle_is_strict_between_classes_and_round_robin_within_one():
+    queues = ["maintenance", "direct.w@h", "realtime.small", "realtime.large", "batch.small", "batch.large"]
+    cycle = ClassPriorityCycle()
+    cycle.update(reversed(queues))  # kombu adds queues one by one; the class order wins anyway
+    assert cycle.consume(6)[:2] == ["maintenance", "direct.w@h"]
+    cycle.update(queues)
+    cycle.rotate("realtime.small")
+    assert cycle.consume(6) == ["maintenance", "direct.w@h", "realtime.large", "realtime.small",
+                                "batch.small", "batch.large"]
+    cycle.rotate("batch.small")
+    cycle.rotate("maintenance")
+    assert cycle.consume(6) == ["maintenance", "direct.w@h", "realtime.large", "realtime.small",
+                                "batch.large", "batch.small"]
+    assert cycle.rotate("not-consumed") == "not-consumed" and len(cycle.consume(10)) == 6

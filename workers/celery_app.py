@@ -22,9 +22,9 @@ def celery_config(settings: Settings) -> dict:
             "visibility_timeout": settings.visibility_timeout_s,
             "socket_timeout": 5,
             "socket_connect_timeout": 5,
-            # A free thread takes from the first non-empty queue in the worker's --queues order
-            # (realtime before batch), not round-robin: batch work only uses idle capacity.
-            "queue_order_strategy": "priority",
+            # A free thread takes realtime before batch work (batch only uses idle capacity),
+            # and takes turns between queues of one class; see workers/queue_order.py.
+            "queue_order_strategy": "workers.queue_order:ClassPriorityCycle",
         },
         # The request row is the result; Celery keeps none.
         "task_ignore_result": True,

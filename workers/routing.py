@@ -46,10 +46,9 @@ ROLES: dict[str, tuple[str, ...]] = {
 
 
 def queues_for_role(role: str, suffix: str = "", node: str | None = None) -> tuple[str, ...]:
-    """The queues a worker of ``role`` consumes, in strict order of preference (the broker's
-    ``queue_order_strategy`` is ``priority``): maintenance (one short sweep per interval, which
+    """The queues a worker of ``role`` consumes: maintenance (one short sweep per interval, which
     must run even when request queues never drain), its own direct queue (conversation turns),
-    then the role's queues for its model, realtime before batch."""
+    then the role's queues for its model. workers/queue_order.py reads them class by class."""
     try:
         shared = tuple(q + suffix for q in ROLES[role])
     except KeyError:

@@ -126,7 +126,7 @@ def create_key(url: str, tenant_name: str) -> str:
 @click.option("--model", default=None, help="Registry name of the model to serve (default: the main model).")
 @click.option("--gpus", default=None, help="Devices this worker owns, e.g. 0 or 0,1 (sets CUDA_VISIBLE_DEVICES).")
 @click.option("--concurrency", type=int, default=None,
-              help="Requests in flight (default: SLUICE_WORKER_CONCURRENCY, else the engine batch size + 25%).")
+              help="Requests in flight (default: SLUICE_WORKER_CONCURRENCY, else the engine batch size).")
 @click.option("--name", default=None, help="Node name (default ROLE@HOST); also names its direct queue.")
 def worker(role: str, model: str | None, gpus: str | None, concurrency: int | None, name: str | None) -> None:
     """Run one GPU worker: one engine, many requests in flight feeding it."""

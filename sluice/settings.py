@@ -91,8 +91,7 @@ class Settings:
     worker_concurrency: int | None = _field(
         "SLUICE_WORKER_CONCURRENCY", None,
         "Tasks one worker keeps in flight, all feeding its single engine (thread pool). Unset: "
-        "SLUICE_VLLM_MAX_NUM_SEQS plus a quarter, so the engine can fill its batch and has the "
-        "next requests waiting when sequences finish.")
+        "SLUICE_VLLM_MAX_NUM_SEQS, so the engine can fill its batch.")
     worker_role: str = _field(
         "SLUICE_WORKER_ROLE", "all", "Set by `sluice worker --role`: the worker's role, shown in /readyz.")
     worker_model: str | None = _field(
@@ -214,10 +213,12 @@ class Settings:
 
     @property
     def worker_threads(self) -> int:
-        """Tasks in flight per worker: SLUICE_WORKER_CONCURRENCY, else the engine's batch size
-        plus a quarter. Fewer than the batch size would cap the batch (64 threads under
-        max_num_seqs 256 leave half an H200's decode throughput unused)."""
-        return self.worker_concurrency or self.vllm_max_num_seqs + self.vllm_max_num_seqs // 4
+        """Tasks in flight per worker: SLUICE_WORKER_CONCURRENCY, else the engine's batch size.
+
+        Fewer would cap the batch (64 threads under max_num_seqs 256 leave half an H200's decode
+        throughput unused). More would park requests inside the engine, where their time limit
+        already runs while they wait for a slot, instead of in the queue, where it does not."""
+        return self.worker_concurrency or self.vllm_max_num_seqs
 
     @functools.cached_property
     def registry(self) -> Registry:

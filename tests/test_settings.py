@@ -12,10 +12,10 @@ def concurrency_of(argv: list[str]) -> int:
     return int(argv[argv.index("--concurrency") + 1])
 
 
-def test_worker_threads_default_to_the_engine_batch_plus_a_quarter():
+def test_worker_threads_default_to_the_engine_batch_size():
     # Fewer threads than the engine's batch size would cap the batch the engine can form.
-    assert concurrency_of(worker_argv(Settings.from_env({}), "all")) == 256 + 64
-    assert concurrency_of(worker_argv(Settings.from_env({"SLUICE_VLLM_MAX_NUM_SEQS": "64"}), "all")) == 80
+    assert concurrency_of(worker_argv(Settings.from_env({}), "all")) == 256
+    assert concurrency_of(worker_argv(Settings.from_env({"SLUICE_VLLM_MAX_NUM_SEQS": "64"}), "all")) == 64
     assert concurrency_of(worker_argv(Settings.from_env({"SLUICE_WORKER_CONCURRENCY": "12"}), "all")) == 12
     assert concurrency_of(worker_argv(Settings.from_env({}), "all", concurrency=5)) == 5
     with pytest.raises(SettingsError, match="SLUICE_WORKER_CONCURRENCY must be > 0"):

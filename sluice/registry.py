@@ -46,11 +46,9 @@ class Registry:
     def get(self, name: str) -> ModelSpec | None:
         return next((m for m in self.models if m.name == name), None)
 
-    def long_context_for(self, tokens: int) -> ModelSpec | None:
-        """The long-context model with the smallest context that holds ``tokens``, else the
-        largest one (whose context the 413 then cites), or None if none is configured."""
-        longs = sorted((m for m in self.models if m.role == "long"), key=lambda m: m.context_tokens)
-        return next((m for m in longs if m.context_tokens >= tokens), longs[-1] if longs else None)
+    def long_models(self) -> list[ModelSpec]:
+        """Models with role ``long``, smallest context first."""
+        return sorted((m for m in self.models if m.role == "long"), key=lambda m: m.context_tokens)
 
     def queue_suffix(self, model: ModelSpec) -> str:
         return "" if model.name == self.default.name else f".{model.name}"

@@ -71,16 +71,34 @@ def test_too_long_for_every_model_is_413_citing_the_long_model(api):
     assert error["details"]["limit"] == "context_length" and error["details"]["limit_tokens"] == 4096
 
 
-def test_registry_picks_the_smallest_long_model_that_fits():
+def test_registry_lists_long_models_smallest_first():
     registry = parse_registry(json.dumps([
         {"name": "main", "role": "main", "context_tokens": 8192},
         {"name": "long-128k", "role": "long", "context_tokens": 131072},
         {"name": "long-32k", "role": "long", "context_tokens": 32768},
     ]), name="unused", path=None, context_tokens=8192)
     assert registry.default.name == "main"
-    assert registry.long_context_for(20000).name == "long-32k"
-    assert registry.long_context_for(100000).name == "long-128k"
-    assert registry.long_context_for(200000).name == "long-128k"  # none fits: the largest, for the 413
-    assert parse_registry(None, name="m", path=None, context_tokens=8192).long_context_for(9000) is None
+    assert [m.name for m in registry.long_models()] == ["long-32k", "long-128k"]
+    assert parse_registry(None, name="m", path=None, context_tokens=8192).long_models() == []
     with pytest.raises(RegistryError, match="main, light or long"):
         parse_registry(json.dumps([{"name": "x", "role": "huge"}]), name="m", path=None, context_tokens=8192)
+
+
+def test_the_smallest_long_model_that_holds_the_request_takes_it(database_url, redis_dbs, new_client):
+    from web import create_app
+
+    models = json.dumps([{"name": "sim-main", "role": "main", "context_tokens": 1024},
+                         {"name": "sim-long-4k", "role": "long", "context_tokens": 4096},
+                         {"name": "sim-long-2k", "role": "long", "context_tokens": 2048}])
+    application = create_app(make_settings(database_url, redis_dbs(), {"SLUICE_MODELS": models}))
+    client = new_client(application)
+    try:
+        routed = {}
+        for prompt_tokens in (1500, 3000):
+            request_id = client.submit(prompt="abcd" * prompt_tokens, max_tokens=16).get_json()["id"]
+            routed[prompt_tokens] = client.get(request_id).get_json()["model_routed"]
+            client.cancel(request_id)  # no worker serves these models here
+        assert routed == {1500: "sim-long-2k", 3000: "sim-long-4k"}
+    finally:
+        application.extensions["sluice.redis"].flushdb()
+        application.extensions["sluice.db"].dispose()

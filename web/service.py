@@ -58,12 +58,16 @@ def submit(db: Database, celery: Celery, redis, counters: TokenCounters, setting
     input_tokens = _count(counters, model, request_input)
     requested, routed_reason = model, None
     if "model" not in body and input_tokens + max_tokens > model.context_tokens:
-        # Too long for the default model: a configured long-context model takes it (priced
-        # with its own tokenizer); otherwise the per-request gate answers 413.
-        longer = registry.long_context_for(input_tokens + max_tokens)
-        if longer is not None and longer.context_tokens > model.context_tokens:
+        # Too long for the default model: the smallest long-context model that holds it takes
+        # it, counted with that model's own tokenizer. If none does, the largest is kept and
+        # the per-request gate answers 413 with its numbers; with none configured, the default's.
+        for longer in registry.long_models():
+            if longer.context_tokens <= model.context_tokens:
+                continue
             model, routed_reason = longer, "long_context"
             input_tokens = _count(counters, model, request_input)
+            if input_tokens + max_tokens <= model.context_tokens:
+                break
     reserved = input_tokens + max_tokens
     size_class = size_class_for(reserved, settings.large_threshold_tokens)
     queue = queue_name(priority, size_class, registry.queue_suffix(model))

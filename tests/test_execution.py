@@ -30,28 +30,36 @@ def test_output_with_nul_bytes_is_stored(app):
     assert stored.status == Status.SUCCEEDED and stored.output_text == "a\ufffdb"
 
 
-def test_row_writes_wait_out_a_busy_connection_pool(database_url):
+def test_row_writes_wait_out_a_busy_connection_pool(database_url, monkeypatch):
     """A worker runs more threads than it has connections; a write that finds every pooled
     connection busy past pool_timeout is retried, not failed."""
     import threading
+    from types import SimpleNamespace
 
     from models.session import Database
     from sluice.settings import Settings
-    from workers.execution import with_db_retries
+    from workers import execution
 
     db = Database()
     db.configure(Settings(database_url=database_url).sqlalchemy_url, pool_size=1, max_overflow=0, pool_timeout=0.2)
-    held = threading.Event()
+    held, release = threading.Event(), threading.Event()
 
     def hold_the_only_connection() -> None:
         with db.session() as session:
             session.execute(select(1))
             held.set()
-            threading.Event().wait(0.4)  # longer than pool_timeout, shorter than the first backoff
+            release.wait(30)
 
     holder = threading.Thread(target=hold_the_only_connection)
     holder.start()
-    held.wait(5)
+    assert held.wait(30)
+
+    def backoff(_delay: float) -> None:  # the retry's pause: the other thread finishes meanwhile
+        release.set()
+        holder.join(30)
+
+    # Only this module's view of `time`: other threads keep the real time.sleep.
+    monkeypatch.setattr(execution, "time", SimpleNamespace(sleep=backoff))
     attempts = []
 
     def write() -> int:
@@ -60,8 +68,9 @@ def test_row_writes_wait_out_a_busy_connection_pool(database_url):
             return session.scalar(select(1))
 
     try:
-        assert with_db_retries(write) == 1
+        assert execution.with_db_retries(write) == 1
         assert len(attempts) == 2  # the first timed out waiting for the pool
     finally:
-        holder.join()
+        release.set()
+        holder.join(30)
         db.dispose()

@@ -150,7 +150,7 @@ def test_realtime_overtakes_queued_batch_work(api, engine):
     # batch requests reached the engine before it. (Equal lengths would free all four slots in one
     # step and schedule everyone together, which says nothing about order.)
     fill = [api.submit(prompt=f"batch filler {i}", max_tokens=n, ignore_eos=True, priority="batch")
-            .get_json()["id"] for i, n in enumerate((1200, 1400, 1600, 1800))]
+            .get_json()["id"] for i, n in enumerate((1600, 1700, 1800, 1900))]
     for request_id in fill:
         view = api.wait(request_id, statuses={"running", *TERMINAL})
         assert view["status"] == "running", view

@@ -42,10 +42,9 @@ def start_runtime(app: Flask, hostname: str, queues: list[str]) -> EngineRuntime
     runtime = EngineRuntime(load_engine(settings, model), app.extensions["sluice.redis"], worker_id,
                             heartbeat_s=settings.worker_heartbeat_s,
                             dead_after_s=settings.worker_dead_after_s,
-                            cancel_poll_s=settings.cancel_poll_s, node=hostname, info=info)
+                            cancel_poll_s=settings.cancel_poll_s, info=info)
     runtime.start()
     _state["runtime"] = runtime
-    _state["device"] = info["device"]
     return runtime
 
 
@@ -57,9 +56,9 @@ def served_model(settings: Settings) -> ModelSpec:
     return spec
 
 
-def current_runtime() -> tuple[EngineRuntime, str]:
+def current_runtime() -> EngineRuntime:
     try:
-        return _state["runtime"], _state["device"]  # type: ignore[return-value]
+        return _state["runtime"]  # type: ignore[return-value]
     except KeyError:
         raise RuntimeError("engine runtime not started; run workers with `sluice worker`") from None
 

@@ -173,9 +173,8 @@ def _write_terminal(db: Database, request_id: uuid.UUID, worker_id: str, values:
 CONVERSATION_TTL_S = 3600
 
 
-def execute(db: Database, redis, runtime: EngineRuntime, request_id: uuid.UUID, device: str,
-            model: str) -> None:
-    c = claim(db, request_id, runtime.worker_id, device)
+def execute(db: Database, redis, runtime: EngineRuntime, request_id: uuid.UUID) -> None:
+    c = claim(db, request_id, runtime.worker_id, runtime.info["device"])
     if c is None:
         return
     if c.conversation_id and runtime.node:
@@ -191,7 +190,7 @@ def execute(db: Database, redis, runtime: EngineRuntime, request_id: uuid.UUID, 
                                       "The inference engine failed on this request."))
         return
     try:
-        ended = finish(db, request_id, runtime.worker_id, model, result)
+        ended = finish(db, request_id, runtime.worker_id, runtime.info["model"], result)
     except DB_UNAVAILABLE:
         raise  # Postgres stayed unavailable through every retry; the sweep finds the overdue row
     except Exception:

@@ -53,7 +53,7 @@ class EngineRuntime:
 
     def __init__(self, engine: Engine, redis_client: redis.Redis, worker_id: str, *,
                  heartbeat_s: float, dead_after_s: float, cancel_poll_s: float,
-                 watchdog_s: float = 30.0, node: str | None = None, info: dict | None = None) -> None:
+                 watchdog_s: float = 30.0, info: dict | None = None) -> None:
         self.engine = engine
         self.worker_id = worker_id
         self._redis = redis_client
@@ -61,7 +61,6 @@ class EngineRuntime:
         self._dead_after_s = dead_after_s
         self._cancel_poll_s = cancel_poll_s
         self._watchdog_s = watchdog_s
-        self.node = node
         self.info = info or {}  # static facts for /readyz: node, role, model, device, queues
         self._loop = asyncio.new_event_loop()
         self._in_flight: set[str] = set()
@@ -73,6 +72,11 @@ class EngineRuntime:
         self.cold_start_s: float | None = None
 
     # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def node(self) -> str | None:
+        """The Celery node name, which names this worker's direct queue."""
+        return self.info.get("node")
 
     def start(self) -> None:
         """Start the loop, load the engine and run one warm-up generation; then start watchers."""

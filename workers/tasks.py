@@ -25,9 +25,8 @@ def run_request(request_id: str) -> None:
     """Run one request. Safe to deliver twice: the row's conditional claim lets one run win."""
     token = current_request_id.set(request_id)
     try:
-        runtime, device = current_runtime()
-        execution.execute(current_app.extensions["sluice.db"], current_app.extensions["sluice.redis"], runtime,
-                          uuid.UUID(request_id), device, runtime.info["model"])
+        execution.execute(current_app.extensions["sluice.db"], current_app.extensions["sluice.redis"],
+                          current_runtime(), uuid.UUID(request_id))
     except (*DB_UNAVAILABLE, RuntimeError) as exc:
         # Postgres unreachable through every retry, or no engine in this process: hand the
         # message back to the queue rather than ack it, so the request is not stranded. The

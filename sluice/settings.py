@@ -170,7 +170,8 @@ class Settings:
                     "max_body_bytes", "max_prompt_chars", "max_output_tokens", "default_max_tokens",
                     "time_limit_s", "large_threshold_tokens", "sim_speed", "worker_concurrency",
                     "worker_heartbeat_s", "worker_dead_after_s", "max_attempts", "sweep_interval_s",
-                    "publish_grace_s", "cancel_poll_s", "web_workers"]
+                    "publish_grace_s", "cancel_poll_s", "web_workers", "load_level_max_age_s",
+                    "idempotency_window_s", "redis_timeout_s", "local_floor_tokens_per_minute"]
         for name in positive:
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise SettingsError(f"{_env(name)} must be > 0, got {getattr(self, name)!r}")
@@ -191,10 +192,6 @@ class Settings:
         self._validate_admission()
 
     def _validate_admission(self) -> None:
-        for name in ("load_level_max_age_s", "idempotency_window_s", "redis_timeout_s",
-                     "local_floor_tokens_per_minute"):
-            if getattr(self, name) <= 0:
-                raise SettingsError(f"{_env(name)} must be > 0, got {getattr(self, name)!r}")
         if self.platform_tokens_per_minute < 0:
             raise SettingsError("SLUICE_PLATFORM_TOKENS_PER_MINUTE must be ≥ 0 (0 = no platform cap)")
         try:

@@ -4,7 +4,7 @@ from .base import Base, utcnow
 from .idempotency import IdempotencyKey
 from .request import InferenceRequest, Priority, SizeClass, Status
 from .session import Database
-from .tenant import ApiKey, Tenant, hash_key, new_key
+from .tenant import ApiKey, Tenant, hash_key, new_key, tenant_for_key
 
 __all__ = ["ApiKey", "Base", "Database", "IdempotencyKey", "InferenceRequest", "Priority", "SizeClass", "Status",
-           "Tenant", "hash_key", "new_key", "utcnow"]
+           "Tenant", "hash_key", "new_key", "tenant_for_key", "utcnow"]

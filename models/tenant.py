@@ -7,8 +7,8 @@ import secrets
 import uuid
 from datetime import datetime
 
-from sqlalchemy import CheckConstraint, ForeignKey, String, func
-from sqlalchemy.orm import Mapped, mapped_column, relationship
+from sqlalchemy import CheckConstraint, ForeignKey, String, func, select
+from sqlalchemy.orm import Mapped, Session, mapped_column, relationship
 
 from .base import Base
 
@@ -58,3 +58,9 @@ def hash_key(key: str) -> str:
 
 def new_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def tenant_for_key(session: Session, key: str) -> Tenant | None:
+    """The tenant an active (not revoked) API key belongs to; None for any other key."""
+    return session.scalar(select(Tenant).join(ApiKey, ApiKey.tenant_id == Tenant.id).where(
+        ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None)))

@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from models import Status
+from workers.runtime import EngineRuntime
+
 from . import cli, embedded
 from .keys import WORKER_PREFIX, redis_client
 from .settings import Settings
@@ -32,14 +35,13 @@ from .settings import Settings
 READY_TIMEOUT_S = {"simulated": 120.0, "vllm": 900.0}
 DEMO_TIMEOUT_S = 120.0
 STOP_GRACE_S = 15.0
-TERMINAL = {"succeeded", "failed", "timed_out", "cancelled", "expired", "rejected"}
+TERMINAL = {s.value for s in Status if s.terminal}
 LOG_MARKER = "=== sluice up: starting"
 DEMO_BODY = {"prompt": "In one sentence: why put a job queue in front of GPUs?", "max_tokens": 64}
 
 say = functools.partial(print, flush=True)
 
 
-WATCHDOG_EXIT_CODE = 70  # workers.runtime.EngineRuntime.WATCHDOG_EXIT_CODE (not imported: no engine here)
 MAX_WORKER_RESTARTS = 5
 
 
@@ -84,7 +86,7 @@ class Platform:
     def dead(self) -> str | None:
         """A line saying which piece stopped on its own, with its log tail; None if all run."""
         for child in self.children:
-            if (child.name == "worker" and child.proc.poll() == WATCHDOG_EXIT_CODE
+            if (child.name == "worker" and child.proc.poll() == EngineRuntime.WATCHDOG_EXIT_CODE
                     and child.restarts < MAX_WORKER_RESTARTS):
                 # The worker's watchdog found its engine stuck and exited so that it is restarted;
                 # the sweep requeues what it was running.
@@ -217,22 +219,19 @@ def _services(settings: Settings, platform: Platform) -> Settings:
 
 def _demo_key(url: str, data_dir: Path) -> str:
     """The saved demo key if it still authenticates, else a new one for tenant ``demo``, saved 0600."""
-    from sqlalchemy import create_engine, select
-    from sqlalchemy.pool import NullPool
-
-    from models import ApiKey, hash_key
+    from models import Database, tenant_for_key
 
     path = data_dir / "demo-key"
     if path.exists():
         key = path.read_text().strip()
-        engine = create_engine(url, poolclass=NullPool)
+        db = Database()
+        db.configure(url, pool_size=1, max_overflow=0)
         try:
-            with engine.connect() as conn:
-                found = conn.scalar(select(ApiKey.id).where(ApiKey.key_hash == hash_key(key),
-                                                            ApiKey.revoked_at.is_(None)))
+            with db.session() as session:
+                found = tenant_for_key(session, key) is not None
         finally:
-            engine.dispose()
-        if key and found is not None:
+            db.dispose()
+        if key and found:
             return key
     key = cli.create_key(url, "demo")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

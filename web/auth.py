@@ -5,9 +5,8 @@ from __future__ import annotations
 import uuid
 
 from flask import g, request
-from sqlalchemy import select
 
-from models import ApiKey, Tenant, hash_key
+from models import tenant_for_key
 from models.session import Database
 
 from .errors import Unauthorized
@@ -26,8 +25,7 @@ def authenticate(db: Database) -> uuid.UUID:
         raise Unauthorized("Malformed Authorization header: use `Authorization: Bearer <key>`.",
                            headers=_CHALLENGE)
     with db.session() as session:
-        tenant = session.scalar(select(Tenant).join(ApiKey, ApiKey.tenant_id == Tenant.id).where(
-            ApiKey.key_hash == hash_key(key.strip()), ApiKey.revoked_at.is_(None)))
+        tenant = tenant_for_key(session, key.strip())
     if tenant is None:
         raise Unauthorized("Invalid or revoked API key.", headers=_CHALLENGE)
     # The request's principal, loaded once: admission reads its limits from here.

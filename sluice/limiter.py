@@ -79,8 +79,8 @@ class SharedLimiter:
         self.redis = client
         self.platform_tokens_per_minute = platform_tokens_per_minute
         self.load_level_max_age_ms = int(load_level_max_age_s * 1000)
-        self._admit = client.register_script((_LUA / "admit.lua").read_text())
-        self._release = client.register_script((_LUA / "release.lua").read_text())
+        self._admit = client.register_script(_script("admit.lua"))
+        self._release = client.register_script(_script("release.lua"))
 
     def admit(self, request_id: str, tenant_id: str, limits: Limits, cost: int, priority: str, *,
               too_large: bool = False, dry_run: bool = False, now_ms: int | None = None) -> Verdict:
@@ -151,6 +151,12 @@ def reconcile_in_flight(db: Database, limiter: SharedLimiter, grace_s: float = 6
     if released:
         log.warning("reconciled %d in-flight admission slots that were never released", released)
     return released
+
+
+@functools.cache
+def _script(name: str) -> str:
+    """A limiter script with the bucket arithmetic it shares (buckets.lua) in front of it."""
+    return (_LUA / "buckets.lua").read_text() + (_LUA / name).read_text()
 
 
 def _is_uuid(value: str) -> bool:

@@ -13,34 +13,20 @@
 -- Returns {gate, reason, retry_ms, tokens limit, tokens remaining, tokens reset ms,
 --          requests limit, requests remaining, requests reset ms, load level}; gate '' = admitted.
 
-local now
-if ARGV[13] ~= '' then
-  now = tonumber(ARGV[13])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+-- clock_ms, refill and full_ms come from buckets.lua, prepended at registration.
+local now = clock_ms(ARGV[13])
 
 -- The bucket's level refilled up to now, and the time that level belongs to.
 local function bucket(key, field, cap)
   local v = redis.call('HMGET', key, field, field .. '_t')
   local level, t = tonumber(v[1]), tonumber(v[2])
   if level == nil or t == nil then return cap, now end
-  if now > t then
-    level = level + (now - t) * cap / 60000
-    t = now
-  end
-  if level > cap then level = cap end
-  return level, t
+  return refill(level, t, cap, now)
 end
 
 local function wait_ms(level, need, cap)
   if level >= need then return 0 end
   return math.ceil((need - level) * 60000 / cap)
-end
-
-local function full_ms(level, cap)
-  return math.max(0, math.ceil((cap - level) * 60000 / cap))
 end
 
 local cost = tonumber(ARGV[2])

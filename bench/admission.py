@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/admission.py --seconds 20 --clients 16
 
-Starts `sluice web` (gunicorn, the argv of `sluice.cli.web_argv`) against a scratch database on
+Starts `sluice web` (gunicorn, the argv of `launcher.argv.web_argv`) against a scratch database on
 the local Postgres and an empty database of the local Redis, creates a tenant whose limits never
 bind, then for --seconds each, with --clients concurrent keep-alive connections, drives:
 
@@ -40,9 +40,11 @@ import psycopg
 import redis
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT)]
 
-from sluice.cli import create_key, upgrade_database, web_argv  # noqa: E402
+from launcher.argv import web_argv  # noqa: E402
+from launcher.database import create_key, upgrade_database  # noqa: E402
+from launcher.harness import free_redis_db  # noqa: E402
 from sluice.settings import Settings  # noqa: E402
 
 NO_LIMIT = {"tokens_per_minute": 10**9, "requests_per_minute": 10**8, "max_concurrent": 10**8}
@@ -135,9 +137,7 @@ def main() -> int:
     with psycopg.connect(args.postgres, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     database_url = args.postgres.rsplit("/", 1)[0] + "/" + name
-    from conftest import _free_redis_db  # the tests' own picker: an empty db, locked for this run
-
-    redis_url = f"{args.redis}/{_free_redis_db(args.redis, set())}"
+    redis_url = f"{args.redis}/{free_redis_db(args.redis, set())}"
     port = free_port()
     env = {**os.environ, "DATABASE_URL": database_url, "REDIS_URL": redis_url, "SLUICE_WEB_PORT": str(port),
            "SLUICE_WEB_WORKERS": str(args.web_workers), "SLUICE_LOG_LEVEL": "WARNING",

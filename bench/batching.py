@@ -103,16 +103,16 @@ def run_vllm(script: str, args, model: Path, items: list[str]) -> dict:
 def sluice_stack(args, model: Path):
     """Scratch database + Redis db + one vLLM worker; returns (app, tenant key, worker, cleanup)."""
     import psycopg
-    from conftest import WorkerProcess, _with_db, make_settings
 
-    from sluice.cli import create_key, upgrade_database
+    from launcher.database import create_key, upgrade_database
+    from launcher.harness import WorkerProcess, with_database
     from sluice.settings import Settings
-    from web import create_app
+    from web import create_app, services
 
     name = f"sluice_bench_{uuid.uuid4().hex[:6]}"
     with psycopg.connect(args.database_url, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
-    db_url = _with_db(args.database_url, name)
+    db_url = with_database(args.database_url, name)
     upgrade_database(Settings(database_url=db_url).sqlalchemy_url)
     env = {"SLUICE_ENGINE": "vllm", "SLUICE_MODEL": "bench-model", "SLUICE_MODEL_PATH": str(model),
            "SLUICE_MAX_CONTEXT_TOKENS": str(args.max_model_len), "SLUICE_LARGE_THRESHOLD_TOKENS": "1000000",
@@ -122,19 +122,21 @@ def sluice_stack(args, model: Path):
            "SLUICE_LOG_LEVEL": "WARNING",
            **({"SLUICE_WORKER_CONCURRENCY": str(args.concurrency)} if args.concurrency else {}),
            **({"SLUICE_VLLM_KV_CACHE_BYTES": str(args.kv_bytes)} if args.kv_bytes else {})}
-    app = create_app(make_settings(db_url, args.redis_url, env))
-    app.extensions["sluice.redis"].flushdb()
+    env = {"DATABASE_URL": db_url, "REDIS_URL": args.redis_url, **env}
+    settings = Settings.from_env(env)
+    app = create_app(settings)
+    services(app).redis.flushdb()
     key = create_key(Settings(database_url=db_url).sqlalchemy_url, "bench")
     tmp = Path(f"/tmp/{name}")
     tmp.mkdir()
-    threads = make_settings(db_url, args.redis_url, env).worker_threads
-    worker = WorkerProcess(db_url, args.redis_url, tmp, extra_env=env, ready_timeout=600, concurrency=threads)
+    threads = settings.worker_threads
+    worker = WorkerProcess(env, args.redis_url, tmp, ready_timeout=600, concurrency=threads)
     print(f"sluice worker: {threads} threads", flush=True)
 
     def cleanup() -> None:
         worker.stop()
-        app.extensions["sluice.redis"].flushdb()
-        app.extensions["sluice.db"].dispose()
+        services(app).redis.flushdb()
+        services(app).db.dispose()
         with psycopg.connect(args.database_url, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
@@ -148,7 +150,9 @@ def run_through_sluice(app, key: str, items: list[str], tokens: int, *, serial: 
 
     http = app.test_client()
     headers = {"Authorization": f"Bearer {key}"}
-    db = app.extensions["sluice.db"]
+    from web import services
+
+    db = services(app).db
     terminal = [s for s in Status if s.terminal]
 
     def submit(prompt: str) -> str:

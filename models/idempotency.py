@@ -8,12 +8,13 @@ row, so of two concurrent submits with one key exactly one commits.
 from __future__ import annotations
 
 import uuid
-from datetime import datetime
+from datetime import datetime, timedelta
 
-from sqlalchemy import ForeignKey, String, func
+from sqlalchemy import ForeignKey, String, delete, func, select, tuple_
 from sqlalchemy.orm import Mapped, mapped_column
 
 from .base import Base
+from .session import Database
 
 
 class IdempotencyKey(Base):
@@ -25,3 +26,12 @@ class IdempotencyKey(Base):
     # SHA-256 of the canonical JSON body: the same key with another body is a client bug (422).
     body_sha256: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(server_default=func.now(), index=True)
+
+
+def expire_keys(db: Database, window_s: float, batch: int = 5000) -> int:
+    """Delete up to ``batch`` keys older than the window (the sweep calls this)."""
+    t = IdempotencyKey
+    with db.session() as session:
+        old = select(t.tenant_id, t.key).where(t.created_at <= func.now() - timedelta(seconds=window_s)).limit(batch)
+        result = session.execute(delete(t).where(tuple_(t.tenant_id, t.key).in_(old)))
+    return result.rowcount

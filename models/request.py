@@ -20,6 +20,8 @@ from .base import Base
 
 
 class Status(enum.StrEnum):
+    """Changed only through ``models/lifecycle.py``, which owns the allowed transitions."""
+
     QUEUED = "queued"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
@@ -27,7 +29,7 @@ class Status(enum.StrEnum):
     TIMED_OUT = "timed_out"
     CANCELLED = "cancelled"
     EXPIRED = "expired"
-    REJECTED = "rejected"
+    REJECTED = "rejected"  # not written yet: refusals recorded on a row come with overload control
 
     @property
     def terminal(self) -> bool:
@@ -56,6 +58,9 @@ class InferenceRequest(Base):
         Index("ix_requests_status_created_at", "status", "created_at"),
         Index("ix_requests_tenant_id_created_at", "tenant_id", "created_at"),
     )
+    # created_at and deadline_at are computed by the database at INSERT: read them back with
+    # RETURNING, so a committed row says when it was created without another query.
+    __mapper_args__ = {"eager_defaults": True}
 
     id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
     tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
@@ -91,6 +96,8 @@ class InferenceRequest(Base):
     finish_reason: Mapped[str | None] = mapped_column(String(16))
     error_code: Mapped[str | None] = mapped_column(String(64))
     error_message: Mapped[str | None] = mapped_column(String(500))
+    # Not written yet: the overload-control issue (degradation ladder, hot answer cache) is
+    # their writer; until it lands both stay NULL / false on every row.
     degradation_step: Mapped[str | None] = mapped_column(String(32))
     cache_hit: Mapped[bool] = mapped_column(default=False)
 

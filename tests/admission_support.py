@@ -12,6 +12,7 @@ from sqlalchemy import func, select
 
 from models import ApiKey, IdempotencyKey, InferenceRequest, Tenant, hash_key
 from sluice.tenants import update_tenant
+from web.services import services
 
 
 @pytest.fixture(scope="session")
@@ -34,32 +35,32 @@ def isolated_app(database_url, admission_redis_url) -> Iterator[Callable[..., ob
 
     yield make
     for application in made:
-        application.extensions["sluice.db"].dispose()
+        services(application).db.dispose()
     flush = redis_lib.Redis.from_url(admission_redis_url)
     flush.flushdb()
     flush.close()
 
 
 def tenant_id_of(app, client: ApiClient) -> uuid.UUID:
-    with app.extensions["sluice.db"].session() as session:
+    with services(app).db.session() as session:
         return session.scalar(select(ApiKey.tenant_id).where(ApiKey.key_hash == hash_key(client.key)))
 
 
 def set_limits(app, client: ApiClient, **changes) -> uuid.UUID:
     """Give the client's tenant a tier and/or limit overrides, as `sluice tenants update` does."""
     tenant_id = tenant_id_of(app, client)
-    with app.extensions["sluice.db"].session() as session:
-        update_tenant(session, app.config["SLUICE"], session.get(Tenant, tenant_id), changes)
+    with services(app).db.session() as session:
+        update_tenant(session, services(app).settings, session.get(Tenant, tenant_id), changes)
     return tenant_id
 
 
 def rows_of(app, tenant_id: uuid.UUID) -> list[InferenceRequest]:
-    with app.extensions["sluice.db"].session() as session:
+    with services(app).db.session() as session:
         return list(session.scalars(select(InferenceRequest).where(InferenceRequest.tenant_id == tenant_id)))
 
 
 def idempotency_keys_of(app, tenant_id: uuid.UUID) -> int:
-    with app.extensions["sluice.db"].session() as session:
+    with services(app).db.session() as session:
         return session.scalar(select(func.count()).select_from(IdempotencyKey).where(
             IdempotencyKey.tenant_id == tenant_id))
 

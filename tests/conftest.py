@@ -9,25 +9,21 @@ shared by the whole session can keep running between tests.
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import socket
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
 import redis as redis_lib
 
-from sluice.cli import create_key, upgrade_database
-from sluice.keys import WORKER_PREFIX
+from launcher import harness
+from launcher.database import create_key, upgrade_database
 from sluice.settings import Settings
+from web.services import services
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL_DB_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -49,11 +45,6 @@ TEST_ENV = {
 }
 
 
-def _with_db(url: str, name: str) -> str:
-    parts = urlsplit(url)
-    return urlunsplit(parts._replace(path="/" + name))
-
-
 def _answers(port: int) -> bool:
     with socket.socket() as sock:
         sock.settimeout(1)
@@ -68,7 +59,7 @@ def admin_db_url(tmp_path_factory) -> Iterator[str]:
     elif _answers(5432) and not FORCE_EMBEDDED:
         yield LOCAL_DB_URL
     else:
-        from sluice.embedded import start_postgres
+        from launcher.embedded import start_postgres
 
         server = start_postgres(tmp_path_factory.mktemp("embedded"))
         yield server.url
@@ -83,7 +74,7 @@ def redis_base(tmp_path_factory) -> Iterator[str]:
     elif _answers(6379) and not FORCE_EMBEDDED:
         yield LOCAL_REDIS_URL
     else:
-        from sluice.embedded import start_redis
+        from launcher.embedded import start_redis
 
         server = start_redis(tmp_path_factory.mktemp("embedded"))
         yield server.url.rsplit("/", 1)[0]
@@ -95,25 +86,11 @@ def database_url(admin_db_url) -> Iterator[str]:
     name = f"sluice_test_{os.getpid()}_{uuid.uuid4().hex[:6]}"
     with psycopg.connect(admin_db_url, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
-    url = _with_db(admin_db_url, name)
+    url = harness.with_database(admin_db_url, name)
     upgrade_database(Settings(database_url=url).sqlalchemy_url)
     yield url
     with psycopg.connect(admin_db_url, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-def _free_redis_db(base: str, taken: set[int]) -> int:
-    """A Redis database number that is empty now, so parallel runs do not collide."""
-    for number in range(15, 0, -1):
-        if number in taken:
-            continue
-        client = redis_lib.Redis.from_url(f"{base}/{number}")
-        try:
-            if client.dbsize() == 0 and client.set("sluice:test:lock", os.getpid(), nx=True, ex=3600):
-                return number
-        finally:
-            client.close()
-    raise RuntimeError("no empty Redis database left for the tests")
 
 
 @pytest.fixture(scope="session")
@@ -122,7 +99,7 @@ def redis_dbs(redis_base) -> Iterator[Callable[[], str]]:
     taken: set[int] = set()
 
     def allocate() -> str:
-        number = _free_redis_db(redis_base, taken)
+        number = harness.free_redis_db(redis_base, taken)
         taken.add(number)
         return f"{redis_base}/{number}"
 
@@ -143,88 +120,22 @@ def make_settings(database_url: str, redis_url: str, env: dict[str, str] | None 
     return Settings.from_env(env, **overrides)
 
 
-class WorkerProcess:
-    """A real `sluice worker` process (Celery, thread pool, simulated engine)."""
+def service_env(database_url: str, redis_url: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    return {**TEST_ENV, "DATABASE_URL": database_url, "REDIS_URL": redis_url, **(extra or {})}
+
+
+class WorkerProcess(harness.WorkerProcess):
+    """A real `sluice worker` (Celery, thread pool, simulated engine unless told) with the tests' settings."""
 
     def __init__(self, database_url: str, redis_url: str, tmp: Path, role: str = "all",
-                 extra_env: dict[str, str] | None = None, ready_timeout: float = 60,
-                 model: str | None = None, concurrency: int = 64) -> None:
-        self.redis = redis_lib.Redis.from_url(redis_url, decode_responses=True)
-        self.log_path = tmp / f"worker-{role}-{uuid.uuid4().hex[:6]}.log"
-        env = {**os.environ, **TEST_ENV, "DATABASE_URL": database_url, "REDIS_URL": redis_url,
-               "PYTHONUNBUFFERED": "1", **(extra_env or {})}
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        before = set(self.redis.keys(WORKER_PREFIX + "*"))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sluice.cli", "worker", "--role", role, "--concurrency", str(concurrency),
-             "--name", f"{role}-{uuid.uuid4().hex[:6]}@test", *(["--model", model] if model else [])],
-            cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            self.worker_key = self._wait_ready(before, ready_timeout)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _wait_ready(self, before: set[str], timeout: float = 60) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited early:\n{self.log_path.read_text()[-3000:]}")
-            new = set(self.redis.keys(WORKER_PREFIX + "*")) - before
-            if new:
-                return new.pop()
-            time.sleep(0.2)
-        raise RuntimeError(f"worker not warm after {timeout}s:\n{self.log_path.read_text()[-3000:]}")
-
-    def stats(self) -> dict:
-        raw = self.redis.get(self.worker_key)
-        return json.loads(raw) if raw else {}
-
-    def wait_stats(self, predicate: Callable[[dict], bool], timeout: float = 10) -> dict:
-        """Engine stats arrive with the heartbeat; wait for a snapshot that satisfies predicate."""
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = self.stats()
-            if predicate(stats) or time.monotonic() > deadline:
-                return stats
-            time.sleep(0.1)
-
-    def kill(self) -> None:
-        """SIGKILL the whole worker: no cleanup, no acks, exactly like an OOM kill."""
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
-        self.stop()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        if not self._log.closed:
-            self._log.close()
-            self.redis.close()
+                 extra_env: dict[str, str] | None = None, **kwargs) -> None:
+        super().__init__(service_env(database_url, redis_url, extra_env), redis_url, tmp, role=role, **kwargs)
 
 
-class BeatProcess:
-    """A real `sluice beat` process: schedules the sweep onto the maintenance queue."""
-
+class BeatProcess(harness.BeatProcess):
     def __init__(self, database_url: str, redis_url: str, tmp: Path, interval_s: float = 1.0) -> None:
-        self.log_path = tmp / f"beat-{uuid.uuid4().hex[:6]}.log"
-        env = {**os.environ, **TEST_ENV, "DATABASE_URL": database_url, "REDIS_URL": redis_url,
-               "SLUICE_SWEEP_INTERVAL_S": str(interval_s), "SLUICE_DATA_DIR": str(tmp / "beat-data")}
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "beat"], cwd=ROOT, env=env,
-                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(30)
-        if not self._log.closed:
-            self._log.close()
+        super().__init__(service_env(database_url, redis_url, {"SLUICE_SWEEP_INTERVAL_S": str(interval_s),
+                                                               "SLUICE_DATA_DIR": str(tmp / "beat-data")}), tmp)
 
 
 @pytest.fixture(scope="session")
@@ -240,7 +151,7 @@ def app(database_url, redis_url):
 
     application = create_app(make_settings(database_url, redis_url))
     yield application
-    application.extensions["sluice.db"].dispose()
+    services(application).db.dispose()
 
 
 class ApiClient:

@@ -13,9 +13,10 @@ from conftest import ApiClient
 from sqlalchemy import update
 from test_api_errors import assert_envelope
 
-from models import InferenceRequest, Status
+from models import InferenceRequest, Status, Tenant
 from sluice.keys import LOAD_LEVEL_KEY, inflight_key
 from sluice.load import LoadLevel, write_level
+from web.services import services
 from workers.sweep import sweep
 
 DURATION = re.compile(r"^(\d+ms|(\d+m)?\d+(\.\d+)?s)$")
@@ -43,7 +44,7 @@ def assert_retry_after(response) -> int:
 def test_accepted_submit_carries_the_tenant_quota(app, client):
     response = client.submit(prompt="abcd" * 10, max_tokens=90)  # 10 input tokens + 90 reserved
     assert response.status_code == 202
-    standard = app.config["SLUICE"].tiers["standard"]
+    standard = services(app).settings.tiers["standard"]
     h = assert_ratelimit_headers(response, standard.tokens_per_minute, standard.requests_per_minute)
     # A fresh bucket: exactly this request's price is gone (refill cannot exceed a full bucket).
     assert int(h["x-ratelimit-remaining-tokens"]) == standard.tokens_per_minute - 100
@@ -52,7 +53,7 @@ def test_accepted_submit_carries_the_tenant_quota(app, client):
 
 
 def test_every_submit_answer_after_authentication_has_the_headers(app, client):
-    standard = app.config["SLUICE"].tiers["standard"]
+    standard = services(app).settings.tiers["standard"]
     invalid = client.submit(prompt="x", max_tokens=0)
     assert_envelope(invalid, 422, "invalid_request")
     assert_ratelimit_headers(invalid, standard.tokens_per_minute, standard.requests_per_minute)
@@ -68,7 +69,7 @@ def test_token_budget_rejects_with_429_and_writes_no_row(app, client):
     error = assert_envelope(rejected, 429, "rate_limited")
     assert error["details"] == {"gate": "tenant", "reason": "tokens_per_minute"}
     assert "600 tokens" in error["message"] and "1000 tokens per minute" in error["message"]
-    h = assert_ratelimit_headers(rejected, 1000, app.config["SLUICE"].tiers["standard"].requests_per_minute)
+    h = assert_ratelimit_headers(rejected, 1000, services(app).settings.tiers["standard"].requests_per_minute)
     assert int(h["x-ratelimit-remaining-tokens"]) < 600
     # 200 tokens short at 1000/min is 12 s; Retry-After rounds the exact wait up.
     assert 1 <= assert_retry_after(rejected) <= 12
@@ -98,7 +99,7 @@ def test_concurrency_cap_and_cancel_frees_the_slot(isolated_app, new_client):
 
 
 def test_too_large_for_the_model_or_the_tenant_is_413_with_the_numbers(app, client):
-    context = app.config["SLUICE"].registry.default.context_tokens
+    context = services(app).settings.registry.default.context_tokens
     prompt = "abcd" * 250  # 250 tokens
     error = assert_envelope(client.submit(prompt=prompt, max_tokens=context), 413, "request_too_large")
     assert f"needs {250 + context} tokens" in error["message"] and f"context length of {context}" in error["message"]
@@ -113,7 +114,7 @@ def test_too_large_for_the_model_or_the_tenant_is_413_with_the_numbers(app, clie
 
 def test_shedding_and_batch_pause_come_from_the_load_level(isolated_app, new_client):
     application = isolated_app()
-    client, redis = new_client(application), application.extensions["sluice.redis"]
+    client, redis = new_client(application), services(application).redis
     write_level(redis, LoadLevel.REJECT_BATCH)
     batch = client.submit(prompt="later", max_tokens=4, priority="batch")
     assert assert_envelope(batch, 503, "overloaded")["details"] == {"gate": "global", "reason": "batch_paused"}
@@ -172,7 +173,7 @@ def test_finished_request_gives_back_what_it_did_not_use(app, client):
     give back what the refund gives back at once.
     """
     tenant_id = set_limits(app, client, tokens_per_minute=8100)
-    limiter = app.extensions["sluice.admission"].shared
+    limiter = services(app).admission.shared
     began = time.monotonic()
     accepted = client.submit(prompt="tell me a story", max_tokens=8000, stop=[" "])
     assert accepted.status_code == 202
@@ -184,7 +185,8 @@ def test_finished_request_gives_back_what_it_did_not_use(app, client):
         time.sleep(0.05)
     assert limiter.in_flight(str(tenant_id)) == [], "the worker never released the slot"
 
-    limits = app.extensions["sluice.admission"].limits_for(app.extensions["sluice.db"], tenant_id)
+    with services(app).db.session() as session:
+        limits = services(app).admission.limits_for(session.get(Tenant, tenant_id))
     remaining = limiter.peek(str(tenant_id), limits).tokens.remaining
     elapsed_s = time.monotonic() - began
     used = view["usage"]["input_tokens"] + view["usage"]["output_tokens"]
@@ -201,17 +203,15 @@ def test_sweep_releases_slots_that_leaked(isolated_app, new_client):
     application = isolated_app()
     client = new_client(application)
     tenant_id = set_limits(application, client, max_concurrent=2, tokens_per_minute=10_000)
-    limiter = application.extensions["sluice.admission"].shared
+    limiter = services(application).admission.shared
     request_id = client.submit(prompt="abcd", max_tokens=999).get_json()["id"]
-    with application.extensions["sluice.db"].session() as session:
+    with services(application).db.session() as session:
         session.execute(update(InferenceRequest).where(InferenceRequest.id == uuid.UUID(request_id)).values(
             status=Status.SUCCEEDED, started_at=InferenceRequest.created_at, output_tokens=10))
     seconds, _ = limiter.redis.time()
     limiter.redis.zadd(inflight_key(str(tenant_id)), {str(uuid.uuid4()): (seconds - 3600) * 1000})
     assert assert_envelope(client.submit(prompt="q", max_tokens=4), 429, "tenant_concurrency_limit")
-
-    ext = application.extensions
-    report = sweep(ext["sluice.db"], ext["sluice.redis"], ext["celery"], application.config["SLUICE"])
+    report = sweep(services(application))
     assert report["released"] == 2
     assert limiter.in_flight(str(tenant_id)) == []
     assert client.submit(prompt="q", max_tokens=4).status_code == 202

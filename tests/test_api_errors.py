@@ -9,6 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from web.services import services
+
 
 def assert_envelope(response, status: int, code: str | None = None) -> dict:
     assert response.status_code == status, response.get_data(as_text=True)
@@ -81,10 +83,10 @@ def test_invalid_fields_are_named(client, body, field):
 
 
 def test_oversized_body_and_prompt(app, client):
-    limit = app.config["SLUICE"].max_body_bytes
+    limit = services(app).settings.max_body_bytes
     error = assert_envelope(client.submit(prompt="x" * (limit + 1)), 413, "body_too_large")
     assert str(limit) in error["message"]
-    chars = app.config["SLUICE"].max_prompt_chars
+    chars = services(app).settings.max_prompt_chars
     small_app_limit = min(limit - 100, chars + 1)
     if small_app_limit > chars:  # only reachable when the char cap is below the body cap
         error = assert_envelope(client.submit(prompt="x" * small_app_limit), 422, "invalid_request")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from conftest import BeatProcess, WorkerProcess, make_settings
 
+from web.services import services
+
 
 @pytest.fixture
 def two_workers(database_url, redis_dbs, new_client, tmp_path):
@@ -16,8 +18,8 @@ def two_workers(database_url, redis_dbs, new_client, tmp_path):
     yield application, new_client(application), workers, redis_url
     for worker in workers:
         worker.stop()
-    application.extensions["sluice.redis"].flushdb()
-    application.extensions["sluice.db"].dispose()
+    services(application).redis.flushdb()
+    services(application).db.dispose()
 
 
 def node_of(view: dict) -> str:
@@ -75,5 +77,5 @@ def test_affinity_never_puts_batch_work_on_a_realtime_worker(database_url, redis
     finally:
         for worker in workers:
             worker.stop()
-        application.extensions["sluice.redis"].flushdb()
-        application.extensions["sluice.db"].dispose()
+        services(application).redis.flushdb()
+        services(application).db.dispose()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 from factories import request_row
 from sqlalchemy import select
 
 from models import InferenceRequest, Status, Tenant, utcnow
+from models.lifecycle import Lifecycle
+from web.services import services
 from workers.engines import GenerationOutput
 from workers.execution import finish
 from workers.runtime import RunResult
@@ -15,7 +18,7 @@ from workers.runtime import RunResult
 
 def test_output_with_nul_bytes_is_stored(app):
     """A random model can emit U+0000, which PostgreSQL text refuses; the row must still finish."""
-    db = app.extensions["sluice.db"]
+    db = services(app).db
     with db.session() as session:
         tenant = Tenant(name=f"nul-{uuid.uuid4().hex[:8]}")
         session.add(tenant)
@@ -24,7 +27,7 @@ def test_output_with_nul_bytes_is_stored(app):
         session.add(row)
     out = GenerationOutput(request_id=str(row.id), text="a\x00b", prompt_tokens=1, output_tokens=3, finished=True,
                            finish_reason="length")
-    assert finish(db, row.id, "w/1", "m", RunResult(out, utcnow(), "finished")) is not None
+    assert finish(Lifecycle(db), row.id, "w/1", "m", RunResult(out, time.monotonic(), "finished")) is not None
     with db.session() as session:
         stored = session.scalar(select(InferenceRequest).where(InferenceRequest.id == row.id))
     assert stored.status == Status.SUCCEEDED and stored.output_text == "a\ufffdb"

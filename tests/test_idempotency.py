@@ -11,6 +11,8 @@ from sqlalchemy import text
 from test_admission import assert_ratelimit_headers
 from test_api_errors import assert_envelope
 
+from web.services import services
+
 BODY = {"prompt": "summarise the quarterly report", "max_tokens": 32}
 
 
@@ -26,7 +28,7 @@ def test_retry_with_the_same_key_returns_the_original_request(app, client):
     assert again.status_code == 202 and again.headers["Idempotent-Replayed"] == "true"
     assert again.get_json()["id"] == first.get_json()["id"]
     assert again.headers["Location"] == first.headers["Location"]
-    assert_ratelimit_headers(again, app.config["SLUICE"].tiers["standard"].tokens_per_minute, 2)
+    assert_ratelimit_headers(again, services(app).settings.tiers["standard"].tokens_per_minute, 2)
     # The replay was not charged: one request of the two per minute is gone, not both.
     assert again.headers["x-ratelimit-remaining-requests"] == "1"
     assert len(rows_of(app, tenant_id)) == 1
@@ -70,7 +72,7 @@ def test_concurrent_retries_create_exactly_one_row(isolated_app, new_client):
     assert sum(r.headers.get("Idempotent-Replayed") == "true" for r in responses) == 15
     assert len(rows_of(application, tenant_id)) == 1 and idempotency_keys_of(application, tenant_id) == 1
     # The losers' reservations were given back: only the one request is in flight.
-    assert application.extensions["sluice.admission"].shared.in_flight(str(tenant_id)) == [
+    assert services(application).admission.shared.in_flight(str(tenant_id)) == [
         responses[0].get_json()["id"]]
 
 
@@ -81,7 +83,7 @@ def test_an_expired_key_starts_a_new_request_and_the_sweep_deletes_old_keys(isol
     client = new_client(application)
     tenant_id = tenant_id_of(application, client)
     first = submit(client, "nightly").get_json()["id"]
-    with application.extensions["sluice.db"].session() as session:
+    with services(application).db.session() as session:
         session.execute(text("UPDATE idempotency_keys SET created_at = now() - interval '2 days' "
                              "WHERE tenant_id = :t"), {"t": tenant_id})
     second = submit(client, "nightly")
@@ -89,12 +91,10 @@ def test_an_expired_key_starts_a_new_request_and_the_sweep_deletes_old_keys(isol
     assert second.get_json()["id"] != first
     assert idempotency_keys_of(application, tenant_id) == 1
 
-    with application.extensions["sluice.db"].session() as session:
+    with services(application).db.session() as session:
         session.execute(text("UPDATE idempotency_keys SET created_at = now() - interval '2 days' "
                              "WHERE tenant_id = :t"), {"t": tenant_id})
-    ext = application.extensions
-    assert sweep(ext["sluice.db"], ext["sluice.redis"], ext["celery"],
-                 application.config["SLUICE"])["idempotency_keys_expired"] >= 1
+    assert sweep(services(application))["idempotency_keys_expired"] >= 1
     assert idempotency_keys_of(application, tenant_id) == 0
 
 

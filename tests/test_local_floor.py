@@ -20,8 +20,9 @@ from sqlalchemy import select
 from test_admission import assert_ratelimit_headers, assert_retry_after
 from test_api_errors import assert_envelope
 
+from launcher.embedded import EmbeddedRedis, _wait_pong, redis_executable, start_redis
 from models import InferenceRequest
-from sluice.embedded import EmbeddedRedis, _wait_pong, redis_executable, start_redis
+from web.services import services
 from workers.sweep import sweep
 
 
@@ -73,7 +74,7 @@ def test_floor_engages_when_redis_stops_and_disengages_when_it_restarts(own_redi
                                publish_grace_s=0.1)
     client = new_client(application)
     tenant_id = tenant_id_of(application, client)
-    admission = application.extensions["sluice.admission"]
+    admission = services(application).admission
     before = client.submit(prompt="before", max_tokens=16)
     assert before.status_code == 202
     assert before.get_json()["id"] in admission.shared.in_flight(str(tenant_id))
@@ -82,7 +83,7 @@ def test_floor_engages_when_redis_stops_and_disengages_when_it_restarts(own_redi
     during = client.submit(prompt="during", max_tokens=16)
     assert during.status_code == 202, during.get_json()
     assert not admission.redis_healthy and floor_gauge(application) == 1.0
-    standard = application.config["SLUICE"].tiers["standard"]
+    standard = services(application).settings.tiers["standard"]
     assert_ratelimit_headers(during, standard.tokens_per_minute, standard.requests_per_minute)
     batch = client.submit(prompt="batch", max_tokens=16, priority="batch")
     error = assert_envelope(batch, 503, "overloaded")
@@ -101,16 +102,15 @@ def test_floor_engages_when_redis_stops_and_disengages_when_it_restarts(own_redi
 
     # The row admitted on the floor was committed but not published (Redis was away); the sweep
     # publishes it now that Redis is back. Nothing accepted is lost.
-    ext = application.extensions
     deadline = time.monotonic() + 10
     while not enqueued(application, during.get_json()["id"]) and time.monotonic() < deadline:
-        sweep(ext["sluice.db"], ext["sluice.redis"], ext["celery"], application.config["SLUICE"])
+        sweep(services(application))
         time.sleep(0.1)
     assert enqueued(application, during.get_json()["id"])
 
 
 def enqueued(application, request_id: str) -> bool:
-    with application.extensions["sluice.db"].session() as session:
+    with services(application).db.session() as session:
         return session.scalar(select(InferenceRequest.enqueued_at).where(InferenceRequest.id == request_id)) is not None
 
 
@@ -119,7 +119,7 @@ def test_a_frozen_redis_costs_a_timeout_not_a_hang(own_redis, isolated_app, new_
     application = isolated_app(redis_url=own_redis["server"].url)
     client = new_client(application)
     tenant_id = tenant_id_of(application, client)
-    admission = application.extensions["sluice.admission"]
+    admission = services(application).admission
     assert client.submit(prompt="warm", max_tokens=4).status_code == 202
 
     pid = own_redis["server"].process.pid

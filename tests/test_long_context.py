@@ -12,6 +12,7 @@ import pytest
 from conftest import WorkerProcess, make_settings
 
 from sluice.registry import RegistryError, parse_registry
+from web.services import services
 
 MODELS = json.dumps([
     {"name": "sim-main", "role": "main", "context_tokens": 1024},
@@ -30,8 +31,8 @@ def long_stack(database_url, redis_dbs, tmp_path_factory):
                            model="sim-long")
     yield application
     worker.stop()
-    application.extensions["sluice.redis"].flushdb()
-    application.extensions["sluice.db"].dispose()
+    services(application).redis.flushdb()
+    services(application).db.dispose()
 
 
 @pytest.fixture
@@ -100,5 +101,5 @@ def test_the_smallest_long_model_that_holds_the_request_takes_it(database_url, r
             client.cancel(request_id)  # no worker serves these models here
         assert routed == {1500: "sim-long-2k", 3000: "sim-long-4k"}
     finally:
-        application.extensions["sluice.redis"].flushdb()
-        application.extensions["sluice.db"].dispose()
+        services(application).redis.flushdb()
+        services(application).db.dispose()

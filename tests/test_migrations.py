@@ -10,9 +10,10 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.migration import MigrationContext
-from conftest import ROOT, _with_db
+from conftest import ROOT
 from sqlalchemy import create_engine
 
+from launcher.harness import with_database
 from models import Base
 from sluice.settings import Settings
 
@@ -22,7 +23,7 @@ def scratch_db(admin_db_url):
     name = f"sluice_migrations_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(admin_db_url, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
-    yield Settings(database_url=_with_db(admin_db_url, name)).sqlalchemy_url
+    yield Settings(database_url=with_database(admin_db_url, name)).sqlalchemy_url
     with psycopg.connect(admin_db_url, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 

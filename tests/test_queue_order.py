@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from conftest import WorkerProcess, make_settings
 
+from web.services import services
 from workers.queue_order import ClassPriorityCycle
 
 
@@ -25,8 +26,8 @@ def test_a_free_worker_thread_takes_realtime_before_batch(database_url, redis_db
         views = {i: client.wait(i) for i in [*batch, *small, *large]}
     finally:
         worker.stop()
-        application.extensions["sluice.redis"].flushdb()
-        application.extensions["sluice.db"].dispose()
+        services(application).redis.flushdb()
+        services(application).db.dispose()
     assert {v["status"] for v in views.values()} == {"succeeded"}
     order = sorted(views, key=lambda i: views[i]["timings"]["started_at"])
     taken = [(views[i]["queue"], views[i]["timings"]["started_at"]) for i in order]

@@ -16,6 +16,7 @@ from factories import request_row
 from sqlalchemy import select, update
 
 from models import InferenceRequest, Status, utcnow
+from web.services import services
 from workers.sweep import sweep
 
 
@@ -28,17 +29,16 @@ def isolated(database_url, redis_dbs, new_client):
     application = create_app(make_settings(database_url, redis_url))
     client = new_client(application)
     yield application, client, redis_url
-    application.extensions["sluice.redis"].flushdb()
-    application.extensions["sluice.db"].dispose()
+    services(application).redis.flushdb()
+    services(application).db.dispose()
 
 
 def run_sweep(application) -> dict:
-    ext = application.extensions
-    return sweep(ext["sluice.db"], ext["sluice.redis"], ext["celery"], application.config["SLUICE"])
+    return sweep(services(application))
 
 
 def rows(application, ids) -> dict[str, InferenceRequest]:
-    with application.extensions["sluice.db"].session() as session:
+    with services(application).db.session() as session:
         found = session.scalars(select(InferenceRequest).where(InferenceRequest.id.in_(
             [uuid.UUID(i) for i in ids]))).all()
     return {str(r.id): r for r in found}
@@ -66,7 +66,7 @@ def test_request_past_its_deadline_is_dropped_not_computed(isolated, database_ur
     control = client.submit(prompt="in time", max_tokens=8).get_json()["id"]
     time.sleep(0.5)
     # The sweep expires what it finds; a worker dequeuing a late request drops it too.
-    with application.extensions["sluice.db"].session() as session:
+    with services(application).db.session() as session:
         session.execute(update(InferenceRequest).where(InferenceRequest.id == uuid.UUID(late))
                         .values(deadline_at=utcnow() + timedelta(seconds=1)))
     assert run_sweep(application)["expired"] == 1
@@ -86,7 +86,7 @@ def test_row_committed_but_never_published_is_published_by_the_sweep(isolated, d
     application, client, redis_url = isolated
     tenant_id = client_tenant(application, client)
     stranded = request_row(tenant_id, created_at=utcnow() - timedelta(minutes=1))
-    with application.extensions["sluice.db"].session() as session:
+    with services(application).db.session() as session:
         session.add(stranded)
     request_id = str(stranded.id)
     worker = WorkerProcess(database_url, redis_url, tmp_path)
@@ -110,14 +110,14 @@ def test_message_taken_by_a_worker_that_died_before_claiming_is_republished(isol
     application, client, redis_url = isolated
     tenant_id = client_tenant(application, client)
     lost = request_row(tenant_id, enqueued_at=utcnow())
-    with application.extensions["sluice.db"].session() as session:
+    with services(application).db.session() as session:
         session.add(lost)
-    application.extensions["sluice.redis"].hset(RESERVED_KEY, str(lost.id), "all@gone/1.dead")
+    services(application).redis.hset(RESERVED_KEY, str(lost.id), "all@gone/1.dead")
     worker = WorkerProcess(database_url, redis_url, tmp_path)
     try:
         assert run_sweep(application)["unreserved"] == 1
         assert client.wait(str(lost.id))["status"] == "succeeded"
-        assert not application.extensions["sluice.redis"].hexists(RESERVED_KEY, str(lost.id))
+        assert not services(application).redis.hexists(RESERVED_KEY, str(lost.id))
     finally:
         worker.stop()
 
@@ -161,7 +161,7 @@ def test_sigkilled_worker_loses_nothing_and_runs_nothing_twice(isolated, databas
 def client_tenant(application, client: ApiClient) -> uuid.UUID:
     from models import ApiKey, hash_key
 
-    with application.extensions["sluice.db"].session() as session:
+    with services(application).db.session() as session:
         return session.scalar(select(ApiKey.tenant_id).where(ApiKey.key_hash == hash_key(client.key)))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.cli import worker_argv
+from launcher.argv import worker_argv
 from sluice.settings import Settings, SettingsError
 
 

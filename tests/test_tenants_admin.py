@@ -11,8 +11,9 @@ from conftest import TEST_ENV, ApiClient
 from test_admission import assert_ratelimit_headers
 from test_api_errors import assert_envelope
 
-from sluice.cli import main
+from launcher.cli import main
 from sluice.settings import Settings, SettingsError
+from web.services import services
 
 ADMIN_KEY = "admin-" + "k" * 20
 
@@ -44,7 +45,7 @@ def test_create_a_tenant_with_a_tier_and_use_its_key(admin_app):
     created = admin(admin_app, "POST", "/admin/tenants", {"name": name, "tier": "free", "max_concurrent": 2})
     assert created.status_code == 201, created.get_json()
     body = created.get_json()
-    free = admin_app.config["SLUICE"].tiers["free"]
+    free = services(admin_app).settings.tiers["free"]
     assert body["tier"] == "free" and body["overrides"] == {"max_concurrent": 2}
     assert body["limits"] == {**free.as_dict(), "max_concurrent": 2}
     response = ApiClient(admin_app, body["api_key"]).submit(prompt="hello", max_tokens=8)
@@ -57,13 +58,13 @@ def test_patch_changes_limits_for_the_next_submit(admin_app):
     name = f"beta-{uuid.uuid4().hex[:8]}"
     key = admin(admin_app, "POST", "/admin/tenants", {"name": name}).get_json()["api_key"]
     client = ApiClient(admin_app, key)
-    standard = admin_app.config["SLUICE"].tiers["standard"]
+    standard = services(admin_app).settings.tiers["standard"]
     assert_ratelimit_headers(client.submit(prompt="x", max_tokens=4), standard.tokens_per_minute,
                              standard.requests_per_minute)
 
     patched = admin(admin_app, "PATCH", f"/admin/tenants/{name}", {"tier": "enterprise", "tokens_per_minute": 12345})
     assert patched.status_code == 200 and patched.get_json()["limits"]["tokens_per_minute"] == 12345
-    enterprise = admin_app.config["SLUICE"].tiers["enterprise"]
+    enterprise = services(admin_app).settings.tiers["enterprise"]
     assert_ratelimit_headers(client.submit(prompt="x", max_tokens=4), 12345, enterprise.requests_per_minute)
 
     reset = admin(admin_app, "PATCH", f"/admin/tenants/{name}", {"tokens_per_minute": None, "tier": None})

@@ -54,7 +54,7 @@ def _sluice_up(data_dir: Path) -> subprocess.CompletedProcess[str]:
            if k not in ("DATABASE_URL", "REDIS_URL", "SLUICE_PUBLIC_URL", "SLUICE_WEB_HOST")}
     env.update(SLUICE_DATA_DIR=str(data_dir), SLUICE_WEB_PORT=str(web_port),
                SLUICE_FLOWER_PORT=str(flower_port), SLUICE_ENGINE="simulated")
-    return subprocess.run([sys.executable, "-m", "sluice.cli", "up", "--smoke", "--no-flower"],
+    return subprocess.run([sys.executable, "-m", "launcher.cli", "up", "--smoke", "--no-flower"],
                           env=env, capture_output=True, text=True, timeout=300)
 
 

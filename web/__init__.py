@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import uuid
 from importlib.metadata import PackageNotFoundError, version
 
-from flask import Flask, Response, jsonify
+from flask import Flask, Response, jsonify, request
 
-from models.session import Database
+from models import Database
+from models.lifecycle import Lifecycle
+from sluice.broker import publisher as celery_publisher
 from sluice.keys import redis_client
-from sluice.logs import configure_logging
+from sluice.logs import configure_logging, current_call_id, current_request_id
 from sluice.settings import Settings
 
+from . import admin, api, errors, health, metrics
+from .admission import Admission
+from .plan import Planner
+from .service import RequestService
+from .services import EXTENSION, Services, services
 from .tokens import TokenCounters
 
 
@@ -20,30 +28,12 @@ def create_app(settings: Settings | None = None) -> Flask:
     configure_logging(settings.log_level)
 
     app = Flask("sluice")
-    app.config["SLUICE"] = settings
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False
-
-    db = Database()
-    db.configure(settings.sqlalchemy_url)
-    app.extensions["sluice.db"] = db
-    app.extensions["sluice.redis"] = redis_client(settings.redis_url)
-    app.extensions["sluice.tokens"] = TokenCounters()
-
-    from workers.celery_app import celery_init_app, celery_publisher
-
-    celery_init_app(app)
-    # Web requests publish through a fail-fast app; workers and the sweep keep the patient one.
-    app.extensions["sluice.publisher"] = celery_publisher(settings)
-
-    from .admission import Admission
-
-    app.extensions["sluice.admission"] = Admission(settings)
-
-    from . import admin, api, errors, health, metrics
+    app.extensions[EXTENSION] = build_services(settings)
 
     errors.register_error_handlers(app)
-    _bind_request_ids(app)
+    _bind_call_ids(app)
     app.register_blueprint(api.bp)
     app.register_blueprint(health.bp)
     app.register_blueprint(metrics.bp)
@@ -64,31 +54,39 @@ def create_app(settings: Settings | None = None) -> Flask:
     return app
 
 
-def _bind_request_ids(app: Flask) -> None:
-    """Every HTTP request gets an id: on each log line, in error envelopes, in X-Request-Id."""
-    import uuid
+def build_services(settings: Settings) -> Services:
+    db = Database()
+    db.configure(settings.sqlalchemy_url)
+    admission = Admission(settings)
+    lifecycle = Lifecycle(db)
+    # Whoever ends a request (a worker, a cancel, the sweep) gives back its unused reservation.
+    lifecycle.on_end(admission.release)
+    # Web requests publish through a fail-fast app; workers and the sweep keep the patient one.
+    publisher = celery_publisher(settings, fail_fast=True)
+    planner = Planner(settings, TokenCounters(), admission.redis, lambda: admission.redis_healthy)
+    return Services(settings=settings, db=db, redis=redis_client(settings.redis_url),
+                    publisher=publisher, broker=celery_publisher(settings, fail_fast=False), admission=admission,
+                    lifecycle=lifecycle, requests=RequestService(db, planner, admission, publisher, lifecycle))
 
-    from flask import g, request
 
-    from sluice.logs import current_request_id
+def _bind_call_ids(app: Flask) -> None:
+    """Every HTTP call gets an id: on each log line, in error envelopes, in X-Request-Id."""
 
     @app.before_request
     def _bind() -> None:
         incoming = request.headers.get("X-Request-Id", "")
-        g.request_id = incoming if 0 < len(incoming) <= 64 and incoming.isprintable() else uuid.uuid4().hex
-        g.request_id_token = current_request_id.set(g.request_id)
+        current_call_id.set(incoming if 0 < len(incoming) <= 64 and incoming.isprintable() else uuid.uuid4().hex)
 
     @app.after_request
     def _tag(response: Response) -> Response:
-        if "request_id" in g:
-            response.headers["X-Request-Id"] = g.request_id
+        if current_call_id.get() != "-":
+            response.headers["X-Request-Id"] = current_call_id.get()
         return response
 
     @app.teardown_request
     def _unbind(exc: BaseException | None) -> None:
-        token = g.pop("request_id_token", None)
-        if token is not None:
-            current_request_id.reset(token)
+        current_call_id.set("-")
+        current_request_id.set("-")
 
 
 def _version() -> str:
@@ -98,4 +96,4 @@ def _version() -> str:
         return "0.0.0"
 
 
-__all__ = ["create_app"]
+__all__ = ["Services", "create_app", "services"]

@@ -16,7 +16,7 @@ import functools
 import hmac
 from typing import Any
 
-from flask import Blueprint, Response, current_app, jsonify, request
+from flask import Blueprint, Response, jsonify, request
 from marshmallow import Schema, fields, validate
 from sqlalchemy import func, select
 
@@ -26,6 +26,7 @@ from sluice.tenants import TenantError, add_key, create_tenant, find_tenant, lis
 from .bodies import json_object, validated
 from .errors import ApiError, NotFound, Unauthorized
 from .schemas import StrictInteger
+from .services import services
 
 bp = Blueprint("admin", __name__, url_prefix="/admin")
 
@@ -47,7 +48,7 @@ class _CreateSchema(_LimitsSchema):
 
 @bp.before_request
 def _require_admin_key() -> None:
-    expected = current_app.config["SLUICE"].admin_key or ""
+    expected = services().settings.admin_key or ""
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
     if not (expected and scheme.lower() == "bearer"
             and hmac.compare_digest(given.strip().encode(), expected.encode())):
@@ -60,11 +61,11 @@ def _load(schema: Schema) -> dict[str, Any]:
 
 
 def _db():
-    return current_app.extensions["sluice.db"]
+    return services().db
 
 
 def _settings():
-    return current_app.config["SLUICE"]
+    return services().settings
 
 
 def _tenant_or_404(session, ref: str):

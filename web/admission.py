@@ -19,16 +19,15 @@ from __future__ import annotations
 
 import logging
 import math
-import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import redis
-from flask import g, has_request_context
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from models import InferenceRequest, Tenant
-from models.session import Database
+from models import Tenant
+from models.lifecycle import Ended
 from sluice.keys import redis_client
 from sluice.limiter import SharedLimiter, Verdict
 from sluice.settings import Settings
@@ -37,6 +36,9 @@ from sluice.tiers import Limits, effective_limits
 from . import metrics
 from .errors import ApiError
 from .local_floor import LocalFloor, RedisBreaker
+
+if TYPE_CHECKING:
+    from .plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +59,10 @@ class RequestTooLarge(ApiError):
     status, code = 413, "request_too_large"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Ticket:
-    """An admitted request's reservation, until its row is committed."""
+    """An admitted request's reservation, until its row is committed, and the tenant's
+    x-ratelimit-* headers after it."""
 
     request_id: str
     tenant_id: str
@@ -85,29 +88,23 @@ class Admission:
         """False while this process is on its local floor: callers skip optional Redis work."""
         return self.breaker.healthy
 
-    def limits_for(self, db: Database, tenant_id: uuid.UUID) -> Limits:
-        tenant = g.get("tenant") if has_request_context() else None
-        if tenant is None or tenant.id != tenant_id:  # outside a request authenticated by web.auth
-            with db.session() as session:
-                tenant = session.get(Tenant, tenant_id)
+    def limits_for(self, tenant: Tenant) -> Limits:
         return effective_limits(self.settings.tiers, self.settings.default_tier, tenant)
 
-    def admit(self, db: Database, tenant_id: uuid.UUID, row: InferenceRequest) -> Ticket:
-        """Pass the request through the gates and reserve its tokens, or raise the rejection."""
-        limits = self.limits_for(db, tenant_id)
-        cost = row.reserved_tokens
-        too_large = self._too_large(limits, row)
-        args = (str(tenant_id), limits, cost, row.priority.value)
-        verdict = self._shared(lambda: self.shared.admit(str(row.id), *args, too_large=too_large is not None))
+    def admit(self, tenant: Tenant, plan: Plan) -> Ticket:
+        """Pass the plan through the gates and reserve its tokens, or raise the rejection."""
+        limits = self.limits_for(tenant)
+        cost = plan.reserved_tokens
+        too_large = self._too_large(limits, plan)
+        args = (str(tenant.id), limits, cost, plan.priority.value)
+        verdict = self._shared(lambda: self.shared.admit(str(plan.request_id), *args, too_large=too_large is not None))
         limiter = "shared"
         if verdict is None:
             verdict, limiter = self.floor.admit(*args, too_large=too_large is not None), "local_floor"
         headers = ratelimit_headers(verdict)
         if verdict.admitted:
             metrics.ADMITTED.labels(limiter=limiter).inc()
-            if has_request_context():
-                g.ratelimit_headers = headers  # the API's after_request hook sets them on the 202
-            return Ticket(str(row.id), str(tenant_id), cost, limiter, headers)
+            return Ticket(str(plan.request_id), str(tenant.id), cost, limiter, headers)
         metrics.REJECTIONS.labels(gate=verdict.gate, reason=verdict.reason).inc()
         log.info("rejected at the %s gate: %s (%d tokens, %s limiter)", verdict.gate, verdict.reason, cost, limiter)
         raise _rejection(verdict, limits, cost, too_large, headers)
@@ -119,18 +116,18 @@ class Admission:
         else:
             self._shared(lambda: self.shared.release(ticket.request_id, ticket.tenant_id, ticket.cost))
 
-    def release(self, row: InferenceRequest) -> None:
-        """A request ended on the web side (cancelled while queued): free its slot and tokens.
+    def release(self, ended: Ended) -> None:
+        """A request ended: free its slot and refund the tokens it did not use (a lifecycle hook).
 
         Best effort: if Redis does not answer, the sweep's reconciliation releases it later.
         """
-        self._shared(lambda: self.shared.release_row(row))
+        self._shared(lambda: self.shared.release_row(ended))
 
-    def headers(self, db: Database, tenant_id: uuid.UUID) -> dict[str, str]:
+    def headers(self, tenant: Tenant) -> dict[str, str]:
         """The tenant's current quotas as headers, for responses that ran no gate."""
-        limits = self.limits_for(db, tenant_id)
-        verdict = self._shared(lambda: self.shared.peek(str(tenant_id), limits))
-        return ratelimit_headers(verdict or self.floor.peek(str(tenant_id), limits))
+        limits = self.limits_for(tenant)
+        verdict = self._shared(lambda: self.shared.peek(str(tenant.id), limits))
+        return ratelimit_headers(verdict or self.floor.peek(str(tenant.id), limits))
 
     def _shared(self, call):
         """``call()`` against Redis through the breaker; None when Redis is (or just went) away."""
@@ -154,7 +151,7 @@ class Admission:
         metrics.LOCAL_FLOOR.set(0)
         return result
 
-    def _too_large(self, limits: Limits, row: InferenceRequest) -> tuple[int, str, str] | None:
+    def _too_large(self, limits: Limits, row: Plan) -> tuple[int, str, str] | None:
         """The smallest ceiling the request's tokens exceed, as (tokens, name, description)."""
         model = self.settings.registry.get(row.target_model)
         ceilings = [

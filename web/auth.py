@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import uuid
+from flask import request
 
-from flask import g, request
-
-from models import tenant_for_key
+from models import Tenant, tenant_for_key
 from models.session import Database
 
 from .errors import Unauthorized
@@ -14,8 +12,8 @@ from .errors import Unauthorized
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="sluice"'}
 
 
-def authenticate(db: Database) -> uuid.UUID:
-    """Return the tenant id of the request's API key (the tenant itself on ``g.tenant``), or raise 401."""
+def authenticate(db: Database) -> Tenant:
+    """The tenant of the request's API key (loaded once: admission reads its limits), or 401."""
     header = request.headers.get("Authorization", "")
     scheme, _, key = header.partition(" ")
     if not header:
@@ -28,6 +26,4 @@ def authenticate(db: Database) -> uuid.UUID:
         tenant = tenant_for_key(session, key.strip())
     if tenant is None:
         raise Unauthorized("Invalid or revoked API key.", headers=_CHALLENGE)
-    # The request's principal, loaded once: admission reads its limits from here.
-    g.tenant = tenant
-    return tenant.id
+    return tenant

@@ -11,10 +11,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from flask import Flask, Response, g, jsonify
+from flask import Flask, Response, jsonify
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as SQLAlchemyTimeoutError
 from werkzeug.exceptions import HTTPException
+
+from sluice.logs import current_call_id
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +66,9 @@ def error_response(status: int, code: str, message: str, details: Any = None,
     body: dict[str, Any] = {"code": code, "message": message}
     if details is not None:
         body["details"] = details
-    request_id = g.get("request_id") if g else None
-    if request_id:
-        body["request_id"] = request_id
+    call_id = current_call_id.get()
+    if call_id != "-":
+        body["request_id"] = call_id  # the HTTP call's id (X-Request-Id), not a request row's
     response = jsonify(error=body)
     response.status_code = status
     response.headers.update(headers or {})

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import time
 
-from flask import Blueprint, Response, current_app, jsonify
+from flask import Blueprint, Response, jsonify
 from sqlalchemy import text
 
 from sluice.keys import WORKER_PREFIX
+
+from .services import services
 
 bp = Blueprint("health", __name__)
 
@@ -17,13 +19,13 @@ bp = Blueprint("health", __name__)
 def healthz() -> tuple[Response, int]:
     checks = {}
     try:
-        with current_app.extensions["sluice.db"].session() as session:
+        with services().db.session() as session:
             session.execute(text("SELECT 1"))
         checks["postgres"] = "ok"
     except Exception:
         checks["postgres"] = "unreachable"
     try:
-        current_app.extensions["sluice.redis"].ping()
+        services().redis.ping()
         checks["redis"] = "ok"
     except Exception:
         checks["redis"] = "unreachable"
@@ -37,9 +39,9 @@ def readyz() -> tuple[Response, int]:
 
     200 when the default model has at least one warm worker, else 503: nothing would run.
     """
-    settings = current_app.config["SLUICE"]
+    settings = services().settings
     try:
-        workers = warm_workers(current_app.extensions["sluice.redis"])
+        workers = warm_workers(services().redis)
     except Exception:
         return jsonify(ready=False, reason="redis unreachable", workers=[], models={}), 503
     models = {m.name: 0 for m in settings.registry.models}

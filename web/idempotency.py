@@ -20,19 +20,17 @@ import hashlib
 import json
 import re
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import delete, func, select, tuple_
+from sqlalchemy import func, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
 from models import IdempotencyKey, InferenceRequest
 from models.session import Database
 
-from . import metrics
 from .errors import ApiError, InvalidRequest
 
 HEADER = "Idempotency-Key"
@@ -94,30 +92,3 @@ def find(db: Database, key: Key) -> InferenceRequest | None:
                        "a new request, or the same body to get the original request back.",
                        code="idempotency_key_reused", status=422)
     return hit.InferenceRequest
-
-
-def submit_once(db: Database, key: Key | None,
-                submit: Callable[[], InferenceRequest]) -> tuple[InferenceRequest, bool]:
-    """Run ``submit`` unless ``key`` already created a request; (request, whether it is a replay)."""
-    if key is None:
-        return submit(), False
-    original = find(db, key)
-    if original is None:
-        try:
-            return submit(), False
-        except KeyTaken:
-            original = find(db, key)
-            if original is None:  # the winner's key expired in between: vanishingly rare
-                raise
-    metrics.IDEMPOTENT_REPLAYS.inc()
-    return original, True
-
-
-def expire_keys(db: Database, window_s: float, batch: int = 5000) -> int:
-    """Delete up to ``batch`` keys older than the window (the sweep calls this)."""
-    t = IdempotencyKey
-    with db.session() as session:
-        old = select(t.tenant_id, t.key).where(
-            t.created_at <= func.now() - timedelta(seconds=window_s)).limit(batch)
-        result = session.execute(delete(t).where(tuple_(t.tenant_id, t.key).in_(old)))
-    return result.rowcount

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numbers
 
-from marshmallow import Schema, ValidationError, fields, validate, validates_schema
+from marshmallow import Schema, ValidationError, fields, pre_dump, validate, validates_schema
 
 
 class StrictInteger(fields.Integer):
@@ -146,6 +146,29 @@ class RequestViewSchema(Schema):
     worker = SafeString(allow_none=True)
     metadata = fields.Dict()
     conversation_id = SafeString(allow_none=True)
+
+    @pre_dump
+    def _from_row(self, row, **kwargs) -> dict:
+        """The request row in this schema's shape: the one place a row becomes its API view."""
+        ttft = ((row.first_token_at - row.started_at).total_seconds()
+                if row.first_token_at and row.started_at else None)
+        done = row.status == "succeeded" or row.output_text is not None
+        return {
+            "id": row.id, "status": row.status.value, "priority": row.priority.value,
+            "size_class": row.size_class.value, "queue": row.queue, "model": row.model_requested,
+            "model_used": row.model_used, "model_routed": row.model_routed, "route_reason": row.route_reason,
+            "max_tokens": row.max_tokens, "time_limit_s": row.time_limit_s,
+            "output": {"text": row.output_text or "", "finish_reason": row.finish_reason} if done else None,
+            "usage": {"input_tokens": row.input_tokens, "output_tokens": row.output_tokens,
+                      "cached_tokens": row.cached_tokens, "reserved_tokens": row.reserved_tokens},
+            "timings": {"created_at": row.created_at, "enqueued_at": row.enqueued_at, "started_at": row.started_at,
+                        "first_token_at": row.first_token_at, "finished_at": row.finished_at,
+                        "queue_wait_s": row.queue_wait_s, "inference_s": row.inference_s,
+                        "time_to_first_token_s": ttft},
+            "error": {"code": row.error_code, "message": row.error_message} if row.error_code else None,
+            "cancel_requested": row.cancel_requested_at is not None, "attempts": row.attempts,
+            "worker": row.worker, "metadata": row.meta, "conversation_id": row.conversation_id,
+        }
 
 
 class AcceptedSchema(Schema):

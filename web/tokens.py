@@ -41,7 +41,23 @@ def estimate_input_tokens(request_input: dict[str, Any]) -> int:
 
 
 class ChatTemplateError(ValueError):
-    """The served model's chat template refuses the messages (e.g. roles must alternate)."""
+    """The served model's chat template cannot render the messages.
+
+    ``message`` is one of two fixed sentences for the client: the template's author may write
+    anything in a refusal, and a rendering bug's exception text describes our internals.
+    """
+
+    REFUSED = ("The model's chat template refuses this conversation: check that roles alternate "
+               "user/assistant after an optional first system message, and that every role is one it supports.")
+    UNRENDERABLE = "The model's chat template could not render these messages."
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class _TemplateRefusal(Exception):
+    """Raised by a template's own ``raise_exception(...)``."""
 
 
 class TokenCounter:
@@ -82,14 +98,17 @@ class TokenCounter:
         try:
             text = self.chat_template.render(messages=request_input["messages"], add_generation_prompt=True,
                                              **self._special)
-        except Exception as exc:  # the engine would fail on the same template: say so now
-            raise ChatTemplateError(f"The model's chat template rejects these messages: {exc}") from None
+        except _TemplateRefusal:  # the engine would fail on the same template: say so now
+            raise ChatTemplateError(ChatTemplateError.REFUSED) from None
+        except Exception as exc:
+            log.warning("chat template failed to render: %s", type(exc).__name__)
+            raise ChatTemplateError(ChatTemplateError.UNRENDERABLE) from None
         # The rendered template already holds its special tokens, as the engine tokenizes it.
         return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
 
 def _raise(message: str) -> None:
-    raise ValueError(message)
+    raise _TemplateRefusal(message)
 
 
 class TokenCounters:

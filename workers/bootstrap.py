@@ -9,21 +9,41 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from dataclasses import dataclass
 
 from celery.signals import task_received, worker_init, worker_shutdown
 from flask import Flask
 
 from sluice.keys import RESERVED_KEY
+from sluice.queues import RUN_TASK
 from sluice.registry import ModelSpec
 from sluice.settings import Settings
+from web.services import services
 
 from .engines import load_engine
-from .routing import RUN_TASK
 from .runtime import EngineRuntime
 
 log = logging.getLogger(__name__)
 
-_state: dict[str, object] = {}
+
+class EngineNotStarted(RuntimeError):
+    """A task arrived in a process whose engine is not running (not a `sluice worker`, or it is
+    shutting down). Its message goes back to the queue for a worker that has one."""
+
+
+@dataclass
+class WorkerState:
+    """This process's engine runtime, from ``worker_init`` to ``worker_shutdown``."""
+
+    runtime: EngineRuntime | None = None
+
+    def require(self) -> EngineRuntime:
+        if self.runtime is None:
+            raise EngineNotStarted("engine runtime not started; run workers with `sluice worker`")
+        return self.runtime
+
+
+WORKER = WorkerState()
 
 
 def device_label(settings: Settings) -> str:
@@ -34,17 +54,18 @@ def device_label(settings: Settings) -> str:
 
 
 def start_runtime(app: Flask, hostname: str, queues: list[str]) -> EngineRuntime:
-    settings: Settings = app.config["SLUICE"]
+    svc = services(app)
+    settings = svc.settings
     worker_id = f"{hostname}/{os.getpid()}.{uuid.uuid4().hex[:6]}"
     model = served_model(settings)
     info = {"node": hostname, "role": settings.worker_role, "model": model.name, "engine": settings.engine,
             "device": device_label(settings), "queues": queues}
-    runtime = EngineRuntime(load_engine(settings, model), app.extensions["sluice.redis"], worker_id,
+    runtime = EngineRuntime(load_engine(settings, model), svc.redis, worker_id,
                             heartbeat_s=settings.worker_heartbeat_s,
                             dead_after_s=settings.worker_dead_after_s,
                             cancel_poll_s=settings.cancel_poll_s, info=info)
     runtime.start()
-    _state["runtime"] = runtime
+    WORKER.runtime = runtime
     return runtime
 
 
@@ -52,15 +73,8 @@ def served_model(settings: Settings) -> ModelSpec:
     registry = settings.registry
     spec = registry.get(settings.worker_model) if settings.worker_model else registry.default
     if spec is None:
-        raise RuntimeError(f"SLUICE_WORKER_MODEL={settings.worker_model!r} is not in the model registry")
+        raise ValueError(f"SLUICE_WORKER_MODEL={settings.worker_model!r} is not in the model registry")
     return spec
-
-
-def current_runtime() -> EngineRuntime:
-    try:
-        return _state["runtime"]  # type: ignore[return-value]
-    except KeyError:
-        raise RuntimeError("engine runtime not started; run workers with `sluice worker`") from None
 
 
 def connect(app: Flask) -> None:
@@ -79,17 +93,17 @@ def connect(app: Flask) -> None:
 
     @task_received.connect(weak=False)
     def _on_received(request, **kwargs) -> None:
-        runtime = _state.get("runtime")
+        runtime = WORKER.runtime
         if runtime is None or request.name != RUN_TASK:
             return
         try:
-            app.extensions["sluice.redis"].hset(RESERVED_KEY, request.id, runtime.worker_id)  # type: ignore[attr-defined]
+            services(app).redis.hset(RESERVED_KEY, request.id, runtime.worker_id)
         except Exception:
             log.warning("could not record reservation of %s; recovery falls back to the visibility timeout",
                         request.id)
 
     @worker_shutdown.connect(weak=False)
     def _on_shutdown(**kwargs) -> None:
-        runtime = _state.pop("runtime", None)
+        runtime, WORKER.runtime = WORKER.runtime, None
         if runtime is not None:
-            runtime.stop()  # type: ignore[attr-defined]
+            runtime.stop()

@@ -1,84 +1,46 @@
-"""Celery wired the Flask way: one app per Flask app, tasks run inside the app context."""
+"""Celery wired the Flask way: one app per Flask app, every task run inside the app context."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+import inspect
+from typing import ClassVar
 
 from celery import Celery, Task
 from flask import Flask
-from kombu import Queue
 
-from sluice.settings import Settings
+from sluice.broker import celery_config
+from sluice.logs import log_context
+from web.services import Services, services
 
-from .routing import ALL_REQUEST_QUEUES, MAINTENANCE_QUEUE, SWEEP_TASK
 
+class SluiceTask(Task):
+    """Base of every Sluice task: runs in the Flask app context with its ids on every log line.
 
-def celery_config(settings: Settings) -> dict:
-    return {
-        "broker_url": settings.redis_url,
-        "broker_connection_retry_on_startup": True,
-        "broker_transport_options": {
-            # See Settings.visibility_timeout_s for why this is far above the time limit.
-            "visibility_timeout": settings.visibility_timeout_s,
-            "socket_timeout": 5,
-            "socket_connect_timeout": 5,
-            # A free thread takes realtime before batch work (batch only uses idle capacity),
-            # and takes turns between queues of one class; see workers/queue_order.py.
-            "queue_order_strategy": "workers.queue_order:ClassPriorityCycle",
-        },
-        # The request row is the result; Celery keeps none.
-        "task_ignore_result": True,
-        "task_serializer": "json",
-        "accept_content": ["json"],
-        # Ack after the task ran, so a worker that dies mid-flight loses nothing.
-        "task_acks_late": True,
-        "task_reject_on_worker_lost": True,
-        # Each thread takes one message at a time: a worker never hoards work it cannot start.
-        "worker_prefetch_multiplier": 1,
-        "task_queues": [Queue(name, routing_key=name) for name in (*ALL_REQUEST_QUEUES, MAINTENANCE_QUEUE)],
-        "task_default_queue": MAINTENANCE_QUEUE,
-        # Flower shows tasks from these events.
-        "worker_send_task_events": True,
-        "task_send_sent_event": True,
-        "worker_hijack_root_logger": False,
-        "beat_schedule": {
-            "sweep-stranded-requests": {
-                "task": SWEEP_TASK,
-                "schedule": timedelta(seconds=settings.sweep_interval_s),
-                "options": {"queue": MAINTENANCE_QUEUE, "expires": settings.sweep_interval_s},
-            },
-        },
-        "include": ["workers.tasks"],
-    }
+    ``call=`` is the task id; ``req=`` is the request row the task is about, for every task
+    whose first parameter is ``request_id`` (the run task's id is that row's id too).
+    """
+
+    flask_app: ClassVar[Flask]
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        with self.flask_app.app_context(), log_context(call=self.request.id or "-",
+                                                       request=self._request_id(args, kwargs)):
+            return self.run(*args, **kwargs)
+
+    @property
+    def services(self) -> Services:
+        return services(self.flask_app)
+
+    def _request_id(self, args: tuple, kwargs: dict) -> str:
+        if "request_id" in kwargs:
+            return str(kwargs["request_id"])
+        first = next(iter(inspect.signature(self.run).parameters), None)
+        return str(args[0]) if first == "request_id" and args else "-"
 
 
 def celery_init_app(app: Flask) -> Celery:
-    class FlaskTask(Task):
-        def __call__(self, *args: object, **kwargs: object) -> object:
-            with app.app_context():
-                return self.run(*args, **kwargs)
-
-    celery_app = Celery(app.name, task_cls=FlaskTask)
-    celery_app.config_from_object(celery_config(app.config["SLUICE"]))
+    task_cls = type("FlaskSluiceTask", (SluiceTask,), {"flask_app": app})
+    celery_app = Celery(app.name, task_cls=task_cls)
+    celery_app.config_from_object(celery_config(services(app).settings))
     celery_app.set_default()
-    app.extensions["celery"] = celery_app
     return celery_app
-
-
-def celery_publisher(settings: Settings) -> Celery:
-    """A Celery app that only publishes, for the web tier: it fails fast instead of retrying.
-
-    With the defaults a publish to a hung Redis blocks a request for ~25 s (several reconnects at
-    a 5 s socket timeout) and one to a refused port for ~2 s. The web tier cannot wait that long
-    and does not need to: the row is committed first, and the sweep publishes rows whose publish
-    failed. So one attempt, bounded by SLUICE_REDIS_TIMEOUT_S.
-    """
-    config = {k: v for k, v in celery_config(settings).items() if k not in ("beat_schedule", "include")}
-    timeout = settings.redis_timeout_s
-    config["broker_transport_options"] = {**config["broker_transport_options"], "socket_timeout": timeout,
-                                          "socket_connect_timeout": timeout, "max_retries": 0}
-    config["broker_connection_timeout"] = timeout
-    config["task_publish_retry"] = False
-    publisher = Celery("sluice-publisher", set_as_current=False)
-    publisher.config_from_object(config)
-    return publisher

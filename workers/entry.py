@@ -3,7 +3,8 @@
 from web import create_app
 
 from .bootstrap import connect
+from .celery_app import celery_init_app
 
 flask_app = create_app()
-celery_app = flask_app.extensions["celery"]
+celery_app = celery_init_app(flask_app)
 connect(flask_app)

@@ -24,11 +24,9 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
 
 import redis
 
-from models import utcnow
 from sluice.keys import cancel_key, node_key, worker_key
 
 from .engines import Engine, GenerationOutput, GenerationRequest, SamplingParams
@@ -44,8 +42,14 @@ ABORT_GRACE_S = 10.0
 @dataclass(frozen=True)
 class RunResult:
     output: GenerationOutput | None  # the last output seen; None if none arrived
-    first_token_at: datetime | None
+    # time.monotonic() when the first token was produced: the row's stamp is placed on the
+    # database clock from its age at write time, so this host's wall clock never enters it.
+    first_token_mono: float | None
     ended_by: str  # "finished" | "timeout" | "cancel" | "engine_abort"
+
+    @property
+    def first_token_age_s(self) -> float | None:
+        return None if self.first_token_mono is None else max(0.0, time.monotonic() - self.first_token_mono)
 
 
 class EngineRuntime:
@@ -122,7 +126,7 @@ class EngineRuntime:
                 self._die(str(exc))
             if result.ended_by == "cancel" and rid not in self._cancelled:
                 # Aborted, but nobody cancelled it: the engine is shutting down.
-                result = RunResult(result.output, result.first_token_at, "engine_abort")
+                result = RunResult(result.output, result.first_token_mono, "engine_abort")
             return result
         finally:
             with self._lock:
@@ -144,16 +148,17 @@ class EngineRuntime:
 
         timer = asyncio.get_running_loop().call_later(time_limit_s, over_limit)
         last: GenerationOutput | None = None
-        first_token_at: datetime | None = None
+        first_token_mono: float | None = None
         try:
             # Backstop for an engine that never ends an aborted stream. aclosing: leaving early
             # must close the engine's generator now (aborting the sequence), not at GC time.
             async with asyncio.timeout(time_limit_s + ABORT_GRACE_S):
                 async with contextlib.aclosing(self.engine.generate(request)) as stream:
                     async for out in stream:
-                        if first_token_at is None and out.output_tokens > 0:
-                            first_token_at = (datetime.fromtimestamp(out.first_token_time, UTC)
-                                              if out.first_token_time else utcnow())
+                        if first_token_mono is None and out.output_tokens > 0:
+                            first_token_mono = time.monotonic()
+                            if out.first_token_time:  # the engine's own (wall-clock) stamp is earlier
+                                first_token_mono -= max(0.0, time.time() - out.first_token_time)
                         last = out
         except TimeoutError:
             await self.engine.abort(rid)
@@ -161,9 +166,9 @@ class EngineRuntime:
         finally:
             timer.cancel()
         if timed_out:
-            return RunResult(last, first_token_at, "timeout")
+            return RunResult(last, first_token_mono, "timeout")
         cancelled = last is not None and last.finish_reason == "abort"
-        return RunResult(last, first_token_at, "cancel" if cancelled else "finished")
+        return RunResult(last, first_token_mono, "cancel" if cancelled else "finished")
 
     async def _drain(self, request: GenerationRequest) -> None:
         async for _ in self.engine.generate(request):

@@ -32,28 +32,30 @@ import redis
 from celery import Celery
 from sqlalchemy import func, or_, select, update
 
-from models import InferenceRequest, Status, utcnow
+from models import InferenceRequest, Status
+from models.idempotency import expire_keys
+from models.lifecycle import Lifecycle
 from models.session import Database
 from sluice.keys import RESERVED_KEY, node_key, raise_cancel_flag, worker_key
 from sluice.limiter import limiter_for, reconcile_in_flight
+from sluice.queues import DIRECT_PREFIX, direct_queue, publish_committed, queue_name
 from sluice.settings import Settings
-from web.idempotency import expire_keys
-
-from .execution import expire_if_late
-from .routing import DIRECT_PREFIX, direct_queue, publish_committed, queue_name
+from web.services import Services
 
 log = logging.getLogger(__name__)
 
 BATCH = 500
+_t = InferenceRequest
 
 
-def sweep(db: Database, redis_client: redis.Redis, celery: Celery, settings: Settings) -> dict[str, int]:
+def sweep(svc: Services) -> dict[str, int]:
+    db, redis_client, settings = svc.db, svc.redis, svc.settings
     return {
-        "published": _publish_unpublished(db, celery, settings),
-        **_recover_orphans(db, redis_client, celery, settings),
-        "unreserved": _recover_reserved(db, redis_client, celery),
-        "rerouted": _reroute_direct(db, redis_client, celery, settings),
-        "expired": _expire_late(db),
+        "published": _publish_unpublished(db, svc.lifecycle, svc.broker, settings),
+        **_recover_orphans(db, svc.lifecycle, redis_client, svc.broker, settings),
+        "unreserved": _recover_reserved(db, svc.lifecycle, redis_client, svc.broker),
+        "rerouted": _reroute_direct(db, svc.lifecycle, redis_client, svc.broker, settings),
+        "expired": svc.lifecycle.expire_late(),
         "cancel_flags": _reraise_cancel_flags(db, redis_client),
         # Last, so requests the steps above just ended are released in this same run.
         "released": reconcile_in_flight(db, limiter_for(redis_client)),
@@ -61,85 +63,66 @@ def sweep(db: Database, redis_client: redis.Redis, celery: Celery, settings: Set
     }
 
 
-def _publish_unpublished(db: Database, celery: Celery, settings: Settings) -> int:
-    t = InferenceRequest
-    cutoff = utcnow() - timedelta(seconds=settings.publish_grace_s)
+def _ago(seconds: float):
+    """The database clock ``seconds`` ago, the clock every stamp compared with it was written on."""
+    return func.now() - timedelta(seconds=seconds)
+
+
+def _publish_unpublished(db: Database, lifecycle: Lifecycle, celery: Celery, settings: Settings) -> int:
     with db.session() as session:
         rows = session.execute(
-            select(t.id, t.queue).where(t.status == Status.QUEUED, t.enqueued_at.is_(None),
-                                        t.created_at < cutoff)
-            .order_by(t.created_at).limit(BATCH)).all()
-    publish_committed(db, celery, rows)
+            select(_t.id, _t.queue).where(_t.status == Status.QUEUED, _t.enqueued_at.is_(None),
+                                          _t.created_at < _ago(settings.publish_grace_s))
+            .order_by(_t.created_at).limit(BATCH)).all()
+    publish_committed(lifecycle, celery, rows)
     return len(rows)
 
 
-def _recover_orphans(db: Database, redis_client: redis.Redis, celery: Celery,
+def _recover_orphans(db: Database, lifecycle: Lifecycle, redis_client: redis.Redis, celery: Celery,
                      settings: Settings) -> dict[str, int]:
-    t = InferenceRequest
-    counts = {"requeued": 0, "worker_lost": 0, "cancelled_orphans": 0}
-    now = utcnow()
-    cutoff = now - timedelta(seconds=settings.worker_dead_after_s)
-    running = (t.status == Status.RUNNING, t.started_at < cutoff)
+    running = (_t.status == Status.RUNNING, _t.started_at < _ago(settings.worker_dead_after_s))
     # Past its time limit by a wide margin, a row is lost even if its worker lives (its outcome
     # write failed for good); the engine would have stopped it long ago.
     grace_s = settings.worker_dead_after_s + 60
-    overdue = t.started_at + func.make_interval(0, 0, 0, 0, 0, 0, t.time_limit_s + grace_s) < now
+    overdue = _t.started_at + func.make_interval(0, 0, 0, 0, 0, 0, _t.time_limit_s + grace_s) < func.now()
     with db.session() as session:
-        workers = session.scalars(select(t.worker).where(*running).distinct()).all()
-        dead = [w for w in workers if w is None or not redis_client.exists(worker_key(w))]
-        rows = session.execute(
-            select(t.id, t.queue, t.worker, t.attempts, t.cancel_requested_at)
-            .where(*running, or_(t.worker.in_([w for w in dead if w]), t.worker.is_(None), overdue))
-            .order_by(t.started_at).limit(BATCH).with_for_update(skip_locked=True)).all()
-        requeued = []
-        for row in rows:
-            owned = (t.id == row.id, t.status == Status.RUNNING, t.worker == row.worker)
-            if row.cancel_requested_at is not None:
-                session.execute(update(t).where(*owned).values(
-                    status=Status.CANCELLED, finished_at=now, error_code="cancelled",
-                    error_message="Cancelled by the client; its worker died while running it."))
-                counts["cancelled_orphans"] += 1
-            elif row.attempts >= settings.max_attempts:
-                session.execute(update(t).where(*owned).values(
-                    status=Status.FAILED, finished_at=now, error_code="worker_lost",
-                    error_message=f"The worker running this died {row.attempts} times; gave up."))
-                counts["worker_lost"] += 1
-            else:
-                session.execute(update(t).where(*owned).values(
-                    status=Status.QUEUED, worker=None, device=None, started_at=None, enqueued_at=None))
-                requeued.append(row)
-                counts["requeued"] += 1
+        workers = session.scalars(select(_t.worker).where(*running).distinct()).all()
+    dead = [w for w in workers if w is not None and not redis_client.exists(worker_key(w))]
+    counts, requeued = lifecycle.recover_orphans(
+        running[1], or_(_t.worker.in_(dead), _t.worker.is_(None), overdue),
+        max_attempts=settings.max_attempts, limit=BATCH)
     # Publish only after the requeue is committed.
-    publish_committed(db, celery, requeued)
+    publish_committed(lifecycle, celery, requeued)
     if any(counts.values()):
         log.warning("recovered requests of dead workers: %s", counts)
     return counts
 
 
-def _recover_reserved(db: Database, redis_client: redis.Redis, celery: Celery) -> int:
+def _recover_reserved(db: Database, lifecycle: Lifecycle, redis_client: redis.Redis, celery: Celery) -> int:
     reserved = redis_client.hgetall(RESERVED_KEY)
     alive = {w: bool(redis_client.exists(worker_key(w))) for w in set(reserved.values())}
     dead = [rid for rid, w in reserved.items() if not alive[w]]
     if not dead:
         return 0
-    t = InferenceRequest
     with db.session() as session:
-        rows = session.execute(select(t.id, t.queue).where(
-            t.id.in_([uuid.UUID(r) for r in dead]), t.status == Status.QUEUED)).all()
-    publish_committed(db, celery, rows)
+        rows = session.execute(select(_t.id, _t.queue).where(
+            _t.id.in_([uuid.UUID(r) for r in dead]), _t.status == Status.QUEUED)).all()
+    publish_committed(lifecycle, celery, rows)
     redis_client.hdel(RESERVED_KEY, *dead)
     return len(rows)
 
 
-def _reroute_direct(db: Database, redis_client: redis.Redis, celery: Celery, settings: Settings) -> int:
-    t = InferenceRequest
+def _reroute_direct(db: Database, lifecycle: Lifecycle, redis_client: redis.Redis, celery: Celery,
+                    settings: Settings) -> int:
+    """Queued turns on a dead worker's direct queue move to their model's shared queue. Not a
+    status change: the row stays ``queued``, on another queue, to be published again."""
     registry = settings.registry
-    cutoff = utcnow() - timedelta(seconds=settings.worker_dead_after_s)
     moved: list[Routed] = []
     with db.session() as session:
         rows = session.execute(
-            select(t.id, t.queue, t.priority, t.size_class, t.model_requested, t.model_routed)
-            .where(t.status == Status.QUEUED, t.queue.startswith(DIRECT_PREFIX), t.enqueued_at < cutoff)
+            select(_t.id, _t.queue, _t.priority, _t.size_class, _t.model_requested, _t.model_routed)
+            .where(_t.status == Status.QUEUED, _t.queue.startswith(DIRECT_PREFIX),
+                   _t.enqueued_at < _ago(settings.worker_dead_after_s))
             .limit(BATCH).with_for_update(skip_locked=True)).all()
         nodes = {r.queue.removeprefix(DIRECT_PREFIX) for r in rows}
         dead = {n for n in nodes if not redis_client.exists(node_key(n))}
@@ -148,10 +131,10 @@ def _reroute_direct(db: Database, redis_client: redis.Redis, celery: Celery, set
                 continue
             model = registry.get(row.model_routed or row.model_requested) or registry.default
             queue = queue_name(row.priority, row.size_class, registry.queue_suffix(model))
-            session.execute(update(t).where(t.id == row.id, t.status == Status.QUEUED)
+            session.execute(update(_t).where(_t.id == row.id, _t.status == Status.QUEUED)
                             .values(queue=queue, enqueued_at=None))
             moved.append(Routed(row.id, queue))
-    publish_committed(db, celery, moved)
+    publish_committed(lifecycle, celery, moved)
     # Nobody consumes a dead node's queue; its rows were rerouted above (or will be next time).
     for node in dead:
         if not redis_client.exists(node_key(node)):  # not restarted under the same name meanwhile
@@ -164,16 +147,10 @@ class Routed(NamedTuple):
     queue: str
 
 
-def _expire_late(db: Database) -> int:
-    with db.session() as session:
-        return expire_if_late(session)
-
-
 def _reraise_cancel_flags(db: Database, redis_client: redis.Redis) -> int:
-    t = InferenceRequest
     with db.session() as session:
-        rows = session.execute(select(t.id, t.time_limit_s).where(
-            t.status == Status.RUNNING, t.cancel_requested_at.is_not(None)).limit(BATCH)).all()
+        rows = session.execute(select(_t.id, _t.time_limit_s).where(
+            _t.status == Status.RUNNING, _t.cancel_requested_at.is_not(None)).limit(BATCH)).all()
     for row in rows:
         raise_cancel_flag(redis_client, str(row.id), row.time_limit_s)
     return len(rows)

@@ -1,4 +1,7 @@
-"""Celery tasks. Names, queues and ack behaviour are declared here; the work lives elsewhere."""
+"""Celery tasks. Names, queues and ack behaviour are declared here; the work lives elsewhere.
+
+Every task runs through :class:`workers.celery_app.SluiceTask` (app context, ids on log lines).
+"""
 
 from __future__ import annotations
 
@@ -7,27 +10,25 @@ import uuid
 
 from celery import shared_task
 from celery.exceptions import Reject
-from flask import current_app
 
 from sluice.keys import RESERVED_KEY
-from sluice.logs import current_request_id
+from sluice.queues import RUN_TASK, SWEEP_TASK
 
 from . import execution, sweep
-from .bootstrap import current_runtime
+from .bootstrap import WORKER, EngineNotStarted
+from .celery_app import SluiceTask
 from .execution import DB_UNAVAILABLE
-from .routing import RUN_TASK, SWEEP_TASK
 
 log = logging.getLogger(__name__)
 
 
-@shared_task(name=RUN_TASK, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
-def run_request(request_id: str) -> None:
+@shared_task(bind=True, name=RUN_TASK, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def run_request(self: SluiceTask, request_id: str) -> None:
     """Run one request. Safe to deliver twice: the row's conditional claim lets one run win."""
-    token = current_request_id.set(request_id)
+    svc = self.services
     try:
-        execution.execute(current_app.extensions["sluice.db"], current_app.extensions["sluice.redis"],
-                          current_runtime(), uuid.UUID(request_id))
-    except (*DB_UNAVAILABLE, RuntimeError) as exc:
+        execution.execute(svc.lifecycle, svc.redis, WORKER.require(), uuid.UUID(request_id))
+    except (*DB_UNAVAILABLE, EngineNotStarted) as exc:
         # Postgres unreachable through every retry, or no engine in this process: hand the
         # message back to the queue rather than ack it, so the request is not stranded. The
         # claim is conditional, so a later delivery can never run it twice.
@@ -36,16 +37,14 @@ def run_request(request_id: str) -> None:
     finally:
         # Claimed (the heartbeat now covers it) or not ours to run: either way no longer reserved.
         try:
-            current_app.extensions["sluice.redis"].hdel(RESERVED_KEY, request_id)
+            svc.redis.hdel(RESERVED_KEY, request_id)
         except Exception:
             log.warning("could not clear reservation; the sweep will")
-        current_request_id.reset(token)
 
 
-@shared_task(name=SWEEP_TASK, ignore_result=True)
-def sweep_stranded() -> dict:
-    report = sweep.sweep(current_app.extensions["sluice.db"], current_app.extensions["sluice.redis"],
-                         current_app.extensions["celery"], current_app.config["SLUICE"])
+@shared_task(bind=True, name=SWEEP_TASK, ignore_result=True)
+def sweep_stranded(self: SluiceTask) -> dict:
+    report = sweep.sweep(self.services)
     if any(report.values()):
         log.info("sweep: %s", report)
     return report

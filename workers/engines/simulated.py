@@ -2,7 +2,7 @@
 
 It schedules, batches, reserves KV cache and preempts like vLLM's v1 engine core, but
 ``execute`` is an ``asyncio.sleep`` of the step time the cost model predicts for an 8B bf16
-model on one H200 (see /work/shared/calibration/h200-llama8b.md), divided by ``speed``.
+model on one H200 (measured figures in ``docs/calibration.md``), divided by ``speed``.
 Its text is deterministic filler that always starts with ``[simulated] ``, so nobody can
 mistake it for model output. Use it for development and benchmarks, never as a model.
 """

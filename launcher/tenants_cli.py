@@ -9,8 +9,12 @@ from typing import Any
 
 import click
 
-from .settings import Settings
-from .tiers import LIMIT_FIELDS
+from models import Database
+from sluice.settings import Settings
+from sluice.tenants import TenantError, add_key, create_tenant, find_tenant, list_tenants, tenant_view, update_tenant
+from sluice.tiers import LIMIT_FIELDS
+
+from .options import service_settings
 
 
 class _LimitValue(click.ParamType):
@@ -53,12 +57,7 @@ def _changes(tier: str | None, limits: dict[str, Any], ctx: click.Context) -> di
 
 @contextmanager
 def _session() -> Iterator[tuple[Any, Settings]]:
-    from models import Database
-
-    from .cli import _service_settings
-    from .tenants import TenantError
-
-    settings = _service_settings()
+    settings = service_settings()
     db = Database()
     db.configure(settings.sqlalchemy_url, pool_size=1, max_overflow=0)
     try:
@@ -92,8 +91,6 @@ def tenants() -> None:
 @click.pass_context
 def create(ctx: click.Context, name: str, tier: str | None, no_key: bool, **limits: Any) -> None:
     """Create tenant NAME and print its first API key (shown only this once)."""
-    from .tenants import add_key, create_tenant, tenant_view
-
     changes = _changes(tier, limits, ctx)
     with _session() as (session, settings):
         tenant = create_tenant(session, settings, name, changes.pop("tier", None), changes)
@@ -110,8 +107,6 @@ def create(ctx: click.Context, name: str, tier: str | None, no_key: bool, **limi
 @click.pass_context
 def update(ctx: click.Context, name: str, tier: str | None, **limits: Any) -> None:
     """Change tenant NAME's tier or limit overrides; options not given stay as they are."""
-    from .tenants import find_tenant, tenant_view, update_tenant
-
     changes = _changes(tier, limits, ctx)
     if not changes:
         raise click.UsageError("nothing to change: give --tier or a limit option")
@@ -128,8 +123,6 @@ def update(ctx: click.Context, name: str, tier: str | None, **limits: Any) -> No
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of one line per tenant.")
 def list_(as_json: bool) -> None:
     """List tenants with their tier and effective limits."""
-    from .tenants import list_tenants
-
     with _session() as (session, settings):
         views = list_tenants(session, settings)
     if as_json:

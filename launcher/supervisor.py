@@ -24,12 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from models import Status
+from models import Database, Status, tenant_for_key
+from sluice.keys import WORKER_PREFIX, redis_client
+from sluice.settings import Settings
 from workers.runtime import EngineRuntime
 
-from . import cli, embedded
-from .keys import WORKER_PREFIX, redis_client
-from .settings import Settings
+from . import embedded
+from .argv import beat_argv, flower_argv, web_argv, worker_argv
+from .database import create_key, upgrade_database
 
 # A vLLM worker loads and warms a real model before its first heartbeat; that can take minutes.
 READY_TIMEOUT_S = {"simulated": 120.0, "vllm": 900.0}
@@ -129,7 +131,7 @@ def run_platform(settings: Settings, role: str = "all", flower: bool = True, smo
     data_dir = Path(settings.data_dir).resolve()
     (data_dir / "logs").mkdir(parents=True, exist_ok=True)
     try:
-        cli.worker_argv(settings, role)  # fail early on a bad role or model
+        worker_argv(settings, role)  # fail early on a bad role or model
     except ValueError as exc:
         say(f"error: {exc}")
         return 1
@@ -148,15 +150,15 @@ def run_platform(settings: Settings, role: str = "all", flower: bool = True, smo
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         settings = _services(settings.replace(data_dir=str(data_dir)), platform)
-        cli.upgrade_database(settings.sqlalchemy_url)
+        upgrade_database(settings.sqlalchemy_url)
         key = _demo_key(settings.sqlalchemy_url, data_dir)
         env = child_env(settings)
         known_workers = _worker_ids(settings.redis_url)
-        platform.spawn("web", cli.web_argv(settings), env)
-        platform.spawn("worker", cli.worker_argv(settings, role), env)
-        platform.spawn("beat", cli.beat_argv(settings), env)
+        platform.spawn("web", web_argv(settings), env)
+        platform.spawn("worker", worker_argv(settings, role), env)
+        platform.spawn("beat", beat_argv(settings), env)
         if flower:
-            platform.spawn("flower", cli.flower_argv(settings), env)
+            platform.spawn("flower", flower_argv(settings), env)
         host = "127.0.0.1" if settings.web_host in ("0.0.0.0", "") else settings.web_host
         api = f"http://{host}:{settings.web_port}"
         flower_url = f"http://{host}:{settings.flower_port}" if flower else None
@@ -219,7 +221,6 @@ def _services(settings: Settings, platform: Platform) -> Settings:
 
 def _demo_key(url: str, data_dir: Path) -> str:
     """The saved demo key if it still authenticates, else a new one for tenant ``demo``, saved 0600."""
-    from models import Database, tenant_for_key
 
     path = data_dir / "demo-key"
     if path.exists():
@@ -233,7 +234,7 @@ def _demo_key(url: str, data_dir: Path) -> str:
             db.dispose()
         if key and found:
             return key
-    key = cli.create_key(url, "demo")
+    key = create_key(url, "demo")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write(key + "\n")

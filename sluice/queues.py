@@ -1,4 +1,4 @@
-"""Queue names, worker roles and the one way a request is published.
+"""Queue names, worker roles, task names and the one way a request is published.
 
 Queues are named ``<priority>.<size class>[.<model>]`` (the default model has no suffix). A
 worker's role fixes the queues it consumes, listed in the order it should prefer them. Every
@@ -12,10 +12,9 @@ from __future__ import annotations
 import uuid
 
 from celery import Celery
-from sqlalchemy import func, update
 
-from models import InferenceRequest, Priority, SizeClass
-from models.session import Database
+from models import Priority, SizeClass
+from models.lifecycle import Lifecycle
 
 RUN_TASK = "sluice.run_request"
 SWEEP_TASK = "sluice.sweep"
@@ -66,17 +65,13 @@ def publish_request(celery: Celery, request_id: uuid.UUID, queue: str) -> None:
                      routing_key=queue)
 
 
-def publish_committed(db: Database, celery: Celery, rows) -> None:
-    """Publish rows already committed as queued, then stamp enqueued_at.
+def publish_committed(lifecycle: Lifecycle, celery: Celery, rows) -> None:
+    """Publish rows (anything with ``id`` and ``queue``) already committed as queued, then stamp
+    each one's ``enqueued_at``.
 
     A crash between the two leaves enqueued_at NULL and the next sweep publishes again; the
     duplicate message is harmless because only one delivery can claim the row.
     """
-    t = InferenceRequest
     for row in rows:
         publish_request(celery, row.id, row.queue)
-        with db.session() as session:
-            # Not conditional on `queued`: an idle worker often claims the row before this
-            # stamp, and the row must still say when it was published.
-            session.execute(update(t).where(t.id == row.id, t.enqueued_at.is_(None))
-                            .values(enqueued_at=func.clock_timestamp()))  # same clock as created_at
+        lifecycle.stamp_enqueued(row.id)

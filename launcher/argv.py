@@ -1,0 +1,50 @@
+"""The command lines of Sluice's processes: what `sluice <cmd>` execs and `sluice up` spawns."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+from sluice.queues import queues_for_role
+from sluice.settings import Settings
+
+
+def worker_argv(settings: Settings, role: str, concurrency: int | None = None, name: str | None = None,
+                model: str | None = None) -> list[str]:
+    """argv of a Celery worker for ``role`` serving ``model``; raises ValueError for a bad pair."""
+    registry = settings.registry
+    spec = registry.get(model) if model else registry.default
+    if spec is None:
+        raise ValueError(f"model {model!r} is not in the registry ({', '.join(m.name for m in registry.models)})")
+    if role not in spec.worker_roles:
+        raise ValueError(f"model {spec.name!r} is not served by role {role!r} (only {', '.join(spec.worker_roles)})")
+    node = name or f"{role}@{socket.gethostname()}"
+    if len(node) > 56 or not node.isprintable() or " " in node:
+        raise ValueError(f"node name {node!r} must be at most 56 printable characters without spaces "
+                         "(it names the worker's direct queue); pass a shorter --name")
+    queues = queues_for_role(role, registry.queue_suffix(spec), node)
+    # `env` carries the role and model into the worker process without touching our own env.
+    return ["env", f"SLUICE_WORKER_ROLE={role}", f"SLUICE_WORKER_MODEL={spec.name}",
+            sys.executable, "-m", "celery", "-A", "workers.entry", "worker",
+            "--pool", "threads", "--concurrency", str(concurrency or settings.worker_threads),
+            "--queues", ",".join(queues), "--hostname", node,
+            "--loglevel", settings.log_level, "--without-mingle", "--without-gossip"]
+
+
+def beat_argv(settings: Settings) -> list[str]:
+    schedule = Path(settings.data_dir) / "celerybeat-schedule"
+    schedule.parent.mkdir(parents=True, exist_ok=True)
+    return [sys.executable, "-m", "celery", "-A", "workers.entry", "beat", "--schedule", str(schedule),
+            "--loglevel", settings.log_level]
+
+
+def web_argv(settings: Settings) -> list[str]:
+    return [sys.executable, "-m", "gunicorn", "--bind", f"{settings.web_host}:{settings.web_port}",
+            "--workers", str(settings.web_workers), "--threads", "8", "--timeout", "60",
+            "--access-logfile", "-", "web:create_app()"]
+
+
+def flower_argv(settings: Settings) -> list[str]:
+    return [sys.executable, "-m", "celery", "-A", "workers.entry", "flower",
+            f"--port={settings.flower_port}", f"--address={settings.web_host}"]

@@ -1,0 +1,125 @@
+"""Real Sluice processes for tests and benchmarks: a worker, beat, a scratch Redis database.
+
+Each starts the process the way an operator would (`sluice worker`, `sluice beat`), in its own
+process group, logging to a file, so it can be killed like a crashed node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import redis as redis_lib
+
+from sluice.keys import WORKER_PREFIX
+
+ROOT = Path(__file__).resolve().parent.parent
+SLUICE = [sys.executable, "-m", "launcher.cli"]
+
+
+def with_database(url: str, name: str) -> str:
+    """``url`` pointing at database ``name`` on the same server."""
+    return urlunsplit(urlsplit(url)._replace(path="/" + name))
+
+
+def free_redis_db(base: str, taken: set[int]) -> int:
+    """A Redis database number that is empty now and locked for this process, so parallel runs
+    do not collide; ``taken`` lists numbers this process already holds."""
+    for number in range(15, 0, -1):
+        if number in taken:
+            continue
+        client = redis_lib.Redis.from_url(f"{base}/{number}")
+        try:
+            if client.dbsize() == 0 and client.set("sluice:test:lock", os.getpid(), nx=True, ex=3600):
+                return number
+        finally:
+            client.close()
+    raise RuntimeError("no empty Redis database left")
+
+
+class WorkerProcess:
+    """A real `sluice worker` process; construction returns once its engine is warm."""
+
+    def __init__(self, env: dict[str, str], redis_url: str, tmp: Path, role: str = "all",
+                 ready_timeout: float = 60, model: str | None = None, concurrency: int = 64) -> None:
+        self.redis = redis_lib.Redis.from_url(redis_url, decode_responses=True)
+        self.log_path = tmp / f"worker-{role}-{uuid.uuid4().hex[:6]}.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        before = set(self.redis.keys(WORKER_PREFIX + "*"))
+        self.proc = subprocess.Popen(
+            [*SLUICE, "worker", "--role", role, "--concurrency", str(concurrency),
+             "--name", f"{role}-{uuid.uuid4().hex[:6]}@test", *(["--model", model] if model else [])],
+            cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, stdout=self._log,
+            stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self.worker_key = self._wait_ready(before, ready_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, before: set[str], timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited early:\n{self.log_path.read_text()[-3000:]}")
+            new = set(self.redis.keys(WORKER_PREFIX + "*")) - before
+            if new:
+                return new.pop()
+            time.sleep(0.2)
+        raise RuntimeError(f"worker not warm after {timeout}s:\n{self.log_path.read_text()[-3000:]}")
+
+    def stats(self) -> dict:
+        raw = self.redis.get(self.worker_key)
+        return json.loads(raw) if raw else {}
+
+    def wait_stats(self, predicate: Callable[[dict], bool], timeout: float = 10) -> dict:
+        """Engine stats arrive with the heartbeat; wait for a snapshot that satisfies predicate."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            if predicate(stats) or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        """SIGKILL the whole worker: no cleanup, no acks, exactly like an OOM kill."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+        self.stop()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        if not self._log.closed:
+            self._log.close()
+            self.redis.close()
+
+
+class BeatProcess:
+    """A real `sluice beat` process: schedules the sweep onto the maintenance queue."""
+
+    def __init__(self, env: dict[str, str], tmp: Path) -> None:
+        self.log_path = tmp / f"beat-{uuid.uuid4().hex[:6]}.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([*SLUICE, "beat"], cwd=ROOT, env={**os.environ, **env}, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(30)
+        if not self._log.closed:
+            self._log.close()

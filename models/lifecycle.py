@@ -1,0 +1,317 @@
+"""Every status change of a request row, in one place.
+
+    queued ──claim──► running ──finish──► succeeded | failed | timed_out | cancelled
+      │  ▲                │
+      │  └────requeue─────┘  (its worker died; attempts left)
+      ├──cancel──► cancelled
+      └──expire──► expired   (its deadline passed before it started)
+
+Each transition is one conditional ``UPDATE … WHERE status = <from>``, so two processes racing
+on one row (a duplicate delivery, a cancel against a claim, the sweep against a slow worker)
+can never both win, and a row reaches exactly one terminal status. Every timestamp a
+transition writes comes from the database clock (``clock_timestamp()``), the clock
+``created_at`` uses, so ``queue_wait_s`` and ``inference_s`` never mix two hosts' clocks.
+
+Work that must follow "this request ended" (releasing its admission reservation today;
+webhooks, metrics and job progress later) attaches with :meth:`Lifecycle.on_end`. Hooks run
+once per terminal transition, after its transaction committed, in the process that made it.
+
+``rejected`` is declared in the status enum and the table's CHECK but nothing writes it yet:
+the overload-control issue (refusals recorded on a row) is its writer, or it goes.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, NamedTuple
+
+from sqlalchemy import ColumnElement, func, or_, select, update
+from sqlalchemy.orm import Session
+
+from .request import InferenceRequest, Priority, Status
+from .session import Database
+
+log = logging.getLogger(__name__)
+
+ALLOWED: dict[Status, frozenset[Status]] = {
+    Status.QUEUED: frozenset({Status.RUNNING, Status.CANCELLED, Status.EXPIRED}),
+    Status.RUNNING: frozenset({Status.SUCCEEDED, Status.FAILED, Status.TIMED_OUT, Status.CANCELLED,
+                               Status.QUEUED}),
+}
+
+
+class End(NamedTuple):
+    """How a request ended: its terminal status and the error code and message on the row."""
+
+    status: Status
+    code: str | None = None
+    message: str | None = None
+
+
+SUCCEEDED = End(Status.SUCCEEDED)
+TIME_LIMIT = End(Status.TIMED_OUT, "time_limit_exceeded",
+                 "Inference ran past the request's time limit and was stopped.")
+CANCELLED_QUEUED = End(Status.CANCELLED, "cancelled", "Cancelled by the client before it started.")
+CANCELLED_RUNNING = End(Status.CANCELLED, "cancelled", "Cancelled by the client while running.")
+CANCELLED_ORPHAN = End(Status.CANCELLED, "cancelled", "Cancelled by the client; its worker died while running it.")
+ENGINE_SHUTDOWN = End(Status.FAILED, "engine_shutdown", "The worker shut down while this ran; retry.")
+ENGINE_ERROR = End(Status.FAILED, "engine_error", "The inference engine failed on this request.")
+RESULT_NOT_STORABLE = End(Status.FAILED, "result_not_storable",
+                          "The engine's result could not be stored; retry the request.")
+DEADLINE_EXCEEDED = End(Status.EXPIRED, "deadline_exceeded",
+                        "Not started before its deadline; dropped instead of computing an answer too late.")
+
+
+def worker_lost(attempts: int) -> End:
+    return End(Status.FAILED, "worker_lost", f"The worker running this died {attempts} times; gave up.")
+
+
+class TransitionRefused(Exception):
+    """The row is in a status the asked-for transition cannot start from."""
+
+    def __init__(self, status: Status, target: Status) -> None:
+        super().__init__(f"a {status.value} request cannot become {target.value}")
+        self.status = status
+        self.target = target
+
+
+@dataclass(frozen=True)
+class Ended:
+    """What a terminal-transition hook learns: the row's identity, outcome and token columns
+    (enough for the admission limiter to settle the request's reservation)."""
+
+    id: uuid.UUID
+    tenant_id: uuid.UUID
+    status: Status
+    error_code: str | None
+    reserved_tokens: int
+    input_tokens: int
+    output_tokens: int | None
+    started_at: datetime | None
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """The columns a worker needs to run a request it just claimed."""
+
+    id: uuid.UUID
+    tenant_id: uuid.UUID
+    input: dict[str, Any]
+    params: dict[str, Any]
+    priority: Priority
+    max_tokens: int
+    time_limit_s: float
+    input_tokens: int
+    conversation_id: str | None
+
+
+class Orphan(NamedTuple):
+    """A running row whose worker is gone, as the sweep found it."""
+
+    id: uuid.UUID
+    queue: str
+    worker: str | None
+    attempts: int
+    cancel_requested_at: datetime | None
+
+
+class Requeued(NamedTuple):
+    id: uuid.UUID
+    queue: str
+
+
+_t = InferenceRequest
+_ENDED_COLUMNS = (_t.id, _t.tenant_id, _t.status, _t.error_code, _t.reserved_tokens, _t.input_tokens,
+                  _t.output_tokens, _t.started_at)
+
+
+def about(request_id: uuid.UUID) -> dict[str, str]:
+    """``extra=`` for a log line about one request, from code that may run outside its context
+    (the sweep acts on many rows): the log format shows it as the line's request id."""
+    return {"request_id": str(request_id)}
+
+
+def db_now() -> ColumnElement[datetime]:
+    """The database's clock at the moment the statement runs (not the transaction's start)."""
+    return func.clock_timestamp()
+
+
+class Lifecycle:
+    """The transitions of request rows in one database, and the hooks that follow them."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self._on_end: list[Callable[[Ended], None]] = []
+
+    def on_end(self, hook: Callable[[Ended], None]) -> Callable[[Ended], None]:
+        """Call ``hook(ended)`` after every terminal transition this process commits."""
+        self._on_end.append(hook)
+        return hook
+
+    # ------------------------------------------------------------------ queued → …
+
+    def claim(self, request_id: uuid.UUID, worker: str, device: str) -> Claimed | None:
+        """queued → running for ``worker``, or None when the row is not its to run.
+
+        A row whose deadline passed becomes ``expired`` here instead: it is never computed.
+        """
+        with self._ending() as ended, self.db.session() as session:
+            row = session.execute(
+                _transition(Status.QUEUED, Status.RUNNING, _t.id == request_id, _t.cancel_requested_at.is_(None),
+                            or_(_t.deadline_at.is_(None), _t.deadline_at > db_now()))
+                .values(started_at=db_now(), worker=worker, device=device, attempts=_t.attempts + 1)
+                .returning(_t.id, _t.tenant_id, _t.input, _t.params, _t.priority, _t.max_tokens, _t.time_limit_s,
+                           _t.input_tokens, _t.conversation_id)).one_or_none()
+            if row is None:
+                ended += _expire(session, _t.id == request_id)
+                if not ended:
+                    status = session.scalar(select(_t.status).where(_t.id == request_id))
+                    log.info("not running: row is %s", status.value if status else "missing")
+                return None
+        log.info("running on %s", worker)
+        return Claimed(*row)
+
+    def cancel(self, tenant_id: uuid.UUID, request_id: uuid.UUID) -> InferenceRequest | None:
+        """A client's cancel: queued → cancelled at once; a running row is flagged for its worker.
+
+        Returns the row after the change (None if the tenant has no such request); raises
+        :class:`TransitionRefused` for a finished one. The row lock makes a concurrent claim
+        wait, so a request is either cancelled before it starts or flagged, never neither.
+        """
+        with self._ending() as ended, self.db.session() as session:
+            status = session.scalar(select(_t.status).where(_t.id == request_id, _t.tenant_id == tenant_id)
+                                    .with_for_update())
+            if status is None:
+                return None
+            if status.terminal:
+                raise TransitionRefused(status, Status.CANCELLED)
+            flag = {"cancel_requested_at": func.coalesce(_t.cancel_requested_at, db_now())}
+            if status == Status.QUEUED:
+                statement = _ending(Status.QUEUED, CANCELLED_QUEUED, _t.id == request_id).values(**flag)
+            else:
+                statement = update(_t).where(_t.id == request_id).values(**flag)
+            row = session.scalars(statement.returning(_t).execution_options(populate_existing=True)).one()
+            if row.status.terminal:
+                ended.append(_ended_of(row))
+        log.info("cancel requested while %s", status.value)
+        return row
+
+    def expire_late(self, *where: ColumnElement[bool]) -> int:
+        """queued → expired for rows matching ``where`` whose deadline has passed; how many."""
+        with self._ending() as ended, self.db.session() as session:
+            ended += _expire(session, *where)
+        return len(ended)
+
+    def stamp_enqueued(self, request_id: uuid.UUID) -> None:
+        """Record that the row's message was published (once: a re-publish keeps the first stamp
+        unless the row was requeued). Not conditional on ``queued``: an idle worker often claims
+        the row before this stamp, and the row must still say when it was published."""
+        with self.db.session() as session:
+            session.execute(update(_t).where(_t.id == request_id, _t.enqueued_at.is_(None))
+                            .values(enqueued_at=db_now()))
+
+    # ------------------------------------------------------------------ running → …
+
+    def finish(self, request_id: uuid.UUID, worker: str, end: End, *, model: str | None = None,
+               output: Any = None, first_token_age_s: float | None = None) -> Ended | None:
+        """running → ``end`` if ``worker`` still owns the row; what ended, or None if not its.
+
+        ``output`` is the engine's last :class:`GenerationOutput` (or None). The first-token
+        stamp is placed on the database clock ``first_token_age_s`` before the write, never
+        before ``started_at``.
+        """
+        values: dict[str, Any] = {}
+        if model is not None:
+            values["model_used"] = model
+        if first_token_age_s is not None:
+            values["first_token_at"] = func.greatest(_t.started_at, db_now() - timedelta(seconds=first_token_age_s))
+        if output is not None:
+            # PostgreSQL text cannot hold NUL, and a model may emit it.
+            values.update(output_text=output.text.replace("\x00", "\ufffd"), output_tokens=output.output_tokens,
+                          input_tokens=output.prompt_tokens, cached_tokens=output.cached_tokens,
+                          finish_reason=output.finish_reason)
+        with self._ending() as ended, self.db.session() as session:
+            row = session.execute(_ending(Status.RUNNING, end, _t.id == request_id, _t.worker == worker)
+                                  .values(**values).returning(*_ENDED_COLUMNS)).one_or_none()
+            if row is not None:
+                ended.append(Ended(*row))
+        if row is None:
+            log.warning("outcome %s discarded: this worker no longer owns the row", end.status.value)
+            return None
+        return ended[0]
+
+    def recover_orphans(self, *where: ColumnElement[bool], max_attempts: int, limit: int
+                        ) -> tuple[dict[str, int], list[Requeued]]:
+        """Rows ``running`` on a dead worker (``where`` says which): cancelled if the client asked
+        for that, ``worker_lost`` once they used every attempt, else back to ``queued``.
+
+        Rows another sweep holds are skipped. Returns counts and the requeued rows, which the
+        caller publishes (they are committed by then).
+        """
+        counts = {"requeued": 0, "worker_lost": 0, "cancelled_orphans": 0}
+        requeued: list[Requeued] = []
+        with self._ending() as ended, self.db.session() as session:
+            orphans = [Orphan(*r) for r in session.execute(
+                select(_t.id, _t.queue, _t.worker, _t.attempts, _t.cancel_requested_at)
+                .where(_t.status == Status.RUNNING, *where)
+                .order_by(_t.started_at).limit(limit).with_for_update(skip_locked=True))]
+            for orphan in orphans:
+                owned = (_t.id == orphan.id, _t.worker == orphan.worker)  # None: IS NULL
+                if orphan.cancel_requested_at is not None or orphan.attempts >= max_attempts:
+                    end = CANCELLED_ORPHAN if orphan.cancel_requested_at is not None else worker_lost(orphan.attempts)
+                    row = session.execute(_ending(Status.RUNNING, end, *owned).returning(*_ENDED_COLUMNS)).one()
+                    ended.append(Ended(*row))
+                    counts["cancelled_orphans" if end is CANCELLED_ORPHAN else "worker_lost"] += 1
+                else:
+                    session.execute(_transition(Status.RUNNING, Status.QUEUED, *owned).values(
+                        worker=None, device=None, started_at=None, enqueued_at=None))
+                    requeued.append(Requeued(orphan.id, orphan.queue))
+                    counts["requeued"] += 1
+        for orphan in requeued:
+            log.warning("requeued: its worker died while running it", extra=about(orphan.id))
+        return counts, requeued
+
+    # ------------------------------------------------------------------ hooks
+
+    @contextmanager
+    def _ending(self) -> Iterator[list[Ended]]:
+        """Collect terminal transitions made inside; log them and run the hooks once the block
+        (and so its transaction) completed without error."""
+        ended: list[Ended] = []
+        yield ended
+        for row in ended:
+            log.info("%s%s", row.status.value, f" ({row.error_code})" if row.error_code else "", extra=about(row.id))
+            for hook in self._on_end:
+                try:
+                    hook(row)
+                except Exception:  # a hook must never undo or hide a committed transition
+                    log.exception("terminal hook %s failed", getattr(hook, "__qualname__", hook), extra=about(row.id))
+
+
+def _transition(source: Status, target: Status, *where: ColumnElement[bool]):
+    """``UPDATE requests SET status = target WHERE status = source AND where``, if allowed."""
+    if target not in ALLOWED.get(source, ()):
+        raise TransitionRefused(source, target)
+    return update(_t).where(_t.status == source, *where).values(status=target)
+
+
+def _ending(source: Status, end: End, *where: ColumnElement[bool]):
+    """A transition to a terminal status: stamps ``finished_at`` and the error code and message."""
+    return _transition(source, end.status, *where).values(finished_at=db_now(), error_code=end.code,
+                                                         error_message=end.message)
+
+
+def _expire(session: Session, *where: ColumnElement[bool]) -> list[Ended]:
+    rows = session.execute(_ending(Status.QUEUED, DEADLINE_EXCEEDED, *where, _t.deadline_at <= db_now())
+                           .returning(*_ENDED_COLUMNS)).all()
+    return [Ended(*row) for row in rows]
+
+
+def _ended_of(row: InferenceRequest) -> Ended:
+    return Ended(row.id, row.tenant_id, row.status, row.error_code, row.reserved_tokens, row.input_tokens,
+                 row.output_tokens, row.started_at)

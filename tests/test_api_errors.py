@@ -121,6 +121,47 @@ def test_openapi_is_generated_from_the_validating_schema(app):
     assert "/v1/requests/{request_id}/cancel" in spec["paths"]
 
 
+def _submit_validator(spec):
+    import jsonschema
+
+    # The component's $refs point into the document: validate with the components beside it.
+    return jsonschema.Draft202012Validator({**spec["components"]["schemas"]["SubmitRequest"],
+                                            "components": spec["components"]})
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "x", "deadline_s": 0}, {"prompt": "x", "time_limit_s": 0}, {"prompt": "x", "top_p": 0},
+    {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, {"max_tokens": 4},
+    {"prompt": "x", "metadata": {"": "empty key"}}, {"prompt": "x", "metadata": {f"k{i}": "v" for i in range(17)}},
+])
+def test_openapi_refuses_what_validation_refuses(app, client, body):
+    """Bodies a schema-driven fuzzer found the document allowed and the server refused."""
+    spec = app.test_client().get("/openapi.json").get_json()
+    assert not _submit_validator(spec).is_valid(body), body
+    assert_envelope(client.submit(**body), 422, "invalid_request")
+
+
+def test_openapi_allows_what_validation_allows(app, client):
+    spec = app.test_client().get("/openapi.json").get_json()
+    for body in ({"prompt": "x", "deadline_s": 0.5, "time_limit_s": 0.5, "top_p": 1, "max_tokens": 4},
+                 {"messages": [{"role": "user", "content": "x"}], "metadata": {"k": "v"}, "max_tokens": 4}):
+        assert _submit_validator(spec).is_valid(body), body
+        assert client.submit(**body).status_code == 202
+
+
+def test_openapi_covers_every_public_route(isolated_app):
+    import re
+
+    application = isolated_app(admin_key="an-admin-key-of-16+")
+    paths = application.test_client().get("/openapi.json").get_json()["paths"]
+    for rule in application.url_map.iter_rules():
+        if rule.endpoint == "static":
+            continue
+        path = re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule.rule)
+        for method in rule.methods - {"HEAD", "OPTIONS"}:
+            assert method.lower() in paths.get(path, {}), f"{method} {path} is not documented"
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=5),

@@ -33,7 +33,9 @@ bp = Blueprint("admin", __name__, url_prefix="/admin")
 _STATUS = {"tenant_exists": 409, "unknown_tier": 422, "invalid_request": 422}
 
 
-class _LimitsSchema(Schema):
+class TenantLimitsSchema(Schema):
+    """Body of PATCH /admin/tenants/<tenant>: null resets a value to the tier's."""
+
     tier = fields.String(allow_none=True, validate=validate.Length(min=1, max=32))
     tokens_per_minute = StrictInteger(allow_none=True, validate=validate.Range(min=1))
     requests_per_minute = StrictInteger(allow_none=True, validate=validate.Range(min=1))
@@ -41,7 +43,9 @@ class _LimitsSchema(Schema):
     max_request_tokens = StrictInteger(allow_none=True, validate=validate.Range(min=1))
 
 
-class _CreateSchema(_LimitsSchema):
+class TenantCreateSchema(TenantLimitsSchema):
+    """Body of POST /admin/tenants."""
+
     name = fields.String(required=True, validate=validate.Length(min=1, max=100))
     create_key = fields.Boolean(load_default=True)
 
@@ -100,7 +104,7 @@ def list_all() -> Response:
 @bp.post("/tenants")
 @_managed
 def create() -> tuple[Response, int]:
-    data = _load(_CreateSchema())
+    data = _load(TenantCreateSchema())
     name, make_key = data.pop("name"), data.pop("create_key")
     with _db().session() as session:
         tenant = create_tenant(session, _settings(), name, data.pop("tier", None), data)
@@ -109,26 +113,26 @@ def create() -> tuple[Response, int]:
     return jsonify(**view, **({"api_key": key} if key else {})), 201
 
 
-@bp.get("/tenants/<ref>")
-def show(ref: str) -> Response:
+@bp.get("/tenants/<tenant_ref>")
+def show(tenant_ref: str) -> Response:
     with _db().session() as session:
-        tenant = _tenant_or_404(session, ref)
+        tenant = _tenant_or_404(session, tenant_ref)
         return jsonify(tenant_view(tenant, _settings(), _active_keys(session, tenant)))
 
 
-@bp.patch("/tenants/<ref>")
+@bp.patch("/tenants/<tenant_ref>")
 @_managed
-def update(ref: str) -> Response:
-    changes = _load(_LimitsSchema())
+def update(tenant_ref: str) -> Response:
+    changes = _load(TenantLimitsSchema())
     with _db().session() as session:
-        tenant = _tenant_or_404(session, ref)
+        tenant = _tenant_or_404(session, tenant_ref)
         update_tenant(session, _settings(), tenant, changes)
         return jsonify(tenant_view(tenant, _settings(), _active_keys(session, tenant)))
 
 
-@bp.post("/tenants/<ref>/keys")
-def new_api_key(ref: str) -> tuple[Response, int]:
+@bp.post("/tenants/<tenant_ref>/keys")
+def new_api_key(tenant_ref: str) -> tuple[Response, int]:
     with _db().session() as session:
-        tenant = _tenant_or_404(session, ref)
+        tenant = _tenant_or_404(session, tenant_ref)
         key = add_key(session, tenant)
     return jsonify(tenant=tenant.name, api_key=key), 201

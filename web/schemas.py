@@ -87,6 +87,9 @@ class SubmitRequestSchema(Schema):
         metadata={"description": "Turns sharing this id run on the worker that served the previous turn, "
                                  "reusing its prefix cache, while that worker is alive."})
 
+    # What `_one_input` enforces, as /openapi.json states it.
+    OPENAPI_ONE_OF = [{"required": ["prompt"]}, {"required": ["messages"]}]
+
     @validates_schema
     def _one_input(self, data, **kwargs):
         if ("prompt" in data) == ("messages" in data):
@@ -188,3 +191,39 @@ class ErrorBodySchema(Schema):
 
 class ErrorSchema(Schema):
     error = fields.Nested(ErrorBodySchema)
+
+
+class LimitsSchema(Schema):
+    tokens_per_minute = fields.Integer()
+    requests_per_minute = fields.Integer()
+    max_concurrent = fields.Integer()
+    max_request_tokens = fields.Integer()
+
+
+class TenantViewSchema(Schema):
+    """A tenant as the admin API shows it (``sluice.tenants.tenant_view``)."""
+
+    id = fields.UUID()
+    name = SafeString()
+    tier = SafeString()
+    tier_is_default = fields.Boolean()
+    overrides = fields.Dict(keys=fields.String(), values=fields.Integer(),
+                            metadata={"description": "The limits this tenant sets itself, over its tier's."})
+    limits = fields.Nested(LimitsSchema, metadata={"description": "Effective limits: tier plus overrides."})
+    created_at = fields.DateTime(allow_none=True)
+    active_keys = fields.Integer()
+    api_key = SafeString(metadata={"description": "Only in the answer that created the key; never shown again."})
+
+
+class HealthSchema(Schema):
+    status = SafeString(metadata={"enum": ["ok", "degraded"]})
+    checks = fields.Dict(keys=fields.String(), values=fields.String(),
+                         metadata={"description": "postgres and redis: ok or unreachable."})
+
+
+class ReadinessSchema(Schema):
+    ready = fields.Boolean()
+    reason = SafeString()
+    models = fields.Dict(keys=fields.String(), values=fields.Integer(),
+                         metadata={"description": "Warm workers per registry model."})
+    workers = fields.List(fields.Dict(), metadata={"description": "Heartbeats of warm workers, with engine stats."})

@@ -293,9 +293,13 @@ class Lifecycle:
                     log.exception("terminal hook %s failed", getattr(hook, "__qualname__", hook), extra=about(row.id))
 
 
+def allowed(source: Status, target: Status) -> bool:
+    return target in ALLOWED.get(source, ())
+
+
 def _transition(source: Status, target: Status, *where: ColumnElement[bool]):
     """``UPDATE requests SET status = target WHERE status = source AND where``, if allowed."""
-    if target not in ALLOWED.get(source, ()):
+    if not allowed(source, target):
         raise TransitionRefused(source, target)
     return update(_t).where(_t.status == source, *where).values(status=target)
 

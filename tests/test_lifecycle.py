@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -97,3 +98,33 @@ def test_300_concurrent_mixed_submissions_all_finish(client):
     assert {v["status"] for v in views.values()} == {"succeeded"}
     for rid, large in submitted:
         assert views[rid]["queue"].endswith(".large" if large else ".small"), views[rid]["queue"]
+
+
+def test_one_request_is_followed_by_its_id_through_web_log_worker_log_and_row(client, worker):
+    import logging
+
+    from sluice.logs import _FORMAT, ContextFilter
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(handler.format(record))
+    handler.setFormatter(logging.Formatter(_FORMAT))
+    handler.addFilter(ContextFilter())
+    logging.getLogger().addHandler(handler)
+    try:
+        response = client.submit(prompt="follow me", max_tokens=4)
+        rid, call = response.get_json()["id"], response.headers["X-Request-Id"]
+        view = client.wait(rid)
+    finally:
+        logging.getLogger().removeHandler(handler)
+    assert view["status"] == "succeeded" and view["id"] == rid
+    accepted = [line for line in lines if f"req={rid}" in line and "accepted into realtime.small" in line]
+    assert accepted and f"call={call}" in accepted[0]
+    deadline = time.monotonic() + 10
+    while True:  # the worker's log is written by another process
+        worker_lines = [line for line in worker.log_path.read_text().splitlines() if f"req={rid}" in line]
+        if any(line.endswith(": succeeded") for line in worker_lines) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert any(": running on " in line for line in worker_lines), worker_lines
+    assert any(line.endswith(": succeeded") for line in worker_lines), worker_lines

@@ -2,6 +2,7 @@ FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md alembic.ini ./
 COPY sluice sluice
+COPY launcher launcher
 COPY web web
 COPY workers workers
 COPY models models

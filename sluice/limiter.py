@@ -8,8 +8,9 @@ budget is a million-entry list); and it has no notion of requests in flight. ``a
 checks every limit of the global and tenant gates and charges all of them or none in one
 EVALSHA; ``release.lua`` refunds unused tokens and frees the concurrency slot exactly once.
 
-Used by the web tier (admit, peek, release on cancel) and by workers and the sweep (release on
-finish, reconcile). Clients pass their own Redis client, with the timeout they can afford.
+Used through ``web/admission.py`` (admit, peek, and the release every terminal transition
+triggers as a lifecycle hook, in whichever process made it) and by the sweep (reconcile).
+Callers pass their own Redis client, with the timeout they can afford.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ class SharedLimiter:
 
 @functools.lru_cache(maxsize=16)
 def limiter_for(client: redis.Redis) -> SharedLimiter:
-    """One limiter (registered scripts) per client, for callers that only release."""
+    """One limiter (registered scripts) per client, for callers outside admission (the sweep)."""
     return SharedLimiter(client)
 
 

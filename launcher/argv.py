@@ -48,3 +48,7 @@ def web_argv(settings: Settings) -> list[str]:
 def flower_argv(settings: Settings) -> list[str]:
     return [sys.executable, "-m", "celery", "-A", "workers.entry", "flower",
             f"--port={settings.flower_port}", f"--address={settings.web_host}"]
+
+
+def monitor_argv(settings: Settings) -> list[str]:
+    return [sys.executable, "-m", "launcher.cli", "monitor"]

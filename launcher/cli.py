@@ -127,6 +127,45 @@ def sweep() -> None:
     click.echo(json.dumps(report))
 
 
+@main.command()
+def monitor() -> None:
+    """Run the load monitor: queue waits and the degradation level, every second."""
+    import signal
+    import threading
+
+    from web import create_app, services
+    from workers.monitor import Monitor
+
+    svc = services(create_app(service_settings()))
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    Monitor(svc.settings, svc.redis, svc.db).run(stop)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def status(as_json: bool) -> None:
+    """Show the load per class, as the monitor last published it."""
+    from sluice.keys import LOAD_LEVEL_KEY, redis_client
+    from sluice.load import ClassLoad
+
+    client = redis_client(service_settings().redis_url)
+    loads = ClassLoad.read_all(client)
+    level = client.hget(LOAD_LEVEL_KEY, "level")
+    if as_json:
+        click.echo(json.dumps({"level": int(level) if level else None,
+                               "classes": [load.__dict__ for load in loads]}, indent=2))
+        return
+    click.echo(f"level {level if level is not None else '- (no monitor running)'}")
+    click.echo(f"{'class':32} {'queued':>8} {'tokens':>10} {'drain tok/s':>12} {'seq tok/s':>10} "
+               f"{'wait s':>8} {'level':>5} {'workers':>7}")
+    for load in loads:
+        wait = "?" if load.wait_s < 0 else f"{load.wait_s:.1f}"
+        click.echo(f"{load.priority + ':' + load.model:32} {load.queued_requests:>8} {load.queued_tokens:>10} "
+                   f"{load.drain_tps:>12.0f} {load.seq_tps:>10.1f} {wait:>8} {load.level:>5} {load.workers:>7}")
+
+
 @main.command("config")
 def show_config() -> None:
     """Print every setting, its environment variable and default (Markdown table)."""

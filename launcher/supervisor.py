@@ -2,8 +2,8 @@
 
 Contract of :func:`run_platform`: Postgres and Redis come from ``DATABASE_URL`` / ``REDIS_URL``
 or are started embedded under the data directory; the schema is migrated; a demo API key is kept
-in ``<data_dir>/demo-key``; web, worker, beat and (optionally) Flower run as child processes, each
-in its own process group, logging to ``<data_dir>/logs/<name>.log``. Once every piece answers, one
+in ``<data_dir>/demo-key``; web, worker, beat, the load monitor and (optionally) Flower run as
+child processes, each in its own process group, logging to ``<data_dir>/logs/<name>.log``. Once every piece answers, one
 demo request goes through the real path. On return nothing this call started is still running.
 """
 
@@ -30,7 +30,7 @@ from sluice.settings import Settings
 from workers.runtime import EngineRuntime
 
 from . import embedded
-from .argv import beat_argv, flower_argv, web_argv, worker_argv
+from .argv import beat_argv, flower_argv, monitor_argv, web_argv, worker_argv
 from .database import create_key, upgrade_database
 
 # A vLLM worker loads and warms a real model before its first heartbeat; that can take minutes.
@@ -105,7 +105,7 @@ class Platform:
 
     def shutdown(self) -> None:
         """SIGTERM every child group (web first), SIGKILL what is left after the grace, then servers."""
-        order = sorted(self.children, key=lambda c: ["web", "flower", "beat", "worker"].index(c.name))
+        order = sorted(self.children, key=lambda c: ["web", "flower", "monitor", "beat", "worker"].index(c.name))
         if order:
             say(f"stopping {', '.join(c.name for c in order)} ...")
         for child in order:
@@ -157,6 +157,7 @@ def run_platform(settings: Settings, role: str = "all", flower: bool = True, smo
         platform.spawn("web", web_argv(settings), env)
         platform.spawn("worker", worker_argv(settings, role), env)
         platform.spawn("beat", beat_argv(settings), env)
+        platform.spawn("monitor", monitor_argv(settings), env)
         if flower:
             platform.spawn("flower", flower_argv(settings), env)
         host = "127.0.0.1" if settings.web_host in ("0.0.0.0", "") else settings.web_host

@@ -12,9 +12,11 @@ can never both win, and a row reaches exactly one terminal status. Every timesta
 transition writes comes from the database clock (``clock_timestamp()``), the clock
 ``created_at`` uses, so ``queue_wait_s`` and ``inference_s`` never mix two hosts' clocks.
 
-Work that must follow "this request ended" (releasing its admission reservation today;
-webhooks, metrics and job progress later) attaches with :meth:`Lifecycle.on_end`. Hooks run
-once per terminal transition, after its transaction committed, in the process that made it.
+Work that must follow "this request ended" (releasing its admission reservation; webhooks,
+metrics and job progress later) attaches with :meth:`Lifecycle.on_end`; work that follows every
+move, acceptance (``None → queued``) included (the queue token counters), with
+:meth:`Lifecycle.on_move`. Hooks run once per transition, after its transaction committed, in
+the process that made it.
 
 ``rejected`` is declared in the status enum and the table's CHECK but nothing writes it yet:
 the overload-control issue (refusals recorded on a row) is its writer, or it goes.
@@ -81,18 +83,24 @@ class TransitionRefused(Exception):
 
 
 @dataclass(frozen=True)
-class Ended:
-    """What a terminal-transition hook learns: the row's identity, outcome and token columns
-    (enough for the admission limiter to settle the request's reservation)."""
+class Moved:
+    """What a hook learns of one transition: the row's identity, class, outcome and token
+    columns (enough for the limiter to settle a reservation and the queue counters to move)."""
 
     id: uuid.UUID
     tenant_id: uuid.UUID
+    source: Status | None  # None: the row was just accepted
     status: Status
     error_code: str | None
+    priority: Priority
+    model: str  # the model whose queues carry it (routed, else requested)
     reserved_tokens: int
     input_tokens: int
     output_tokens: int | None
     started_at: datetime | None
+
+
+Ended = Moved  # what on_end hooks receive: a Moved whose status is terminal
 
 
 @dataclass(frozen=True)
@@ -126,8 +134,16 @@ class Requeued(NamedTuple):
 
 
 _t = InferenceRequest
-_ENDED_COLUMNS = (_t.id, _t.tenant_id, _t.status, _t.error_code, _t.reserved_tokens, _t.input_tokens,
-                  _t.output_tokens, _t.started_at)
+_MOVED_COLUMNS = (_t.id, _t.tenant_id, _t.status, _t.error_code, _t.priority, func.coalesce(_t.model_routed,
+                  _t.model_requested), _t.reserved_tokens, _t.input_tokens, _t.output_tokens, _t.started_at)
+
+
+def _moved(source: Status | None, row: Any) -> Moved:
+    """A Moved from a row of ``_MOVED_COLUMNS`` (or a loaded InferenceRequest)."""
+    if isinstance(row, InferenceRequest):
+        row = (row.id, row.tenant_id, row.status, row.error_code, row.priority, row.target_model,
+               row.reserved_tokens, row.input_tokens, row.output_tokens, row.started_at)
+    return Moved(row[0], row[1], source, *row[2:])
 
 
 def about(request_id: uuid.UUID) -> dict[str, str]:
@@ -146,12 +162,27 @@ class Lifecycle:
 
     def __init__(self, db: Database) -> None:
         self.db = db
-        self._on_end: list[Callable[[Ended], None]] = []
+        self._on_move: list[tuple[Callable[[Moved], None], bool]] = []
 
-    def on_end(self, hook: Callable[[Ended], None]) -> Callable[[Ended], None]:
-        """Call ``hook(ended)`` after every terminal transition this process commits."""
-        self._on_end.append(hook)
+    def on_end(self, hook: Callable[[Moved], None]) -> Callable[[Moved], None]:
+        """Call ``hook(moved)`` after every terminal transition this process commits."""
+        self._on_move.append((hook, True))
         return hook
+
+    def on_move(self, hook: Callable[[Moved], None]) -> Callable[[Moved], None]:
+        """Call ``hook(moved)`` after every transition this process commits, acceptance included."""
+        self._on_move.append((hook, False))
+        return hook
+
+    def accept(self, row: InferenceRequest, also: Callable[[Session], None] | None = None) -> None:
+        """Insert a new row (born ``queued``) and run ``also(session)`` in the same transaction
+        (claiming its idempotency key); from the commit on, the request must reach a terminal status."""
+        with self._moving() as moved, self.db.session() as session:
+            session.add(row)
+            if also is not None:
+                also(session)
+            session.flush()
+            moved.append(_moved(None, row))
 
     # ------------------------------------------------------------------ queued → …
 
@@ -160,21 +191,24 @@ class Lifecycle:
 
         A row whose deadline passed becomes ``expired`` here instead: it is never computed.
         """
-        with self._ending() as ended, self.db.session() as session:
+        with self._moving() as moved, self.db.session() as session:
             row = session.execute(
                 _transition(Status.QUEUED, Status.RUNNING, _t.id == request_id, _t.cancel_requested_at.is_(None),
                             or_(_t.deadline_at.is_(None), _t.deadline_at > db_now()))
                 .values(started_at=db_now(), worker=worker, device=device, attempts=_t.attempts + 1)
-                .returning(_t.id, _t.tenant_id, _t.input, _t.params, _t.priority, _t.max_tokens, _t.time_limit_s,
-                           _t.input_tokens, _t.conversation_id)).one_or_none()
+                .returning(_t.input, _t.params, _t.max_tokens, _t.time_limit_s, _t.conversation_id,
+                           *_MOVED_COLUMNS)).one_or_none()
             if row is None:
-                ended += _expire(session, _t.id == request_id)
-                if not ended:
+                moved += _expire(session, _t.id == request_id)
+                if not moved:
                     status = session.scalar(select(_t.status).where(_t.id == request_id))
                     log.info("not running: row is %s", status.value if status else "missing")
                 return None
+            claim = _moved(Status.QUEUED, row[5:])
+            moved.append(claim)
         log.info("running on %s", worker)
-        return Claimed(*row)
+        return Claimed(claim.id, claim.tenant_id, row.input, row.params, claim.priority, row.max_tokens,
+                       row.time_limit_s, claim.input_tokens, row.conversation_id)
 
     def cancel(self, tenant_id: uuid.UUID, request_id: uuid.UUID) -> InferenceRequest | None:
         """A client's cancel: queued → cancelled at once; a running row is flagged for its worker.
@@ -183,7 +217,7 @@ class Lifecycle:
         :class:`TransitionRefused` for a finished one. The row lock makes a concurrent claim
         wait, so a request is either cancelled before it starts or flagged, never neither.
         """
-        with self._ending() as ended, self.db.session() as session:
+        with self._moving() as moved, self.db.session() as session:
             status = session.scalar(select(_t.status).where(_t.id == request_id, _t.tenant_id == tenant_id)
                                     .with_for_update())
             if status is None:
@@ -197,15 +231,15 @@ class Lifecycle:
                 statement = update(_t).where(_t.id == request_id).values(**flag)
             row = session.scalars(statement.returning(_t).execution_options(populate_existing=True)).one()
             if row.status.terminal:
-                ended.append(_ended_of(row))
+                moved.append(_moved(status, row))
         log.info("cancel requested while %s", status.value)
         return row
 
     def expire_late(self, *where: ColumnElement[bool]) -> int:
         """queued → expired for rows matching ``where`` whose deadline has passed; how many."""
-        with self._ending() as ended, self.db.session() as session:
-            ended += _expire(session, *where)
-        return len(ended)
+        with self._moving() as moved, self.db.session() as session:
+            moved += _expire(session, *where)
+        return len(moved)
 
     def stamp_enqueued(self, request_id: uuid.UUID) -> None:
         """Record that the row's message was published (once: a re-publish keeps the first stamp
@@ -218,7 +252,7 @@ class Lifecycle:
     # ------------------------------------------------------------------ running → …
 
     def finish(self, request_id: uuid.UUID, worker: str, end: End, *, model: str | None = None,
-               output: Any = None, first_token_age_s: float | None = None) -> Ended | None:
+               output: Any = None, first_token_age_s: float | None = None) -> Moved | None:
         """running → ``end`` if ``worker`` still owns the row; what ended, or None if not its.
 
         ``output`` is the engine's last :class:`GenerationOutput` (or None). The first-token
@@ -235,15 +269,15 @@ class Lifecycle:
             values.update(output_text=output.text.replace("\x00", "\ufffd"), output_tokens=output.output_tokens,
                           input_tokens=output.prompt_tokens, cached_tokens=output.cached_tokens,
                           finish_reason=output.finish_reason)
-        with self._ending() as ended, self.db.session() as session:
+        with self._moving() as moved, self.db.session() as session:
             row = session.execute(_ending(Status.RUNNING, end, _t.id == request_id, _t.worker == worker)
-                                  .values(**values).returning(*_ENDED_COLUMNS)).one_or_none()
+                                  .values(**values).returning(*_MOVED_COLUMNS)).one_or_none()
             if row is not None:
-                ended.append(Ended(*row))
+                moved.append(_moved(Status.RUNNING, row))
         if row is None:
             log.warning("outcome %s discarded: this worker no longer owns the row", end.status.value)
             return None
-        return ended[0]
+        return moved[0]
 
     def recover_orphans(self, *where: ColumnElement[bool], max_attempts: int, limit: int
                         ) -> tuple[dict[str, int], list[Requeued]]:
@@ -255,7 +289,7 @@ class Lifecycle:
         """
         counts = {"requeued": 0, "worker_lost": 0, "cancelled_orphans": 0}
         requeued: list[Requeued] = []
-        with self._ending() as ended, self.db.session() as session:
+        with self._moving() as moved, self.db.session() as session:
             orphans = [Orphan(*r) for r in session.execute(
                 select(_t.id, _t.queue, _t.worker, _t.attempts, _t.cancel_requested_at)
                 .where(_t.status == Status.RUNNING, *where)
@@ -264,12 +298,13 @@ class Lifecycle:
                 owned = (_t.id == orphan.id, _t.worker == orphan.worker)  # None: IS NULL
                 if orphan.cancel_requested_at is not None or orphan.attempts >= max_attempts:
                     end = CANCELLED_ORPHAN if orphan.cancel_requested_at is not None else worker_lost(orphan.attempts)
-                    row = session.execute(_ending(Status.RUNNING, end, *owned).returning(*_ENDED_COLUMNS)).one()
-                    ended.append(Ended(*row))
+                    row = session.execute(_ending(Status.RUNNING, end, *owned).returning(*_MOVED_COLUMNS)).one()
+                    moved.append(_moved(Status.RUNNING, row))
                     counts["cancelled_orphans" if end is CANCELLED_ORPHAN else "worker_lost"] += 1
                 else:
-                    session.execute(_transition(Status.RUNNING, Status.QUEUED, *owned).values(
-                        worker=None, device=None, started_at=None, enqueued_at=None))
+                    row = session.execute(_transition(Status.RUNNING, Status.QUEUED, *owned).values(
+                        worker=None, device=None, started_at=None, enqueued_at=None).returning(*_MOVED_COLUMNS)).one()
+                    moved.append(_moved(Status.RUNNING, row))
                     requeued.append(Requeued(orphan.id, orphan.queue))
                     counts["requeued"] += 1
         for orphan in requeued:
@@ -279,18 +314,22 @@ class Lifecycle:
     # ------------------------------------------------------------------ hooks
 
     @contextmanager
-    def _ending(self) -> Iterator[list[Ended]]:
-        """Collect terminal transitions made inside; log them and run the hooks once the block
-        (and so its transaction) completed without error."""
-        ended: list[Ended] = []
-        yield ended
-        for row in ended:
-            log.info("%s%s", row.status.value, f" ({row.error_code})" if row.error_code else "", extra=about(row.id))
-            for hook in self._on_end:
+    def _moving(self) -> Iterator[list[Moved]]:
+        """Collect the transitions made inside; log the terminal ones and run the hooks once the
+        block (and so its transaction) completed without error."""
+        moved: list[Moved] = []
+        yield moved
+        for row in moved:
+            if row.status.terminal:
+                log.info("%s%s", row.status.value, f" ({row.error_code})" if row.error_code else "",
+                         extra=about(row.id))
+            for hook, only_ends in self._on_move:
+                if only_ends and not row.status.terminal:
+                    continue
                 try:
                     hook(row)
                 except Exception:  # a hook must never undo or hide a committed transition
-                    log.exception("terminal hook %s failed", getattr(hook, "__qualname__", hook), extra=about(row.id))
+                    log.exception("lifecycle hook %s failed", getattr(hook, "__qualname__", hook), extra=about(row.id))
 
 
 def allowed(source: Status, target: Status) -> bool:
@@ -310,12 +349,7 @@ def _ending(source: Status, end: End, *where: ColumnElement[bool]):
                                                          error_message=end.message)
 
 
-def _expire(session: Session, *where: ColumnElement[bool]) -> list[Ended]:
+def _expire(session: Session, *where: ColumnElement[bool]) -> list[Moved]:
     rows = session.execute(_ending(Status.QUEUED, DEADLINE_EXCEEDED, *where, _t.deadline_at <= db_now())
-                           .returning(*_ENDED_COLUMNS)).all()
-    return [Ended(*row) for row in rows]
-
-
-def _ended_of(row: InferenceRequest) -> Ended:
-    return Ended(row.id, row.tenant_id, row.status, row.error_code, row.reserved_tokens, row.input_tokens,
-                 row.output_tokens, row.started_at)
+                           .returning(*_MOVED_COLUMNS)).all()
+    return [_moved(Status.QUEUED, row) for row in rows]

@@ -1,21 +1,36 @@
-"""The platform's degradation level, as admission reads it from Redis.
+"""Load, as every process sees it through Redis: queue counters, class snapshots, the level.
 
-A load monitor (a later issue) computes the level from queue depth and throughput and writes it
-to ``LOAD_LEVEL_KEY`` as a hash ``{level, updated_at_ms}``. Admission reads it on every submit
-inside its Lua script; a missing or stale level (older than ``SLUICE_LOAD_LEVEL_MAX_AGE_S``)
-counts as NORMAL, so a dead monitor can never leave the platform shedding.
+Three kinds of keys, all per class (priority × model, the unit the promise at arrival and the
+degradation ladder reason about):
 
-Admission acts on two levels: REJECT_BATCH turns batch submissions away, SHED turns everything
-away (503 with Retry-After). The steps below them act later in the pipeline.
+* **Counters** (``sluice:load:queue:<priority>:<model>``, a hash) move with every lifecycle
+  transition (:class:`QueueCounters`, a lifecycle hook): tokens and requests queued, tokens
+  claimed (what left the queue) and tokens finished. They are live; the monitor re-counts the
+  queued ones from Postgres now and then, since a process can die between a commit and its hook.
+* **Snapshots** (``sluice:load:class:<priority>:<model>``, a hash with a short TTL), written by
+  the load monitor every second: drain rate, per-sequence speed, estimated wait, level.
+* **The level** (``LOAD_LEVEL_KEY``): the highest realtime class level, which admission's Lua
+  gate reads. A missing or stale level counts as NORMAL, so a dead monitor can never leave the
+  platform shedding; the local rules apply instead.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
+from dataclasses import asdict, dataclass, fields
 
 import redis
 
+from models import Priority, Status
+from models.lifecycle import Moved
+
 from .keys import LOAD_LEVEL_KEY
+
+log = logging.getLogger(__name__)
+
+COUNTERS_PREFIX = "sluice:load:queue:"
+SNAPSHOT_PREFIX = "sluice:load:class:"
 
 
 class LoadLevel(enum.IntEnum):
@@ -25,6 +40,86 @@ class LoadLevel(enum.IntEnum):
     CACHED_ANSWERS = 3
     REJECT_BATCH = 4
     SHED = 5
+
+
+def class_name(priority: Priority | str, model: str) -> str:
+    return f"{Priority(priority).value}:{model}"
+
+
+def counters_key(priority: Priority | str, model: str) -> str:
+    return COUNTERS_PREFIX + class_name(priority, model)
+
+
+def snapshot_key(priority: Priority | str, model: str) -> str:
+    return SNAPSHOT_PREFIX + class_name(priority, model)
+
+
+class QueueCounters:
+    """A lifecycle ``on_move`` hook keeping each class's counters in Redis.
+
+    accepted or requeued (→ queued)   queued_tokens += reserved, queued_requests += 1
+    claimed (queued → running)         queued −= …, claimed_tokens += reserved
+    ended while queued (cancel/expiry) queued −= …
+    ended while running                finished_tokens += input + output actually processed
+    """
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.redis = client
+
+    def __call__(self, moved: Moved) -> None:
+        key = counters_key(moved.priority, moved.model)
+        pipe = self.redis.pipeline(transaction=False)
+        if moved.status == Status.QUEUED:
+            pipe.hincrby(key, "queued_tokens", moved.reserved_tokens)
+            pipe.hincrby(key, "queued_requests", 1)
+        if moved.source == Status.QUEUED:
+            pipe.hincrby(key, "queued_tokens", -moved.reserved_tokens)
+            pipe.hincrby(key, "queued_requests", -1)
+            if moved.status == Status.RUNNING:
+                pipe.hincrby(key, "claimed_tokens", moved.reserved_tokens)
+        if moved.source == Status.RUNNING and moved.status.terminal:
+            pipe.hincrby(key, "finished_tokens", moved.input_tokens + (moved.output_tokens or 0))
+        try:
+            pipe.execute()
+        except redis.RedisError as exc:  # the monitor re-counts queued work from Postgres
+            log.warning("queue counters not updated (%s)", type(exc).__name__)
+
+
+@dataclass(frozen=True)
+class ClassLoad:
+    """One class as the monitor last saw it."""
+
+    priority: str
+    model: str
+    queued_tokens: int
+    queued_requests: int
+    drain_tps: float  # reserved tokens leaving the queue per second (0: unknown)
+    seq_tps: float  # tokens per second one running sequence gets (0: unknown)
+    wait_s: float  # queued tokens / drain (0 when empty; -1 when unknown)
+    level: int
+    workers: int  # warm workers consuming this class's queues
+    updated_at_ms: int
+
+    def write(self, client: redis.Redis, ttl_s: float) -> None:
+        key = snapshot_key(self.priority, self.model)
+        with client.pipeline(transaction=False) as pipe:
+            pipe.hset(key, mapping={k: str(v) for k, v in asdict(self).items()})
+            pipe.pexpire(key, int(ttl_s * 1000))
+            pipe.execute()
+
+    @classmethod
+    def read_all(cls, client: redis.Redis) -> list[ClassLoad]:
+        keys = sorted(client.scan_iter(match=SNAPSHOT_PREFIX + "*", count=200))
+        loads = []
+        for raw in (client.hgetall(key) for key in keys):
+            if raw:
+                loads.append(cls(**{f.name: _typed(f.type, raw[f.name]) for f in fields(cls) if f.name in raw}))
+        return loads
+
+
+def _typed(kind: object, value: str):
+    kind = str(kind)
+    return int(value) if kind == "int" else float(value) if kind == "float" else value
 
 
 def write_level(client: redis.Redis, level: LoadLevel, ttl_s: float = 60.0) -> None:

@@ -93,21 +93,40 @@ def database_url(admin_db_url) -> Iterator[str]:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-@pytest.fixture(scope="session")
-def redis_dbs(redis_base) -> Iterator[Callable[[], str]]:
-    """Hands out fresh Redis database URLs; flushes them at the end."""
-    taken: set[int] = set()
+class RedisDbs:
+    """Hands out empty Redis database URLs (there are only 15); ``release`` returns one."""
 
-    def allocate() -> str:
-        number = harness.free_redis_db(redis_base, taken)
-        taken.add(number)
-        return f"{redis_base}/{number}"
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.taken: set[int] = set()
 
-    yield allocate
-    for number in taken:
-        client = redis_lib.Redis.from_url(f"{redis_base}/{number}")
+    def __call__(self) -> str:
+        number = harness.free_redis_db(self.base, self.taken)
+        self.taken.add(number)
+        return f"{self.base}/{number}"
+
+    def release(self, url: str) -> None:
+        client = redis_lib.Redis.from_url(url)
         client.flushdb()
         client.close()
+        self.taken.discard(int(url.rsplit("/", 1)[1]))
+
+
+@pytest.fixture(scope="session")
+def redis_dbs(redis_base) -> Iterator[RedisDbs]:
+    """Hands out fresh Redis database URLs; flushes them at the end."""
+    dbs = RedisDbs(redis_base)
+    yield dbs
+    for number in list(dbs.taken):
+        dbs.release(f"{redis_base}/{number}")
+
+
+@pytest.fixture
+def scratch_redis_url(redis_dbs) -> Iterator[str]:
+    """A Redis database for this test alone, emptied and handed back after it."""
+    url = redis_dbs()
+    yield url
+    redis_dbs.release(url)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ from models import Database
 from models.lifecycle import Lifecycle
 from sluice.broker import publisher as celery_publisher
 from sluice.keys import redis_client
+from sluice.load import QueueCounters
 from sluice.logs import configure_logging, current_call_id, current_request_id
 from sluice.settings import Settings
 
@@ -61,6 +62,8 @@ def build_services(settings: Settings) -> Services:
     lifecycle = Lifecycle(db)
     # Whoever ends a request (a worker, a cancel, the sweep) gives back its unused reservation.
     lifecycle.on_end(admission.release)
+    # Every move changes its class's queue counters, which the load monitor and the promise read.
+    lifecycle.on_move(QueueCounters(admission.redis))
     # Web requests publish through a fail-fast app; workers and the sweep keep the patient one.
     publisher = celery_publisher(settings, fail_fast=True)
     planner = Planner(settings, TokenCounters(), admission.redis, lambda: admission.redis_healthy)

@@ -76,10 +76,7 @@ class RequestService:
         """Commit the row (and claim the idempotency key with it); on failure, undo the admission."""
         row = plan.row()
         try:
-            with self.db.session() as session:
-                session.add(row)
-                if key is not None:
-                    key.claim(session, row.id)
+            self.lifecycle.accept(row, also=(lambda session: key.claim(session, row.id)) if key else None)
         except BaseException:
             self.admission.cancel(ticket)  # no row was written, so nothing stays reserved
             raise

@@ -1,0 +1,151 @@
+"""The load monitor: queue counters, drain, waits and levels, against real workers and Redis."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from conftest import ApiClient, WorkerProcess, make_settings
+from sqlalchemy import func, select
+
+from models import InferenceRequest, Priority, Status
+from sluice.keys import LOAD_LEVEL_KEY
+from sluice.load import ClassLoad, LoadLevel, counters_key
+from web.services import services
+from workers.monitor import LevelPolicy, Monitor
+
+
+def test_levels_rise_at_once_and_fall_one_step_per_calm_hold():
+    policy = LevelPolicy(up=(0.25, 0.5, 0.75, 1.0, 1.5), down_factor=0.5, hold_s=10)
+    assert policy.step(0.1, now=0) == 0
+    assert policy.step(0.8, now=1) == 3  # straight to the level the ratio calls for
+    assert policy.step(2.0, now=2) == 5
+    assert policy.step(0.9, now=3) == 5, "below level 5's threshold, but not below 0.5 × it"
+    assert policy.step(0.3, now=4) == 5  # calm from here (0.3 < 0.5 × 1.5) ...
+    assert policy.step(0.3, now=13) == 5  # ... but not for 10 s yet
+    assert policy.step(0.3, now=14) == 4  # one step down
+    assert policy.step(0.3, now=15) == 4, "the next step waits a full hold again"
+    assert policy.step(0.3, now=24) == 3
+    assert policy.step(1.2, now=25) == 4, "a new rise is immediate"
+
+
+@pytest.fixture
+def slow_stack(database_url, scratch_redis_url, new_client, tmp_path):
+    """An app and its own Redis database, whose realtime deadline is 10 s; workers started on demand
+    run the simulated engine at a fifth of H200 speed with two threads each."""
+    from web import create_app
+
+    application = create_app(make_settings(database_url, scratch_redis_url, realtime_deadline_s=10.0))
+    workers: list[WorkerProcess] = []
+
+    def start_worker() -> WorkerProcess:
+        worker = WorkerProcess(database_url, scratch_redis_url, tmp_path, concurrency=2,
+                               extra_env={"SLUICE_SIM_SPEED": "0.2", "SLUICE_REALTIME_DEADLINE_S": "10"})
+        workers.append(worker)
+        return worker
+
+    yield application, new_client(application), start_worker
+    for worker in workers:
+        worker.stop()
+    services(application).db.dispose()
+
+
+def submit_many(client: ApiClient, n: int, max_tokens: int = 50) -> list[str]:
+    def one(i: int) -> str:
+        response = ApiClient(client.http.application, client.key).submit(
+            prompt=f"question {i}", max_tokens=max_tokens, ignore_eos=True, deadline_s=600)
+        assert response.status_code == 202, response.get_json()
+        return response.get_json()["id"]
+
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def realtime(loads: list[ClassLoad]) -> ClassLoad:
+    return next(load for load in loads if load.priority == "realtime")
+
+
+def test_counters_follow_each_request_through_the_lifecycle(slow_stack):
+    application, client, _ = slow_stack
+    redis = services(application).redis
+    model = services(application).settings.registry.default.name
+    key = counters_key(Priority.REALTIME, model)
+    ids = submit_many(client, 3, max_tokens=20)
+    counters = redis.hgetall(key)
+    reserved = sum(client.get(i).get_json()["usage"]["reserved_tokens"] for i in ids)
+    assert int(counters["queued_requests"]) == 3 and int(counters["queued_tokens"]) == reserved
+    client.cancel(ids[0])
+    assert int(redis.hget(key, "queued_requests")) == 2
+    # The monitor's recount sets the counters to what Postgres holds queued (the test database
+    # also holds other tests' queued rows, so compare with a count of its own).
+    redis.hset(key, mapping={"queued_requests": 99, "queued_tokens": 99999})
+    Monitor(services(application).settings, redis, services(application).db).recount()
+    with services(application).db.session() as session:
+        queued = session.execute(select(func.count(), func.sum(InferenceRequest.reserved_tokens)).where(
+            InferenceRequest.status == Status.QUEUED, InferenceRequest.priority == Priority.REALTIME,
+            InferenceRequest.model_routed.is_(None), InferenceRequest.model_requested == model)).one()
+    assert (int(redis.hget(key, "queued_requests")), int(redis.hget(key, "queued_tokens"))) == tuple(queued)
+
+
+def test_past_capacity_the_wait_and_level_rise_then_fall_with_hysteresis(slow_stack):
+    application, client, start_worker = slow_stack
+    svc = services(application)
+    start_worker()
+    monitor = Monitor(svc.settings, svc.redis, svc.db, policy=LevelPolicy(hold_s=1.0))
+    ids = submit_many(client, 40)
+    seen: list[ClassLoad] = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        load = realtime(monitor.tick())
+        seen.append(load)
+        if load.queued_requests == 0 and load.level == 0 and len(seen) > 5:
+            break
+        time.sleep(0.5)
+    peak = max(seen, key=lambda load: load.level)
+    # ~2 sequences × ~46 tokens/s each drain ~100 reserved tokens/s: 40 × ~53 tokens wait ~20 s,
+    # twice the 10 s realtime deadline, so the top level; the estimate is in the right range.
+    assert peak.level == LoadLevel.SHED, [(s.queued_tokens, s.wait_s, s.level) for s in seen]
+    measured = [s for s in seen if s.drain_tps > 0]
+    assert measured and 20 < measured[0].drain_tps < 400, measured[0]
+    assert all(s.seq_tps > 0 for s in measured[1:])
+    levels = [s.level for s in seen[seen.index(peak):]]
+    assert levels[-1] == 0 and levels == sorted(levels, reverse=True), levels
+    assert len(set(levels)) > 2, "the level steps down, not straight to normal"
+    assert int(svc.redis.hget(LOAD_LEVEL_KEY, "level")) == 0
+    assert all(client.wait(i)["status"] == "succeeded" for i in ids)
+
+
+def test_a_killed_workers_capacity_leaves_the_estimate_at_the_next_tick(slow_stack):
+    application, client, start_worker = slow_stack
+    svc = services(application)
+    first, second = start_worker(), start_worker()
+    monitor = Monitor(svc.settings, svc.redis, svc.db)
+    submit_many(client, 60)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        load = realtime(monitor.tick())
+        if load.drain_tps > 0 and load.workers == 2:
+            break
+        time.sleep(0.5)
+    both = load
+    assert both.workers == 2 and both.drain_tps > 0
+    second.kill()
+    time.sleep(2.5 * svc.settings.worker_heartbeat_s + 0.2)  # silent for longer than live workers are
+    after = realtime(monitor.tick())
+    assert after.workers == 1
+    assert after.drain_tps == pytest.approx(both.drain_tps / 2, rel=0.01), "half the workers, half the capacity"
+    assert after.wait_s == pytest.approx(after.queued_tokens / after.drain_tps, rel=0.01)
+    first.stop()
+
+
+def test_one_monitor_leads_and_another_takes_over_when_it_stops(app):
+    svc = services(app)
+    first, second = (Monitor(svc.settings, svc.redis, svc.db) for _ in range(2))
+    svc.redis.delete("sluice:monitor:leader")
+    assert first.lead() and not second.lead()
+    assert first.lead(), "the leader keeps its lease"
+    svc.redis.pexpire("sluice:monitor:leader", 1)  # the leader died: its lease runs out
+    time.sleep(0.05)
+    assert second.lead() and not first.lead()
+    svc.redis.delete("sluice:monitor:leader")

@@ -1,0 +1,235 @@
+"""The load monitor: every second, how long each class's queue would make a new request wait.
+
+One monitor is active at a time (a Redis lease); others started beside it stand by and take
+over within a lease if it dies. Each tick it reads, without touching Postgres:
+
+* per class (priority × model) the live queue counters (``sluice/load.py``): tokens and
+  requests queued, and the cumulative tokens claimed off the queue;
+* the heartbeats of warm workers: which classes each serves, and its engine's step count.
+
+From those it publishes per class, with a short TTL: the drain rate (reserved tokens claimed
+per second over a short window), the speed one running sequence gets (engine steps per second,
+one token per step), the estimated wait (queued tokens ÷ drain rate) and a degradation level.
+The platform level admission reads is the highest realtime level.
+
+While a class has a backlog, its measured drain is its capacity, and it is remembered with the
+number of workers that produced it. When the backlog is gone (nothing to measure) or a worker
+stops heartbeating, the capacity is that memory scaled by the workers alive now, so a lost node
+shows in the estimate at the next tick, not after the measuring window.
+
+Every ``RECOUNT_S`` the leader re-counts queued work per class from Postgres (a process can die
+between a commit and its counter update); nothing else here reads the database.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+import redis
+from sqlalchemy import func, select
+
+from models import InferenceRequest, Priority, Status
+from models.session import Database
+from sluice.load import COUNTERS_PREFIX, ClassLoad, LoadLevel, class_name, counters_key, write_level
+from sluice.settings import Settings
+from web.health import warm_workers
+
+log = logging.getLogger(__name__)
+
+LEADER_KEY = "sluice:monitor:leader"
+TICK_S = 1.0
+WINDOW_S = 10.0  # drain is measured over this much history
+RECOUNT_S = 30.0
+# Estimated wait ÷ the class's deadline at which each level (1..5) is entered; a level is left
+# only after the ratio stayed below DOWN_FACTOR × its threshold for HOLD_S.
+UP_THRESHOLDS = (0.25, 0.4, 0.55, 0.7, 1.0)
+DOWN_FACTOR = 0.6
+HOLD_S = 10.0
+
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) and 1 or 0
+"""
+
+
+@dataclass
+class LevelPolicy:
+    """Levels rise at once on the wait/deadline ratio and fall one step at a time, each only
+    after the ratio stayed below the lower threshold for ``hold_s`` (hysteresis)."""
+
+    up: tuple[float, ...] = UP_THRESHOLDS
+    down_factor: float = DOWN_FACTOR
+    hold_s: float = HOLD_S
+    level: int = 0
+    _calm_since: float | None = None
+
+    def step(self, ratio: float, now: float) -> int:
+        target = sum(1 for threshold in self.up if ratio >= threshold)
+        if target >= self.level:
+            self.level, self._calm_since = target, None
+            return self.level
+        if ratio >= self.up[self.level - 1] * self.down_factor:
+            self._calm_since = None  # not calm enough to step down
+        elif self._calm_since is None:
+            self._calm_since = now
+        elif now - self._calm_since >= self.hold_s:
+            self.level -= 1
+            self._calm_since = now  # the next step down waits a full hold again
+        return self.level
+
+
+@dataclass
+class _ClassState:
+    samples: deque = field(default_factory=deque)  # (t, claimed_tokens, queued_tokens, workers)
+    capacity_tps: float = 0.0  # drain measured while backlogged ...
+    capacity_workers: int = 0  # ... by this many workers
+    seq_tps: float = 0.0
+    policy: LevelPolicy = field(default_factory=LevelPolicy)
+
+
+class Monitor:
+    def __init__(self, settings: Settings, client: redis.Redis, db: Database,
+                 clock=time.monotonic, policy: LevelPolicy | None = None) -> None:
+        self.settings = settings
+        self.redis = client
+        self.db = db
+        self.clock = clock
+        self.policy = policy or LevelPolicy()
+        self.identity = uuid.uuid4().hex
+        self._classes: dict[str, _ClassState] = {}
+        self._steps: dict[str, tuple[float, int]] = {}  # worker → (t, engine steps)
+        self._renew = client.register_script(_RENEW)
+        self._last_recount = float("-inf")
+
+    # ------------------------------------------------------------------ one tick
+
+    def tick(self) -> list[ClassLoad]:
+        now = self.clock()
+        workers = self._live_workers()
+        seq_by_model = self._sequence_speeds(workers, now)
+        loads = []
+        for name, counters in self._counters(workers).items():
+            priority, model = name.split(":", 1)
+            serving = [w for w in workers if w.get("model") == model
+                       and any(q.startswith(priority + ".") for q in w.get("queues", ()))]
+            loads.append(self._class_load(name, priority, model, counters, len(serving), seq_by_model.get(model), now))
+        seconds, micros = self.redis.time()
+        stamp = seconds * 1000 + micros // 1000
+        loads = [ClassLoad(**{**load.__dict__, "updated_at_ms": stamp}) for load in loads]
+        ttl = 3 * TICK_S
+        for load in loads:
+            load.write(self.redis, ttl)
+        level = max((load.level for load in loads if load.priority == Priority.REALTIME.value), default=0)
+        write_level(self.redis, LoadLevel(level), ttl_s=ttl)
+        return loads
+
+    def _live_workers(self) -> list[dict]:
+        """Warm workers whose last heartbeat is recent: a silent one leaves capacity at once,
+        before its heartbeat key expires."""
+        limit = 2.5 * self.settings.worker_heartbeat_s
+        return [w for w in warm_workers(self.redis) if w.get("heartbeat_age_s", 0) <= limit]
+
+    def _sequence_speeds(self, workers: list[dict], now: float) -> dict[str, float]:
+        """Engine steps per second of busy workers, per model: one token per running sequence per step."""
+        speeds: dict[str, list[float]] = {}
+        for w in workers:
+            previous = self._steps.get(w["worker"])
+            self._steps[w["worker"]] = (now, w.get("steps", 0))
+            if previous and now > previous[0] and w.get("running", 0) > 0 and w.get("steps", 0) > previous[1]:
+                speeds.setdefault(w.get("model", "?"), []).append((w["steps"] - previous[1]) / (now - previous[0]))
+        return {model: statistics.median(values) for model, values in speeds.items()}
+
+    def _counters(self, workers: list[dict]) -> dict[str, dict[str, int]]:
+        names = {key.removeprefix(COUNTERS_PREFIX) for key in self.redis.scan_iter(match=COUNTERS_PREFIX + "*",
+                                                                                     count=200)}
+        for w in workers:  # a class with workers but no traffic yet still has a (zero) snapshot
+            for queue in w.get("queues", ()):
+                head = queue.split(".", 1)[0]
+                if head in (Priority.REALTIME.value, Priority.BATCH.value):
+                    names.add(class_name(head, w.get("model", "?")))
+        result = {}
+        for name in sorted(names):
+            priority, model = name.split(":", 1)
+            raw = self.redis.hgetall(counters_key(priority, model))
+            result[name] = {k: int(v) for k, v in raw.items()}
+        return result
+
+    def _class_load(self, name: str, priority: str, model: str, counters: dict[str, int], workers: int,
+                    seq_tps: float | None, now: float) -> ClassLoad:
+        state = self._classes.setdefault(name, _ClassState(policy=LevelPolicy(
+            self.policy.up, self.policy.down_factor, self.policy.hold_s)))
+        queued = max(0, counters.get("queued_tokens", 0))
+        state.samples.append((now, counters.get("claimed_tokens", 0), queued, workers))
+        while state.samples and now - state.samples[0][0] > WINDOW_S:
+            state.samples.popleft()
+        if seq_tps:
+            state.seq_tps = seq_tps
+        t0, claimed0, _, _ = state.samples[0]
+        # A measurement is the capacity of `workers` only if the queue never ran dry and the
+        # same workers served it all along.
+        steady = len(state.samples) > 1 and all(q > 0 and n == workers for _, _, q, n in state.samples)
+        if steady and now - t0 >= 1.0:
+            measured = (counters.get("claimed_tokens", 0) - claimed0) / (now - t0)
+            if measured > 0:
+                state.capacity_tps, state.capacity_workers = measured, workers
+        drain = 0.0
+        if state.capacity_workers and workers:
+            drain = state.capacity_tps * min(1.0, workers / state.capacity_workers)
+        if queued == 0:
+            wait = 0.0
+        elif drain > 0:
+            wait = queued / drain
+        else:
+            wait = -1.0 if workers else float("inf")  # unknown yet; or nobody serves this class at all
+        deadline = (self.settings.realtime_deadline_s if priority == Priority.REALTIME.value
+                    else self.settings.batch_deadline_s)
+        level = state.policy.step(max(0.0, wait) / deadline if wait != float("inf") else float("inf"), now)
+        return ClassLoad(priority, model, queued, max(0, counters.get("queued_requests", 0)), round(drain, 1),
+                         round(state.seq_tps, 2), round(wait, 3) if wait != float("inf") else -1.0, level,
+                         workers, 0)
+
+    # ------------------------------------------------------------------ leading and re-counting
+
+    def lead(self) -> bool:
+        """Take or keep the lease; False while another monitor holds it."""
+        return bool(self._renew(keys=[LEADER_KEY], args=[self.identity, int(3 * TICK_S * 1000)]))
+
+    def recount(self) -> None:
+        """Set every class's queued counters to what Postgres says is queued."""
+        t = InferenceRequest
+        model = func.coalesce(t.model_routed, t.model_requested)
+        with self.db.session() as session:
+            rows = session.execute(
+                select(t.priority, model, func.count(), func.coalesce(func.sum(t.reserved_tokens), 0))
+                .where(t.status == Status.QUEUED).group_by(t.priority, model)).all()
+        queued = {counters_key(p, m): (n, tokens) for p, m, n, tokens in rows}
+        with self.redis.pipeline(transaction=False) as pipe:
+            for key in set(self.redis.scan_iter(match=COUNTERS_PREFIX + "*", count=200)) | set(queued):
+                n, tokens = queued.get(key, (0, 0))
+                pipe.hset(key, mapping={"queued_requests": n, "queued_tokens": int(tokens)})
+            pipe.execute()
+
+    def run(self, stop: threading.Event) -> None:
+        """Tick every second while leading; stand by otherwise. Survives Redis and Postgres outages."""
+        leading = False
+        while not stop.is_set():
+            began = self.clock()
+            try:
+                now_leading = self.lead()
+                if now_leading != leading:
+                    log.info("load monitor %s", "leading" if now_leading else "standing by")
+                    leading = now_leading
+                if leading:
+                    if began - self._last_recount >= RECOUNT_S:
+                        self.recount()
+                        self._last_recount = began
+                    self.tick()
+            except Exception:  # keep going: a stale snapshot only sends admission to its local rules
+                log.warning("load monitor tick failed", exc_info=True)
+            stop.wait(max(0.0, TICK_S - (self.clock() - began)))

@@ -150,7 +150,10 @@ def status(as_json: bool) -> None:
     from sluice.keys import LOAD_LEVEL_KEY, redis_client
     from sluice.load import ClassLoad
 
-    client = redis_client(service_settings().redis_url)
+    settings = load_settings()
+    if not settings.redis_url:
+        raise click.UsageError("REDIS_URL not set: `sluice status` reads the load from Redis")
+    client = redis_client(settings.redis_url)
     loads = ClassLoad.read_all(client)
     level = client.hget(LOAD_LEVEL_KEY, "level")
     if as_json:

@@ -1,7 +1,7 @@
 """Every status change of a request row, in one place.
 
-    queued ──claim──► running ──finish──► succeeded | failed | timed_out | cancelled
-      │  ▲                │
+    queued ──claim──► running ──finish──► succeeded | failed | timed_out | cancelled | expired
+      │  ▲                │                                    (still running at its deadline)
       │  └────requeue─────┘  (its worker died; attempts left)
       ├──cancel──► cancelled
       └──expire──► expired   (its deadline passed before it started)
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 ALLOWED: dict[Status, frozenset[Status]] = {
     Status.QUEUED: frozenset({Status.RUNNING, Status.CANCELLED, Status.EXPIRED}),
     Status.RUNNING: frozenset({Status.SUCCEEDED, Status.FAILED, Status.TIMED_OUT, Status.CANCELLED,
-                               Status.QUEUED}),
+                               Status.EXPIRED, Status.QUEUED}),
 }
 
 
@@ -67,6 +67,8 @@ RESULT_NOT_STORABLE = End(Status.FAILED, "result_not_storable",
                           "The engine's result could not be stored; retry the request.")
 DEADLINE_EXCEEDED = End(Status.EXPIRED, "deadline_exceeded",
                         "Not started before its deadline; dropped instead of computing an answer too late.")
+DEADLINE_RUNNING = End(Status.EXPIRED, "deadline_exceeded",
+                       "Still running at its deadline; aborted instead of computing an answer too late.")
 
 
 def worker_lost(attempts: int) -> End:
@@ -116,6 +118,7 @@ class Claimed:
     time_limit_s: float
     input_tokens: int
     conversation_id: str | None
+    deadline_in_s: float | None  # seconds left until its deadline, on the database clock
 
 
 class Orphan(NamedTuple):
@@ -197,18 +200,20 @@ class Lifecycle:
                             or_(_t.deadline_at.is_(None), _t.deadline_at > db_now()))
                 .values(started_at=db_now(), worker=worker, device=device, attempts=_t.attempts + 1)
                 .returning(_t.input, _t.params, _t.max_tokens, _t.time_limit_s, _t.conversation_id,
-                           *_MOVED_COLUMNS)).one_or_none()
+                           func.extract("epoch", _t.deadline_at - db_now()), *_MOVED_COLUMNS)).one_or_none()
             if row is None:
                 moved += _expire(session, _t.id == request_id)
                 if not moved:
                     status = session.scalar(select(_t.status).where(_t.id == request_id))
                     log.info("not running: row is %s", status.value if status else "missing")
                 return None
-            claim = _moved(Status.QUEUED, row[5:])
+            claim = _moved(Status.QUEUED, row[6:])
             moved.append(claim)
         log.info("running on %s", worker)
+        deadline_in = row[5]
         return Claimed(claim.id, claim.tenant_id, row.input, row.params, claim.priority, row.max_tokens,
-                       row.time_limit_s, claim.input_tokens, row.conversation_id)
+                       row.time_limit_s, claim.input_tokens, row.conversation_id,
+                       None if deadline_in is None else float(deadline_in))
 
     def cancel(self, tenant_id: uuid.UUID, request_id: uuid.UUID) -> InferenceRequest | None:
         """A client's cancel: queued → cancelled at once; a running row is flagged for its worker.

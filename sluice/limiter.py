@@ -35,7 +35,7 @@ from .keys import (
     inflight_key,
     tenant_bucket_key,
 )
-from .load import LoadLevel
+from .load import LoadLevel, counters_key, snapshot_key
 from .tiers import Limits
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class Verdict:
     tokens: Quota
     requests: Quota
     load_level: int
+    wait_ms: int = -1  # the class's estimated queue wait; -1 when the monitor has no fresh figure
 
     @property
     def admitted(self) -> bool:
@@ -84,20 +85,25 @@ class SharedLimiter:
         self._release = client.register_script(_script("release.lua"))
 
     def admit(self, request_id: str, tenant_id: str, limits: Limits, cost: int, priority: str, *,
-              too_large: bool = False, dry_run: bool = False, now_ms: int | None = None) -> Verdict:
+              too_large: bool = False, dry_run: bool = False, now_ms: int | None = None,
+              model: str = "", deadline_s: float = float("inf"), max_tokens: int = 0) -> Verdict:
         """Run the gates for one request; when it passes, charge every limit and count it in flight.
 
+        ``model``, ``deadline_s`` and ``max_tokens`` feed the promise: refused at once (gate
+        global, reason deadline) when its class's queue says it cannot finish in time.
         Raises redis errors (timeouts included) to the caller, which falls back to its floor.
         ``now_ms`` replaces the Redis clock (tests drive time explicitly); leave it None.
         """
-        keys = [PLATFORM_BUCKET_KEY, LOAD_LEVEL_KEY, tenant_bucket_key(tenant_id), inflight_key(tenant_id)]
+        keys = [PLATFORM_BUCKET_KEY, LOAD_LEVEL_KEY, tenant_bucket_key(tenant_id), inflight_key(tenant_id),
+                counters_key(priority, model), snapshot_key(priority, model)]
+        deadline_ms = 2**53 if deadline_s == float("inf") else int(deadline_s * 1000)
         args = [request_id, cost, self.platform_tokens_per_minute, limits.tokens_per_minute,
                 limits.requests_per_minute, limits.max_concurrent, priority, int(too_large),
                 self.load_level_max_age_ms, int(LoadLevel.REJECT_BATCH), int(LoadLevel.SHED), int(dry_run),
-                "" if now_ms is None else now_ms]
+                "" if now_ms is None else now_ms, deadline_ms, max_tokens]
         gate, reason, retry, *numbers = self._admit(keys=keys, args=args)
-        tl, tr, tz, rl, rr, rz, level = (int(n) for n in numbers)
-        return Verdict(_text(gate), _text(reason), int(retry), Quota(tl, tr, tz), Quota(rl, rr, rz), level)
+        tl, tr, tz, rl, rr, rz, level, wait = (int(n) for n in numbers)
+        return Verdict(_text(gate), _text(reason), int(retry), Quota(tl, tr, tz), Quota(rl, rr, rz), level, wait)
 
     def peek(self, tenant_id: str, limits: Limits, *, now_ms: int | None = None) -> Verdict:
         """The tenant's current quotas, charging nothing."""

@@ -50,8 +50,9 @@ class Settings:
         "SLUICE_TIME_LIMIT_S", 120.0,
         "Default and maximum per-request inference time limit; requests may ask for less.")
     realtime_deadline_s: float = _field(
-        "SLUICE_REALTIME_DEADLINE_S", 300.0,
-        "A realtime request not started this long after submission expires (request may set deadline_s).")
+        "SLUICE_REALTIME_DEADLINE_S", 30.0,
+        "A realtime request must finish this long after submission (request may set deadline_s): "
+        "refused at admission if its queue says it cannot, expired if it is not done by then.")
     batch_deadline_s: float = _field(
         "SLUICE_BATCH_DEADLINE_S", 86400.0, "The same for batch requests.")
     large_threshold_tokens: int = _field(

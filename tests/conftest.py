@@ -42,6 +42,9 @@ TEST_ENV = {
     "SLUICE_LARGE_THRESHOLD_TOKENS": "1024",
     "SLUICE_CANCEL_POLL_S": "0.2",
     "SLUICE_LOG_LEVEL": "INFO",
+    # Requests other tests leave queued share one database, and the sweep is global: with the
+    # 30 s default they would expire under a later test's sweep and skew its counts.
+    "SLUICE_REALTIME_DEADLINE_S": "300",
 }
 
 

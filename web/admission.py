@@ -1,6 +1,8 @@
 """Admission: three token-priced gates between a validated request and its row.
 
-    global   the degradation level (shed → 503 for all, reject-batch → 503 for batch) and the
+    global   the promise (its class's queue says it cannot finish by its deadline → 503 with a
+             Retry-After computed from the queue), the degradation level (shed → 503 for all,
+             reject-batch → 503 for batch) and the
              platform's token rate (→ 503)
     tenant   tokens per minute and requests per minute (→ 429 rate_limited), requests in flight
              (→ 429 tenant_concurrency_limit), from the tenant's tier and overrides
@@ -69,6 +71,8 @@ class Ticket:
     cost: int
     limiter: str  # "shared" | "local_floor"
     headers: dict[str, str] = field(default_factory=dict)
+    # The class's queue wait at admission, as the monitor's rates predict it; None when unknown.
+    estimated_wait_s: float | None = None
 
 
 class Admission:
@@ -97,14 +101,17 @@ class Admission:
         cost = plan.reserved_tokens
         too_large = self._too_large(limits, plan)
         args = (str(tenant.id), limits, cost, plan.priority.value)
-        verdict = self._shared(lambda: self.shared.admit(str(plan.request_id), *args, too_large=too_large is not None))
+        verdict = self._shared(lambda: self.shared.admit(
+            str(plan.request_id), *args, too_large=too_large is not None, model=plan.target_model,
+            deadline_s=plan.deadline_s, max_tokens=plan.max_tokens))
         limiter = "shared"
         if verdict is None:
             verdict, limiter = self.floor.admit(*args, too_large=too_large is not None), "local_floor"
         headers = ratelimit_headers(verdict)
         if verdict.admitted:
             metrics.ADMITTED.labels(limiter=limiter).inc()
-            return Ticket(str(plan.request_id), str(tenant.id), cost, limiter, headers)
+            wait = verdict.wait_ms / 1000 if verdict.wait_ms >= 0 else None
+            return Ticket(str(plan.request_id), str(tenant.id), cost, limiter, headers, wait)
         metrics.REJECTIONS.labels(gate=verdict.gate, reason=verdict.reason).inc()
         log.info("rejected at the %s gate: %s (%d tokens, %s limiter)", verdict.gate, verdict.reason, cost, limiter)
         raise _rejection(verdict, limits, cost, too_large, headers)
@@ -175,6 +182,8 @@ class Admission:
 
 def _rejection(verdict: Verdict, limits: Limits, cost: int, too_large, headers: dict[str, str]) -> ApiError:
     details = {"gate": verdict.gate, "reason": verdict.reason}
+    if verdict.reason == "deadline":
+        details["estimated_wait_s"] = verdict.wait_ms / 1000
     if verdict.gate == "request":
         limit, name, message = too_large
         return RequestTooLarge(message, headers=headers,
@@ -187,6 +196,9 @@ def _rejection(verdict: Verdict, limits: Limits, cost: int, too_large, headers: 
     after = f"retry after {retry_s} s"
     messages = {
         "shed": f"The platform is overloaded and is shedding load; {after}.",
+        "deadline": (f"The queue for this request's class would not let it finish within its deadline "
+                     f"(estimated wait {verdict.wait_ms / 1000:.1f} s); {after}, or send a longer deadline_s "
+                     "or a smaller max_tokens."),
         "batch_paused": f"The platform is overloaded, so batch submissions are paused; {after}.",
         "platform_tokens": f"The platform is at its token rate limit; {after}.",
         "local_floor_batch": f"Batch submissions are paused while the shared rate limiter is unreachable; {after}.",

@@ -17,6 +17,7 @@ from .services import services
 
 log = logging.getLogger(__name__)
 bp = Blueprint("api", __name__, url_prefix="/v1")
+ESTIMATED_WAIT_HEADER = "Sluice-Estimated-Wait"
 _submit_schema = SubmitRequestSchema()
 _accepted_schema = AcceptedSchema()
 _view_schema = RequestViewSchema()
@@ -44,8 +45,11 @@ def submit_request() -> tuple[Response, int, dict[str, str]]:
     status_url = _status_url(row)
     headers = {"Location": status_url, **accepted.headers,
                **({"Idempotent-Replayed": "true"} if accepted.replayed else {})}
+    if accepted.estimated_wait_s is not None:
+        headers[ESTIMATED_WAIT_HEADER] = f"{accepted.estimated_wait_s:.3f}"
     body = _accepted_schema.dump({"id": row.id, "status": row.status.value, "status_url": status_url,
-                                  "priority": row.priority.value, "size_class": row.size_class.value})
+                                  "priority": row.priority.value, "size_class": row.size_class.value,
+                                  "estimated_wait_s": accepted.estimated_wait_s})
     return jsonify(body), 202, headers
 
 

@@ -73,8 +73,9 @@ class SubmitRequestSchema(Schema):
     ignore_eos = StrictBoolean(metadata={"description": "Keep generating past end-of-sequence up to max_tokens "
                                                         "(fixed-length benchmarks)."})
     deadline_s = StrictFloat(validate=validate.Range(min=0, max=7 * 86400, min_inclusive=False),
-                             metadata={"description": "Drop the request as `expired` if it has not started within "
-                                                      "this many seconds of submission. Default depends on priority."})
+                             metadata={"description": "Seconds from submission by which it must finish. Refused at "
+                                                      "once (503) when the queue says it cannot; `expired` if not "
+                                                      "started or still running by then. Default depends on priority."})
     time_limit_s = StrictFloat(validate=validate.Range(min=0, min_inclusive=False),
                                metadata={"description": "Inference time limit in seconds; at most the server's."})
     metadata = fields.Dict(keys=SafeString(validate=validate.Length(min=1, max=64)),
@@ -180,6 +181,9 @@ class AcceptedSchema(Schema):
     status_url = fields.Url()
     priority = SafeString()
     size_class = SafeString()
+    estimated_wait_s = fields.Float(allow_none=True, metadata={
+        "description": "Seconds it is expected to wait in the queue, from the load monitor's figures "
+                       "(also the Sluice-Estimated-Wait header); null while the monitor has none."})
 
 
 class ErrorBodySchema(Schema):

@@ -41,6 +41,7 @@ class Accepted:
     row: InferenceRequest
     replayed: bool  # an earlier submit with the same Idempotency-Key created it
     headers: dict[str, str]  # the tenant's x-ratelimit-* after this submit
+    estimated_wait_s: float | None = None  # its class's queue wait at admission, when known
 
 
 class RequestService:
@@ -67,7 +68,7 @@ class RequestService:
                     raise
             else:
                 self.publish(row)
-                return Accepted(row, False, ticket.headers)
+                return Accepted(row, False, ticket.headers, ticket.estimated_wait_s)
         metrics.IDEMPOTENT_REPLAYS.inc()
         bind_request(str(original.id))
         return Accepted(original, True, self.admission.headers(tenant))

@@ -36,8 +36,8 @@ DB_UNAVAILABLE = (OperationalError, PoolTimeout)
 
 ENGINE_PRIORITY = {Priority.REALTIME: 0, Priority.BATCH: 1}
 # How the engine run ended → how the request ends.
-ENDS = {"finished": lc.SUCCEEDED, "timeout": lc.TIME_LIMIT, "cancel": lc.CANCELLED_RUNNING,
-        "engine_abort": lc.ENGINE_SHUTDOWN}
+ENDS = {"finished": lc.SUCCEEDED, "timeout": lc.TIME_LIMIT, "deadline": lc.DEADLINE_RUNNING,
+        "cancel": lc.CANCELLED_RUNNING, "engine_abort": lc.ENGINE_SHUTDOWN}
 # A conversation sticks to its worker this long after its last turn started.
 CONVERSATION_TTL_S = 3600
 
@@ -65,7 +65,7 @@ def execute(lifecycle: Lifecycle, redis_client: redis.Redis, runtime: EngineRunt
         except Exception:
             log.warning("could not record conversation affinity; the next turn may miss the prefix cache")
     try:
-        result = runtime.run(generation_request(claimed), claimed.time_limit_s)
+        result = runtime.run(generation_request(claimed), claimed.time_limit_s, claimed.deadline_in_s)
     except Exception:
         log.exception("engine error")
         with_db_retries(lambda: lifecycle.finish(request_id, runtime.worker_id, lc.ENGINE_ERROR))

@@ -45,7 +45,7 @@ class RunResult:
     # time.monotonic() when the first token was produced: the row's stamp is placed on the
     # database clock from its age at write time, so this host's wall clock never enters it.
     first_token_mono: float | None
-    ended_by: str  # "finished" | "timeout" | "cancel" | "engine_abort"
+    ended_by: str  # "finished" | "timeout" | "deadline" | "cancel" | "engine_abort"
 
     @property
     def first_token_age_s(self) -> float | None:
@@ -112,16 +112,20 @@ class EngineRuntime:
 
     # ------------------------------------------------------------------ requests
 
-    def run(self, request: GenerationRequest, time_limit_s: float) -> RunResult:
-        """Run ``request`` to completion, abort on its time limit or on cancel. Blocking."""
+    def run(self, request: GenerationRequest, time_limit_s: float, deadline_in_s: float | None = None) -> RunResult:
+        """Run ``request`` to completion; abort it on cancel, on its time limit (``timeout``) or at
+        its deadline when that comes first (``deadline``). Blocking."""
         rid = request.request_id
+        limit, ends_as = time_limit_s, "timeout"
+        if deadline_in_s is not None and deadline_in_s < time_limit_s:
+            limit, ends_as = max(0.0, deadline_in_s), "deadline"
         with self._lock:
             self._in_flight.add(rid)
         try:
-            # The engine ends every stream by time_limit + ABORT_GRACE_S; past that the loop itself
+            # The engine ends every stream by limit + ABORT_GRACE_S; past that the loop itself
             # is stuck and the watchdog is about to restart this worker.
             try:
-                result = self._call(self._run(request, time_limit_s), timeout=time_limit_s + ABORT_GRACE_S + 30)
+                result = self._call(self._run(request, limit, ends_as), timeout=limit + ABORT_GRACE_S + 30)
             except EngineDead as exc:
                 self._die(str(exc))
             if result.ended_by == "cancel" and rid not in self._cancelled:
@@ -133,7 +137,7 @@ class EngineRuntime:
                 self._in_flight.discard(rid)
                 self._cancelled.discard(rid)
 
-    async def _run(self, request: GenerationRequest, time_limit_s: float) -> RunResult:
+    async def _run(self, request: GenerationRequest, time_limit_s: float, ends_as: str) -> RunResult:
         rid = request.request_id
         timed_out = False
 
@@ -166,7 +170,7 @@ class EngineRuntime:
         finally:
             timer.cancel()
         if timed_out:
-            return RunResult(last, first_token_mono, "timeout")
+            return RunResult(last, first_token_mono, ends_as)
         cancelled = last is not None and last.finish_reason == "abort"
         return RunResult(last, first_token_mono, "cancel" if cancelled else "finished")
 

@@ -6,12 +6,15 @@
 -- a missing bucket is full (keys expire only after they would have refilled).
 --
 -- KEYS  1 platform bucket (hash)  2 load level (hash)  3 tenant buckets (hash)  4 tenant in-flight (zset)
+--       5 the request's class counters (hash)  6 the class's monitor snapshot (hash)
 -- ARGV  1 request id  2 cost in tokens  3 platform tokens/min (0 = no cap)  4 tenant tokens/min
 --       5 tenant requests/min  6 tenant max concurrent  7 priority  8 too large (1|0), the
 --       per-request gate's verdict  9 load level max age (ms)  10 reject-batch level  11 shed level
---       12 dry run (1|0)  13 now in ms ('' = the Redis clock)
+--       12 dry run (1|0)  13 now in ms ('' = the Redis clock)  14 deadline in ms from now
+--       15 max_tokens
 -- Returns {gate, reason, retry_ms, tokens limit, tokens remaining, tokens reset ms,
---          requests limit, requests remaining, requests reset ms, load level}; gate '' = admitted.
+--          requests limit, requests remaining, requests reset ms, load level, estimated wait ms};
+--          gate '' = admitted; wait -1 = unknown (no fresh snapshot of the class).
 
 -- clock_ms, refill and full_ms come from buckets.lua, prepended at registration.
 local now = clock_ms(ARGV[13])
@@ -48,6 +51,24 @@ elseif ptpm > 0 and ptok < math.min(cost, ptpm) then
   gate, reason, retry = 'global', 'platform_tokens', wait_ms(ptok, math.min(cost, ptpm), ptpm)
 end
 
+-- The promise: the tokens queued ahead of it in its class over the class's drain rate, plus its
+-- own output at the speed one sequence gets, must fit before its deadline. Live counters, the
+-- monitor's rates (only while fresh); unknown rates promise nothing and refuse nothing.
+local wait = -1
+local snap = redis.call('HMGET', KEYS[6], 'drain_tps', 'seq_tps', 'updated_at_ms')
+if snap[3] and now - tonumber(snap[3]) <= tonumber(ARGV[9]) and (tonumber(snap[1]) or 0) > 0 then
+  local queued = math.max(0, tonumber(redis.call('HGET', KEYS[5], 'queued_tokens') or '0') or 0)
+  wait = math.floor(queued * 1000 / tonumber(snap[1]))
+  local seq = tonumber(snap[2]) or 0
+  local own = 0
+  if seq > 0 then own = tonumber(ARGV[15]) * 1000 / seq end
+  local late = wait + own - tonumber(ARGV[14])
+  if gate == '' and late > 0 then
+    -- Retry when the queue will have drained by the excess: computed, not a constant.
+    gate, reason, retry = 'global', 'deadline', math.ceil(late)
+  end
+end
+
 -- 2. Tenant: tokens per minute, requests per minute, requests in flight.
 local tok, tt = bucket(KEYS[3], 'tok', tpm)
 local req, rt = bucket(KEYS[3], 'req', rpm)
@@ -77,4 +98,4 @@ if gate == '' and ARGV[12] ~= '1' then
 end
 
 return {gate, reason, retry, tpm, math.max(0, math.floor(tok)), full_ms(tok, tpm),
-        rpm, math.max(0, math.floor(req)), full_ms(req, rpm), load}
+        rpm, math.max(0, math.floor(req)), full_ms(req, rpm), load, wait}

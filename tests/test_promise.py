@@ -1,0 +1,84 @@
+"""The promise at arrival: a request its class's queue cannot finish by its deadline is refused
+at once with a computed Retry-After; one that can is told its estimated wait."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+from test_api_errors import assert_envelope as envelope
+
+from models import Priority
+from sluice.load import ClassLoad, counters_key
+from web.services import services
+
+pytestmark = pytest.mark.usefixtures("worker")
+
+
+def publish(app, *, queued_tokens: int, drain_tps: float, seq_tps: float, priority: str = "realtime") -> None:
+    """What the load monitor would publish for the default model's class, and its live counter."""
+    svc = services(app)
+    model = svc.settings.registry.default.name
+    seconds, micros = svc.redis.time()
+    ClassLoad(priority, model, queued_tokens, 1, drain_tps, seq_tps, queued_tokens / drain_tps, 0, 1,
+              seconds * 1000 + micros // 1000).write(svc.redis, ttl_s=30)
+    svc.redis.hset(counters_key(priority, model), "queued_tokens", queued_tokens)
+
+
+@pytest.fixture
+def promising(isolated_app, new_client):
+    application = isolated_app(realtime_deadline_s=30.0)  # the shipped default
+    return application, new_client(application)
+
+
+def test_a_request_that_cannot_finish_in_time_is_refused_at_once(promising):
+    application, client = promising
+    # 5,000 tokens ahead drain in 50 s at 100 tokens/s: past the 30 s realtime deadline.
+    publish(application, queued_tokens=5000, drain_tps=100, seq_tps=50)
+    began = time.perf_counter()
+    response = client.submit(prompt="late", max_tokens=100)
+    elapsed = time.perf_counter() - began
+    error = envelope(response, 503, "overloaded")
+    assert error["details"] == {"gate": "global", "reason": "deadline", "estimated_wait_s": 50.0}
+    # Retry when the queue has drained by the excess: 50 s wait + 2 s of its own − 30 s.
+    assert int(response.headers["Retry-After"]) == math.ceil(50 + 100 / 50 - 30) == 22
+    standard = services(application).settings.tiers["standard"]
+    assert response.headers["x-ratelimit-remaining-requests"] == str(standard.requests_per_minute), "charged nothing"
+    assert elapsed < 1.0  # refused in milliseconds (timing goals live in bench/; this only catches a hang)
+
+
+def test_a_longer_deadline_or_a_shorter_answer_is_accepted_with_its_wait(promising):
+    application, client = promising
+    publish(application, queued_tokens=5000, drain_tps=100, seq_tps=50)
+    accepted = client.submit(prompt="patient", max_tokens=100, deadline_s=60)
+    assert accepted.status_code == 202, accepted.get_json()
+    assert accepted.get_json()["estimated_wait_s"] == 50.0
+    assert float(accepted.headers["Sluice-Estimated-Wait"]) == 50.0
+    publish(application, queued_tokens=500, drain_tps=100, seq_tps=50)
+    quick = client.submit(prompt="quick", max_tokens=100)
+    assert quick.status_code == 202 and quick.get_json()["estimated_wait_s"] == 5.0
+
+
+def test_without_the_monitor_nothing_is_promised_and_nothing_refused(promising):
+    _, client = promising
+    accepted = client.submit(prompt="no figures", max_tokens=8000)
+    assert accepted.status_code == 202
+    assert accepted.get_json()["estimated_wait_s"] is None and "Sluice-Estimated-Wait" not in accepted.headers
+
+
+def test_a_running_request_past_its_deadline_is_aborted_as_expired(client, worker):
+    request_id = client.submit(prompt="too long for its deadline", max_tokens=8000, deadline_s=1.5).get_json()["id"]
+    view = client.wait(request_id, timeout=30)
+    assert view["status"] == "expired" and view["error"]["code"] == "deadline_exceeded", view
+    assert view["timings"]["started_at"] is not None and view["usage"]["output_tokens"] < 8000
+    assert view["timings"]["inference_s"] < 3
+    assert worker.wait_stats(lambda s: s["kv_used_tokens"] == 0)["kv_used_tokens"] == 0, "KV not freed"
+
+
+def test_batch_work_is_promised_against_its_own_queue(promising):
+    application, client = promising
+    publish(application, queued_tokens=10**9, drain_tps=1, seq_tps=1, priority=Priority.BATCH.value)
+    assert client.submit(prompt="realtime is not behind batch", max_tokens=8).status_code == 202
+    error = envelope(client.submit(prompt="batch", max_tokens=8, priority="batch"), 503, "overloaded")
+    assert error["details"]["reason"] == "deadline"

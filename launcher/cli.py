@@ -161,12 +161,13 @@ def status(as_json: bool) -> None:
                                "classes": [load.__dict__ for load in loads]}, indent=2))
         return
     click.echo(f"level {level if level is not None else '- (no monitor running)'}")
-    click.echo(f"{'class':32} {'queued':>8} {'tokens':>10} {'drain tok/s':>12} {'seq tok/s':>10} "
-               f"{'wait s':>8} {'level':>5} {'workers':>7}")
+    click.echo(f"{'class':32} {'queued':>7} {'tokens':>9} {'work':>8} {'drain tok/s':>11} {'seq tok/s':>9} "
+               f"{'wait s':>7} {'level':>5} {'workers':>7}")
     for load in loads:
         wait = "?" if load.wait_s < 0 else f"{load.wait_s:.1f}"
-        click.echo(f"{load.priority + ':' + load.model:32} {load.queued_requests:>8} {load.queued_tokens:>10} "
-                   f"{load.drain_tps:>12.0f} {load.seq_tps:>10.1f} {wait:>8} {load.level:>5} {load.workers:>7}")
+        click.echo(f"{load.priority + ':' + load.model:32} {load.queued_requests:>7} {load.queued_tokens:>9} "
+                   f"{load.queued_work:>8} {load.drain_tps:>11.0f} {load.seq_tps:>9.1f} {wait:>7} {load.level:>5} "
+                   f"{load.workers:>7}")
 
 
 @main.command("config")

@@ -4,9 +4,11 @@ Three kinds of keys, all per class (priority × model, the unit the promise at a
 degradation ladder reason about):
 
 * **Counters** (``sluice:load:queue:<priority>:<model>``, a hash) move with every lifecycle
-  transition (:class:`QueueCounters`, a lifecycle hook): tokens and requests queued, tokens
-  claimed (what left the queue) and tokens finished. They are live; the monitor re-counts the
-  queued ones from Postgres now and then, since a process can die between a commit and its hook.
+  transition (:class:`QueueCounters`, a lifecycle hook): requests and reserved tokens queued,
+  the *work* queued and claimed (their ``max_tokens``: decoding is what takes an engine's time;
+  a long prompt prefills a hundred times faster than it would decode), and tokens finished. They
+  are live; the monitor re-counts the queued ones from Postgres now and then, since a process can
+  die between a commit and its hook.
 * **Snapshots** (``sluice:load:class:<priority>:<model>``, a hash with a short TTL), written by
   the load monitor every second: drain rate, per-sequence speed, estimated wait, level.
 * **The level** (``LOAD_LEVEL_KEY``): the highest realtime class level, which admission's Lua
@@ -57,9 +59,9 @@ def snapshot_key(priority: Priority | str, model: str) -> str:
 class QueueCounters:
     """A lifecycle ``on_move`` hook keeping each class's counters in Redis.
 
-    accepted or requeued (→ queued)   queued_tokens += reserved, queued_requests += 1
-    claimed (queued → running)         queued −= …, claimed_tokens += reserved
-    ended while queued (cancel/expiry) queued −= …
+    accepted or requeued (→ queued)   queued_requests += 1, queued_tokens += reserved, queued_work += max_tokens
+    claimed (queued → running)         queued_* −= …, claimed_work += max_tokens
+    ended while queued (cancel/expiry) queued_* −= …
     ended while running                finished_tokens += input + output actually processed
     """
 
@@ -68,15 +70,19 @@ class QueueCounters:
 
     def __call__(self, moved: Moved) -> None:
         key = counters_key(moved.priority, moved.model)
+        # Before a request ran, reserved = admission's input estimate + max_tokens.
+        work = moved.reserved_tokens - moved.input_tokens
         pipe = self.redis.pipeline(transaction=False)
         if moved.status == Status.QUEUED:
-            pipe.hincrby(key, "queued_tokens", moved.reserved_tokens)
             pipe.hincrby(key, "queued_requests", 1)
+            pipe.hincrby(key, "queued_tokens", moved.reserved_tokens)
+            pipe.hincrby(key, "queued_work", work)
         if moved.source == Status.QUEUED:
-            pipe.hincrby(key, "queued_tokens", -moved.reserved_tokens)
             pipe.hincrby(key, "queued_requests", -1)
+            pipe.hincrby(key, "queued_tokens", -moved.reserved_tokens)
+            pipe.hincrby(key, "queued_work", -work)
             if moved.status == Status.RUNNING:
-                pipe.hincrby(key, "claimed_tokens", moved.reserved_tokens)
+                pipe.hincrby(key, "claimed_work", work)
         if moved.source == Status.RUNNING and moved.status.terminal:
             pipe.hincrby(key, "finished_tokens", moved.input_tokens + (moved.output_tokens or 0))
         try:
@@ -91,11 +97,12 @@ class ClassLoad:
 
     priority: str
     model: str
-    queued_tokens: int
+    queued_tokens: int  # reserved (input + max_tokens): what admission priced
     queued_requests: int
-    drain_tps: float  # reserved tokens leaving the queue per second (0: unknown)
+    queued_work: int  # their max_tokens: what the wait is computed from
+    drain_tps: float  # work (max_tokens) claimed off the queue per second (0: unknown)
     seq_tps: float  # tokens per second one running sequence gets (0: unknown)
-    wait_s: float  # queued tokens / drain (0 when empty; -1 when unknown)
+    wait_s: float  # queued work / drain (0 when empty; -1 when unknown)
     level: int
     workers: int  # warm workers consuming this class's queues
     updated_at_ms: int

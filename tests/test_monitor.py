@@ -75,6 +75,7 @@ def test_counters_follow_each_request_through_the_lifecycle(slow_stack):
     counters = redis.hgetall(key)
     reserved = sum(client.get(i).get_json()["usage"]["reserved_tokens"] for i in ids)
     assert int(counters["queued_requests"]) == 3 and int(counters["queued_tokens"]) == reserved
+    assert int(counters["queued_work"]) == 3 * 20  # their max_tokens
     client.cancel(ids[0])
     assert int(redis.hget(key, "queued_requests")) == 2
     # The monitor's recount sets the counters to what Postgres holds queued (the test database
@@ -103,8 +104,8 @@ def test_past_capacity_the_wait_and_level_rise_then_fall_with_hysteresis(slow_st
             break
         time.sleep(0.5)
     peak = max(seen, key=lambda load: load.level)
-    # ~2 sequences × ~46 tokens/s each drain ~100 reserved tokens/s: 40 × ~53 tokens wait ~20 s,
-    # four times the 5 s realtime deadline, so the top level; the estimate is in the right range.
+    # ~2 sequences × ~46 tokens/s each drain ~90 tokens of work per second: 40 × 50 tokens wait
+    # ~20 s, four times the 5 s realtime deadline, so the top level; the estimate is in range.
     assert peak.level == LoadLevel.SHED, [(s.queued_tokens, s.wait_s, s.level) for s in seen]
     measured = [s for s in seen if s.drain_tps > 0]
     assert measured and 20 < measured[0].drain_tps < 400, measured[0]
@@ -135,7 +136,7 @@ def test_a_killed_workers_capacity_leaves_the_estimate_at_the_next_tick(slow_sta
     after = realtime(monitor.tick())
     assert after.workers == 1
     assert after.drain_tps == pytest.approx(both.drain_tps / 2, rel=0.01), "half the workers, half the capacity"
-    assert after.wait_s == pytest.approx(after.queued_tokens / after.drain_tps, rel=0.01)
+    assert after.wait_s == pytest.approx(after.queued_work / after.drain_tps, rel=0.01)
     first.stop()
 
 

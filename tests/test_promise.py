@@ -16,14 +16,14 @@ from web.services import services
 pytestmark = pytest.mark.usefixtures("worker")
 
 
-def publish(app, *, queued_tokens: int, drain_tps: float, seq_tps: float, priority: str = "realtime") -> None:
+def publish(app, *, queued_work: int, drain_tps: float, seq_tps: float, priority: str = "realtime") -> None:
     """What the load monitor would publish for the default model's class, and its live counter."""
     svc = services(app)
     model = svc.settings.registry.default.name
     seconds, micros = svc.redis.time()
-    ClassLoad(priority, model, queued_tokens, 1, drain_tps, seq_tps, queued_tokens / drain_tps, 0, 1,
+    ClassLoad(priority, model, queued_work, 1, queued_work, drain_tps, seq_tps, queued_work / drain_tps, 0, 1,
               seconds * 1000 + micros // 1000).write(svc.redis, ttl_s=30)
-    svc.redis.hset(counters_key(priority, model), "queued_tokens", queued_tokens)
+    svc.redis.hset(counters_key(priority, model), "queued_work", queued_work)
 
 
 @pytest.fixture
@@ -34,8 +34,8 @@ def promising(isolated_app, new_client):
 
 def test_a_request_that_cannot_finish_in_time_is_refused_at_once(promising):
     application, client = promising
-    # 5,000 tokens ahead drain in 50 s at 100 tokens/s: past the 30 s realtime deadline.
-    publish(application, queued_tokens=5000, drain_tps=100, seq_tps=50)
+    # 5,000 tokens of work ahead drain in 50 s at 100 tokens/s: past the 30 s realtime deadline.
+    publish(application, queued_work=5000, drain_tps=100, seq_tps=50)
     began = time.perf_counter()
     response = client.submit(prompt="late", max_tokens=100)
     elapsed = time.perf_counter() - began
@@ -50,12 +50,12 @@ def test_a_request_that_cannot_finish_in_time_is_refused_at_once(promising):
 
 def test_a_longer_deadline_or_a_shorter_answer_is_accepted_with_its_wait(promising):
     application, client = promising
-    publish(application, queued_tokens=5000, drain_tps=100, seq_tps=50)
+    publish(application, queued_work=5000, drain_tps=100, seq_tps=50)
     accepted = client.submit(prompt="patient", max_tokens=100, deadline_s=60)
     assert accepted.status_code == 202, accepted.get_json()
     assert accepted.get_json()["estimated_wait_s"] == 50.0
     assert float(accepted.headers["Sluice-Estimated-Wait"]) == 50.0
-    publish(application, queued_tokens=500, drain_tps=100, seq_tps=50)
+    publish(application, queued_work=500, drain_tps=100, seq_tps=50)
     quick = client.submit(prompt="quick", max_tokens=100)
     assert quick.status_code == 202 and quick.get_json()["estimated_wait_s"] == 5.0
 
@@ -78,7 +78,7 @@ def test_a_running_request_past_its_deadline_is_aborted_as_expired(client, worke
 
 def test_batch_work_is_promised_against_its_own_queue(promising):
     application, client = promising
-    publish(application, queued_tokens=10**9, drain_tps=1, seq_tps=1, priority=Priority.BATCH.value)
+    publish(application, queued_work=10**9, drain_tps=1, seq_tps=1, priority=Priority.BATCH.value)
     assert client.submit(prompt="realtime is not behind batch", max_tokens=8).status_code == 202
     error = envelope(client.submit(prompt="batch", max_tokens=8, priority="batch"), 503, "overloaded")
     assert error["details"]["reason"] == "deadline"

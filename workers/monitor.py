@@ -3,13 +3,13 @@
 One monitor is active at a time (a Redis lease); others started beside it stand by and take
 over within a lease if it dies. Each tick it reads, without touching Postgres:
 
-* per class (priority × model) the live queue counters (``sluice/load.py``): tokens and
-  requests queued, and the cumulative tokens claimed off the queue;
+* per class (priority × model) the live queue counters (``sluice/load.py``): requests, tokens
+  and work (``max_tokens``) queued, and the cumulative work claimed off the queue;
 * the heartbeats of warm workers: which classes each serves, and its engine's step count.
 
-From those it publishes per class, with a short TTL: the drain rate (reserved tokens claimed
-per second over a short window), the speed one running sequence gets (engine steps per second,
-one token per step), the estimated wait (queued tokens ÷ drain rate) and a degradation level.
+From those it publishes per class, with a short TTL: the drain rate (work claimed per second
+over a short window), the speed one running sequence gets (engine steps per second, one token
+per step), the estimated wait (queued work ÷ drain rate) and a degradation level.
 The platform level admission reads is the highest realtime level.
 
 While a class has a backlog, its measured drain is its capacity, and it is remembered with the
@@ -88,7 +88,7 @@ class LevelPolicy:
 
 @dataclass
 class _ClassState:
-    samples: deque = field(default_factory=deque)  # (t, claimed_tokens, queued_tokens, workers)
+    samples: deque = field(default_factory=deque)  # (t, claimed_work, queued_work, workers)
     capacity_tps: float = 0.0  # drain measured while backlogged ...
     capacity_workers: int = 0  # ... by this many workers
     seq_tps: float = 0.0
@@ -166,8 +166,8 @@ class Monitor:
                     seq_tps: float | None, now: float) -> ClassLoad:
         state = self._classes.setdefault(name, _ClassState(policy=LevelPolicy(
             self.policy.up, self.policy.down_factor, self.policy.hold_s)))
-        queued = max(0, counters.get("queued_tokens", 0))
-        state.samples.append((now, counters.get("claimed_tokens", 0), queued, workers))
+        queued = max(0, counters.get("queued_work", 0))
+        state.samples.append((now, counters.get("claimed_work", 0), queued, workers))
         while state.samples and now - state.samples[0][0] > WINDOW_S:
             state.samples.popleft()
         if seq_tps:
@@ -177,7 +177,7 @@ class Monitor:
         # same workers served it all along.
         steady = len(state.samples) > 1 and all(q > 0 and n == workers for _, _, q, n in state.samples)
         if steady and now - t0 >= 1.0:
-            measured = (counters.get("claimed_tokens", 0) - claimed0) / (now - t0)
+            measured = (counters.get("claimed_work", 0) - claimed0) / (now - t0)
             if measured > 0:
                 state.capacity_tps, state.capacity_workers = measured, workers
         drain = 0.0
@@ -192,9 +192,9 @@ class Monitor:
         deadline = (self.settings.realtime_deadline_s if priority == Priority.REALTIME.value
                     else self.settings.batch_deadline_s)
         level = state.policy.step(max(0.0, wait) / deadline if wait != float("inf") else float("inf"), now)
-        return ClassLoad(priority, model, queued, max(0, counters.get("queued_requests", 0)), round(drain, 1),
-                         round(state.seq_tps, 2), round(wait, 3) if wait != float("inf") else -1.0, level,
-                         workers, 0)
+        return ClassLoad(priority, model, max(0, counters.get("queued_tokens", 0)),
+                         max(0, counters.get("queued_requests", 0)), queued, round(drain, 1), round(state.seq_tps, 2),
+                         round(wait, 3) if wait != float("inf") else -1.0, level, workers, 0)
 
     # ------------------------------------------------------------------ leading and re-counting
 
@@ -208,13 +208,14 @@ class Monitor:
         model = func.coalesce(t.model_routed, t.model_requested)
         with self.db.session() as session:
             rows = session.execute(
-                select(t.priority, model, func.count(), func.coalesce(func.sum(t.reserved_tokens), 0))
+                select(t.priority, model, func.count(), func.coalesce(func.sum(t.reserved_tokens), 0),
+                       func.coalesce(func.sum(t.max_tokens), 0))
                 .where(t.status == Status.QUEUED).group_by(t.priority, model)).all()
-        queued = {counters_key(p, m): (n, tokens) for p, m, n, tokens in rows}
+        queued = {counters_key(p, m): (n, tokens, work) for p, m, n, tokens, work in rows}
         with self.redis.pipeline(transaction=False) as pipe:
             for key in set(self.redis.scan_iter(match=COUNTERS_PREFIX + "*", count=200)) | set(queued):
-                n, tokens = queued.get(key, (0, 0))
-                pipe.hset(key, mapping={"queued_requests": n, "queued_tokens": int(tokens)})
+                n, tokens, work = queued.get(key, (0, 0, 0))
+                pipe.hset(key, mapping={"queued_requests": n, "queued_tokens": int(tokens), "queued_work": int(work)})
             pipe.execute()
 
     def run(self, stop: threading.Event) -> None:

@@ -51,13 +51,14 @@ elseif ptpm > 0 and ptok < math.min(cost, ptpm) then
   gate, reason, retry = 'global', 'platform_tokens', wait_ms(ptok, math.min(cost, ptpm), ptpm)
 end
 
--- The promise: the tokens queued ahead of it in its class over the class's drain rate, plus its
--- own output at the speed one sequence gets, must fit before its deadline. Live counters, the
--- monitor's rates (only while fresh); unknown rates promise nothing and refuse nothing.
+-- The promise: the work queued ahead of it in its class (their max_tokens) over the class's
+-- drain rate, plus its own output at the speed one sequence gets, must fit before its deadline.
+-- Live counters, the monitor's rates (only while fresh); unknown rates promise nothing and
+-- refuse nothing.
 local wait = -1
 local snap = redis.call('HMGET', KEYS[6], 'drain_tps', 'seq_tps', 'updated_at_ms')
 if snap[3] and now - tonumber(snap[3]) <= tonumber(ARGV[9]) and (tonumber(snap[1]) or 0) > 0 then
-  local queued = math.max(0, tonumber(redis.call('HGET', KEYS[5], 'queued_tokens') or '0') or 0)
+  local queued = math.max(0, tonumber(redis.call('HGET', KEYS[5], 'queued_work') or '0') or 0)
   wait = math.floor(queued * 1000 / tonumber(snap[1]))
   local seq = tonumber(snap[2]) or 0
   local own = 0

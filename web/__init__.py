@@ -40,6 +40,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.register_blueprint(metrics.bp)
     if settings.admin_key:
         app.register_blueprint(admin.bp)
+        app.register_blueprint(admin.load_bp)
 
     spec = None
 

@@ -8,12 +8,14 @@ Registered only when ``SLUICE_ADMIN_KEY`` is set; every call sends ``Authorizati
     GET    /admin/tenants/<tenant>      one tenant
     PATCH  /admin/tenants/<tenant>      {tier?, <limit>?}; null resets a value to the default
     POST   /admin/tenants/<tenant>/keys a new API key → 201 {api_key} (shown once)
+    GET    /v1/admin/load               the load monitor's view: per class queue, drain, wait, level
 """
 
 from __future__ import annotations
 
 import functools
 import hmac
+from dataclasses import asdict
 from typing import Any
 
 from flask import Blueprint, Response, jsonify, request
@@ -21,6 +23,8 @@ from marshmallow import Schema, fields, validate
 from sqlalchemy import func, select
 
 from models import ApiKey
+from sluice.keys import LOAD_LEVEL_KEY
+from sluice.load import ClassLoad
 from sluice.tenants import TenantError, add_key, create_tenant, find_tenant, list_tenants, tenant_view, update_tenant
 
 from .bodies import json_object, validated
@@ -29,6 +33,8 @@ from .schemas import StrictInteger
 from .services import services
 
 bp = Blueprint("admin", __name__, url_prefix="/admin")
+# The operator's view of load lives beside the request API it describes.
+load_bp = Blueprint("admin_load", __name__, url_prefix="/v1/admin")
 
 _STATUS = {"tenant_exists": 409, "unknown_tier": 422, "invalid_request": 422}
 
@@ -51,6 +57,7 @@ class TenantCreateSchema(TenantLimitsSchema):
 
 
 @bp.before_request
+@load_bp.before_request
 def _require_admin_key() -> None:
     expected = services().settings.admin_key or ""
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
@@ -136,3 +143,13 @@ def new_api_key(tenant_ref: str) -> tuple[Response, int]:
         tenant = _tenant_or_404(session, tenant_ref)
         key = add_key(session, tenant)
     return jsonify(tenant=tenant.name, api_key=key), 201
+
+
+@load_bp.get("/load")
+def load_view() -> Response:
+    """Per class, as the load monitor last published it: queue, drain, wait, level, workers."""
+    client = services().redis
+    level = client.hgetall(LOAD_LEVEL_KEY)
+    return jsonify(level=int(level["level"]) if level else None,
+                   monitor="running" if level else "not running: admission applies its local rules",
+                   classes=[asdict(one) for one in ClassLoad.read_all(client)])

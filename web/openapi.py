@@ -61,7 +61,7 @@ def build_spec(version: str) -> dict:
                          ("RequestView", schemas.RequestViewSchema), ("Error", schemas.ErrorSchema),
                          ("Health", schemas.HealthSchema), ("Readiness", schemas.ReadinessSchema),
                          ("TenantView", schemas.TenantViewSchema), ("TenantCreate", TenantCreateSchema),
-                         ("TenantLimits", TenantLimitsSchema)):
+                         ("TenantLimits", TenantLimitsSchema), ("LoadView", schemas.LoadViewSchema)):
         spec.components.schema(name, schema=schema)
     _request_paths(spec)
     _service_paths(spec)
@@ -167,6 +167,9 @@ def _admin_paths(spec: APISpec) -> None:
                   "responses": {"200": _json("TenantView", "The tenant after the change."), **denied,
                                 "404": _error("No such tenant."), "422": invalid}},
     })
+    spec.path(path="/v1/admin/load", operations={"get": {
+        **admin, "summary": "Load per class: queue in requests, tokens and work, drain, wait, level",
+        "responses": {"200": _json("LoadView", "As the load monitor last published it."), **denied}}})
     spec.path(path="/admin/tenants/{tenant_ref}/keys", operations={"post": {
         **admin, "summary": "A new API key for a tenant (shown once)", "parameters": [tenant],
         "responses": {"201": {"description": "The key.", "content": {"application/json": {"schema": {

@@ -231,3 +231,25 @@ class ReadinessSchema(Schema):
     models = fields.Dict(keys=fields.String(), values=fields.Integer(),
                          metadata={"description": "Warm workers per registry model."})
     workers = fields.List(fields.Dict(), metadata={"description": "Heartbeats of warm workers, with engine stats."})
+
+
+class ClassLoadSchema(Schema):
+    """One class (priority × model) as the load monitor last published it (``sluice.load.ClassLoad``)."""
+
+    priority = SafeString()
+    model = SafeString()
+    queued_tokens = fields.Integer(metadata={"description": "Reserved tokens (input + max_tokens) queued."})
+    queued_requests = fields.Integer()
+    queued_work = fields.Integer(metadata={"description": "max_tokens of the queued requests."})
+    drain_tps = fields.Float(metadata={"description": "Work claimed off the queue per second; 0 = unknown."})
+    seq_tps = fields.Float(metadata={"description": "Tokens per second one running sequence gets."})
+    wait_s = fields.Float(metadata={"description": "Estimated queue wait; -1 = unknown."})
+    level = fields.Integer(metadata={"description": "Degradation level 0-5 (sluice/load.py)."})
+    workers = fields.Integer(metadata={"description": "Warm workers consuming this class's queues."})
+    updated_at_ms = fields.Integer()
+
+
+class LoadViewSchema(Schema):
+    level = fields.Integer(allow_none=True, metadata={"description": "The platform level admission reads."})
+    monitor = SafeString()
+    classes = fields.List(fields.Nested(ClassLoadSchema))

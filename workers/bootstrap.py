@@ -53,13 +53,13 @@ def device_label(settings: Settings) -> str:
     return f"cuda:{visible}" if visible else "cpu"
 
 
-def start_runtime(app: Flask, hostname: str, queues: list[str]) -> EngineRuntime:
+def start_runtime(app: Flask, hostname: str, queues: list[str], threads: int | None = None) -> EngineRuntime:
     svc = services(app)
     settings = svc.settings
     worker_id = f"{hostname}/{os.getpid()}.{uuid.uuid4().hex[:6]}"
     model = served_model(settings)
     info = {"node": hostname, "role": settings.worker_role, "model": model.name, "engine": settings.engine,
-            "device": device_label(settings), "queues": queues}
+            "device": device_label(settings), "queues": queues, "threads": threads or settings.worker_threads}
     runtime = EngineRuntime(load_engine(settings, model), svc.redis, worker_id,
                             heartbeat_s=settings.worker_heartbeat_s,
                             dead_after_s=settings.worker_dead_after_s,
@@ -84,7 +84,7 @@ def connect(app: Flask) -> None:
     def _on_init(sender, **kwargs) -> None:
         queues = sorted(sender.app.amqp.queues.consume_from) if sender.app.amqp.queues.consume_from else []
         try:
-            start_runtime(app, sender.hostname, queues)
+            start_runtime(app, sender.hostname, queues, int(sender.concurrency or 0) or None)
         except Exception:
             # Celery logs and ignores exceptions from signal handlers; a worker without an
             # engine must not start consuming, so leave with a BaseException it does not catch.

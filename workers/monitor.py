@@ -15,7 +15,9 @@ The platform level admission reads is the highest realtime level.
 While a class has a backlog, its measured drain is its capacity, and it is remembered with the
 number of workers that produced it. When the backlog is gone (nothing to measure) or a worker
 stops heartbeating, the capacity is that memory scaled by the workers alive now, so a lost node
-shows in the estimate at the next tick, not after the measuring window.
+shows in the estimate at the next tick, not after the measuring window. Before any backlog was
+measured, a class's capacity is its workers' threads times the speed one sequence gets (each
+thread keeps one sequence decoding), so the first burst after a start is already promised.
 
 Every ``RECOUNT_S`` the leader re-counts queued work per class from Postgres (a process can die
 between a commit and its counter update); nothing else here reads the database.
@@ -120,7 +122,9 @@ class Monitor:
             priority, model = name.split(":", 1)
             serving = [w for w in workers if w.get("model") == model
                        and any(q.startswith(priority + ".") for q in w.get("queues", ()))]
-            loads.append(self._class_load(name, priority, model, counters, len(serving), seq_by_model.get(model), now))
+            threads = sum(w.get("threads", 0) for w in serving)
+            loads.append(self._class_load(name, priority, model, counters, len(serving), threads,
+                                          seq_by_model.get(model), now))
         seconds, micros = self.redis.time()
         stamp = seconds * 1000 + micros // 1000
         loads = [ClassLoad(**{**load.__dict__, "updated_at_ms": stamp}) for load in loads]
@@ -170,7 +174,7 @@ class Monitor:
         return result
 
     def _class_load(self, name: str, priority: str, model: str, counters: dict[str, int], workers: int,
-                    seq_tps: float | None, now: float) -> ClassLoad:
+                    threads: int, seq_tps: float | None, now: float) -> ClassLoad:
         state = self._classes.setdefault(name, _ClassState(policy=LevelPolicy(
             self.policy.up, self.policy.down_factor, self.policy.hold_s)))
         queued = max(0, counters.get("queued_work", 0))
@@ -190,6 +194,8 @@ class Monitor:
         drain = 0.0
         if state.capacity_workers and workers:
             drain = state.capacity_tps * min(1.0, workers / state.capacity_workers)
+        elif workers and state.seq_tps:  # nothing measured yet: every thread decoding one sequence
+            drain = threads * state.seq_tps
         if queued == 0:
             wait = 0.0
         elif drain > 0:

@@ -9,7 +9,7 @@
 Each transition is one conditional ``UPDATE … WHERE status = <from>``, so two processes racing
 on one row (a duplicate delivery, a cancel against a claim, the sweep against a slow worker)
 can never both win, and a row reaches exactly one terminal status. Every timestamp a
-transition writes comes from the database clock (``clock_timestamp()``), the clock
+transition writes comes from the database clock (``statement_timestamp()``), the clock
 ``created_at`` uses, so ``queue_wait_s`` and ``inference_s`` never mix two hosts' clocks.
 
 Work that must follow "this request ended" (releasing its admission reservation; webhooks,
@@ -156,8 +156,9 @@ def about(request_id: uuid.UUID) -> dict[str, str]:
 
 
 def db_now() -> ColumnElement[datetime]:
-    """The database's clock at the moment the statement runs (not the transaction's start)."""
-    return func.clock_timestamp()
+    """The database's clock when the statement began (not the transaction's start): one value
+    for every stamp a transition writes, so they compare exactly."""
+    return func.statement_timestamp()
 
 
 class Lifecycle:
@@ -257,18 +258,21 @@ class Lifecycle:
     # ------------------------------------------------------------------ running → …
 
     def finish(self, request_id: uuid.UUID, worker: str, end: End, *, model: str | None = None,
-               output: Any = None, first_token_age_s: float | None = None) -> Moved | None:
+               output: Any = None, first_token_after_s: float | None = None) -> Moved | None:
         """running → ``end`` if ``worker`` still owns the row; what ended, or None if not its.
 
         ``output`` is the engine's last :class:`GenerationOutput` (or None). The first-token
-        stamp is placed on the database clock ``first_token_age_s`` before the write, never
-        before ``started_at``.
+        stamp is ``started_at`` (the database's clock at the claim) plus ``first_token_after_s``,
+        the time from claim to first token the worker measured on its own monotonic clock: one
+        clock for every stamp, and no error from how long the write itself waited. It is never
+        after ``finished_at``.
         """
         values: dict[str, Any] = {}
         if model is not None:
             values["model_used"] = model
-        if first_token_age_s is not None:
-            values["first_token_at"] = func.greatest(_t.started_at, db_now() - timedelta(seconds=first_token_age_s))
+        if first_token_after_s is not None:
+            values["first_token_at"] = func.least(_t.started_at + timedelta(seconds=max(0.0, first_token_after_s)),
+                                                  db_now())
         if output is not None:
             # PostgreSQL text cannot hold NUL, and a model may emit it.
             values.update(output_text=output.text.replace("\x00", "\ufffd"), output_tokens=output.output_tokens,

@@ -27,7 +27,8 @@ def test_output_with_nul_bytes_is_stored(app):
         session.add(row)
     out = GenerationOutput(request_id=str(row.id), text="a\x00b", prompt_tokens=1, output_tokens=3, finished=True,
                            finish_reason="length")
-    assert finish(Lifecycle(db), row.id, "w/1", "m", RunResult(out, time.monotonic(), "finished")) is not None
+    now = time.monotonic()
+    assert finish(Lifecycle(db), row.id, "w/1", "m", RunResult(out, now, "finished"), now) is not None
     with db.session() as session:
         stored = session.scalar(select(InferenceRequest).where(InferenceRequest.id == row.id))
     assert stored.status == Status.SUCCEEDED and stored.output_text == "a\ufffdb"

@@ -78,14 +78,14 @@ def test_claim_then_finish_stamps_on_the_database_clock(db, tenant_id, lifecycle
     assert lifecycle.claim(rid, "w/2", "dev1") is None, "a second delivery must not run it again"
     out = SimpleNamespace(text="hi", output_tokens=2, prompt_tokens=3, cached_tokens=0, finish_reason="length")
     assert lifecycle.finish(rid, "w/2", lc.SUCCEEDED, output=out) is None, "not the owner"
-    ended = lifecycle.finish(rid, "w/1", lc.SUCCEEDED, model="m", output=out, first_token_age_s=3600)
+    ended = lifecycle.finish(rid, "w/1", lc.SUCCEEDED, model="m", output=out, first_token_after_s=3600)
     after = db_clock(db)
     assert ended is not None and ended.status == Status.SUCCEEDED and ended.output_tokens == 2
     row = row_of(db, rid)
     assert row.status == Status.SUCCEEDED and row.worker == "w/1" and row.attempts == 1
     assert before <= row.started_at <= row.finished_at <= after
-    # A first token "an hour ago" is clamped to the start: the stamp never precedes started_at.
-    assert row.first_token_at == row.started_at
+    # A first token "an hour after the claim" is clamped to the end: never after finished_at.
+    assert row.first_token_at == row.finished_at
     assert lifecycle.finish(rid, "w/1", lc.ENGINE_ERROR) is None, "one terminal status only"
     assert lifecycle.seen == [(rid, Status.SUCCEEDED, Status.SUCCEEDED)]
 

@@ -56,6 +56,7 @@ def with_db_retries(attempt):
 
 def execute(lifecycle: Lifecycle, redis_client: redis.Redis, runtime: EngineRuntime, request_id: uuid.UUID) -> None:
     claimed = with_db_retries(lambda: lifecycle.claim(request_id, runtime.worker_id, runtime.info["device"]))
+    claimed_mono = time.monotonic()  # started_at, on this host's clock (give or take the claim's return)
     if claimed is None:
         return
     if claimed.conversation_id and runtime.node:
@@ -71,7 +72,7 @@ def execute(lifecycle: Lifecycle, redis_client: redis.Redis, runtime: EngineRunt
         with_db_retries(lambda: lifecycle.finish(request_id, runtime.worker_id, lc.ENGINE_ERROR))
         return
     try:
-        finish(lifecycle, request_id, runtime.worker_id, runtime.info["model"], result)
+        finish(lifecycle, request_id, runtime.worker_id, runtime.info["model"], result, claimed_mono)
     except DB_UNAVAILABLE:
         raise  # Postgres stayed unavailable through every retry; the sweep finds the overdue row
     except Exception:
@@ -80,12 +81,12 @@ def execute(lifecycle: Lifecycle, redis_client: redis.Redis, runtime: EngineRunt
         with_db_retries(lambda: lifecycle.finish(request_id, runtime.worker_id, lc.RESULT_NOT_STORABLE))
 
 
-def finish(lifecycle: Lifecycle, request_id: uuid.UUID, worker_id: str, model: str, result: RunResult
-           ) -> Ended | None:
+def finish(lifecycle: Lifecycle, request_id: uuid.UUID, worker_id: str, model: str, result: RunResult,
+           claimed_mono: float) -> Ended | None:
     """The engine run's outcome onto the row, if this worker still owns it."""
     return with_db_retries(lambda: lifecycle.finish(
         request_id, worker_id, ENDS[result.ended_by], model=model, output=result.output,
-        first_token_age_s=result.first_token_age_s))
+        first_token_after_s=result.first_token_after(claimed_mono)))
 
 
 def generation_request(claimed: Claimed) -> GenerationRequest:

@@ -42,14 +42,14 @@ ABORT_GRACE_S = 10.0
 @dataclass(frozen=True)
 class RunResult:
     output: GenerationOutput | None  # the last output seen; None if none arrived
-    # time.monotonic() when the first token was produced: the row's stamp is placed on the
-    # database clock from its age at write time, so this host's wall clock never enters it.
+    # time.monotonic() when the first token was produced: the row's stamp is the claim's
+    # database time plus the offset from the claim, so this host's wall clock never enters it.
     first_token_mono: float | None
     ended_by: str  # "finished" | "timeout" | "deadline" | "cancel" | "engine_abort"
 
-    @property
-    def first_token_age_s(self) -> float | None:
-        return None if self.first_token_mono is None else max(0.0, time.monotonic() - self.first_token_mono)
+    def first_token_after(self, mono: float) -> float | None:
+        """Seconds from ``mono`` (a time.monotonic() reading) to the first token, or None."""
+        return None if self.first_token_mono is None else self.first_token_mono - mono
 
 
 class EngineRuntime:

@@ -11,11 +11,14 @@ bind, then for --seconds each, with --clients concurrent keep-alive connections,
   submit    POST /v1/requests with a fresh Idempotency-Key: validation, authentication, the
             idempotency lookup, the three gates (one Lua call in Redis), INSERT + COMMIT of the
             row and its key, publish to the Celery queue, enqueued_at stamp
+  refuse    POST /v1/requests while the load figures say its class's queue cannot finish it
+            before its deadline: 503 from the promise at arrival (no row, no quota charged)
 
 It runs both with one client (latency without queueing: the POST - GET difference is what
 admission, idempotency, the row insert and the publish add to a request) and with --clients
-(throughput: admitted requests/s). It also times admission alone (the tenant lookup plus the
-Lua gates, in this process) to separate the gates from the insert and the publish.
+(throughput: admitted requests/s). It also times admission alone (the Lua gates for a tenant
+already loaded, in this process) to separate the gates from the insert and the publish, and
+last the refusal rate while the published load says every realtime submit must be refused.
 Nothing consumes the queues; the scratch database and the Redis database are dropped at exit.
 """
 
@@ -68,15 +71,17 @@ def drive(args: tuple) -> list[float]:
         latencies = []
         while time.monotonic() < until:
             began = time.perf_counter()
+            body = json.dumps({"prompt": "How do I keep a GPU fleet standing under load?", "max_tokens": 64})
             if kind == "submit":
-                body = json.dumps({"prompt": "How do I keep a GPU fleet standing under load?", "max_tokens": 64})
                 conn.request("POST", "/v1/requests", body, {**headers, "Idempotency-Key": uuid.uuid4().hex})
+            elif kind == "refuse":
+                conn.request("POST", "/v1/requests", body, headers)
             else:
                 conn.request("GET", f"/v1/requests/{request_id}", headers=headers)
             response = conn.getresponse()
             response.read()
             elapsed = time.perf_counter() - began
-            if response.status not in (200, 202):
+            if response.status != {"submit": 202, "refuse": 503}.get(kind, 200):
                 raise RuntimeError(f"{kind}: HTTP {response.status}")
             latencies.append(elapsed)
         conn.close()
@@ -101,23 +106,27 @@ def percentiles(latencies: list[float]) -> dict:
 
 
 def time_gates(settings: Settings, key: str, n: int) -> dict:
-    """The admission step alone, in this process: tenant lookup + one Lua call (no insert)."""
+    """The admission step alone, in this process: one Lua call for a tenant already loaded."""
     from sqlalchemy import select
 
-    from models import ApiKey, Database, InferenceRequest, Priority, hash_key
+    from models import ApiKey, Database, Priority, SizeClass, Tenant, hash_key
     from web.admission import Admission
+    from web.plan import Plan
 
     db = Database()
     db.configure(settings.sqlalchemy_url, pool_size=2)
     admission = Admission(settings)
     with db.session() as session:
-        tenant_id = session.scalar(select(ApiKey.tenant_id).where(ApiKey.key_hash == hash_key(key)))
+        tenant = session.scalar(select(Tenant).join(ApiKey).where(ApiKey.key_hash == hash_key(key)))
     latencies = []
     for _ in range(n):
-        row = InferenceRequest(id=uuid.uuid4(), priority=Priority.REALTIME, model_requested=settings.model,
-                               reserved_tokens=76, input_tokens=12, max_tokens=64)
+        plan = Plan(request_id=uuid.uuid4(), tenant_id=tenant.id, priority=Priority.REALTIME,
+                    size_class=SizeClass.SMALL, queue="realtime.small", model_requested=settings.model,
+                    model_routed=None, route_reason=None, input={"prompt": "x"}, params={}, meta={},
+                    conversation_id=None, max_tokens=64, time_limit_s=settings.time_limit_s, input_tokens=12,
+                    deadline_s=settings.realtime_deadline_s)
         began = time.perf_counter()
-        admission.admit(db, tenant_id, row)
+        admission.admit(tenant, plan)
         latencies.append(time.perf_counter() - began)
     db.dispose()
     return percentiles(sorted(latencies))
@@ -141,7 +150,7 @@ def main() -> int:
     port = free_port()
     env = {**os.environ, "DATABASE_URL": database_url, "REDIS_URL": redis_url, "SLUICE_WEB_PORT": str(port),
            "SLUICE_WEB_WORKERS": str(args.web_workers), "SLUICE_LOG_LEVEL": "WARNING",
-           "SLUICE_PLATFORM_TOKENS_PER_MINUTE": "0"}
+           "SLUICE_PLATFORM_TOKENS_PER_MINUTE": "0", "SLUICE_LOAD_LEVEL_MAX_AGE_S": "3600"}
     settings = Settings.from_env(env)
     log_path = Path(tempfile.mkdtemp()) / "web.log"
     server = None
@@ -173,8 +182,13 @@ def main() -> int:
             print(f"{clients:3d} clients  added by submit (POST - GET): p50 {sub['p50_ms'] - base['p50_ms']:+.2f} ms"
                   f"   p99 {sub['p99_ms'] - base['p99_ms']:+.2f} ms")
         gates = time_gates(settings, key, 2000)
-        print(f"admission alone, in process (tenant lookup + Lua gates): p50 {gates['p50_ms']:.2f} ms   "
+        print(f"admission alone, in process (the Lua gates, tenant already loaded): p50 {gates['p50_ms']:.2f} ms   "
               f"p99 {gates['p99_ms']:.2f} ms")
+        overload(settings, redis_url, args.seconds)
+        for clients in (1, args.clients):
+            ref = run_phase(port, key, "refuse", request_id, clients, min(clients, args.client_procs), args.seconds)
+            print(f"{clients:3d} clients  refuse   POST {ref['per_s']:6.0f} req/s   p50 {ref['p50_ms']:6.2f} ms   "
+                  f"p99 {ref['p99_ms']:6.2f} ms   (503 overloaded: the promise at arrival)")
         rows = count_rows(settings)
         print(f"rows written: {rows} (every 202 is a row; no worker ran them)")
         return 0
@@ -185,6 +199,20 @@ def main() -> int:
         redis.Redis.from_url(redis_url).flushdb()
         with psycopg.connect(args.postgres, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def overload(settings: Settings, redis_url: str, seconds: float) -> None:
+    """Publish what the load monitor would during an overload: the default realtime class has
+    10^9 tokens of work queued and drains one per second, so every realtime submit is refused."""
+    from sluice.load import ClassLoad, counters_key
+
+    client = redis.Redis.from_url(redis_url)
+    model = settings.registry.default.name
+    t, micros = client.time()
+    ClassLoad("realtime", model, 10**9, 10**6, 10**9, 1.0, 1.0, 10**9, 0, 1, t * 1000 + micros // 1000).write(
+        client, ttl_s=3 * seconds + 60)
+    client.hset(counters_key("realtime", model), "queued_work", 10**9)
+    client.close()
 
 
 def set_no_limits(settings: Settings) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
 import redis
@@ -65,10 +66,15 @@ class QueueCounters:
     ended while running                finished_tokens += input + output actually processed
     """
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, healthy: Callable[[], bool] = lambda: True) -> None:
         self.redis = client
+        # While the caller knows Redis is away (admission's breaker is open), skip the call
+        # instead of spending its timeout on every transition.
+        self.healthy = healthy
 
     def __call__(self, moved: Moved) -> None:
+        if not self.healthy():
+            return
         key = counters_key(moved.priority, moved.model)
         # Before a request ran, reserved = admission's input estimate + max_tokens.
         work = moved.reserved_tokens - moved.input_tokens

@@ -64,7 +64,7 @@ def build_services(settings: Settings) -> Services:
     # Whoever ends a request (a worker, a cancel, the sweep) gives back its unused reservation.
     lifecycle.on_end(admission.release)
     # Every move changes its class's queue counters, which the load monitor and the promise read.
-    lifecycle.on_move(QueueCounters(admission.redis))
+    lifecycle.on_move(QueueCounters(admission.redis, healthy=lambda: admission.redis_healthy))
     # Web requests publish through a fail-fast app; workers and the sweep keep the patient one.
     publisher = celery_publisher(settings, fail_fast=True)
     planner = Planner(settings, TokenCounters(), admission.redis, lambda: admission.redis_healthy)

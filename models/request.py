@@ -96,9 +96,9 @@ class InferenceRequest(Base):
     finish_reason: Mapped[str | None] = mapped_column(String(16))
     error_code: Mapped[str | None] = mapped_column(String(64))
     error_message: Mapped[str | None] = mapped_column(String(500))
-    # Not written yet: the overload-control issue (degradation ladder, hot answer cache) is
-    # their writer; until it lands both stay NULL / false on every row.
+    # Degradation steps that changed the request at admission (web/ladder.py), comma-separated.
     degradation_step: Mapped[str | None] = mapped_column(String(32))
+    # Not written yet: the hot answer cache (overload control, still to come) is its writer.
     cache_hit: Mapped[bool] = mapped_column(default=False)
 
     # Who ran it. `worker` names one worker process instance, so a restarted worker with the

@@ -77,10 +77,13 @@ def unused_tokens(reserved: int, input_tokens: int, output_tokens: int | None, s
 
 class SharedLimiter:
     def __init__(self, client: redis.Redis, *, platform_tokens_per_minute: int = 0,
-                 load_level_max_age_s: float = 30.0) -> None:
+                 load_level_max_age_s: float = 30.0, reject_batch: bool = True, shed: bool = True) -> None:
         self.redis = client
         self.platform_tokens_per_minute = platform_tokens_per_minute
         self.load_level_max_age_ms = int(load_level_max_age_s * 1000)
+        # The levels at which the gate refuses batch work / everything; a switched-off step never comes.
+        self.reject_batch_level = int(LoadLevel.REJECT_BATCH) if reject_batch else 99
+        self.shed_level = int(LoadLevel.SHED) if shed else 99
         self._admit = client.register_script(_script("admit.lua"))
         self._release = client.register_script(_script("release.lua"))
 
@@ -99,7 +102,7 @@ class SharedLimiter:
         deadline_ms = 2**53 if deadline_s == float("inf") else int(deadline_s * 1000)
         args = [request_id, cost, self.platform_tokens_per_minute, limits.tokens_per_minute,
                 limits.requests_per_minute, limits.max_concurrent, priority, int(too_large),
-                self.load_level_max_age_ms, int(LoadLevel.REJECT_BATCH), int(LoadLevel.SHED), int(dry_run),
+                self.load_level_max_age_ms, self.reject_batch_level, self.shed_level, int(dry_run),
                 "" if now_ms is None else now_ms, deadline_ms, max_tokens]
         gate, reason, retry, *numbers = self._admit(keys=keys, args=args)
         tl, tr, tz, rl, rr, rz, level, wait = (int(n) for n in numbers)

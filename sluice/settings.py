@@ -17,6 +17,9 @@ from typing import Any
 from .registry import Registry, RegistryError, parse_registry
 from .tiers import Limits, TierError, parse_tiers
 
+# The degradation ladder's steps that exist, by the level (sluice/load.py) that turns each on.
+LADDER_STEPS = ("light_model", "shorter_output", "reject_batch", "shed")
+
 
 class SettingsError(ValueError):
     """A setting is missing or malformed; the message names the variable."""
@@ -124,6 +127,12 @@ class Settings:
     load_level_max_age_s: float = _field(
         "SLUICE_LOAD_LEVEL_MAX_AGE_S", 30.0,
         "A degradation level in Redis older than this is stale and ignored (treated as normal).")
+    ladder_steps: str = _field(
+        "SLUICE_LADDER_STEPS", "light_model,shorter_output,reject_batch,shed",
+        "Degradation steps in force, comma-separated, from light_model (level 1: realtime to the registry's "
+        "light model when warm), shorter_output (2: max_tokens capped), reject_batch (4), shed (5).")
+    shorter_output_tokens: int = _field(
+        "SLUICE_SHORTER_OUTPUT_TOKENS", 128, "The max_tokens cap of the shorter_output step.")
     idempotency_window_s: float = _field(
         "SLUICE_IDEMPOTENCY_WINDOW_S", 86400.0, "How long an Idempotency-Key is remembered.")
     redis_timeout_s: float = _field(
@@ -172,7 +181,8 @@ class Settings:
                     "time_limit_s", "large_threshold_tokens", "sim_speed", "worker_concurrency",
                     "worker_heartbeat_s", "worker_dead_after_s", "max_attempts", "sweep_interval_s",
                     "publish_grace_s", "cancel_poll_s", "web_workers", "load_level_max_age_s",
-                    "idempotency_window_s", "redis_timeout_s", "local_floor_tokens_per_minute"]
+                    "idempotency_window_s", "redis_timeout_s", "local_floor_tokens_per_minute",
+                    "shorter_output_tokens"]
         for name in positive:
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise SettingsError(f"{_env(name)} must be > 0, got {getattr(self, name)!r}")
@@ -202,8 +212,17 @@ class Settings:
         if self.default_tier not in tiers:
             raise SettingsError(f"SLUICE_DEFAULT_TIER {self.default_tier!r} is not one of SLUICE_TIERS "
                                 f"({', '.join(tiers)})")
+        unknown = set(self.ladder) - set(LADDER_STEPS)
+        if unknown:
+            raise SettingsError(f"SLUICE_LADDER_STEPS: unknown steps {', '.join(sorted(unknown))}; "
+                                f"choose from {', '.join(LADDER_STEPS)}")
         if self.admin_key is not None and len(self.admin_key) < 16:
             raise SettingsError("SLUICE_ADMIN_KEY must be at least 16 characters")
+
+    @property
+    def ladder(self) -> tuple[str, ...]:
+        """The degradation steps in force (SLUICE_LADDER_STEPS)."""
+        return tuple(step.strip() for step in self.ladder_steps.split(",") if step.strip())
 
     @functools.cached_property
     def tiers(self) -> dict[str, Limits]:

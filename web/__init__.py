@@ -17,6 +17,7 @@ from sluice.settings import Settings
 
 from . import admin, api, errors, health, metrics
 from .admission import Admission
+from .ladder import Ladder, LoadReader
 from .plan import Planner
 from .service import RequestService
 from .services import EXTENSION, Services, services
@@ -70,7 +71,8 @@ def build_services(settings: Settings) -> Services:
     planner = Planner(settings, TokenCounters(), admission.redis, lambda: admission.redis_healthy)
     return Services(settings=settings, db=db, redis=redis_client(settings.redis_url),
                     publisher=publisher, broker=celery_publisher(settings, fail_fast=False), admission=admission,
-                    lifecycle=lifecycle, requests=RequestService(db, planner, admission, publisher, lifecycle))
+                    lifecycle=lifecycle, requests=RequestService(db, planner, Ladder(settings, planner, LoadReader(
+                        settings, admission)), admission, publisher, lifecycle))
 
 
 def _bind_call_ids(app: Flask) -> None:

@@ -83,7 +83,8 @@ class Admission:
         self.redis = redis_client(settings.redis_url, settings.redis_timeout_s)
         self.redis.set_retry(Retry(NoBackoff(), 0))
         self.shared = SharedLimiter(self.redis, platform_tokens_per_minute=settings.platform_tokens_per_minute,
-                                    load_level_max_age_s=settings.load_level_max_age_s)
+                                    load_level_max_age_s=settings.load_level_max_age_s,
+                                    reject_batch="reject_batch" in settings.ladder, shed="shed" in settings.ladder)
         self.floor = LocalFloor(settings.local_floor_tokens_per_minute)
         self.breaker = RedisBreaker()
 

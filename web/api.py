@@ -8,7 +8,7 @@ from flask import Blueprint, Response, jsonify, request, url_for
 
 from models import InferenceRequest
 
-from . import idempotency
+from . import idempotency, ladder
 from .auth import authenticate
 from .bodies import json_object, validated
 from .errors import ApiError
@@ -47,6 +47,8 @@ def submit_request() -> tuple[Response, int, dict[str, str]]:
                **({"Idempotent-Replayed": "true"} if accepted.replayed else {})}
     if accepted.estimated_wait_s is not None:
         headers[ESTIMATED_WAIT_HEADER] = f"{accepted.estimated_wait_s:.3f}"
+    if accepted.degradation:
+        headers[ladder.HEADER] = ",".join(accepted.degradation)
     body = _accepted_schema.dump({"id": row.id, "status": row.status.value, "status_url": status_url,
                                   "priority": row.priority.value, "size_class": row.size_class.value,
                                   "estimated_wait_s": accepted.estimated_wait_s})

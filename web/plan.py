@@ -8,6 +8,7 @@ writes nothing: admission prices the plan, and only an admitted plan becomes a r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import uuid
@@ -53,6 +54,7 @@ class Plan:
     time_limit_s: float
     input_tokens: int
     deadline_s: float
+    degradation: tuple[str, ...] = ()  # ladder steps that changed it (web/ladder.py)
 
     @property
     def reserved_tokens(self) -> int:
@@ -71,7 +73,8 @@ class Plan:
             route_reason=self.route_reason, input=self.input, params=self.params, meta=self.meta,
             conversation_id=self.conversation_id, max_tokens=self.max_tokens, time_limit_s=self.time_limit_s,
             reserved_tokens=self.reserved_tokens, input_tokens=self.input_tokens, attempts=0,
-            deadline_at=func.now() + timedelta(seconds=self.deadline_s))
+            deadline_at=func.now() + timedelta(seconds=self.deadline_s),
+            degradation_step=",".join(self.degradation) or None)
 
 
 class Planner:
@@ -108,6 +111,20 @@ class Planner:
             params={k: body[k] for k in SAMPLING_FIELDS if k in body}, meta=body.get("metadata", {}),
             conversation_id=conversation_id, max_tokens=max_tokens, time_limit_s=float(time_limit),
             input_tokens=input_tokens, deadline_s=body.get("deadline_s", default_deadline))
+
+    def reroute(self, plan: Plan, model: ModelSpec, reason: str) -> Plan | None:
+        """``plan`` sent to ``model`` instead (counted with its tokenizer, on its queues), or None
+        when it does not fit that model's context or belongs to a conversation (whose turns stay
+        with the worker holding its prefix cache)."""
+        if plan.conversation_id:
+            return None
+        input_tokens = self._count(model, plan.input)
+        if input_tokens + plan.max_tokens > model.context_tokens:
+            return None
+        size_class = size_class_for(input_tokens + plan.max_tokens, self.settings.large_threshold_tokens)
+        queue = queue_name(plan.priority, size_class, self.settings.registry.queue_suffix(model))
+        return dataclasses.replace(plan, model_routed=model.name, route_reason=reason, input_tokens=input_tokens,
+                                   size_class=size_class, queue=queue)
 
     def _check(self, body: dict[str, Any], max_tokens: int, time_limit: float) -> ModelSpec:
         """The model asked for (or the default), once every field is within the server's caps."""

@@ -138,7 +138,12 @@ class RequestViewSchema(Schema):
     model_routed = SafeString(allow_none=True, metadata={
         "description": "Model admission sent the request to instead of `model`, if any."})
     route_reason = SafeString(allow_none=True, metadata={
-        "enum": ["long_context"], "description": "Why: `long_context` = too long for the default model."})
+        "enum": ["long_context", "light_model"],
+        "description": "Why: `long_context` = too long for the default model; `light_model` = the "
+                       "degradation ladder's first step."})
+    degradation_step = SafeString(allow_none=True, metadata={
+        "description": "Degradation steps that changed this request at admission, comma-separated "
+                       "(light_model, shorter_output); null when none did."})
     max_tokens = fields.Integer()
     time_limit_s = fields.Float()
     output = fields.Nested(OutputSchema, allow_none=True)
@@ -161,6 +166,7 @@ class RequestViewSchema(Schema):
             "id": row.id, "status": row.status.value, "priority": row.priority.value,
             "size_class": row.size_class.value, "queue": row.queue, "model": row.model_requested,
             "model_used": row.model_used, "model_routed": row.model_routed, "route_reason": row.route_reason,
+            "degradation_step": row.degradation_step,
             "max_tokens": row.max_tokens, "time_limit_s": row.time_limit_s,
             "output": {"text": row.output_text or "", "finish_reason": row.finish_reason} if done else None,
             "usage": {"input_tokens": row.input_tokens, "output_tokens": row.output_tokens,

@@ -2,7 +2,8 @@
 
 A submit is four steps, each its own method:
 
-    plan     validate against server caps, count tokens, route        → a frozen Plan (web/plan.py)
+    plan     validate against server caps, count tokens, route        → a frozen Plan (web/plan.py),
+             then the degradation ladder's steps for the current level (web/ladder.py)
     admit    the three token-priced gates                             → a Ticket, or 429/413/503
     insert   the row (and its idempotency key) in one transaction     → accepted from here on
     publish  the Celery message; if the broker is away the sweep publishes the row later
@@ -31,6 +32,7 @@ from sluice.queues import publish_committed
 from . import idempotency, metrics
 from .admission import Admission, Ticket
 from .errors import Conflict, NotFound
+from .ladder import Ladder
 from .plan import Plan, Planner
 
 log = logging.getLogger(__name__)
@@ -42,13 +44,15 @@ class Accepted:
     replayed: bool  # an earlier submit with the same Idempotency-Key created it
     headers: dict[str, str]  # the tenant's x-ratelimit-* after this submit
     estimated_wait_s: float | None = None  # its class's queue wait at admission, when known
+    degradation: tuple[str, ...] = ()  # ladder steps that changed it
 
 
 class RequestService:
-    def __init__(self, db: Database, planner: Planner, admission: Admission, publisher: Celery,
+    def __init__(self, db: Database, planner: Planner, ladder: Ladder, admission: Admission, publisher: Celery,
                  lifecycle: Lifecycle) -> None:
         self.db = db
         self.planner = planner
+        self.ladder = ladder
         self.admission = admission
         self.publisher = publisher
         self.lifecycle = lifecycle
@@ -57,7 +61,7 @@ class RequestService:
         """Plan, admit, insert, publish; raises the ApiError of the step that refused."""
         original = idempotency.find(self.db, key) if key else None
         if original is None:
-            plan = self.planner.plan(tenant.id, body)
+            plan = self.ladder.apply(self.planner.plan(tenant.id, body), model_named="model" in body)
             bind_request(str(plan.request_id))
             ticket = self.admission.admit(tenant, plan)
             try:
@@ -68,7 +72,7 @@ class RequestService:
                     raise
             else:
                 self.publish(row)
-                return Accepted(row, False, ticket.headers, ticket.estimated_wait_s)
+                return Accepted(row, False, ticket.headers, ticket.estimated_wait_s, plan.degradation)
         metrics.IDEMPOTENT_REPLAYS.inc()
         bind_request(str(original.id))
         return Accepted(original, True, self.admission.headers(tenant))

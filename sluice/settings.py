@@ -96,6 +96,11 @@ class Settings:
         "SLUICE_WORKER_CONCURRENCY", None,
         "Tasks one worker keeps in flight, all feeding its single engine (thread pool). Unset: "
         "SLUICE_VLLM_MAX_NUM_SEQS, so the engine can fill its batch.")
+    worker_realtime_threads: int | None = _field(
+        "SLUICE_WORKER_REALTIME_THREADS", None,
+        "On a worker that serves realtime and batch queues, threads batch work may never hold, so a "
+        "realtime request never waits for a thread batch work took. Unset: a quarter of the threads "
+        "(at least one); 0: none kept.")
     worker_role: str = _field(
         "SLUICE_WORKER_ROLE", "all", "Set by `sluice worker --role`: the worker's role, shown in /readyz.")
     worker_model: str | None = _field(
@@ -186,6 +191,8 @@ class Settings:
         for name in positive:
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise SettingsError(f"{_env(name)} must be > 0, got {getattr(self, name)!r}")
+        if self.worker_realtime_threads is not None and self.worker_realtime_threads < 0:
+            raise SettingsError("SLUICE_WORKER_REALTIME_THREADS must be >= 0")
         if self.default_max_tokens > self.max_output_tokens:
             raise SettingsError("SLUICE_DEFAULT_MAX_TOKENS must not exceed SLUICE_MAX_OUTPUT_TOKENS")
         if self.worker_dead_after_s <= 2 * self.worker_heartbeat_s:

@@ -3,6 +3,8 @@ and takes turns between queues of the same class."""
 
 from __future__ import annotations
 
+import time
+
 from conftest import WorkerProcess, make_settings
 
 from web.services import services
@@ -51,3 +53,35 @@ def test_the_cycle_is_strict_between_classes_and_round_robin_within_one():
     assert cycle.consume(6) == ["maintenance", "direct.w@h", "realtime.large", "realtime.small",
                                 "batch.large", "batch.small"]
     assert cycle.rotate("not-consumed") == "not-consumed" and len(cycle.consume(10)) == 6
+
+
+def test_batch_work_never_holds_the_threads_kept_for_realtime(database_url, scratch_redis_url, new_client, tmp_path):
+    """Four threads, two kept for realtime: four long batch requests get two threads, the other
+    two wait in the queue, and a realtime request arriving behind them runs at once."""
+    from web import create_app
+
+    application = create_app(make_settings(database_url, scratch_redis_url))
+    client = new_client(application)
+    worker = WorkerProcess(database_url, scratch_redis_url, tmp_path, concurrency=4,
+                           extra_env={"SLUICE_WORKER_REALTIME_THREADS": "2"})
+    try:
+        batch = [client.submit(prompt=f"long batch {i}", max_tokens=4000, ignore_eos=True, priority="batch")
+                 .get_json()["id"] for i in range(4)]
+        deadline = time.monotonic() + 30
+        while sum(client.get(i).get_json()["status"] == "running" for i in batch) < 2:
+            assert time.monotonic() < deadline, "batch work never started"
+            time.sleep(0.1)
+        time.sleep(1.0)  # time for a third batch request to start, were it allowed to
+        statuses = sorted(client.get(i).get_json()["status"] for i in batch)
+        assert statuses == ["queued", "queued", "running", "running"], statuses
+        urgent = client.wait(client.submit(prompt="urgent", max_tokens=8).get_json()["id"], timeout=30)
+        assert urgent["status"] == "succeeded"
+        assert urgent["timings"]["queue_wait_s"] < 1.0, urgent["timings"]
+        assert sorted(client.get(i).get_json()["status"] for i in batch) == statuses, "batch still waiting"
+        for request_id in batch:
+            client.cancel(request_id)
+        assert {client.wait(i, timeout=30)["status"] for i in batch} == {"cancelled"}
+    finally:
+        worker.stop()
+        services(application).redis.flushdb()
+        services(application).db.dispose()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import uuid
 from dataclasses import dataclass
 
@@ -31,11 +32,46 @@ class EngineNotStarted(RuntimeError):
     shutting down). Its message goes back to the queue for a worker that has one."""
 
 
+class BatchSlots:
+    """How many of this worker's threads batch requests may hold at once.
+
+    A thread that takes a batch message while every batch slot is taken hands it back to the
+    queue, so the threads left over only ever run realtime work.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def try_take(self) -> bool:
+        with self._lock:
+            if self._held >= self.limit:
+                return False
+            self._held += 1
+            return True
+
+    def give_back(self) -> None:
+        with self._lock:
+            self._held -= 1
+
+
+def batch_slots(settings: Settings, threads: int, queues: list[str]) -> BatchSlots:
+    """Slots for batch work: every thread, unless this worker also serves realtime queues."""
+    both = any(q.startswith("realtime.") for q in queues) and any(q.startswith("batch.") for q in queues)
+    if not both:
+        return BatchSlots(threads)
+    keep = settings.worker_realtime_threads
+    keep = max(1, threads // 4) if keep is None else keep
+    return BatchSlots(max(1, threads - keep))
+
+
 @dataclass
 class WorkerState:
-    """This process's engine runtime, from ``worker_init`` to ``worker_shutdown``."""
+    """This process's engine runtime and batch slots, from ``worker_init`` to ``worker_shutdown``."""
 
     runtime: EngineRuntime | None = None
+    batch: BatchSlots | None = None
 
     def require(self) -> EngineRuntime:
         if self.runtime is None:
@@ -65,7 +101,9 @@ def start_runtime(app: Flask, hostname: str, queues: list[str], threads: int | N
                             dead_after_s=settings.worker_dead_after_s,
                             cancel_poll_s=settings.cancel_poll_s, info=info)
     runtime.start()
+    WORKER.batch = batch_slots(settings, info["threads"], queues)
     WORKER.runtime = runtime
+    log.info("%d of %d threads may hold batch work", WORKER.batch.limit, info["threads"])
     return runtime
 
 

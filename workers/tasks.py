@@ -6,6 +6,7 @@ Every task runs through :class:`workers.celery_app.SluiceTask` (app context, ids
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 from celery import shared_task
@@ -22,10 +23,22 @@ from .execution import DB_UNAVAILABLE
 log = logging.getLogger(__name__)
 
 
+# How long a thread that found every batch slot taken waits before handing the message back:
+# long enough not to spin on a queue of batch work, short enough that a realtime message
+# arriving meanwhile waits little.
+BATCH_FULL_PAUSE_S = 0.2
+
+
 @shared_task(bind=True, name=RUN_TASK, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def run_request(self: SluiceTask, request_id: str) -> None:
     """Run one request. Safe to deliver twice: the row's conditional claim lets one run win."""
     svc = self.services
+    queue = (self.request.delivery_info or {}).get("routing_key") or ""
+    slots = WORKER.batch if queue.startswith("batch.") else None
+    if slots is not None and not slots.try_take():
+        time.sleep(BATCH_FULL_PAUSE_S)
+        _unreserve(svc, request_id)
+        raise Reject(requeue=True)  # not claimed: the row stays queued, the message goes back
     try:
         execution.execute(svc.lifecycle, svc.redis, WORKER.require(), uuid.UUID(request_id))
     except (*DB_UNAVAILABLE, EngineNotStarted) as exc:
@@ -35,11 +48,17 @@ def run_request(self: SluiceTask, request_id: str) -> None:
         log.error("handing the message back to the queue: %s", type(exc).__name__)
         raise Reject(requeue=True) from exc
     finally:
+        if slots is not None:
+            slots.give_back()
         # Claimed (the heartbeat now covers it) or not ours to run: either way no longer reserved.
-        try:
-            svc.redis.hdel(RESERVED_KEY, request_id)
-        except Exception:
-            log.warning("could not clear reservation; the sweep will")
+        _unreserve(svc, request_id)
+
+
+def _unreserve(svc, request_id: str) -> None:
+    try:
+        svc.redis.hdel(RESERVED_KEY, request_id)
+    except Exception:
+        log.warning("could not clear reservation; the sweep will")
 
 
 @shared_task(bind=True, name=SWEEP_TASK, ignore_result=True)

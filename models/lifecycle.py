@@ -24,6 +24,7 @@ the overload-control issue (refusals recorded on a row) is its writer, or it goe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from collections.abc import Callable, Iterator
@@ -187,6 +188,22 @@ class Lifecycle:
                 also(session)
             session.flush()
             moved.append(_moved(None, row))
+
+    def answer(self, row: InferenceRequest, answer: dict[str, Any],
+               also: Callable[[Session], None] | None = None) -> None:
+        """Insert a new row born ``succeeded`` with ``answer`` (text, finish_reason, input and
+        output tokens) from the hot answer cache: no engine ran, no queue held it."""
+        row.status, row.cache_hit, row.model_used = Status.SUCCEEDED, True, row.target_model
+        row.started_at = row.first_token_at = row.finished_at = db_now()
+        row.output_text, row.finish_reason = answer["text"], answer.get("finish_reason")
+        row.input_tokens, row.output_tokens = answer.get("input_tokens", row.input_tokens), answer["output_tokens"]
+        with self._moving() as moved, self.db.session() as session:
+            session.add(row)
+            if also is not None:
+                also(session)
+            session.flush()
+            # No engine time: admission refunds the whole reservation (started_at is what says so).
+            moved.append(dataclasses.replace(_moved(None, row), started_at=None))
 
     # ------------------------------------------------------------------ queued → …
 

@@ -18,7 +18,7 @@ from .registry import Registry, RegistryError, parse_registry
 from .tiers import Limits, TierError, parse_tiers
 
 # The degradation ladder's steps that exist, by the level (sluice/load.py) that turns each on.
-LADDER_STEPS = ("light_model", "shorter_output", "reject_batch", "shed")
+LADDER_STEPS = ("light_model", "shorter_output", "cached_answer", "reject_batch", "shed")
 
 
 class SettingsError(ValueError):
@@ -133,11 +133,19 @@ class Settings:
         "SLUICE_LOAD_LEVEL_MAX_AGE_S", 30.0,
         "A degradation level in Redis older than this is stale and ignored (treated as normal).")
     ladder_steps: str = _field(
-        "SLUICE_LADDER_STEPS", "light_model,shorter_output,reject_batch,shed",
+        "SLUICE_LADDER_STEPS", "light_model,shorter_output,cached_answer,reject_batch,shed",
         "Degradation steps in force, comma-separated, from light_model (level 1: realtime to the registry's "
-        "light model when warm), shorter_output (2: max_tokens capped), reject_batch (4), shed (5).")
+        "light model when warm), shorter_output (2: max_tokens capped), cached_answer (3: cached answers "
+        "for non-deterministic requests too), reject_batch (4), shed (5).")
     shorter_output_tokens: int = _field(
         "SLUICE_SHORTER_OUTPUT_TOKENS", 128, "The max_tokens cap of the shorter_output step.")
+    cache_ttl_s: float = _field(
+        "SLUICE_CACHE_TTL_S", 300.0,
+        "How long the hot answer cache keeps an answer; 0 turns the cache off.")
+    cache_max_entries: int = _field(
+        "SLUICE_CACHE_MAX_ENTRIES", 10_000, "Answers the hot cache holds at most (oldest evicted).")
+    cache_max_answer_bytes: int = _field(
+        "SLUICE_CACHE_MAX_ANSWER_BYTES", 65_536, "Answers larger than this are not cached.")
     idempotency_window_s: float = _field(
         "SLUICE_IDEMPOTENCY_WINDOW_S", 86400.0, "How long an Idempotency-Key is remembered.")
     redis_timeout_s: float = _field(
@@ -187,10 +195,12 @@ class Settings:
                     "worker_heartbeat_s", "worker_dead_after_s", "max_attempts", "sweep_interval_s",
                     "publish_grace_s", "cancel_poll_s", "web_workers", "load_level_max_age_s",
                     "idempotency_window_s", "redis_timeout_s", "local_floor_tokens_per_minute",
-                    "shorter_output_tokens"]
+                    "shorter_output_tokens", "cache_max_entries", "cache_max_answer_bytes"]
         for name in positive:
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise SettingsError(f"{_env(name)} must be > 0, got {getattr(self, name)!r}")
+        if self.cache_ttl_s < 0:
+            raise SettingsError("SLUICE_CACHE_TTL_S must be >= 0 (0 = no hot answer cache)")
         if self.worker_realtime_threads is not None and self.worker_realtime_threads < 0:
             raise SettingsError("SLUICE_WORKER_REALTIME_THREADS must be >= 0")
         if self.default_max_tokens > self.max_output_tokens:

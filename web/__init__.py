@@ -9,6 +9,7 @@ from flask import Flask, Response, jsonify, request
 
 from models import Database
 from models.lifecycle import Lifecycle
+from sluice.answers import AnswerCache
 from sluice.broker import publisher as celery_publisher
 from sluice.keys import redis_client
 from sluice.load import QueueCounters
@@ -69,10 +70,13 @@ def build_services(settings: Settings) -> Services:
     # Web requests publish through a fail-fast app; workers and the sweep keep the patient one.
     publisher = celery_publisher(settings, fail_fast=True)
     planner = Planner(settings, TokenCounters(), admission.redis, lambda: admission.redis_healthy)
+    ladder = Ladder(settings, planner, LoadReader(settings, admission))
+    answers = AnswerCache(admission.redis, ttl_s=settings.cache_ttl_s, max_entries=settings.cache_max_entries,
+                          max_bytes=settings.cache_max_answer_bytes, healthy=lambda: admission.redis_healthy)
     return Services(settings=settings, db=db, redis=redis_client(settings.redis_url),
                     publisher=publisher, broker=celery_publisher(settings, fail_fast=False), admission=admission,
-                    lifecycle=lifecycle, requests=RequestService(db, planner, Ladder(settings, planner, LoadReader(
-                        settings, admission)), admission, publisher, lifecycle))
+                    answers=answers, lifecycle=lifecycle,
+                    requests=RequestService(db, planner, ladder, admission, publisher, lifecycle, answers))
 
 
 def _bind_call_ids(app: Flask) -> None:

@@ -18,6 +18,7 @@ from .services import services
 log = logging.getLogger(__name__)
 bp = Blueprint("api", __name__, url_prefix="/v1")
 ESTIMATED_WAIT_HEADER = "Sluice-Estimated-Wait"
+CACHE_HEADER = "Sluice-Cache"
 _submit_schema = SubmitRequestSchema()
 _accepted_schema = AcceptedSchema()
 _view_schema = RequestViewSchema()
@@ -49,6 +50,8 @@ def submit_request() -> tuple[Response, int, dict[str, str]]:
         headers[ESTIMATED_WAIT_HEADER] = f"{accepted.estimated_wait_s:.3f}"
     if accepted.degradation:
         headers[ladder.HEADER] = ",".join(accepted.degradation)
+    if accepted.cache_hit:
+        headers[CACHE_HEADER] = "hit"
     body = _accepted_schema.dump({"id": row.id, "status": row.status.value, "status_url": status_url,
                                   "priority": row.priority.value, "size_class": row.size_class.value,
                                   "estimated_wait_s": accepted.estimated_wait_s})

@@ -16,6 +16,7 @@ REJECTIONS = Counter("sluice_admission_rejections_total", "Requests rejected at 
                      ["gate", "reason"])
 IDEMPOTENT_REPLAYS = Counter("sluice_idempotent_replays_total",
                              "Submits answered with the request an earlier submit with the same key created.")
+CACHE_HITS = Counter("sluice_cache_hits_total", "Submits answered from the hot answer cache, no GPU used.")
 LOCAL_FLOOR = Gauge("sluice_admission_local_floor", "1 while this process admits on its local floor (Redis away).")
 
 bp = Blueprint("metrics", __name__)

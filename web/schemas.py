@@ -151,6 +151,7 @@ class RequestViewSchema(Schema):
     timings = fields.Nested(TimingsSchema)
     error = fields.Nested(RequestErrorSchema, allow_none=True)
     cancel_requested = fields.Boolean()
+    cache_hit = fields.Boolean(metadata={"description": "Answered from the hot answer cache: no engine ran."})
     attempts = fields.Integer()
     worker = SafeString(allow_none=True)
     metadata = fields.Dict()
@@ -176,7 +177,8 @@ class RequestViewSchema(Schema):
                         "queue_wait_s": row.queue_wait_s, "inference_s": row.inference_s,
                         "time_to_first_token_s": ttft},
             "error": {"code": row.error_code, "message": row.error_message} if row.error_code else None,
-            "cancel_requested": row.cancel_requested_at is not None, "attempts": row.attempts,
+            "cancel_requested": row.cancel_requested_at is not None, "cache_hit": row.cache_hit,
+            "attempts": row.attempts,
             "worker": row.worker, "metadata": row.meta, "conversation_id": row.conversation_id,
         }
 

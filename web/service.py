@@ -9,11 +9,13 @@ A submit is four steps, each its own method:
     publish  the Celery message; if the broker is away the sweep publishes the row later
 
 A retried submit with the same ``Idempotency-Key`` skips all four and answers with the request
-the first one created.
+the first one created. A request the hot answer cache can answer (``sluice/answers.py``) is
+inserted already succeeded after the plan, and skips admit and publish.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass
@@ -25,7 +27,9 @@ from sqlalchemy import select
 from models import InferenceRequest, Status, Tenant
 from models.lifecycle import Lifecycle, TransitionRefused
 from models.session import Database
+from sluice.answers import AnswerCache, answer_key, deterministic
 from sluice.keys import raise_cancel_flag
+from sluice.load import LoadLevel
 from sluice.logs import bind_request
 from sluice.queues import publish_committed
 
@@ -45,12 +49,14 @@ class Accepted:
     headers: dict[str, str]  # the tenant's x-ratelimit-* after this submit
     estimated_wait_s: float | None = None  # its class's queue wait at admission, when known
     degradation: tuple[str, ...] = ()  # ladder steps that changed it
+    cache_hit: bool = False  # answered from the hot cache: already succeeded
 
 
 class RequestService:
     def __init__(self, db: Database, planner: Planner, ladder: Ladder, admission: Admission, publisher: Celery,
-                 lifecycle: Lifecycle) -> None:
+                 lifecycle: Lifecycle, answers: AnswerCache) -> None:
         self.db = db
+        self.answers = answers
         self.planner = planner
         self.ladder = ladder
         self.admission = admission
@@ -63,6 +69,9 @@ class RequestService:
         if original is None:
             plan = self.ladder.apply(self.planner.plan(tenant.id, body), model_named="model" in body)
             bind_request(str(plan.request_id))
+            answered = self.from_cache(plan, tenant, key)
+            if answered is not None:
+                return answered
             ticket = self.admission.admit(tenant, plan)
             try:
                 row = self.insert(plan, ticket, key)
@@ -76,6 +85,25 @@ class RequestService:
         metrics.IDEMPOTENT_REPLAYS.inc()
         bind_request(str(original.id))
         return Accepted(original, True, self.admission.headers(tenant))
+
+    def from_cache(self, plan: Plan, tenant: Tenant, key: idempotency.Key | None) -> Accepted | None:
+        """The request answered from the hot cache, or None. A deterministic request is served from
+        it whenever its twin was answered; any other only at the cached_answer level. No GPU is
+        used, so neither admission's gates nor its quotas apply."""
+        level = self.ladder.reader.current()[0]
+        degraded = level >= LoadLevel.CACHED_ANSWERS and "cached_answer" in self.ladder.settings.ladder
+        if not (deterministic(plan.params) or degraded):
+            return None
+        answer = self.answers.get(answer_key(plan.target_model, plan.input, plan.params, plan.max_tokens))
+        if answer is None:
+            return None
+        if not deterministic(plan.params):
+            plan = dataclasses.replace(plan, degradation=(*plan.degradation, "cached_answer"))
+        row = plan.row()
+        self.lifecycle.answer(row, answer, also=(lambda session: key.claim(session, row.id)) if key else None)
+        metrics.CACHE_HITS.inc()
+        log.info("answered from the hot cache")
+        return Accepted(row, False, self.admission.headers(tenant), None, plan.degradation, cache_hit=True)
 
     def insert(self, plan: Plan, ticket: Ticket, key: idempotency.Key | None) -> InferenceRequest:
         """Commit the row (and claim the idempotency key with it); on failure, undo the admission."""

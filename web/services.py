@@ -15,6 +15,7 @@ from flask import Flask, current_app
 
 from models import Database
 from models.lifecycle import Lifecycle
+from sluice.answers import AnswerCache
 from sluice.settings import Settings
 
 from .admission import Admission
@@ -33,6 +34,7 @@ class Services:
     publisher: Celery
     broker: Celery
     admission: Admission
+    answers: AnswerCache
     lifecycle: Lifecycle
     requests: RequestService
 

@@ -17,9 +17,10 @@ import redis
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from models import Priority
+from models import Priority, Status
 from models import lifecycle as lc
 from models.lifecycle import Claimed, Ended, Lifecycle
+from sluice.answers import AnswerCache, answer_key
 from sluice.keys import conversation_key
 
 from .engines import GenerationRequest, SamplingParams
@@ -54,7 +55,8 @@ def with_db_retries(attempt):
             time.sleep(delay)
 
 
-def execute(lifecycle: Lifecycle, redis_client: redis.Redis, runtime: EngineRuntime, request_id: uuid.UUID) -> None:
+def execute(lifecycle: Lifecycle, redis_client: redis.Redis, runtime: EngineRuntime, request_id: uuid.UUID,
+            answers: AnswerCache | None = None) -> None:
     claimed = with_db_retries(lambda: lifecycle.claim(request_id, runtime.worker_id, runtime.info["device"]))
     claimed_mono = time.monotonic()  # started_at, on this host's clock (give or take the claim's return)
     if claimed is None:
@@ -72,13 +74,19 @@ def execute(lifecycle: Lifecycle, redis_client: redis.Redis, runtime: EngineRunt
         with_db_retries(lambda: lifecycle.finish(request_id, runtime.worker_id, lc.ENGINE_ERROR))
         return
     try:
-        finish(lifecycle, request_id, runtime.worker_id, runtime.info["model"], result, claimed_mono)
+        ended = finish(lifecycle, request_id, runtime.worker_id, runtime.info["model"], result, claimed_mono)
     except DB_UNAVAILABLE:
         raise  # Postgres stayed unavailable through every retry; the sweep finds the overdue row
     except Exception:
         # The outcome itself cannot be stored: say so on the row rather than leave it running.
         log.exception("outcome not storable")
         with_db_retries(lambda: lifecycle.finish(request_id, runtime.worker_id, lc.RESULT_NOT_STORABLE))
+        return
+    if answers is not None and ended is not None and ended.status == Status.SUCCEEDED and result.output:
+        out = result.output
+        answers.put(answer_key(runtime.info["model"], claimed.input, claimed.params, claimed.max_tokens),
+                    {"text": out.text.replace("\x00", "\ufffd"), "finish_reason": out.finish_reason,
+                     "input_tokens": out.prompt_tokens, "output_tokens": out.output_tokens})
 
 
 def finish(lifecycle: Lifecycle, request_id: uuid.UUID, worker_id: str, model: str, result: RunResult,

@@ -1,0 +1,82 @@
+"""The hot answer cache: a request the platform answered recently is answered again from Redis.
+
+The key is the target model, the input (prompt or messages, canonical JSON) and every parameter
+that changes the output (max_tokens, temperature, top_p, seed, stop, ignore_eos), hashed. A
+worker stores each succeeded answer. Admission serves one without touching a GPU when the
+request is deterministic (temperature 0), or, at the ``CACHED_ANSWERS`` level and above, for any
+request whose exact twin was answered (a retry storm of one question costs one inference).
+
+Bounded: entries expire after ``ttl_s``; answers over ``max_bytes`` are not stored; past
+``max_entries`` the oldest are evicted. Best effort everywhere: a Redis error is a miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+log = logging.getLogger(__name__)
+
+ANSWER_PREFIX = "sluice:answer:"
+INDEX_KEY = "sluice:answers"  # sorted set: key → time stored, for eviction
+OUTPUT_PARAMS = ("temperature", "top_p", "seed", "stop", "ignore_eos")
+
+
+def answer_key(model: str, request_input: dict[str, Any], params: dict[str, Any], max_tokens: int) -> str:
+    material = json.dumps({"model": model, "input": request_input, "max_tokens": max_tokens,
+                           "params": {k: params[k] for k in OUTPUT_PARAMS if k in params}},
+                          sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return ANSWER_PREFIX + hashlib.sha256(material.encode()).hexdigest()
+
+
+def deterministic(params: dict[str, Any]) -> bool:
+    return params.get("temperature", 1.0) == 0
+
+
+class AnswerCache:
+    def __init__(self, client: redis.Redis, *, ttl_s: float, max_entries: int, max_bytes: int,
+                 healthy: Callable[[], bool] = lambda: True) -> None:
+        self.redis = client
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.healthy = healthy
+
+    @property
+    def enabled(self) -> bool:
+        return self.ttl_s > 0
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        if not self.enabled or not self.healthy():
+            return None
+        try:
+            raw = self.redis.get(key)
+        except redis.RedisError:
+            return None
+        return json.loads(raw) if raw else None
+
+    def put(self, key: str, answer: dict[str, Any]) -> None:
+        if not self.enabled or not self.healthy():
+            return
+        raw = json.dumps(answer, ensure_ascii=False)
+        if len(raw.encode()) > self.max_bytes:
+            return
+        try:
+            with self.redis.pipeline(transaction=False) as pipe:
+                pipe.set(key, raw, ex=max(1, int(self.ttl_s)))
+                pipe.zadd(INDEX_KEY, {key: time.time()})
+                pipe.zremrangebyscore(INDEX_KEY, "-inf", time.time() - self.ttl_s)  # expired ones
+                pipe.zcard(INDEX_KEY)
+                *_, size = pipe.execute()
+            if size > self.max_entries:
+                oldest = self.redis.zpopmin(INDEX_KEY, size - self.max_entries)
+                if oldest:
+                    self.redis.delete(*(k for k, _ in oldest))
+        except redis.RedisError as exc:
+            log.warning("answer not cached (%s)", type(exc).__name__)

@@ -11,7 +11,7 @@ from sqlalchemy import func, select
 
 from models import InferenceRequest, Priority, Status
 from sluice.keys import LOAD_LEVEL_KEY
-from sluice.load import ClassLoad, LoadLevel, counters_key
+from sluice.load import SNAPSHOT_PREFIX, ClassLoad, LoadLevel, counters_key
 from web.services import services
 from workers.monitor import LevelPolicy, Monitor
 
@@ -169,4 +169,6 @@ def test_the_operator_sees_the_classes_the_monitor_publishes(database_url, redis
     assert view["level"] == 0 and view["monitor"] == "running"
     assert {c["priority"] for c in view["classes"]} >= {"realtime"}
     assert all(set(c) >= {"queued_work", "drain_tps", "wait_s", "level", "workers"} for c in view["classes"])
+    # The session's other tests share this Redis: leave them no load figures to act on.
+    svc.redis.delete(LOAD_LEVEL_KEY, *svc.redis.scan_iter(match=SNAPSHOT_PREFIX + "*"))
     svc.db.dispose()

@@ -142,13 +142,16 @@ class Monitor:
         return [w for w in warm_workers(self.redis) if w.get("heartbeat_age_s", 0) <= limit]
 
     def _sequence_speeds(self, workers: list[dict], now: float) -> dict[str, float]:
-        """Engine steps per second of busy workers, per model: one token per running sequence per step.
-
-        Measured between two of a worker's heartbeats, on the times they were sent: the steps a
-        heartbeat reports are as old as it is, and beats come less often than ticks.
+        """The speed one sequence gets, per model (median over its workers): each worker's own
+        measure of its finished runs, warm-up included, so a fresh worker already has one; else
+        engine steps per second while busy (one token per running sequence per step), measured
+        between two of its heartbeats on the times they were sent (beats come less often than ticks).
         """
         speeds: dict[str, list[float]] = {}
         for w in workers:
+            if w.get("seq_tps"):  # the worker's own measure of finished runs (warm-up included)
+                speeds.setdefault(w.get("model", "?"), []).append(w["seq_tps"])
+                continue
             sent, steps = now - w.get("heartbeat_age_s", 0.0), w.get("steps", 0)
             previous = self._steps.get(w["worker"])
             if previous is not None and sent - previous[0] < 0.5 * self.settings.worker_heartbeat_s:

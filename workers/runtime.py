@@ -74,6 +74,7 @@ class EngineRuntime:
         self._background: set[asyncio.Future] = set()
         self._threads: list[threading.Thread] = []
         self.cold_start_s: float | None = None
+        self.seq_tps: float | None = None  # decode tokens per second one sequence gets, smoothed
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -89,9 +90,12 @@ class EngineRuntime:
         loop_thread.start()
         self._threads.append(loop_thread)
         self._call(self.engine.start())
-        warmup = GenerationRequest(request_id=f"warmup-{self.worker_id}", prompt="warm up",
-                                   params=SamplingParams(max_tokens=4))
-        self._call(self._drain(warmup))
+        # Twice: the first run pays for lazy initialisation; the second measures a sequence's speed.
+        for attempt in range(2):
+            warmup = GenerationRequest(request_id=f"warmup-{attempt}-{self.worker_id}", prompt="warm up",
+                                       params=SamplingParams(max_tokens=8, ignore_eos=True))
+            result = self._call(self._run(warmup, 120.0, "timeout"))
+        self._learn_speed(result)
         self.cold_start_s = time.monotonic() - began
         log.info("engine %s warm in %.2fs", self.engine.name, self.cold_start_s)
         for target, name in ((self._watch_cancels, "cancel-watcher"), (self._heartbeat, "heartbeat")):
@@ -131,6 +135,7 @@ class EngineRuntime:
             if result.ended_by == "cancel" and rid not in self._cancelled:
                 # Aborted, but nobody cancelled it: the engine is shutting down.
                 result = RunResult(result.output, result.first_token_mono, "engine_abort")
+            self._learn_speed(result)
             return result
         finally:
             with self._lock:
@@ -174,9 +179,17 @@ class EngineRuntime:
         cancelled = last is not None and last.finish_reason == "abort"
         return RunResult(last, first_token_mono, "cancel" if cancelled else "finished")
 
-    async def _drain(self, request: GenerationRequest) -> None:
-        async for _ in self.engine.generate(request):
-            pass
+    def _learn_speed(self, result: RunResult) -> None:
+        """Fold one run's decode speed (tokens after the first, per second) into ``seq_tps``,
+        the speed one sequence gets, which the heartbeat reports to the load monitor."""
+        out, first = result.output, result.first_token_mono
+        if out is None or first is None or out.output_tokens < 2:
+            return
+        elapsed = time.monotonic() - first
+        if elapsed <= 0:
+            return
+        rate = (out.output_tokens - 1) / elapsed
+        self.seq_tps = rate if self.seq_tps is None else 0.8 * self.seq_tps + 0.2 * rate
 
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -225,7 +238,7 @@ class EngineRuntime:
             try:
                 stats = asdict(engine_stats)
                 stats.update(self.info, worker=self.worker_id, in_flight=len(self._in_flight),
-                             cold_start_s=self.cold_start_s, at=time.time())
+                             cold_start_s=self.cold_start_s, seq_tps=self.seq_tps, at=time.time())
                 ttl = max(1, int(self._dead_after_s))
                 with self._redis.pipeline(transaction=False) as pipe:
                     pipe.set(worker_key(self.worker_id), json.dumps(stats), ex=ttl)

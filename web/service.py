@@ -69,11 +69,11 @@ class RequestService:
         if original is None:
             plan = self.ladder.apply(self.planner.plan(tenant.id, body), model_named="model" in body)
             bind_request(str(plan.request_id))
-            answered = self.from_cache(plan, tenant, key)
-            if answered is not None:
-                return answered
-            ticket = self.admission.admit(tenant, plan)
             try:
+                answered = self.from_cache(plan, tenant, key)
+                if answered is not None:
+                    return answered
+                ticket = self.admission.admit(tenant, plan)
                 row = self.insert(plan, ticket, key)
             except idempotency.KeyTaken:  # a concurrent submit with this key committed first
                 original = idempotency.find(self.db, key)

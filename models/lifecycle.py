@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 from sqlalchemy import ColumnElement, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from .request import InferenceRequest, Priority, Status
+from .request import InferenceRequest, Priority, Status, storable_text
 from .session import Database
 
 log = logging.getLogger(__name__)
@@ -182,12 +182,7 @@ class Lifecycle:
     def accept(self, row: InferenceRequest, also: Callable[[Session], None] | None = None) -> None:
         """Insert a new row (born ``queued``) and run ``also(session)`` in the same transaction
         (claiming its idempotency key); from the commit on, the request must reach a terminal status."""
-        with self._moving() as moved, self.db.session() as session:
-            session.add(row)
-            if also is not None:
-                also(session)
-            session.flush()
-            moved.append(_moved(None, row))
+        self._insert(row, also)
 
     def answer(self, row: InferenceRequest, answer: dict[str, Any],
                also: Callable[[Session], None] | None = None) -> None:
@@ -197,13 +192,17 @@ class Lifecycle:
         row.started_at = row.first_token_at = row.finished_at = db_now()
         row.output_text, row.finish_reason = answer["text"], answer.get("finish_reason")
         row.input_tokens, row.output_tokens = answer.get("input_tokens", row.input_tokens), answer["output_tokens"]
+        # No engine time: admission refunds the whole reservation (started_at is what says so).
+        self._insert(row, also, ran=False)
+
+    def _insert(self, row: InferenceRequest, also: Callable[[Session], None] | None, ran: bool = True) -> None:
         with self._moving() as moved, self.db.session() as session:
             session.add(row)
             if also is not None:
                 also(session)
             session.flush()
-            # No engine time: admission refunds the whole reservation (started_at is what says so).
-            moved.append(dataclasses.replace(_moved(None, row), started_at=None))
+            born = _moved(None, row)
+            moved.append(born if ran else dataclasses.replace(born, started_at=None))
 
     # ------------------------------------------------------------------ queued → …
 
@@ -291,8 +290,7 @@ class Lifecycle:
             values["first_token_at"] = func.least(_t.started_at + timedelta(seconds=max(0.0, first_token_after_s)),
                                                   db_now())
         if output is not None:
-            # PostgreSQL text cannot hold NUL, and a model may emit it.
-            values.update(output_text=output.text.replace("\x00", "\ufffd"), output_tokens=output.output_tokens,
+            values.update(output_text=storable_text(output.text), output_tokens=output.output_tokens,
                           input_tokens=output.prompt_tokens, cached_tokens=output.cached_tokens,
                           finish_reason=output.finish_reason)
         with self._moving() as moved, self.db.session() as session:

@@ -135,3 +135,8 @@ class InferenceRequest(Base):
         if self.started_at is None or self.finished_at is None:
             return None
         return (self.finished_at - self.started_at).total_seconds()
+
+
+def storable_text(text: str) -> str:
+    """``text`` as PostgreSQL text can hold it: a model may emit NUL, which text columns refuse."""
+    return text.replace("\x00", "\ufffd")

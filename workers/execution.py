@@ -20,6 +20,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from models import Priority, Status
 from models import lifecycle as lc
 from models.lifecycle import Claimed, Ended, Lifecycle
+from models.request import storable_text
 from sluice.answers import AnswerCache, answer_key
 from sluice.keys import conversation_key
 
@@ -85,7 +86,7 @@ def execute(lifecycle: Lifecycle, redis_client: redis.Redis, runtime: EngineRunt
     if answers is not None and ended is not None and ended.status == Status.SUCCEEDED and result.output:
         out = result.output
         answers.put(answer_key(runtime.info["model"], claimed.input, claimed.params, claimed.max_tokens),
-                    {"text": out.text.replace("\x00", "\ufffd"), "finish_reason": out.finish_reason,
+                    {"text": storable_text(out.text), "finish_reason": out.finish_reason,
                      "input_tokens": out.prompt_tokens, "output_tokens": out.output_tokens})
 
 

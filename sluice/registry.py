@@ -46,6 +46,11 @@ class Registry:
     def get(self, name: str) -> ModelSpec | None:
         return next((m for m in self.models if m.name == name), None)
 
+    @property
+    def light(self) -> ModelSpec | None:
+        """The first model with role ``light``: degradation's lighter step, if there is one."""
+        return next((m for m in self.models if m.role == "light"), None)
+
     def long_models(self) -> list[ModelSpec]:
         """Models with role ``long``, smallest context first."""
         return sorted((m for m in self.models if m.role == "long"), key=lambda m: m.context_tokens)

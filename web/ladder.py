@@ -42,8 +42,7 @@ class LoadReader:
         self.settings = settings
         self.admission = admission
         self.clock = clock
-        light = next((m for m in settings.registry.models if m.role == "light"), None)
-        self.light = light
+        self.light = settings.registry.light
         self._read_at = float("-inf")
         self._level, self._light_warm = LoadLevel.NORMAL, False
         self._lock = threading.Lock()
@@ -78,6 +77,10 @@ class Ladder:
         self.settings = settings
         self.planner = planner
         self.reader = reader
+
+    def answers_samples_from_cache(self) -> bool:
+        """Step 3 (cached_answer) in force: a sampled request too may be answered by its cached twin."""
+        return self.reader.current()[0] >= LoadLevel.CACHED_ANSWERS and "cached_answer" in self.settings.ladder
 
     def apply(self, plan: Plan, model_named: bool) -> Plan:
         """``plan`` with the steps the current level calls for; unchanged for batch work."""

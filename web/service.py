@@ -29,7 +29,6 @@ from models.lifecycle import Lifecycle, TransitionRefused
 from models.session import Database
 from sluice.answers import AnswerCache, answer_key, deterministic
 from sluice.keys import raise_cancel_flag
-from sluice.load import LoadLevel
 from sluice.logs import bind_request
 from sluice.queues import publish_committed
 
@@ -90,9 +89,7 @@ class RequestService:
         """The request answered from the hot cache, or None. A deterministic request is served from
         it whenever its twin was answered; any other only at the cached_answer level. No GPU is
         used, so neither admission's gates nor its quotas apply."""
-        level = self.ladder.reader.current()[0]
-        degraded = level >= LoadLevel.CACHED_ANSWERS and "cached_answer" in self.ladder.settings.ladder
-        if not (deterministic(plan.params) or degraded):
+        if not (deterministic(plan.params) or self.ladder.answers_samples_from_cache()):
             return None
         answer = self.answers.get(answer_key(plan.target_model, plan.input, plan.params, plan.max_tokens))
         if answer is None:
@@ -100,7 +97,7 @@ class RequestService:
         if not deterministic(plan.params):
             plan = dataclasses.replace(plan, degradation=(*plan.degradation, "cached_answer"))
         row = plan.row()
-        self.lifecycle.answer(row, answer, also=(lambda session: key.claim(session, row.id)) if key else None)
+        self.lifecycle.answer(row, answer, also=_claiming(key, row))
         metrics.CACHE_HITS.inc()
         log.info("answered from the hot cache")
         return Accepted(row, False, self.admission.headers(tenant), None, plan.degradation, cache_hit=True)
@@ -109,7 +106,7 @@ class RequestService:
         """Commit the row (and claim the idempotency key with it); on failure, undo the admission."""
         row = plan.row()
         try:
-            self.lifecycle.accept(row, also=(lambda session: key.claim(session, row.id)) if key else None)
+            self.lifecycle.accept(row, also=_claiming(key, row))
         except BaseException:
             self.admission.cancel(ticket)  # no row was written, so nothing stays reserved
             raise
@@ -152,6 +149,11 @@ class RequestService:
                 # The flag on the row is durable; the sweep re-raises it in Redis.
                 log.warning("cancel flag not set in Redis; the sweep will retry")
         return row
+
+
+def _claiming(key: idempotency.Key | None, row: InferenceRequest):
+    """What the row's insert also does in its transaction: claim the Idempotency-Key, if any."""
+    return None if key is None else lambda session: key.claim(session, row.id)
 
 
 def _parse_id(request_id: str) -> uuid.UUID:

@@ -3,8 +3,9 @@
 Contract of :func:`run_platform`: Postgres and Redis come from ``DATABASE_URL`` / ``REDIS_URL``
 or are started embedded under the data directory; the schema is migrated; a demo API key is kept
 in ``<data_dir>/demo-key``; web, worker, beat, the load monitor and (optionally) Flower run as
-child processes, each in its own process group, logging to ``<data_dir>/logs/<name>.log``. Once every piece answers, one
-demo request goes through the real path. On return nothing this call started is still running.
+child processes, each in its own process group, logging to ``<data_dir>/logs/<name>.log``. Once
+every piece answers, one demo request goes through the real path. On return nothing this call
+started is still running.
 """
 
 from __future__ import annotations

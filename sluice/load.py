@@ -123,8 +123,12 @@ class ClassLoad:
     @classmethod
     def read_all(cls, client: redis.Redis) -> list[ClassLoad]:
         keys = sorted(client.scan_iter(match=SNAPSHOT_PREFIX + "*", count=200))
+        with client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.hgetall(key)
+            hashes = pipe.execute()
         loads = []
-        for raw in (client.hgetall(key) for key in keys):
+        for raw in hashes:
             if raw:
                 loads.append(cls(**{f.name: _typed(f.type, raw[f.name]) for f in fields(cls) if f.name in raw}))
         return loads

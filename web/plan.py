@@ -98,8 +98,7 @@ class Planner:
             model, input_tokens = self._longer_model(model, input_tokens, request_input, max_tokens)
             route_reason = "long_context" if model is not requested else None
         priority = Priority(body["priority"])
-        size_class = size_class_for(input_tokens + max_tokens, settings.large_threshold_tokens)
-        queue = queue_name(priority, size_class, settings.registry.queue_suffix(model))
+        size_class, queue = self._shared_queue(priority, input_tokens + max_tokens, model)
         conversation_id = body.get("conversation_id")
         if conversation_id and self.redis_healthy():  # with Redis away, don't spend its timeout on affinity
             queue = self._conversation_queue(tenant_id, conversation_id, queue) or queue
@@ -121,10 +120,14 @@ class Planner:
         input_tokens = self._count(model, plan.input)
         if input_tokens + plan.max_tokens > model.context_tokens:
             return None
-        size_class = size_class_for(input_tokens + plan.max_tokens, self.settings.large_threshold_tokens)
-        queue = queue_name(plan.priority, size_class, self.settings.registry.queue_suffix(model))
+        size_class, queue = self._shared_queue(plan.priority, input_tokens + plan.max_tokens, model)
         return dataclasses.replace(plan, model_routed=model.name, route_reason=reason, input_tokens=input_tokens,
                                    size_class=size_class, queue=queue)
+
+    def _shared_queue(self, priority: Priority, reserved_tokens: int, model: ModelSpec) -> tuple[SizeClass, str]:
+        """The size class a reservation prices into, and the model's shared queue for it."""
+        size_class = size_class_for(reserved_tokens, self.settings.large_threshold_tokens)
+        return size_class, queue_name(priority, size_class, self.settings.registry.queue_suffix(model))
 
     def _check(self, body: dict[str, Any], max_tokens: int, time_limit: float) -> ModelSpec:
         """The model asked for (or the default), once every field is within the server's caps."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import ClassVar
 
@@ -31,11 +32,15 @@ class SluiceTask(Task):
     def services(self) -> Services:
         return services(self.flask_app)
 
+    @functools.cached_property
+    def _first_parameter(self) -> str | None:
+        """Read once per task, not on every call: tasks are singletons of their app."""
+        return next(iter(inspect.signature(self.run).parameters), None)
+
     def _request_id(self, args: tuple, kwargs: dict) -> str:
         if "request_id" in kwargs:
             return str(kwargs["request_id"])
-        first = next(iter(inspect.signature(self.run).parameters), None)
-        return str(args[0]) if first == "request_id" and args else "-"
+        return str(args[0]) if self._first_parameter == "request_id" and args else "-"
 
 
 def celery_init_app(app: Flask) -> Celery:

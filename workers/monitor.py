@@ -25,6 +25,7 @@ between a commit and its counter update); nothing else here reads the database.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import threading
@@ -117,17 +118,16 @@ class Monitor:
         now = self.clock()
         workers = self._live_workers()
         seq_by_model = self._sequence_speeds(workers, now)
+        seconds, micros = self.redis.time()
+        stamp = seconds * 1000 + micros // 1000  # the Redis clock, which admission compares it with
         loads = []
         for name, counters in self._counters(workers).items():
             priority, model = name.split(":", 1)
             serving = [w for w in workers if w.get("model") == model
                        and any(q.startswith(priority + ".") for q in w.get("queues", ()))]
             threads = sum(w.get("threads", 0) for w in serving)
-            loads.append(self._class_load(name, priority, model, counters, len(serving), threads,
-                                          seq_by_model.get(model), now))
-        seconds, micros = self.redis.time()
-        stamp = seconds * 1000 + micros // 1000
-        loads = [ClassLoad(**{**load.__dict__, "updated_at_ms": stamp}) for load in loads]
+            loads.append(self._class_load(priority, model, counters, len(serving), threads,
+                                          seq_by_model.get(model), now, stamp))
         ttl = 3 * TICK_S
         for load in loads:
             load.write(self.redis, ttl)
@@ -169,17 +169,18 @@ class Monitor:
                 head = queue.split(".", 1)[0]
                 if head in (Priority.REALTIME.value, Priority.BATCH.value):
                     names.add(class_name(head, w.get("model", "?")))
-        result = {}
-        for name in sorted(names):
-            priority, model = name.split(":", 1)
-            raw = self.redis.hgetall(counters_key(priority, model))
-            result[name] = {k: int(v) for k, v in raw.items()}
-        return result
+        ordered = sorted(names)
+        with self.redis.pipeline(transaction=False) as pipe:  # one round trip for every class
+            for name in ordered:
+                pipe.hgetall(counters_key(*name.split(":", 1)))
+            hashes = pipe.execute()
+        return {name: {k: int(v) for k, v in raw.items()} for name, raw in zip(ordered, hashes, strict=True)}
 
-    def _class_load(self, name: str, priority: str, model: str, counters: dict[str, int], workers: int,
-                    threads: int, seq_tps: float | None, now: float) -> ClassLoad:
-        state = self._classes.setdefault(name, _ClassState(policy=LevelPolicy(
-            self.policy.up, self.policy.down_factor, self.policy.hold_s)))
+    def _class_load(self, priority: str, model: str, counters: dict[str, int], workers: int,
+                    threads: int, seq_tps: float | None, now: float, stamp: int) -> ClassLoad:
+        # Each class keeps its own level: a fresh copy of the configured policy.
+        state = self._classes.setdefault(class_name(priority, model),
+                                         _ClassState(policy=dataclasses.replace(self.policy)))
         queued = max(0, counters.get("queued_work", 0))
         state.samples.append((now, counters.get("claimed_work", 0), queued, workers))
         while state.samples and now - state.samples[0][0] > WINDOW_S:
@@ -210,7 +211,7 @@ class Monitor:
         level = state.policy.step(max(0.0, wait) / deadline if wait != float("inf") else float("inf"), now)
         return ClassLoad(priority, model, max(0, counters.get("queued_tokens", 0)),
                          max(0, counters.get("queued_requests", 0)), queued, round(drain, 1), round(state.seq_tps, 2),
-                         round(wait, 3) if wait != float("inf") else -1.0, level, workers, 0)
+                         round(wait, 3) if wait != float("inf") else -1.0, level, workers, stamp)
 
     # ------------------------------------------------------------------ leading and re-counting
 

@@ -155,6 +155,10 @@ class Settings:
     local_floor_tokens_per_minute: int = _field(
         "SLUICE_LOCAL_FLOOR_TOKENS_PER_MINUTE", 100_000,
         "Local floor: tokens one web process admits per minute (realtime only) while Redis is unreachable.")
+    auth_cache_s: float = _field(
+        "SLUICE_AUTH_CACHE_S", 5.0,
+        "How long a web process remembers a key that authenticated, to refuse an overloaded submit without "
+        "asking Postgres; accepting always re-checks the key. 0 turns it off.")
     admin_key: str | None = field(default=None, repr=False, metadata={
         "env": "SLUICE_ADMIN_KEY",
         "help": "Bearer key of the /admin API (at least 16 characters); unset: the admin API is off."})
@@ -199,6 +203,8 @@ class Settings:
         for name in positive:
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise SettingsError(f"{_env(name)} must be > 0, got {getattr(self, name)!r}")
+        if self.auth_cache_s < 0:
+            raise SettingsError("SLUICE_AUTH_CACHE_S must be >= 0 (0 = every refusal asks Postgres)")
         if self.cache_ttl_s < 0:
             raise SettingsError("SLUICE_CACHE_TTL_S must be >= 0 (0 = no hot answer cache)")
         if self.worker_realtime_threads is not None and self.worker_realtime_threads < 0:

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 
 import pytest
+from sqlalchemy import event, func, update
 from test_api_errors import assert_envelope as envelope
 
-from models import Priority
+from models import ApiKey, Priority
+from models.tenant import hash_key
 from sluice.load import ClassLoad, counters_key
 from web.services import services
 
@@ -82,3 +85,55 @@ def test_batch_work_is_promised_against_its_own_queue(promising):
     assert client.submit(prompt="realtime is not behind batch", max_tokens=8).status_code == 202
     error = envelope(client.submit(prompt="batch", max_tokens=8, priority="batch"), 503, "overloaded")
     assert error["details"]["reason"] == "deadline"
+
+
+@contextmanager
+def statements(application):
+    """The SQL statements the app's database engine runs inside the block."""
+    seen: list[str] = []
+
+    def record(conn, cursor, statement, *args):
+        seen.append(statement)
+
+    engine = services(application).db.engine
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        yield seen
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+
+
+def test_a_known_key_is_refused_without_reading_postgres(promising):
+    application, client = promising
+    assert client.submit(prompt="authenticates the key", max_tokens=8).status_code == 202
+    publish(application, queued_work=5000, drain_tps=100, seq_tps=50)
+    with statements(application) as seen:
+        envelope(client.submit(prompt="late", max_tokens=100), 503, "overloaded")
+    assert seen == [], "the refusal asked Postgres"
+    # What passes the gate is authenticated afresh, and an unknown key is never refused early.
+    publish(application, queued_work=0, drain_tps=100, seq_tps=50)
+    with statements(application) as seen:
+        assert client.submit(prompt="in time", max_tokens=8).status_code == 202
+    assert any("api_keys" in s for s in seen)
+    stranger = application.test_client().post("/v1/requests", json={"prompt": "x"},
+                                              headers={"Authorization": "Bearer sk-nobody"})
+    envelope(stranger, 401)
+
+
+def test_a_revoked_key_gets_nothing_accepted_from_the_recent_keys(promising):
+    application, client = promising
+    assert client.submit(prompt="authenticates the key", max_tokens=8).status_code == 202
+    with services(application).db.session() as session:
+        session.execute(update(ApiKey).where(ApiKey.key_hash == hash_key(client.key)).values(revoked_at=func.now()))
+    envelope(client.submit(prompt="after revocation", max_tokens=8), 401)
+
+
+def test_an_idempotent_retry_gets_its_original_back_during_an_overload(promising):
+    application, client = promising
+    headers = {**client.headers, "Idempotency-Key": "retry-in-a-spike"}
+    first = client.http.post("/v1/requests", json={"prompt": "q", "max_tokens": 100}, headers=headers)
+    assert first.status_code == 202
+    publish(application, queued_work=5000, drain_tps=100, seq_tps=50)
+    retry = client.http.post("/v1/requests", json={"prompt": "q", "max_tokens": 100}, headers=headers)
+    assert retry.status_code == 202 and retry.headers["Idempotent-Replayed"] == "true"
+    assert retry.get_json()["id"] == first.get_json()["id"]

@@ -18,6 +18,7 @@ from sluice.settings import Settings
 
 from . import admin, api, errors, health, metrics
 from .admission import Admission
+from .auth import RecentKeys
 from .ladder import Ladder, LoadReader
 from .plan import Planner
 from .service import RequestService
@@ -76,7 +77,8 @@ def build_services(settings: Settings) -> Services:
     return Services(settings=settings, db=db, redis=redis_client(settings.redis_url),
                     publisher=publisher, broker=celery_publisher(settings, fail_fast=False), admission=admission,
                     answers=answers, lifecycle=lifecycle,
-                    requests=RequestService(db, planner, ladder, admission, publisher, lifecycle, answers))
+                    requests=RequestService(db, planner, ladder, admission, publisher, lifecycle, answers),
+                    recent_keys=RecentKeys(settings.auth_cache_s))
 
 
 def _bind_call_ids(app: Flask) -> None:

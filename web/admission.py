@@ -117,6 +117,20 @@ class Admission:
         log.info("rejected at the %s gate: %s (%d tokens, %s limiter)", verdict.gate, verdict.reason, cost, limiter)
         raise _rejection(verdict, limits, cost, too_large, headers)
 
+    def refuse_early(self, tenant: Tenant, plan: Plan) -> None:
+        """Raise the global gate's refusal (the promise, the level, the platform's rate) if it would
+        refuse ``plan`` now; charge nothing either way. Only the shared limiter answers: with Redis
+        away this returns and the full admission decides on the floor."""
+        limits = self.limits_for(tenant)
+        verdict = self._shared(lambda: self.shared.admit(
+            str(plan.request_id), str(tenant.id), limits, plan.reserved_tokens, plan.priority.value,
+            dry_run=True, model=plan.target_model, deadline_s=plan.deadline_s, max_tokens=plan.max_tokens))
+        if verdict is None or verdict.gate != "global":
+            return
+        metrics.REJECTIONS.labels(gate=verdict.gate, reason=verdict.reason).inc()
+        log.info("refused early at the global gate: %s (%d tokens)", verdict.reason, plan.reserved_tokens)
+        raise _rejection(verdict, limits, plan.reserved_tokens, None, ratelimit_headers(verdict))
+
     def cancel(self, ticket: Ticket) -> None:
         """Undo an admission whose row was never committed."""
         if ticket.limiter == "local_floor":

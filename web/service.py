@@ -62,12 +62,30 @@ class RequestService:
         self.publisher = publisher
         self.lifecycle = lifecycle
 
-    def submit(self, tenant: Tenant, body: dict[str, Any], key: idempotency.Key | None = None) -> Accepted:
-        """Plan, admit, insert, publish; raises the ApiError of the step that refused."""
+    def prepare(self, tenant: Tenant, body: dict[str, Any]) -> Plan:
+        """The request's plan with the ladder's steps for the current level applied."""
+        plan = self.ladder.apply(self.planner.plan(tenant.id, body), model_named="model" in body)
+        bind_request(str(plan.request_id))
+        return plan
+
+    def refuse_early(self, tenant: Tenant, plan: Plan) -> None:
+        """Raise the 503 the global gate would answer ``plan`` with, before anything reads Postgres.
+
+        For a tenant authenticated a moment ago (``web/auth.py:RecentKeys``) and a submit without an
+        Idempotency-Key (a retry of an accepted request must get its original back, which only
+        Postgres knows). A request the hot cache can answer is never refused here: it costs no GPU.
+        """
+        if self._cacheable(plan) and self.answers.get(self._answer_key(plan)) is not None:
+            return
+        self.admission.refuse_early(tenant, plan)
+
+    def submit(self, tenant: Tenant, body: dict[str, Any], key: idempotency.Key | None = None,
+               plan: Plan | None = None) -> Accepted:
+        """Plan (unless ``prepare`` did), admit, insert, publish; raises the ApiError of the step
+        that refused."""
         original = idempotency.find(self.db, key) if key else None
         if original is None:
-            plan = self.ladder.apply(self.planner.plan(tenant.id, body), model_named="model" in body)
-            bind_request(str(plan.request_id))
+            plan = plan or self.prepare(tenant, body)
             try:
                 answered = self.from_cache(plan, tenant, key)
                 if answered is not None:
@@ -89,9 +107,9 @@ class RequestService:
         """The request answered from the hot cache, or None. A deterministic request is served from
         it whenever its twin was answered; any other only at the cached_answer level. No GPU is
         used, so neither admission's gates nor its quotas apply."""
-        if not (deterministic(plan.params) or self.ladder.answers_samples_from_cache()):
+        if not self._cacheable(plan):
             return None
-        answer = self.answers.get(answer_key(plan.target_model, plan.input, plan.params, plan.max_tokens))
+        answer = self.answers.get(self._answer_key(plan))
         if answer is None:
             return None
         if not deterministic(plan.params):
@@ -101,6 +119,13 @@ class RequestService:
         metrics.CACHE_HITS.inc()
         log.info("answered from the hot cache")
         return Accepted(row, False, self.admission.headers(tenant), None, plan.degradation, cache_hit=True)
+
+    def _cacheable(self, plan: Plan) -> bool:
+        return deterministic(plan.params) or self.ladder.answers_samples_from_cache()
+
+    @staticmethod
+    def _answer_key(plan: Plan) -> str:
+        return answer_key(plan.target_model, plan.input, plan.params, plan.max_tokens)
 
     def insert(self, plan: Plan, ticket: Ticket, key: idempotency.Key | None) -> InferenceRequest:
         """Commit the row (and claim the idempotency key with it); on failure, undo the admission."""

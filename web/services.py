@@ -19,6 +19,7 @@ from sluice.answers import AnswerCache
 from sluice.settings import Settings
 
 from .admission import Admission
+from .auth import RecentKeys
 from .service import RequestService
 
 EXTENSION = "sluice"
@@ -37,6 +38,8 @@ class Services:
     answers: AnswerCache
     lifecycle: Lifecycle
     requests: RequestService
+    # Keys that authenticated here a moment ago: only for refusing early (web/auth.py).
+    recent_keys: RecentKeys
 
 
 def services(app: Flask | None = None) -> Services:

@@ -147,20 +147,20 @@ def monitor() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def status(as_json: bool) -> None:
     """Show the load per class, as the monitor last published it."""
-    from sluice.keys import LOAD_LEVEL_KEY, redis_client
-    from sluice.load import ClassLoad
+    from sluice.keys import redis_client
+    from sluice.load import ClassLoad, load_view
 
     settings = load_settings()
     if not settings.redis_url:
         raise click.UsageError("REDIS_URL not set: `sluice status` reads the load from Redis")
-    client = redis_client(settings.redis_url)
-    loads = ClassLoad.read_all(client)
-    level = client.hget(LOAD_LEVEL_KEY, "level")
+    view = load_view(redis_client(settings.redis_url), settings.ladder)
     if as_json:
-        click.echo(json.dumps({"level": int(level) if level else None,
-                               "classes": [load.__dict__ for load in loads]}, indent=2))
+        click.echo(json.dumps(view, indent=2))
         return
-    click.echo(f"level {level if level is not None else '- (no monitor running)'}")
+    level = view["level"]
+    click.echo(f"level {level if level is not None else '- (no monitor running)'}"
+               f"{'; steps in force: ' + ', '.join(view['steps']) if view['steps'] else ''}")
+    loads = [ClassLoad(**one) for one in view["classes"]]
     click.echo(f"{'class':32} {'queued':>7} {'tokens':>9} {'work':>8} {'drain tok/s':>11} {'seq tok/s':>9} "
                f"{'wait s':>7} {'level':>5} {'workers':>7}")
     for load in loads:

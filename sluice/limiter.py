@@ -77,13 +77,18 @@ def unused_tokens(reserved: int, input_tokens: int, output_tokens: int | None, s
 
 class SharedLimiter:
     def __init__(self, client: redis.Redis, *, platform_tokens_per_minute: int = 0,
-                 load_level_max_age_s: float = 30.0, reject_batch: bool = True, shed: bool = True) -> None:
+                 load_level_max_age_s: float = 30.0, reject_batch: bool = True, shed: bool = True,
+                 tight_promise_factor: float | None = None) -> None:
         self.redis = client
         self.platform_tokens_per_minute = platform_tokens_per_minute
         self.load_level_max_age_ms = int(load_level_max_age_s * 1000)
         # The levels at which the gate refuses batch work / everything; a switched-off step never comes.
         self.reject_batch_level = int(LoadLevel.REJECT_BATCH) if reject_batch else 99
         self.shed_level = int(LoadLevel.SHED) if shed else 99
+        # From the tight_promise level on, a request must be predicted to finish within this
+        # fraction of its deadline; None: the step is off and the promise keeps no margin.
+        self.tight_level = int(LoadLevel.TIGHT_PROMISE) if tight_promise_factor is not None else 99
+        self.tight_factor = tight_promise_factor or 1.0
         self._admit = client.register_script(_script("admit.lua"))
         self._release = client.register_script(_script("release.lua"))
 
@@ -103,7 +108,7 @@ class SharedLimiter:
         args = [request_id, cost, self.platform_tokens_per_minute, limits.tokens_per_minute,
                 limits.requests_per_minute, limits.max_concurrent, priority, int(too_large),
                 self.load_level_max_age_ms, self.reject_batch_level, self.shed_level, int(dry_run),
-                "" if now_ms is None else now_ms, deadline_ms, max_tokens]
+                "" if now_ms is None else now_ms, deadline_ms, max_tokens, self.tight_level, self.tight_factor]
         gate, reason, retry, *numbers = self._admit(keys=keys, args=args)
         tl, tr, tz, rl, rr, rz, level, wait = (int(n) for n in numbers)
         return Verdict(_text(gate), _text(reason), int(retry), Quota(tl, tr, tz), Quota(rl, rr, rz), level, wait)

@@ -42,7 +42,8 @@ class LoadLevel(enum.IntEnum):
     SHORTER_OUTPUT = 2
     CACHED_ANSWERS = 3
     REJECT_BATCH = 4
-    SHED = 5
+    TIGHT_PROMISE = 5
+    SHED = 6
 
 
 def class_name(priority: Priority | str, model: str) -> str:
@@ -147,3 +148,21 @@ def write_level(client: redis.Redis, level: LoadLevel, ttl_s: float = 60.0) -> N
     seconds, micros = client.time()
     client.hset(LOAD_LEVEL_KEY, mapping={"level": int(level), "updated_at_ms": seconds * 1000 + micros // 1000})
     client.pexpire(LOAD_LEVEL_KEY, int(ttl_s * 1000))
+
+
+def steps_in_force(level: int, enabled: tuple[str, ...]) -> list[str]:
+    """The ladder's steps that ``level`` turns on, of those switched on in SLUICE_LADDER_STEPS."""
+    from .settings import LADDER_STEPS
+
+    return [step for rank, step in enumerate(LADDER_STEPS, start=1) if level >= rank and step in enabled]
+
+
+def load_view(client: redis.Redis, enabled_steps: tuple[str, ...]) -> dict:
+    """What the operator sees (``GET /v1/admin/load``, ``sluice status``): the platform's level,
+    the steps it turns on, and every class as the monitor last published it."""
+    raw = client.hgetall(LOAD_LEVEL_KEY)
+    level = int(raw["level"]) if raw else None
+    return {"level": level,
+            "steps": steps_in_force(level or 0, enabled_steps),
+            "monitor": "running" if raw else "not running: admission applies its local rules",
+            "classes": [asdict(one) for one in ClassLoad.read_all(client)]}

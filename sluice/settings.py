@@ -18,7 +18,7 @@ from .registry import Registry, RegistryError, parse_registry
 from .tiers import Limits, TierError, parse_tiers
 
 # The degradation ladder's steps that exist, by the level (sluice/load.py) that turns each on.
-LADDER_STEPS = ("light_model", "shorter_output", "cached_answer", "reject_batch", "shed")
+LADDER_STEPS = ("light_model", "shorter_output", "cached_answer", "reject_batch", "tight_promise", "shed")
 
 
 class SettingsError(ValueError):
@@ -133,10 +133,15 @@ class Settings:
         "SLUICE_LOAD_LEVEL_MAX_AGE_S", 30.0,
         "A degradation level in Redis older than this is stale and ignored (treated as normal).")
     ladder_steps: str = _field(
-        "SLUICE_LADDER_STEPS", "light_model,shorter_output,cached_answer,reject_batch,shed",
+        "SLUICE_LADDER_STEPS", "light_model,shorter_output,cached_answer,reject_batch,tight_promise,shed",
         "Degradation steps in force, comma-separated, from light_model (level 1: realtime to the registry's "
         "light model when warm), shorter_output (2: max_tokens capped), cached_answer (3: cached answers "
-        "for non-deterministic requests too), reject_batch (4), shed (5).")
+        "for non-deterministic requests too), reject_batch (4), tight_promise (5: the promise keeps a "
+        "margin, SLUICE_TIGHT_PROMISE_FACTOR), shed (6).")
+    tight_promise_factor: float = _field(
+        "SLUICE_TIGHT_PROMISE_FACTOR", 0.7,
+        "At the tight_promise level a request is accepted only if predicted to finish within this fraction "
+        "of its deadline (the rest is margin for the estimate's error).")
     shorter_output_tokens: int = _field(
         "SLUICE_SHORTER_OUTPUT_TOKENS", 128, "The max_tokens cap of the shorter_output step.")
     cache_ttl_s: float = _field(
@@ -203,6 +208,8 @@ class Settings:
         for name in positive:
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise SettingsError(f"{_env(name)} must be > 0, got {getattr(self, name)!r}")
+        if not 0 < self.tight_promise_factor <= 1:
+            raise SettingsError("SLUICE_TIGHT_PROMISE_FACTOR must be in (0, 1]")
         if self.auth_cache_s < 0:
             raise SettingsError("SLUICE_AUTH_CACHE_S must be >= 0 (0 = every refusal asks Postgres)")
         if self.cache_ttl_s < 0:

@@ -11,7 +11,7 @@ from sqlalchemy import func, select
 
 from models import InferenceRequest, Priority, Status
 from sluice.keys import LOAD_LEVEL_KEY
-from sluice.load import SNAPSHOT_PREFIX, ClassLoad, LoadLevel, counters_key
+from sluice.load import SNAPSHOT_PREFIX, ClassLoad, LoadLevel, counters_key, write_level
 from web.services import services
 from workers.monitor import LevelPolicy, Monitor
 
@@ -166,9 +166,11 @@ def test_the_operator_sees_the_classes_the_monitor_publishes(database_url, redis
     assert http.get("/v1/admin/load").status_code == 401
     Monitor(svc.settings, svc.redis, svc.db).tick()
     view = http.get("/v1/admin/load", headers=admin).get_json()
-    assert view["level"] == 0 and view["monitor"] == "running"
+    assert view["level"] == 0 and view["monitor"] == "running" and view["steps"] == []
     assert {c["priority"] for c in view["classes"]} >= {"realtime"}
     assert all(set(c) >= {"queued_work", "drain_tps", "wait_s", "level", "workers"} for c in view["classes"])
+    write_level(svc.redis, LoadLevel.SHORTER_OUTPUT)
+    assert http.get("/v1/admin/load", headers=admin).get_json()["steps"] == ["light_model", "shorter_output"]
     # The session's other tests share this Redis: leave them no load figures to act on.
     svc.redis.delete(LOAD_LEVEL_KEY, *svc.redis.scan_iter(match=SNAPSHOT_PREFIX + "*"))
     svc.db.dispose()

@@ -13,7 +13,8 @@ from test_api_errors import assert_envelope as envelope
 
 from models import ApiKey, Priority
 from models.tenant import hash_key
-from sluice.load import ClassLoad, counters_key
+from sluice.keys import LOAD_LEVEL_KEY
+from sluice.load import ClassLoad, LoadLevel, counters_key, write_level
 from web.services import services
 
 pytestmark = pytest.mark.usefixtures("worker")
@@ -137,3 +138,18 @@ def test_an_idempotent_retry_gets_its_original_back_during_an_overload(promising
     retry = client.http.post("/v1/requests", json={"prompt": "q", "max_tokens": 100}, headers=headers)
     assert retry.status_code == 202 and retry.headers["Idempotent-Replayed"] == "true"
     assert retry.get_json()["id"] == first.get_json()["id"]
+
+
+def test_the_tight_promise_level_keeps_a_margin(promising):
+    application, client = promising
+    redis = services(application).redis
+    # 24 s of queue + 2 s of its own: inside the 30 s deadline, outside 0.7 × 30 = 21 s.
+    publish(application, queued_work=2400, drain_tps=100, seq_tps=50)
+    write_level(redis, LoadLevel.REJECT_BATCH, ttl_s=30)
+    assert client.submit(prompt="fits", max_tokens=100).status_code == 202
+    publish(application, queued_work=2400, drain_tps=100, seq_tps=50)  # without the one just accepted
+    write_level(redis, LoadLevel.TIGHT_PROMISE, ttl_s=30)
+    refused = client.submit(prompt="fits, but not with the margin", max_tokens=100)
+    assert envelope(refused, 503, "overloaded")["details"]["reason"] == "deadline"
+    assert refused.headers["Retry-After"] == str(math.ceil(26 - 0.7 * 30)) == "5"
+    redis.delete(LOAD_LEVEL_KEY)

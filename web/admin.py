@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import hmac
-from dataclasses import asdict
 from typing import Any
 
 from flask import Blueprint, Response, jsonify, request
@@ -23,8 +22,7 @@ from marshmallow import Schema, fields, validate
 from sqlalchemy import func, select
 
 from models import ApiKey
-from sluice.keys import LOAD_LEVEL_KEY
-from sluice.load import ClassLoad
+from sluice.load import load_view
 from sluice.tenants import TenantError, add_key, create_tenant, find_tenant, list_tenants, tenant_view, update_tenant
 
 from .bodies import json_object, validated
@@ -146,10 +144,7 @@ def new_api_key(tenant_ref: str) -> tuple[Response, int]:
 
 
 @load_bp.get("/load")
-def load_view() -> Response:
+def show_load() -> Response:
     """Per class, as the load monitor last published it: queue, drain, wait, level, workers."""
-    client = services().redis
-    level = client.hgetall(LOAD_LEVEL_KEY)
-    return jsonify(level=int(level["level"]) if level else None,
-                   monitor="running" if level else "not running: admission applies its local rules",
-                   classes=[asdict(one) for one in ClassLoad.read_all(client)])
+    svc = services()
+    return jsonify(load_view(svc.redis, svc.settings.ladder))

@@ -84,7 +84,9 @@ class Admission:
         self.redis.set_retry(Retry(NoBackoff(), 0))
         self.shared = SharedLimiter(self.redis, platform_tokens_per_minute=settings.platform_tokens_per_minute,
                                     load_level_max_age_s=settings.load_level_max_age_s,
-                                    reject_batch="reject_batch" in settings.ladder, shed="shed" in settings.ladder)
+                                    reject_batch="reject_batch" in settings.ladder, shed="shed" in settings.ladder,
+                                    tight_promise_factor=(settings.tight_promise_factor
+                                                          if "tight_promise" in settings.ladder else None))
         self.floor = LocalFloor(settings.local_floor_tokens_per_minute)
         self.breaker = RedisBreaker()
 

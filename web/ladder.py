@@ -4,8 +4,9 @@
                              ``light`` model, when one is configured and a worker serves it warm
     level 2  shorter_output  a realtime request's max_tokens is capped (SLUICE_SHORTER_OUTPUT_TOKENS)
 
-Later steps act in admission's Lua gate (reject_batch at level 4, shed at 5); the promise at
-arrival refuses what cannot finish in time at every level. Each step is switched on or off in
+Later steps act in admission's Lua gate (reject_batch at level 4, tight_promise at 5: the
+promise keeps a margin, shed at 6); the promise at arrival refuses what cannot finish in time at
+every level. Each step is switched on or off in
 SLUICE_LADDER_STEPS. A degraded request's row says which steps changed it (``degradation_step``)
 and so does the answer (the ``Sluice-Degradation`` header).
 

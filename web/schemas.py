@@ -252,12 +252,14 @@ class ClassLoadSchema(Schema):
     drain_tps = fields.Float(metadata={"description": "Work claimed off the queue per second; 0 = unknown."})
     seq_tps = fields.Float(metadata={"description": "Tokens per second one running sequence gets."})
     wait_s = fields.Float(metadata={"description": "Estimated queue wait; -1 = unknown."})
-    level = fields.Integer(metadata={"description": "Degradation level 0-5 (sluice/load.py)."})
+    level = fields.Integer(metadata={"description": "Degradation level 0-6 (sluice/load.py)."})
     workers = fields.Integer(metadata={"description": "Warm workers consuming this class's queues."})
     updated_at_ms = fields.Integer()
 
 
 class LoadViewSchema(Schema):
     level = fields.Integer(allow_none=True, metadata={"description": "The platform level admission reads."})
+    steps = fields.List(SafeString(), metadata={
+        "description": "The degradation steps this level turns on, of those switched on (SLUICE_LADDER_STEPS)."})
     monitor = SafeString()
     classes = fields.List(fields.Nested(ClassLoadSchema))

@@ -49,11 +49,11 @@ LEADER_KEY = "sluice:monitor:leader"
 TICK_S = 1.0
 WINDOW_S = 10.0  # drain is measured over this much history
 RECOUNT_S = 30.0
-# Estimated wait ÷ the class's deadline at which each level (1..5) is entered; a level is left
+# Estimated wait ÷ the class's deadline at which each level (1..6) is entered; a level is left
 # only after the ratio stayed below DOWN_FACTOR × its threshold for HOLD_S. Shedding waits for
 # twice the deadline: below that the promise at arrival already refuses each request that cannot
-# finish in time and admits those that can.
-UP_THRESHOLDS = (0.25, 0.4, 0.55, 0.7, 2.0)
+# finish in time and admits those that can (with a margin from level 5 on).
+UP_THRESHOLDS = (0.25, 0.4, 0.55, 0.7, 0.85, 2.0)
 DOWN_FACTOR = 0.6
 HOLD_S = 10.0
 

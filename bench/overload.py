@@ -1,0 +1,664 @@
+"""Overload: impatient realtime users and patient batch work, at the knee and at 3x it.
+
+    .venv/bin/python bench/overload.py --engine sim                     # all three Sluice setups
+    .venv/bin/python bench/overload.py --engine vllm --setups vllm-server,sluice,sluice-defaults
+    .venv/bin/python bench/overload.py --engine sim --scale 0.1 --knee 2  # a smoke run (numbers mean nothing)
+
+Users (bench/users.py) arrive open loop (Poisson). A realtime user asks a short question
+(--rt-tokens), waits at most --slo seconds (the client timeout), and when the page hangs asks
+again, up to --retries times; a refused user (429/503, with Retry-After) does not. Batch jobs
+(--batch-tokens, priority batch) arrive at a steady rate, wait as long as it takes and resubmit
+after Retry-After. Each setup runs, on fresh processes:
+
+  warm    realtime at 0.8 x the knee, 60 s
+  spike   3 x the knee, 120 s
+  after   0.8 x the knee, 60 s
+
+(--scale multiplies every duration.) Setups, all on one engine (--engine):
+
+  sluice             Sluice as shipped; users state their patience: deadline_s = SLO (batch: --batch-deadline)
+  sluice-defaults    the same platform, no deadline_s sent: what the defaults alone give
+  sluice-ladder-off  deadline_s sent, SLUICE_LADDER_STEPS="," (no degradation step in force; the
+                     promise at admission still refuses what cannot finish in time)
+  vllm-server        vLLM's own OpenAI server alone (--engine vllm only), --scheduling-policy priority,
+                     realtime priority 0, batch 1 (lower runs first); its users cannot state patience,
+                     and closing the connection on timeout is how it learns nobody waits
+
+Sluice setups run the real processes (gunicorn web, one `sluice worker --role all`, beat and the
+load monitor, whose figures admission uses) on a scratch database of the local Postgres and a free
+Redis database, with a tenant whose limits never bind; everything is stopped and dropped at exit,
+Ctrl-C included. Engines: `sim` is the simulated engine at --sim-speed, its batch bounded by the
+worker's --seqs threads; `vllm` is vLLM on this CPU with the tiny random Llama of tests/tiny_model.py
+and max_num_seqs --seqs, in Sluice's worker and in vLLM's server alike.
+
+The knee is the rate the engine serves within SLO. Unless --knee is given it is searched first,
+on --knee-setup (vllm-server for --engine vllm, else sluice-ladder-off: the engine behind the
+thinnest front, with no batch load): steps of --knee-step seconds from --knee-start requests/s,
+x1.5 until fewer than --knee-target of the questions are answered within SLO, then --knee-refine
+geometric bisections. The knee is the highest rate that passed; the realtime rate the engine
+sustains there is that step's answers within SLO per second. The batch rate defaults to
+--batch-share of the knee's realtime tokens/s.
+
+Per setup and phase (a question belongs to the phase it arrived in; its first attempt decides it):
+  within SLO     answered before the client timeout
+  refused fast   429/503 in < 100 ms; refused slow: later than that
+  late           the user gave up (timeout, or the platform said expired/timed_out)
+  failed         any other error
+  retries        the extra attempts of users whose page hung
+  batch tok/s    batch output tokens generated in the phase (each request's tokens spread evenly
+                 over its running time; vllm-server: over send → answer)
+  wasted         output tokens generated for answers nobody was still waiting for, as a share of
+                 all output tokens generated in the phase. Sluice: every token of a realtime attempt
+                 whose user gave up (rows read back at the end). vllm-server: /metrics
+                 generation_tokens minus the tokens delivered (to users in time, and batch)
+  peak queue     Sluice: queued tokens, realtime/batch, from GET /v1/admin/load once a second;
+                 vllm-server: requests waiting (vllm:num_requests_waiting), it has no token figure
+
+Goals (issue 8), judged per setup: at 3x, >= 99% of questions answered within SLO or refused fast,
+in the spike and in the minute after; answers within SLO per second in the spike >= 90% of the
+knee's; < 1% of generated tokens wasted; batch tokens still generated during the spike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import http.client
+import json
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import psycopg
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from users import (  # noqa: E402
+    Arrivals,
+    Http,
+    Question,
+    SluiceFront,
+    VllmFront,
+    batch_job,
+    realtime_user,
+)
+
+from launcher.argv import monitor_argv, web_argv  # noqa: E402
+from launcher.database import upgrade_database  # noqa: E402
+from launcher.harness import BeatProcess, WorkerProcess, free_redis_db, with_database  # noqa: E402
+from sluice.settings import Settings  # noqa: E402
+
+SETUPS = ("sluice", "sluice-defaults", "sluice-ladder-off", "vllm-server")
+PHASES = (("warm", 0.8, 60.0), ("spike", 3.0, 120.0), ("after", 0.8, 60.0))
+NO_LIMITS = {"tokens_per_minute": 10**9, "requests_per_minute": 10**8, "max_concurrent": 10**8}
+# Per engine: the batch size, the realtime and batch output lengths.
+DEFAULTS = {"sim": {"seqs": 4, "rt_tokens": 32, "batch_tokens": 256},
+            "vllm": {"seqs": 4, "rt_tokens": 128, "batch_tokens": 512}}
+MODEL_NAME = "tiny-llama"
+VLLM_FLAGS = {"dtype": "float32", "max-model-len": "2048", "max-num-batched-tokens": "2048",
+              "kv-cache-memory-bytes": str(128 * 2**20)}
+READY_S = {"sim": 120.0, "vllm": 900.0}
+
+say = functools.partial(print, flush=True)
+
+
+# ------------------------------------------------------------------------ the servers
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn(argv: list[str], env: dict[str, str], log: Path, exits: contextlib.ExitStack) -> subprocess.Popen:
+    """A child in its own process group, logging to ``log``, stopped (group and all) at exit."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    exits.callback(stop_group, proc)
+    return proc
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    for signum, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signum)
+        try:
+            proc.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def wait_http(api: str, path: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    """Until GET ``path`` answers 200; RuntimeError if ``proc`` exits or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    client = Http(api)
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{' '.join(proc.args[:4])} exited with {proc.returncode}; see {log}")
+        with contextlib.suppress(OSError, http.client.HTTPException):
+            if client.call("GET", path, timeout_s=2).status == 200:
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"{api}{path} not answering after {timeout_s:.0f}s; see {log}")
+
+
+def engine_env(args: argparse.Namespace) -> dict[str, str]:
+    """The Sluice settings that choose and size the engine, the same for every Sluice setup."""
+    if args.engine == "sim":
+        return {"SLUICE_ENGINE": "simulated", "SLUICE_SIM_SPEED": str(args.sim_speed)}
+    return {"SLUICE_ENGINE": "vllm", "SLUICE_MODEL": MODEL_NAME, "SLUICE_MODEL_PATH": str(args.model),
+            "SLUICE_MAX_CONTEXT_TOKENS": VLLM_FLAGS["max-model-len"], "SLUICE_VLLM_ENFORCE_EAGER": "1",
+            "SLUICE_VLLM_DTYPE": VLLM_FLAGS["dtype"], "SLUICE_VLLM_MAX_NUM_SEQS": str(args.seqs),
+            "SLUICE_VLLM_MAX_NUM_BATCHED_TOKENS": VLLM_FLAGS["max-num-batched-tokens"],
+            "SLUICE_VLLM_KV_CACHE_BYTES": VLLM_FLAGS["kv-cache-memory-bytes"]}
+
+
+def start_sluice(args: argparse.Namespace, setup: str, exits: contextlib.ExitStack, tmp: Path) -> SluiceFront:
+    """Web, one worker, beat and the monitor on a scratch database and Redis db; its users' front."""
+    name = f"sluice_overload_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+    with psycopg.connect(args.postgres, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    exits.callback(drop_database, args.postgres, name)
+    redis_url = f"{args.redis}/{free_redis_db(args.redis, set())}"
+    exits.callback(flush_redis, redis_url)
+    port, admin_key = free_port(), uuid.uuid4().hex
+    ladder = "," if setup == "sluice-ladder-off" else Settings().ladder_steps  # "": unset, i.e. every step
+    env = {"DATABASE_URL": with_database(args.postgres, name), "REDIS_URL": redis_url,
+           "SLUICE_WEB_PORT": str(port), "SLUICE_ADMIN_KEY": admin_key, "SLUICE_LOG_LEVEL": "WARNING",
+           "SLUICE_DATA_DIR": str(tmp), "SLUICE_LADDER_STEPS": ladder,
+           "SLUICE_WORKER_CONCURRENCY": str(args.seqs), **engine_env(args)}
+    settings = Settings.from_env(env)
+    upgrade_database(settings.sqlalchemy_url)
+    web_log = tmp / "web.log"
+    web = spawn(web_argv(settings), env, web_log, exits)
+    worker = WorkerProcess(env, redis_url, tmp, ready_timeout=READY_S[args.engine], concurrency=args.seqs)
+    exits.callback(worker.stop)
+    beat = BeatProcess(env, tmp)
+    exits.callback(beat.stop)
+    spawn(monitor_argv(settings), env, tmp / "monitor.log", exits)
+    api = f"http://127.0.0.1:{port}"
+    wait_http(api, "/healthz", web, web_log, 60)
+    created = Http(api, {"Authorization": f"Bearer {admin_key}"}).call(
+        "POST", "/admin/tenants", {"name": "bench", **NO_LIMITS}, timeout_s=30)
+    if created.status != 201:
+        raise RuntimeError(f"creating the tenant: HTTP {created.status} {created.doc}")
+    front = SluiceFront(api, created.doc["api_key"], admin_key, deadline=setup != "sluice-defaults",
+                        slo_s=args.slo, rt_tokens=args.rt_tokens, batch_tokens=args.batch_tokens,
+                        batch_deadline_s=args.batch_deadline, poll_s=args.poll)
+    deadline = time.monotonic() + 30
+    while front.sample()["level"] is None:  # admission promises nothing until the monitor publishes
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the load monitor published nothing in 30 s; see {tmp / 'monitor.log'}")
+        time.sleep(0.5)
+    say(f"  {setup}: web {api}, worker {worker.worker_key}, logs in {tmp}")
+    return front
+
+
+def start_vllm_server(args: argparse.Namespace, exits: contextlib.ExitStack, tmp: Path) -> VllmFront:
+    port = free_port()
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model),
+            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
+            "--scheduling-policy", "priority", "--max-num-seqs", str(args.seqs), "--enforce-eager",
+            "--enable-prefix-caching", *(x for k, v in VLLM_FLAGS.items() for x in (f"--{k}", v))]
+    log = tmp / "vllm-server.log"
+    server = spawn(argv, {}, log, exits)
+    api = f"http://127.0.0.1:{port}"
+    wait_http(api, "/health", server, log, READY_S["vllm"])
+    say(f"  vllm-server: {api}, log {log}")
+    return VllmFront(api, MODEL_NAME, slo_s=args.slo, rt_tokens=args.rt_tokens, batch_tokens=args.batch_tokens)
+
+
+def drop_database(postgres: str, name: str) -> None:
+    with psycopg.connect(postgres, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def flush_redis(url: str) -> None:
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    client.close()
+
+
+# ------------------------------------------------------------------------ the load
+
+
+@dataclass
+class Window:
+    name: str
+    rate: float
+    start: float  # wall clock
+    end: float
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class Run:
+    """What one run of phases produced: the questions, the phase windows, the load samples."""
+
+    questions: list[Question] = field(default_factory=list)
+    batch: list[Question] = field(default_factory=list)
+    windows: list[Window] = field(default_factory=list)
+    samples: list[dict] = field(default_factory=list)  # once a second, with "t"
+    marks: list[dict] = field(default_factory=list)  # at each window's start and end, and after the drain
+    ended: float = 0.0
+
+
+def sample(front: SluiceFront | VllmFront) -> dict:
+    try:
+        return {"t": time.time(), **front.sample()}
+    except (OSError, http.client.HTTPException, ValueError, KeyError):
+        return {"t": time.time()}
+
+
+def run_load(front: SluiceFront | VllmFront, args: argparse.Namespace, phases: list[tuple[str, float, float]],
+             batch_rate: float, first: int) -> Run:
+    """Realtime arrivals phase by phase, batch arrivals throughout; then wait for the users, give
+    batch work --drain seconds to finish, and stop what is left of it."""
+    run = Run()
+    done = threading.Event()
+
+    def sampler() -> None:
+        while not done.wait(1.0):
+            run.samples.append(sample(front))
+
+    threading.Thread(target=sampler, daemon=True).start()
+    users, jobs = Arrivals(args.seed + first, first), Arrivals(args.seed + first + 1, first)
+    stop_arrivals, cut = threading.Event(), threading.Event()
+    phase = [phases[0][0]]
+
+    def user(number: int) -> None:
+        question = Question(number, "realtime", phase[0], time.time())
+        run.questions.append(question)
+        realtime_user(front, question, args.retries)
+
+    def job(number: int) -> None:
+        question = Question(number, "batch", phase[0], time.time())
+        run.batch.append(question)
+        batch_job(front, question, cut)
+
+    total_s = sum(seconds for _, _, seconds in phases)
+    feeder = threading.Thread(target=jobs.run, args=(batch_rate, total_s, job, stop_arrivals), daemon=True)
+    if batch_rate > 0:
+        feeder.start()
+    for name, rate, seconds in phases:
+        phase[0] = name
+        start = time.time()
+        run.marks.append(sample(front))
+        users.run(rate, seconds, user)
+        run.windows.append(Window(name, rate, start, time.time()))
+        run.marks.append(sample(front))
+    stop_arrivals.set()
+    if batch_rate > 0:
+        feeder.join()
+    users.join((1 + args.retries) * (args.slo + 5) + 30)
+    left = jobs.join(args.drain)
+    if left:
+        say(f"    {left} batch jobs still waiting after the {args.drain:.0f} s drain; stopping them")
+    cut.set()
+    if isinstance(front, VllmFront):
+        front.cut()
+    jobs.join(30)
+    done.set()
+    run.ended = time.time()
+    run.marks.append(sample(front))
+    return run
+
+
+# ------------------------------------------------------------------------ accounting
+
+
+def spread(tokens: float, start: float, end: float, windows: list[Window]) -> dict[str, float]:
+    """``tokens`` produced evenly over [start, end], split by window; the rest under "outside"."""
+    shares: dict[str, float] = {}
+    if end <= start:
+        for w in windows:
+            if w.start <= start < w.end:
+                return {w.name: tokens}
+        return {"outside": tokens}
+    for w in windows:
+        overlap = min(end, w.end) - max(start, w.start)
+        if overlap > 0:
+            shares[w.name] = tokens * overlap / (end - start)
+    shares["outside"] = tokens - sum(shares.values())
+    return shares
+
+
+def when(iso: str | None) -> float | None:
+    return datetime.fromisoformat(iso).timestamp() if iso else None
+
+
+def sluice_tokens(front: SluiceFront, run: Run) -> dict[str, Counter]:
+    """Per window: output tokens generated, wasted (realtime attempts whose user gave up) and batch.
+
+    Rows still queued or running are cancelled first (their users left long ago; batch work was
+    already cut), so every row is read in its final state with the tokens it really generated."""
+    attempts = [a for q in run.questions + run.batch for a in q.attempts if a.request_id]
+    views = front.rows([a.request_id for a in attempts])
+    open_ids = [i for i, v in views.items() if v.get("status") in ("queued", "running")]
+    for request_id in open_ids:
+        front.cancel(request_id)
+    deadline = time.monotonic() + 15
+    while open_ids and time.monotonic() < deadline:
+        time.sleep(1)
+        views.update(front.rows(open_ids))
+        open_ids = [i for i in open_ids if views[i].get("status") in ("queued", "running")]
+    generated, wasted, batch = Counter(), Counter(), Counter()
+    for attempt in attempts:
+        view = views.get(attempt.request_id) or {}
+        timings = view.get("timings") or {}
+        tokens = (view.get("usage") or {}).get("output_tokens") or 0
+        started, finished = when(timings.get("started_at")), when(timings.get("finished_at"))
+        if view.get("cache_hit") or not tokens or started is None:
+            continue  # no engine ran, or it generated nothing
+        shares = spread(tokens, started, finished or run.ended, run.windows)
+        generated.update(shares)
+        if attempt.kind == "batch":
+            batch.update(shares)
+        elif attempt.outcome != "answered":
+            wasted.update(shares)
+    return {"generated": generated, "wasted": wasted, "batch": batch}
+
+
+def vllm_tokens(run: Run) -> dict[str, Counter]:
+    """Per window: generated from the server's counter, delivered from what the users received;
+    wasted is the difference (tokens of requests aborted or answered after their user left)."""
+    counter = [m.get("generated_tokens") for m in run.marks]
+    if None in counter:
+        raise RuntimeError("vLLM's /metrics did not answer at a phase boundary")
+    generated = Counter({w.name: counter[2 * i + 1] - counter[2 * i] for i, w in enumerate(run.windows)})
+    generated["outside"] = counter[-1] - counter[-2] + sum(counter[2 * i] - counter[2 * i - 1]
+                                                             for i in range(1, len(run.windows)))
+    delivered, batch = Counter(), Counter()
+    for question in run.questions + run.batch:
+        for attempt in question.attempts:
+            if attempt.outcome == "answered" and attempt.tokens:
+                shares = spread(attempt.tokens, attempt.sent, attempt.ended, run.windows)
+                delivered.update(shares)
+                if attempt.kind == "batch":
+                    batch.update(shares)
+    wasted = Counter({k: max(0.0, generated[k] - delivered[k]) for k in generated})
+    return {"generated": generated, "wasted": wasted, "batch": batch}
+
+
+def summarise(run: Run, tokens: dict[str, Counter] | None) -> list[dict]:
+    """One row per window: the realtime outcomes, batch throughput, waste and the queue's peak."""
+    rows = []
+    for w in run.windows:
+        questions = [q for q in run.questions if q.phase == w.name]
+        outcomes = Counter(q.outcome for q in questions)
+        asked = len(questions)
+        answered = [q.attempts[0].latency_s for q in questions if q.outcome == "within_slo"]
+        peak = [s for s in run.samples if w.start <= s["t"] < w.end]
+        row = {"phase": w.name, "rate": w.rate, "seconds": round(w.seconds, 1), "asked": asked,
+               **{k: outcomes[k] for k in ("within_slo", "refused_fast", "refused_slow", "late", "failed",
+                                           "pending")},
+               "retries": sum(q.retries for q in questions),
+               "answered_on_retry": sum(1 for q in questions if q.retries and q.attempts[-1].outcome == "answered"),
+               "within_slo_per_s": outcomes["within_slo"] / w.seconds,
+               "latency_p50_s": statistics.median(answered) if answered else None,
+               "latency_max_s": max(answered) if answered else None,
+               "refusal_codes": dict(Counter(q.attempts[0].code for q in questions
+                                             if q.outcome.startswith("refused"))),
+               "lost_submits": sum(1 for q in questions for a in q.attempts
+                                   if a.outcome == "late" and a.request_id is None),
+               "batch_jobs": sum(1 for q in run.batch if q.phase == w.name),
+               "batch_refusals": sum(1 for q in run.batch for a in q.attempts
+                                     if a.outcome == "refused" and w.start <= a.sent < w.end),
+               "peak_realtime_queued_tokens": max((s.get("realtime_queued_tokens", 0) for s in peak), default=None),
+               "peak_batch_queued_tokens": max((s.get("batch_queued_tokens", 0) for s in peak), default=None),
+               "peak_waiting_requests": max((s.get("waiting", 0) for s in peak), default=None),
+               "max_level": max((s.get("level") or 0 for s in peak), default=None)}
+        if tokens is not None:
+            generated, wasted = tokens["generated"][w.name], tokens["wasted"][w.name]
+            row.update(batch_tokens_per_s=tokens["batch"][w.name] / w.seconds, generated_tokens=round(generated),
+                       wasted_tokens=round(wasted), wasted_pct=100 * wasted / generated if generated else 0.0)
+        rows.append(row)
+    return rows
+
+
+def totals(tokens: dict[str, Counter]) -> dict:
+    generated, wasted = sum(tokens["generated"].values()), sum(tokens["wasted"].values())
+    return {"generated_tokens": round(generated), "wasted_tokens": round(wasted),
+            "wasted_pct": 100 * wasted / generated if generated else 0.0}
+
+
+# ------------------------------------------------------------------------ knee and setups
+
+
+def find_knee(front: SluiceFront | VllmFront, args: argparse.Namespace) -> dict:
+    """The highest realtime rate (no batch load) at which --knee-target of questions are answered
+    within SLO: x1.5 steps up to the first failure (halving while the start fails), then bisection."""
+    step_s = args.knee_step * args.scale
+    rate, passed, failed, steps, bisections = args.knee_start, None, None, [], 0
+    while len(steps) < args.knee_max_steps:
+        run = run_load(front, args, [("knee", rate, step_s)], 0.0, first=(len(steps) + 1) * 10**6)
+        row = summarise(run, None)[0]
+        share = row["within_slo"] / row["asked"] if row["asked"] else 0.0
+        steps.append({**row, "share_within_slo": share})
+        ok = row["asked"] > 0 and share >= args.knee_target
+        say(f"  knee step {len(steps)}: {rate:.2f}/s, {row['asked']} asked, {100 * share:.1f}% within SLO "
+            f"-> {'pass' if ok else 'fail'}")
+        if ok and (passed is None or rate > passed["rate"]):
+            passed = steps[-1]
+        if not ok and (failed is None or rate < failed["rate"]):
+            failed = steps[-1]
+        if failed is None:
+            rate *= 1.5
+        elif passed is None:
+            rate /= 2
+        elif bisections < args.knee_refine:
+            bisections += 1
+            rate = math.sqrt(passed["rate"] * failed["rate"])
+        else:
+            break
+        time.sleep(args.slo)  # let what the last step left behind expire or finish
+    if passed is None:
+        raise SystemExit(f"no rate down to {rate:.3f}/s had {100 * args.knee_target:.0f}% within SLO")
+    return {"rate": passed["rate"], "goodput": passed["within_slo_per_s"], "steps": steps}
+
+
+def start(args: argparse.Namespace, setup: str, exits: contextlib.ExitStack) -> SluiceFront | VllmFront:
+    tmp = Path(tempfile.mkdtemp(prefix=f"overload-{setup}-"))
+    if setup == "vllm-server":
+        return start_vllm_server(args, exits, tmp)
+    return start_sluice(args, setup, exits, tmp)
+
+
+def run_setup(front: SluiceFront | VllmFront, args: argparse.Namespace, knee: dict) -> dict:
+    phases = [(name, factor * knee["rate"], seconds * args.scale) for name, factor, seconds in PHASES]
+    batch_rate = args.batch_rate if args.batch_rate is not None else \
+        args.batch_share * knee["rate"] * args.rt_tokens / args.batch_tokens
+    say(f"  phases {', '.join(f'{n} {r:.2f}/s x {s:.0f}s' for n, r, s in phases)}; batch {batch_rate:.3f} jobs/s")
+    run = run_load(front, args, phases, batch_rate, first=0)
+    tokens = vllm_tokens(run) if isinstance(front, VllmFront) else sluice_tokens(front, run)
+    rows = summarise(run, tokens)
+    return {"batch_rate": batch_rate, "phases": rows, "totals": totals(tokens), "samples": run.samples,
+            "goals": goals(rows, totals(tokens), knee)}
+
+
+def goals(rows: list[dict], total: dict, knee: dict) -> dict:
+    by = {r["phase"]: r for r in rows}
+
+    def kept(row: dict) -> float:  # within SLO or refused fast
+        return 100 * (row["within_slo"] + row["refused_fast"]) / row["asked"] if row["asked"] else 100.0
+
+    spike, after = by["spike"], by["after"]
+    return {"spike_kept_pct": kept(spike), "after_kept_pct": kept(after),
+            "kept_met": kept(spike) >= 99 and kept(after) >= 99,
+            "spike_goodput_vs_knee": spike["within_slo_per_s"] / knee["goodput"] if knee["goodput"] else None,
+            "goodput_met": spike["within_slo_per_s"] >= 0.9 * knee["goodput"],
+            "wasted_pct": total["wasted_pct"], "wasted_met": total["wasted_pct"] < 1,
+            "spike_batch_tokens_per_s": spike["batch_tokens_per_s"], "batch_met": spike["batch_tokens_per_s"] > 0}
+
+
+# ------------------------------------------------------------------------ report
+
+
+def pct(n: int, of: int) -> str:
+    return f"{100 * n / of:.1f}%" if of else "-"
+
+
+def table(args: argparse.Namespace, knee: dict, results: dict[str, dict]) -> None:
+    say(f"\n### {args.engine}: SLO {args.slo:g} s, knee {knee['rate']:.2f} questions/s "
+        f"({knee['goodput']:.2f} answered within SLO per s), retries {args.retries}, "
+        f"realtime {args.rt_tokens} / batch {args.batch_tokens} tokens, {args.seqs} seqs\n")
+    say("| setup | phase | rate/s | asked | within SLO | refused fast | refused slow | late | failed | retries "
+        "| within SLO/s | batch tok/s | wasted | peak queue |")
+    say("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for setup, result in results.items():
+        if "error" in result:
+            say(f"| {setup} | - | failed to run: {result['error']} |")
+            continue
+        for r in result["phases"]:
+            n = r["asked"]
+            if setup == "vllm-server":
+                peak = f"{r['peak_waiting_requests'] or 0:.0f} req"
+            else:
+                peak = f"{r['peak_realtime_queued_tokens'] or 0} / {r['peak_batch_queued_tokens'] or 0}"
+            say(f"| {setup} | {r['phase']} | {r['rate']:.2f} | {n} | {pct(r['within_slo'], n)} "
+                f"| {pct(r['refused_fast'], n)} | {pct(r['refused_slow'], n)} | {pct(r['late'], n)} "
+                f"| {pct(r['failed'] + r['pending'], n)} | {r['retries']} | {r['within_slo_per_s']:.2f} "
+                f"| {r['batch_tokens_per_s']:.0f} | {r['wasted_pct']:.1f}% | {peak} |")
+    say("\npeak queue: Sluice realtime / batch queued tokens; vllm-server requests waiting. "
+        "wasted: share of the phase's generated output tokens.\n")
+    for setup, result in results.items():
+        if "error" in result:
+            continue
+        g = result["goals"]
+        ratio = g["spike_goodput_vs_knee"]
+        say(f"{setup}: within SLO or refused fast {g['spike_kept_pct']:.1f}% in the spike, "
+            f"{g['after_kept_pct']:.1f}% after (>= 99%: {mark(g['kept_met'])}); "
+            f"spike answers within SLO/s = {'-' if ratio is None else f'{ratio:.2f}'} x knee "
+            f"(>= 0.90: {mark(g['goodput_met'])}); wasted {g['wasted_pct']:.2f}% (< 1%: {mark(g['wasted_met'])}); "
+            f"batch in the spike {g['spike_batch_tokens_per_s']:.0f} tok/s (> 0: {mark(g['batch_met'])})")
+
+
+def mark(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+# ------------------------------------------------------------------------ main
+
+
+def interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", choices=("sim", "vllm"), default="sim")
+    parser.add_argument("--setups", default=None,
+                        help=f"comma-separated, from {', '.join(SETUPS)} (default: the three sluice ones, "
+                             "plus vllm-server with --engine vllm)")
+    parser.add_argument("--slo", type=float, default=5.0, help="realtime SLO = client timeout = deadline_s, seconds")
+    parser.add_argument("--retries", type=int, default=2, help="times a user whose page hung asks again")
+    parser.add_argument("--poll", type=float, default=0.25, help="Sluice users poll their request this often, s")
+    parser.add_argument("--knee", type=float, default=None, help="knee rate, questions/s (skips the search)")
+    parser.add_argument("--knee-setup", choices=SETUPS, default=None,
+                        help="setup the knee is searched on (default: vllm-server for vllm, else sluice-ladder-off)")
+    parser.add_argument("--knee-start", type=float, default=1.0, help="first rate of the knee search, per s")
+    parser.add_argument("--knee-step", type=float, default=30.0, help="seconds per knee step (before --scale)")
+    parser.add_argument("--knee-target", type=float, default=0.95, help="share answered within SLO at the knee")
+    parser.add_argument("--knee-refine", type=int, default=2, help="bisection steps after the first failure")
+    parser.add_argument("--knee-max-steps", type=int, default=12)
+    parser.add_argument("--scale", type=float, default=1.0, help="multiplies every phase and knee step duration")
+    parser.add_argument("--drain", type=float, default=60.0, help="seconds batch work may finish after the phases")
+    parser.add_argument("--seqs", type=int, default=None,
+                        help="engine batch size: the sim worker's threads, vLLM's max_num_seqs (default: 4)")
+    parser.add_argument("--sim-speed", type=float, default=0.1, help="SLUICE_SIM_SPEED for --engine sim")
+    parser.add_argument("--rt-tokens", type=int, default=None, help="realtime max_tokens (default: sim 32, vllm 128)")
+    parser.add_argument("--batch-tokens", type=int, default=None, help="batch max_tokens (default: sim 256, vllm 512)")
+    parser.add_argument("--batch-rate", type=float, default=None, help="batch jobs per s (overrides --batch-share)")
+    parser.add_argument("--batch-share", type=float, default=0.25,
+                        help="batch output tokens offered, as a share of the knee's realtime tokens/s")
+    parser.add_argument("--batch-deadline", type=float, default=3600.0, help="deadline_s of batch jobs, when sent")
+    parser.add_argument("--model", type=Path, default=None, help="--engine vllm: model directory (default: tiny)")
+    parser.add_argument("--seed", type=int, default=8)
+    parser.add_argument("--json", type=Path, default=None, help="write every figure and sample here")
+    parser.add_argument("--postgres", default="postgresql://postgres@127.0.0.1:5432/postgres")
+    parser.add_argument("--redis", default="redis://127.0.0.1:6379", help="Redis server (a free db is used)")
+    args = parser.parse_args()
+    for name, value in DEFAULTS[args.engine].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    default_setups = "sluice,sluice-defaults,sluice-ladder-off" + (",vllm-server" if args.engine == "vllm" else "")
+    args.setups = [s.strip() for s in (args.setups or default_setups).split(",") if s.strip()]
+    unknown = set(args.setups) - set(SETUPS)
+    if unknown:
+        parser.error(f"--setups: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SETUPS)}")
+    args.knee_setup = args.knee_setup or ("vllm-server" if args.engine == "vllm" else "sluice-ladder-off")
+    if args.engine != "vllm" and "vllm-server" in args.setups + [args.knee_setup]:
+        parser.error("vllm-server runs only with --engine vllm")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    if args.engine == "vllm" and args.model is None:
+        from tiny_model import build_tiny_model
+
+        args.model = build_tiny_model(ROOT / ".cache" / "tiny-llama")
+    # SIGTERM unwinds like Ctrl-C, so every process is stopped and every database dropped.
+    signal.signal(signal.SIGTERM, interrupt)
+    order = sorted(args.setups, key=lambda s: s != args.knee_setup)  # reuse the knee's server for its run
+    knee = {"rate": args.knee, "goodput": args.knee, "steps": []} if args.knee else None
+    say(f"# {os.cpu_count()} CPUs; engine {args.engine}; setups {', '.join(order)}; SLO {args.slo:g} s; "
+        f"scale {args.scale:g}")
+    results: dict[str, dict] = {}
+    try:
+        if knee is None and args.knee_setup not in order:
+            with contextlib.ExitStack() as exits:
+                say(f"knee search on {args.knee_setup}")
+                knee = find_knee(start(args, args.knee_setup, exits), args)
+        for setup in order:
+            say(f"{setup}: starting")
+            try:
+                with contextlib.ExitStack() as exits:
+                    front = start(args, setup, exits)
+                    if knee is None:
+                        say(f"knee search on {setup}")
+                        knee = find_knee(front, args)
+                        time.sleep(args.slo)
+                    say(f"  knee {knee['rate']:.2f}/s ({knee['goodput']:.2f} within SLO/s)")
+                    results[setup] = run_setup(front, args, knee)
+                    say(f"{setup}: done; stopping it")
+            except (RuntimeError, OSError) as exc:
+                if knee is None:
+                    raise
+                say(f"{setup}: FAILED: {exc}")
+                results[setup] = {"error": str(exc).splitlines()[0]}
+    except KeyboardInterrupt:
+        say("interrupted: everything this run started is stopped")
+        return 130
+    table(args, knee, results)
+    if args.json:
+        config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "json"}
+        args.json.write_text(json.dumps({"config": config, "knee": knee, "results": results}, indent=1))
+        say(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

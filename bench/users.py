@@ -1,0 +1,405 @@
+"""Simulated users for bench/overload.py: open-loop arrivals, impatient questions, patient batch jobs.
+
+A realtime user asks one short question and waits at most the SLO for its answer (the client
+timeout). When the page hangs (no answer in time, or the platform says the request expired) the
+user asks again, as a new request with the same question, up to ``retries`` times. A user who is
+refused (429/503) got an answer with Retry-After and does not ask again. A batch job submits long
+work, waits as long as it takes, and resubmits after Retry-After when refused.
+
+Two front ends play the same users against different servers:
+
+  SluiceFront  POST /v1/requests, then GET /v1/requests/<id> every ``poll_s`` until terminal
+  VllmFront    POST /v1/completions on vLLM's OpenAI server: one blocking call; closing the
+               connection on timeout makes the server abort the request
+
+Arrivals are open loop (Poisson): a user arrives on schedule whether or not earlier users got
+answers, which is what makes a queue grow without bound past the knee. Every user is a thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import random
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+TERMINAL = {"succeeded", "failed", "timed_out", "cancelled", "expired", "rejected"}
+# The platform gave up on the request for lack of time: to the user that is a page that hangs.
+TOO_LATE = {"expired", "timed_out"}
+REFUSED = {429, 503}
+FAST_REFUSAL_S = 0.1
+# Errors of a keep-alive connection the server closed while it sat idle; a GET is simply resent.
+STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
+
+TOPICS = ("why queues collapse under load", "what a token bucket is", "how continuous batching works",
+          "when to shed load", "what a KV cache holds", "how retries amplify overload",
+          "what Little's law says", "why deadlines beat timeouts", "how priority scheduling works",
+          "what a prefix cache saves", "why p99 matters", "how to size a batch")
+
+
+def question_prompt(number: int) -> str:
+    """A short realtime question; the number makes each user's question its own."""
+    return f"Question {number}: in two sentences, {TOPICS[number % len(TOPICS)]}?"
+
+
+def batch_prompt(number: int) -> str:
+    """A longer document to summarise, distinct per job so no prefix cache flatters the batch."""
+    body = " ".join(f"Line {i} of report {number}: throughput, latency and queue depth by hour."
+                    for i in range(12))
+    return f"Summarise report {number}.\n{body}"
+
+
+@dataclass
+class Reply:
+    status: int
+    doc: dict
+    headers: http.client.HTTPMessage | None = None
+
+    def retry_after_s(self, default: float = 1.0) -> float:
+        raw = self.headers.get("Retry-After") if self.headers else None
+        try:
+            return float(raw) if raw else default
+        except ValueError:
+            return default
+
+
+class Http:
+    """One keep-alive HTTP/1.1 connection to one server; JSON in and out; every call has a timeout."""
+
+    def __init__(self, base_url: str, headers: dict[str, str] | None = None) -> None:
+        url = urlsplit(base_url)
+        self.host, self.port = url.hostname or "127.0.0.1", url.port or 80
+        self.headers = {"Content-Type": "application/json", **(headers or {})}
+        self._conn: http.client.HTTPConnection | None = None
+
+    def call(self, method: str, path: str, body: dict | None = None, timeout_s: float = 30.0) -> Reply:
+        """Raises TimeoutError when no answer came within ``timeout_s``, OSError when the server is
+        unreachable. A GET on a connection the server closed while idle is sent once more."""
+        for fresh in (self._conn is None, True):
+            try:
+                return self._once(method, path, body, timeout_s)
+            except STALE:
+                self.close()
+                if fresh or method != "GET":
+                    raise
+        raise AssertionError("unreachable")
+
+    def _once(self, method: str, path: str, body: dict | None, timeout_s: float) -> Reply:
+        timeout_s = max(timeout_s, 0.001)  # a deadline already passed still gets one quick try
+        if self._conn is None:
+            self._conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
+        else:
+            self._conn.timeout = timeout_s
+            if self._conn.sock is not None:
+                self._conn.sock.settimeout(timeout_s)
+        try:
+            self._conn.request(method, path, json.dumps(body) if body is not None else None, self.headers)
+            response = self._conn.getresponse()
+            raw = response.read()
+        except BaseException:
+            self.close()  # a half-read answer poisons the connection
+            raise
+        try:
+            doc = json.loads(raw) if raw else {}
+        except ValueError:
+            doc = {"text": raw.decode(errors="replace")}
+        return Reply(response.status, doc if isinstance(doc, dict) else {}, response.headers)
+
+    def abort(self) -> None:
+        """From another thread: make a call blocked on this connection fail now."""
+        conn = self._conn
+        if conn is not None and conn.sock is not None:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+@dataclass
+class Attempt:
+    """One request a user sent. ``sent`` and ``ended`` are wall-clock seconds (time.time())."""
+
+    kind: str  # realtime | batch
+    sent: float
+    outcome: str = "pending"  # answered | refused | late | failed | cut (batch work stopped at the end)
+    latency_s: float | None = None  # until the answer, the refusal, or giving up
+    ended: float | None = None
+    status: int | None = None  # HTTP status of the submit
+    code: str | None = None  # the error code of a refusal or failure
+    request_id: str | None = None  # Sluice's row id
+    tokens: int | None = None  # output tokens the client received (vLLM's usage)
+    retry_after_s: float = 1.0
+
+    def end(self, outcome: str, began_mono: float, **fields: object) -> None:
+        self.outcome, self.latency_s, self.ended = outcome, time.monotonic() - began_mono, time.time()
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+
+@dataclass
+class Question:
+    """One user's question: its first attempt decides the outcome, later ones are retries."""
+
+    number: int
+    kind: str
+    phase: str
+    arrived: float
+    attempts: list[Attempt] = field(default_factory=list)
+
+    @property
+    def outcome(self) -> str:
+        """within_slo | refused_fast | refused_slow | late | failed | pending. A retry starts only
+        after the SLO has passed, so only the first attempt can answer within it."""
+        first = self.attempts[0] if self.attempts else None
+        if first is None or first.outcome == "pending":
+            return "pending"
+        if first.outcome == "answered":
+            return "within_slo"
+        if first.outcome == "refused":
+            return "refused_fast" if (first.latency_s or 0) < FAST_REFUSAL_S else "refused_slow"
+        return first.outcome
+
+    @property
+    def retries(self) -> int:
+        return max(0, len(self.attempts) - 1)
+
+
+class SluiceFront:
+    """Users of Sluice's REST API. ``deadline`` sends ``deadline_s`` (the user's stated patience)."""
+
+    def __init__(self, api: str, key: str, admin_key: str, *, deadline: bool, slo_s: float, rt_tokens: int,
+                 batch_tokens: int, batch_deadline_s: float, poll_s: float) -> None:
+        self.api, self.key, self.admin_key = api, key, admin_key
+        self.deadline, self.slo_s, self.poll_s = deadline, slo_s, poll_s
+        self.rt_tokens, self.batch_tokens, self.batch_deadline_s = rt_tokens, batch_tokens, batch_deadline_s
+        self._sampler = Http(api, {"Authorization": f"Bearer {admin_key}"})
+
+    def _client(self) -> Http:
+        return Http(self.api, {"Authorization": f"Bearer {self.key}"})
+
+    def ask(self, attempt: Attempt, prompt: str) -> None:
+        body = {"prompt": prompt, "max_tokens": self.rt_tokens, "priority": "realtime", "ignore_eos": True,
+                **({"deadline_s": self.slo_s} if self.deadline else {})}
+        self._run(attempt, body, timeout_s=self.slo_s, poll_s=self.poll_s, stop=None)
+
+    def batch(self, attempt: Attempt, number: int, stop: threading.Event) -> None:
+        body = {"prompt": batch_prompt(number), "max_tokens": self.batch_tokens, "priority": "batch",
+                "ignore_eos": True, **({"deadline_s": self.batch_deadline_s} if self.deadline else {})}
+        self._run(attempt, body, timeout_s=None, poll_s=1.0, stop=stop)
+
+    def _run(self, attempt: Attempt, body: dict, timeout_s: float | None, poll_s: float,
+             stop: threading.Event | None) -> None:
+        """Submit, then poll to a terminal status; a realtime user gives up at ``timeout_s``, a
+        batch job only when ``stop`` is set (then its request is cancelled)."""
+        began = time.monotonic()
+        left = (lambda: timeout_s - (time.monotonic() - began)) if timeout_s else (lambda: 30.0)
+        client = self._client()
+        try:
+            reply = client.call("POST", "/v1/requests", body, timeout_s=left())
+            attempt.status = reply.status
+            if reply.status in REFUSED:
+                return attempt.end("refused", began, code=_code(reply), retry_after_s=reply.retry_after_s())
+            if reply.status != 202:
+                return attempt.end("failed", began, code=_code(reply))
+            attempt.request_id = reply.doc["id"]
+            view = reply.doc
+            while view.get("status") not in TERMINAL:
+                if stop is not None and stop.is_set():
+                    client.call("POST", f"/v1/requests/{attempt.request_id}/cancel", {}, timeout_s=10)
+                    return attempt.end("cut", began)
+                time.sleep(max(0.0, min(poll_s, left() - 0.01)))
+                if left() <= 0:
+                    raise TimeoutError
+                polled = client.call("GET", f"/v1/requests/{attempt.request_id}", timeout_s=left())
+                if polled.status == 200:
+                    view = polled.doc
+            if view["status"] == "succeeded":
+                return attempt.end("answered", began)
+            return attempt.end("late" if view["status"] in TOO_LATE else "failed", began,
+                               code=(view.get("error") or {}).get("code") or view["status"])
+        except TimeoutError:
+            attempt.end("late", began)  # the user closes the page; Sluice is not told
+        except (OSError, http.client.HTTPException, KeyError, ValueError) as exc:
+            attempt.end("failed", began, code=type(exc).__name__)
+        finally:
+            client.close()
+
+    def sample(self) -> dict:
+        """Queued tokens per priority and the platform level, as the load monitor published them."""
+        reply = self._sampler.call("GET", "/v1/admin/load", timeout_s=5)
+        queued = {"realtime": 0, "batch": 0}
+        for one in reply.doc.get("classes", []):
+            queued[one["priority"]] = queued.get(one["priority"], 0) + int(one["queued_tokens"])
+        return {"realtime_queued_tokens": queued["realtime"], "batch_queued_tokens": queued["batch"],
+                "level": reply.doc.get("level")}
+
+    def rows(self, ids: list[str], workers: int = 8) -> dict[str, dict]:
+        """The request views of ``ids`` (GET /v1/requests/<id>), read back after the run."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        local = threading.local()
+
+        def one(request_id: str) -> tuple[str, dict]:
+            if not hasattr(local, "client"):
+                local.client = self._client()
+            reply = local.client.call("GET", f"/v1/requests/{request_id}", timeout_s=30)
+            return request_id, reply.doc if reply.status == 200 else {}
+
+        with ThreadPoolExecutor(workers) as pool:
+            return dict(pool.map(one, ids))
+
+    def cancel(self, request_id: str) -> None:
+        client = self._client()
+        try:
+            client.call("POST", f"/v1/requests/{request_id}/cancel", {}, timeout_s=10)
+        finally:
+            client.close()
+
+
+class VllmFront:
+    """Users of vLLM's OpenAI server (priority scheduling on: realtime 0, batch 1; lower runs first).
+
+    They cannot state their patience: the client timeout is all they have, and closing the
+    connection is how the server learns that nobody waits any more."""
+
+    def __init__(self, api: str, model: str, *, slo_s: float, rt_tokens: int, batch_tokens: int) -> None:
+        self.api, self.model, self.slo_s = api, model, slo_s
+        self.rt_tokens, self.batch_tokens = rt_tokens, batch_tokens
+        self._sampler = Http(api)
+        self._open: set[Http] = set()
+        self._lock = threading.Lock()
+
+    def ask(self, attempt: Attempt, prompt: str) -> None:
+        self._complete(attempt, prompt, self.rt_tokens, priority=0, timeout_s=self.slo_s)
+
+    def batch(self, attempt: Attempt, number: int, stop: threading.Event) -> None:
+        if not stop.is_set():
+            self._complete(attempt, batch_prompt(number), self.batch_tokens, priority=1, timeout_s=None)
+
+    def _complete(self, attempt: Attempt, prompt: str, max_tokens: int, priority: int,
+                  timeout_s: float | None) -> None:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                "priority": priority}
+        began = time.monotonic()
+        client = Http(self.api)
+        with self._lock:
+            self._open.add(client)
+        try:
+            reply = client.call("POST", "/v1/completions", body, timeout_s=timeout_s or 24 * 3600)
+            attempt.status = reply.status
+            if reply.status == 200:
+                attempt.end("answered", began, tokens=int(reply.doc.get("usage", {}).get("completion_tokens", 0)))
+            elif reply.status in REFUSED:
+                attempt.end("refused", began, code=str(reply.status), retry_after_s=reply.retry_after_s())
+            else:
+                attempt.end("failed", began, code=str(reply.status))
+        except TimeoutError:
+            attempt.end("late", began)  # the connection closes below: the server aborts the request
+        except (OSError, http.client.HTTPException) as exc:
+            attempt.end("cut" if attempt.kind == "batch" else "failed", began, code=type(exc).__name__)
+        finally:
+            with self._lock:
+                self._open.discard(client)
+            client.close()
+
+    def cut(self) -> None:
+        """End every call still waiting (batch work at the end of the run)."""
+        with self._lock:
+            for client in list(self._open):
+                client.abort()
+
+    def sample(self) -> dict:
+        """Requests waiting and running, and output tokens generated so far, from /metrics."""
+        return metrics(self._sampler.call("GET", "/metrics", timeout_s=5).doc.get("text", ""))
+
+
+def metrics(text: str) -> dict:
+    """Sums over label sets of the vLLM gauges and counter this benchmark reads."""
+    wanted = {"vllm:num_requests_waiting": "waiting", "vllm:num_requests_running": "running",
+              "vllm:generation_tokens_total": "generated_tokens"}
+    out = dict.fromkeys(wanted.values(), 0.0)
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        name = name.split("{", 1)[0]
+        if name in wanted:
+            out[wanted[name]] += float(value)
+    return out
+
+
+def _code(reply: Reply) -> str:
+    error = reply.doc.get("error")
+    return error.get("code", str(reply.status)) if isinstance(error, dict) else str(reply.status)
+
+
+def realtime_user(front: SluiceFront | VllmFront, question: Question, retries: int) -> None:
+    """Ask, and ask again (up to ``retries`` times) while the answer does not come in time."""
+    prompt = question_prompt(question.number)
+    for _ in range(1 + retries):
+        attempt = Attempt("realtime", time.time())
+        question.attempts.append(attempt)
+        front.ask(attempt, prompt)
+        if attempt.outcome != "late":
+            return
+
+
+def batch_job(front: SluiceFront | VllmFront, question: Question, stop: threading.Event) -> None:
+    """Submit until accepted (sleeping Retry-After, at most 10 s, between refusals), then wait."""
+    while not stop.is_set():
+        attempt = Attempt("batch", time.time())
+        question.attempts.append(attempt)
+        front.batch(attempt, question.number, stop)
+        if attempt.outcome != "refused":
+            return
+        stop.wait(min(10.0, max(0.5, attempt.retry_after_s)))
+
+
+class Arrivals:
+    """Open-loop Poisson arrivals: ``spawn(number)`` in a new thread at exponential gaps, on a fixed
+    schedule, never waiting for earlier arrivals. Threads are kept so the caller can join them."""
+
+    def __init__(self, seed: int, first: int = 0) -> None:
+        self.rng = random.Random(seed)
+        self.threads: list[threading.Thread] = []
+        # Numbers name questions; runs on one server start from different ``first`` so that no
+        # question is asked twice by accident (the hot answer cache would answer it).
+        self._numbers = iter(range(first, first + 10**9))
+
+    def run(self, rate: float, seconds: float, spawn: Callable[[int], None],
+            stop: threading.Event | None = None) -> None:
+        """Arrivals at ``rate`` per second for ``seconds`` (or until ``stop``), in this thread."""
+        began = time.monotonic()
+        at = self.rng.expovariate(rate) if rate > 0 else seconds
+        while at < seconds and not (stop is not None and stop.is_set()):
+            delay = began + at - time.monotonic()
+            if delay > 0:
+                if stop is not None:
+                    stop.wait(delay)
+                else:
+                    time.sleep(delay)
+            thread = threading.Thread(target=spawn, args=(next(self._numbers),), daemon=True,
+                                      name=f"user-{uuid.uuid4().hex[:6]}")
+            thread.start()
+            self.threads.append(thread)
+            at += self.rng.expovariate(rate)
+        rest = began + seconds - time.monotonic()
+        if rest > 0 and stop is None:
+            time.sleep(rest)
+
+    def join(self, timeout_s: float) -> int:
+        """Wait for every spawned thread up to ``timeout_s`` in all; how many are still alive."""
+        deadline = time.monotonic() + timeout_s
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return sum(t.is_alive() for t in self.threads)

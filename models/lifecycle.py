@@ -4,7 +4,8 @@
       │  ▲                │                                    (still running at its deadline)
       │  └────requeue─────┘  (its worker died; attempts left)
       ├──cancel──► cancelled
-      └──expire──► expired   (its deadline passed before it started)
+      ├──expire──► expired   (its deadline passed before it started)
+      └──follow──► succeeded (a parked twin takes the answer of the identical request it followed)
 
 Each transition is one conditional ``UPDATE … WHERE status = <from>``, so two processes racing
 on one row (a duplicate delivery, a cancel against a claim, the sweep against a slow worker)
@@ -42,7 +43,8 @@ from .session import Database
 log = logging.getLogger(__name__)
 
 ALLOWED: dict[Status, frozenset[Status]] = {
-    Status.QUEUED: frozenset({Status.RUNNING, Status.CANCELLED, Status.EXPIRED}),
+    # queued → succeeded only for a parked twin (follows_id set), answered by the request it followed.
+    Status.QUEUED: frozenset({Status.RUNNING, Status.CANCELLED, Status.EXPIRED, Status.SUCCEEDED}),
     Status.RUNNING: frozenset({Status.SUCCEEDED, Status.FAILED, Status.TIMED_OUT, Status.CANCELLED,
                                Status.EXPIRED, Status.QUEUED}),
 }
@@ -101,6 +103,7 @@ class Moved:
     input_tokens: int
     output_tokens: int | None
     started_at: datetime | None
+    follows: uuid.UUID | None = None  # a parked twin: off every queue, its leader's id
 
 
 Ended = Moved  # what on_end hooks receive: a Moved whose status is terminal
@@ -139,14 +142,15 @@ class Requeued(NamedTuple):
 
 _t = InferenceRequest
 _MOVED_COLUMNS = (_t.id, _t.tenant_id, _t.status, _t.error_code, _t.priority, func.coalesce(_t.model_routed,
-                  _t.model_requested), _t.reserved_tokens, _t.input_tokens, _t.output_tokens, _t.started_at)
+                  _t.model_requested), _t.reserved_tokens, _t.input_tokens, _t.output_tokens, _t.started_at,
+                  _t.follows_id)
 
 
 def _moved(source: Status | None, row: Any) -> Moved:
     """A Moved from a row of ``_MOVED_COLUMNS`` (or a loaded InferenceRequest)."""
     if isinstance(row, InferenceRequest):
         row = (row.id, row.tenant_id, row.status, row.error_code, row.priority, row.target_model,
-               row.reserved_tokens, row.input_tokens, row.output_tokens, row.started_at)
+               row.reserved_tokens, row.input_tokens, row.output_tokens, row.started_at, row.follows_id)
     return Moved(row[0], row[1], source, *row[2:])
 
 
@@ -262,6 +266,39 @@ class Lifecycle:
         with self._moving() as moved, self.db.session() as session:
             moved += _expire(session, *where)
         return len(moved)
+
+    def follow_up(self, leader_id: uuid.UUID) -> list[Requeued]:
+        """The request ``leader_id`` ended: settle the twins parked on it.
+
+        Succeeded: each takes its answer (queued → succeeded, ``cache_hit``; no engine ran for it,
+        so admission refunds its whole reservation). Anything else: each is un-parked, a plain
+        queued request again, returned for the caller to publish (committed by then). A no-op
+        while the leader has not ended, so anyone may call it at any time; the conditional
+        updates make two callers settle each twin once.
+        """
+        leader = _t.__table__.alias("leader")
+        parked = (_t.follows_id == leader_id, _t.status == Status.QUEUED)
+        with self._moving() as moved, self.db.session() as session:
+            status = session.scalar(select(leader.c.status).where(leader.c.id == leader_id))
+            if status is None or not Status(status).terminal:
+                return []
+            status = Status(status)
+            if status == Status.SUCCEEDED:
+                rows = session.execute(
+                    _ending(Status.QUEUED, SUCCEEDED, *parked, leader.c.id == _t.follows_id)
+                    .values(cache_hit=True, model_used=leader.c.model_used, output_text=leader.c.output_text,
+                            input_tokens=leader.c.input_tokens, output_tokens=leader.c.output_tokens,
+                            finish_reason=leader.c.finish_reason, started_at=db_now(), first_token_at=db_now())
+                    .returning(*_MOVED_COLUMNS)).all()
+                moved += [dataclasses.replace(_moved(Status.QUEUED, r), started_at=None) for r in rows]
+                return []
+            rows = session.execute(update(_t).where(*parked).values(follows_id=None)
+                                   .returning(_t.queue, *_MOVED_COLUMNS)).all()
+            # Un-parked: to the queue counters, as good as just accepted.
+            moved += [_moved(None, r[1:]) for r in rows]
+        for row in rows:
+            log.info("un-parked: the request it followed ended %s", status.value, extra=about(row.id))
+        return [Requeued(r.id, r.queue) for r in rows]
 
     def stamp_enqueued(self, request_id: uuid.UUID) -> None:
         """Record that the row's message was published (once: a re-publish keeps the first stamp

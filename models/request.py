@@ -12,7 +12,7 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Enum, ForeignKey, Index, String, Text, func
+from sqlalchemy import Enum, ForeignKey, Index, String, Text, func, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -57,6 +57,7 @@ class InferenceRequest(Base):
     __table_args__ = (
         Index("ix_requests_status_created_at", "status", "created_at"),
         Index("ix_requests_tenant_id_created_at", "tenant_id", "created_at"),
+        Index("ix_requests_follows_id", "follows_id", postgresql_where=text("follows_id IS NOT NULL")),
     )
     # created_at and deadline_at are computed by the database at INSERT: read them back with
     # RETURNING, so a committed row says when it was created without another query.
@@ -98,8 +99,12 @@ class InferenceRequest(Base):
     error_message: Mapped[str | None] = mapped_column(String(500))
     # Degradation steps that changed the request at admission (web/ladder.py), comma-separated.
     degradation_step: Mapped[str | None] = mapped_column(String(32))
-    # Not written yet: the hot answer cache (overload control, still to come) is its writer.
+    # Answered without an engine run of its own: from the hot answer cache (sluice/answers.py),
+    # or from the identical request it followed (follows_id).
     cache_hit: Mapped[bool] = mapped_column(default=False)
+    # A twin parked on an identical request already in flight (sluice/twins.py): never published,
+    # it takes that request's answer when it succeeds, or is published on its own when it does not.
+    follows_id: Mapped[uuid.UUID | None]
 
     # Who ran it. `worker` names one worker process instance, so a restarted worker with the
     # same node name is a different owner and the sweep can tell its rows from the dead one's.

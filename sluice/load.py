@@ -74,8 +74,8 @@ class QueueCounters:
         self.healthy = healthy
 
     def __call__(self, moved: Moved) -> None:
-        if not self.healthy():
-            return
+        if not self.healthy() or moved.follows is not None:
+            return  # a parked twin is on no queue: it adds no work
         key = counters_key(moved.priority, moved.model)
         # Before a request ran, reserved = admission's input estimate + max_tokens.
         work = moved.reserved_tokens - moved.input_tokens

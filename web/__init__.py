@@ -15,6 +15,7 @@ from sluice.keys import redis_client
 from sluice.load import QueueCounters
 from sluice.logs import configure_logging, current_call_id, current_request_id
 from sluice.settings import Settings
+from sluice.twins import Twins
 
 from . import admin, api, errors, health, metrics
 from .admission import Admission
@@ -72,12 +73,16 @@ def build_services(settings: Settings) -> Services:
     publisher = celery_publisher(settings, fail_fast=True)
     planner = Planner(settings, TokenCounters(), admission.redis, lambda: admission.redis_healthy)
     ladder = Ladder(settings, planner, LoadReader(settings, admission))
+    # A request that ends settles the identical twins parked on it (sluice/twins.py).
+    twins = Twins(admission.redis, lifecycle, publisher, healthy=lambda: admission.redis_healthy)
+    lifecycle.on_end(twins.leader_ended)
     answers = AnswerCache(admission.redis, ttl_s=settings.cache_ttl_s, max_entries=settings.cache_max_entries,
                           max_bytes=settings.cache_max_answer_bytes, healthy=lambda: admission.redis_healthy)
     return Services(settings=settings, db=db, redis=redis_client(settings.redis_url),
                     publisher=publisher, broker=celery_publisher(settings, fail_fast=False), admission=admission,
                     answers=answers, lifecycle=lifecycle,
-                    requests=RequestService(db, planner, ladder, admission, publisher, lifecycle, answers),
+                    twins=twins,
+                    requests=RequestService(db, planner, ladder, admission, publisher, lifecycle, answers, twins),
                     recent_keys=RecentKeys(settings.auth_cache_s))
 
 

@@ -10,7 +10,8 @@ A submit is four steps, each its own method:
 
 A retried submit with the same ``Idempotency-Key`` skips all four and answers with the request
 the first one created. A request the hot answer cache can answer (``sluice/answers.py``) is
-inserted already succeeded after the plan, and skips admit and publish.
+inserted already succeeded after the plan, and skips admit and publish; one whose identical twin
+is in flight is parked on it (``sluice/twins.py``) and takes its answer.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from sluice.answers import AnswerCache, answer_key, deterministic
 from sluice.keys import raise_cancel_flag
 from sluice.logs import bind_request
 from sluice.queues import publish_committed
+from sluice.twins import Twins
 
 from . import idempotency, metrics
 from .admission import Admission, Ticket
@@ -53,9 +55,10 @@ class Accepted:
 
 class RequestService:
     def __init__(self, db: Database, planner: Planner, ladder: Ladder, admission: Admission, publisher: Celery,
-                 lifecycle: Lifecycle, answers: AnswerCache) -> None:
+                 lifecycle: Lifecycle, answers: AnswerCache, twins: Twins) -> None:
         self.db = db
         self.answers = answers
+        self.twins = twins
         self.planner = planner
         self.ladder = ladder
         self.admission = admission
@@ -87,11 +90,16 @@ class RequestService:
         if original is None:
             plan = plan or self.prepare(tenant, body)
             try:
-                answered = self.from_cache(plan, tenant, key)
+                answered = self.from_cache(plan, tenant, key) or self.follow(plan, tenant, key)
                 if answered is not None:
                     return answered
-                ticket = self.admission.admit(tenant, plan)
-                row = self.insert(plan, ticket, key)
+                try:
+                    ticket = self.admission.admit(tenant, plan)
+                    row = self.insert(plan, ticket, key)
+                except BaseException:
+                    if self._cacheable(plan):  # it may have become its twins' leader: it no longer is
+                        self.twins.forget(self._answer_key(plan), plan.request_id)
+                    raise
             except idempotency.KeyTaken:  # a concurrent submit with this key committed first
                 original = idempotency.find(self.db, key)
                 if original is None:  # the winner's key expired in between: vanishingly rare
@@ -126,6 +134,23 @@ class RequestService:
     @staticmethod
     def _answer_key(plan: Plan) -> str:
         return answer_key(plan.target_model, plan.input, plan.params, plan.max_tokens)
+
+    def follow(self, plan: Plan, tenant: Tenant, key: idempotency.Key | None) -> Accepted | None:
+        """Park the request on its identical twin in flight (``sluice/twins.py``), or None when it
+        has none and now leads. A parked twin is accepted (its row is committed) but never queued:
+        it costs no GPU, so, like a cache hit, it passes no admission gate."""
+        if not self._cacheable(plan):
+            return None
+        leader = self.twins.lead(self._answer_key(plan), plan.request_id, plan.deadline_s)
+        if leader is None:
+            return None
+        self.twins.park_on(leader, plan.deadline_s)
+        row = plan.row()
+        row.follows_id = leader
+        self.lifecycle.accept(row, also=_claiming(key, row))
+        log.info("parked on its twin %s, already in flight", leader)
+        self.twins.settle(leader)  # the leader may have ended before this row existed
+        return Accepted(row, False, self.admission.headers(tenant), None, plan.degradation)
 
     def insert(self, plan: Plan, ticket: Ticket, key: idempotency.Key | None) -> InferenceRequest:
         """Commit the row (and claim the idempotency key with it); on failure, undo the admission."""

@@ -17,6 +17,7 @@ from models import Database
 from models.lifecycle import Lifecycle
 from sluice.answers import AnswerCache
 from sluice.settings import Settings
+from sluice.twins import Twins
 
 from .admission import Admission
 from .auth import RecentKeys
@@ -36,6 +37,7 @@ class Services:
     broker: Celery
     admission: Admission
     answers: AnswerCache
+    twins: Twins
     lifecycle: Lifecycle
     requests: RequestService
     # Keys that authenticated here a moment ago: only for refusing early (web/auth.py).

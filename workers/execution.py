@@ -23,6 +23,7 @@ from models.lifecycle import Claimed, Ended, Lifecycle
 from models.request import storable_text
 from sluice.answers import AnswerCache, answer_key
 from sluice.keys import conversation_key
+from sluice.twins import Twins
 
 from .engines import GenerationRequest, SamplingParams
 from .runtime import EngineRuntime, RunResult
@@ -57,7 +58,7 @@ def with_db_retries(attempt):
 
 
 def execute(lifecycle: Lifecycle, redis_client: redis.Redis, runtime: EngineRuntime, request_id: uuid.UUID,
-            answers: AnswerCache | None = None) -> None:
+            answers: AnswerCache | None = None, twins: Twins | None = None) -> None:
     claimed = with_db_retries(lambda: lifecycle.claim(request_id, runtime.worker_id, runtime.info["device"]))
     claimed_mono = time.monotonic()  # started_at, on this host's clock (give or take the claim's return)
     if claimed is None:
@@ -68,6 +69,18 @@ def execute(lifecycle: Lifecycle, redis_client: redis.Redis, runtime: EngineRunt
                              ex=CONVERSATION_TTL_S)
         except Exception:
             log.warning("could not record conversation affinity; the next turn may miss the prefix cache")
+    key = answer_key(runtime.info["model"], claimed.input, claimed.params, claimed.max_tokens)
+    try:
+        run(lifecycle, runtime, claimed, claimed_mono, key, answers)
+    finally:
+        if twins is not None:  # whatever the end, it computes this answer no longer
+            twins.forget(key, request_id)
+
+
+def run(lifecycle: Lifecycle, runtime: EngineRuntime, claimed: Claimed, claimed_mono: float, key: str,
+        answers: AnswerCache | None) -> None:
+    """Run a claimed request in the engine and write its outcome; a success goes into the cache."""
+    request_id = claimed.id
     try:
         result = runtime.run(generation_request(claimed), claimed.time_limit_s, claimed.deadline_in_s)
     except Exception:
@@ -85,9 +98,8 @@ def execute(lifecycle: Lifecycle, redis_client: redis.Redis, runtime: EngineRunt
         return
     if answers is not None and ended is not None and ended.status == Status.SUCCEEDED and result.output:
         out = result.output
-        answers.put(answer_key(runtime.info["model"], claimed.input, claimed.params, claimed.max_tokens),
-                    {"text": storable_text(out.text), "finish_reason": out.finish_reason,
-                     "input_tokens": out.prompt_tokens, "output_tokens": out.output_tokens})
+        answers.put(key, {"text": storable_text(out.text), "finish_reason": out.finish_reason,
+                          "input_tokens": out.prompt_tokens, "output_tokens": out.output_tokens})
 
 
 def finish(lifecycle: Lifecycle, request_id: uuid.UUID, worker_id: str, model: str, result: RunResult,

@@ -227,7 +227,7 @@ class Monitor:
             rows = session.execute(
                 select(t.priority, model, func.count(), func.coalesce(func.sum(t.reserved_tokens), 0),
                        func.coalesce(func.sum(t.max_tokens), 0))
-                .where(t.status == Status.QUEUED).group_by(t.priority, model)).all()
+                .where(t.status == Status.QUEUED, t.follows_id.is_(None)).group_by(t.priority, model)).all()
         queued = {counters_key(p, m): (n, tokens, work) for p, m, n, tokens, work in rows}
         with self.redis.pipeline(transaction=False) as pipe:
             for key in set(self.redis.scan_iter(match=COUNTERS_PREFIX + "*", count=200)) | set(queued):

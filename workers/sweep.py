@@ -13,6 +13,8 @@ on rows locked with SKIP LOCKED, so overlapping sweeps never act on one row twic
 4. Stranded conversation turns: `queued` on the direct queue of a worker that is gone →
    moved to the model's shared queue (they only lose their prefix cache hit).
 5. Expired: `queued` past its deadline → `expired` now, not when a worker finally dequeues it.
+   Parked twins (sluice/twins.py) are never published by rule 1; those whose leader ended
+   without settling them take its answer or are un-parked and published.
 6. Cancel flags: `running` with a cancel request → make sure the flag is in Redis (it may
    have been lost with a Redis restart, or never written).
 
@@ -40,6 +42,7 @@ from sluice.keys import RESERVED_KEY, node_key, raise_cancel_flag, worker_key
 from sluice.limiter import limiter_for, reconcile_in_flight
 from sluice.queues import DIRECT_PREFIX, direct_queue, publish_committed, queue_name
 from sluice.settings import Settings
+from sluice.twins import Twins
 from web.services import Services
 
 log = logging.getLogger(__name__)
@@ -52,6 +55,7 @@ def sweep(svc: Services) -> dict[str, int]:
     db, redis_client, settings = svc.db, svc.redis, svc.settings
     return {
         "published": _publish_unpublished(db, svc.lifecycle, svc.broker, settings),
+        "twins_settled": _settle_twins(db, svc.twins),
         **_recover_orphans(db, svc.lifecycle, redis_client, svc.broker, settings),
         "unreserved": _recover_reserved(db, svc.lifecycle, redis_client, svc.broker),
         "rerouted": _reroute_direct(db, svc.lifecycle, redis_client, svc.broker, settings),
@@ -72,10 +76,27 @@ def _publish_unpublished(db: Database, lifecycle: Lifecycle, celery: Celery, set
     with db.session() as session:
         rows = session.execute(
             select(_t.id, _t.queue).where(_t.status == Status.QUEUED, _t.enqueued_at.is_(None),
-                                          _t.created_at < _ago(settings.publish_grace_s))
+                                          _t.follows_id.is_(None), _t.created_at < _ago(settings.publish_grace_s))
             .order_by(_t.created_at).limit(BATCH)).all()
     publish_committed(lifecycle, celery, rows)
     return len(rows)
+
+
+def _settle_twins(db: Database, twins: Twins) -> int:
+    """Twins parked on a request that ended without settling them (its process died between the
+    commit and the hook): they take its answer, or are un-parked and published."""
+    leader = _t.__table__.alias("leader")
+    with db.session() as session:
+        leaders = session.scalars(
+            select(_t.follows_id).join(leader, leader.c.id == _t.follows_id)
+            .where(_t.status == Status.QUEUED, _t.follows_id.is_not(None), leader.c.status.not_in(_LIVE))
+            .distinct().limit(BATCH)).all()
+    for leader_id in leaders:
+        twins.settle(leader_id)
+    return len(leaders)
+
+
+_LIVE = (Status.QUEUED, Status.RUNNING)
 
 
 def _recover_orphans(db: Database, lifecycle: Lifecycle, redis_client: redis.Redis, celery: Celery,

@@ -40,7 +40,8 @@ def run_request(self: SluiceTask, request_id: str) -> None:
         _unreserve(svc, request_id)
         raise Reject(requeue=True)  # not claimed: the row stays queued, the message goes back
     try:
-        execution.execute(svc.lifecycle, svc.redis, WORKER.require(), uuid.UUID(request_id), svc.answers)
+        execution.execute(svc.lifecycle, svc.redis, WORKER.require(), uuid.UUID(request_id), svc.answers,
+                          svc.twins)
     except (*DB_UNAVAILABLE, EngineNotStarted) as exc:
         # Postgres unreachable through every retry, or no engine in this process: hand the
         # message back to the queue rather than ack it, so the request is not stranded. The

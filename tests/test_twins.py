@@ -1,0 +1,95 @@
+"""Identical requests in flight are computed once: twins park on the first and take its answer."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from types import SimpleNamespace
+
+import pytest
+
+from models import InferenceRequest, Priority, SizeClass, Status
+from models.lifecycle import SUCCEEDED, Lifecycle
+from sluice.answers import answer_key
+from sluice.twins import FOLLOWED_PREFIX, LEADER_PREFIX
+from web.services import services
+from workers.sweep import sweep
+
+pytestmark = pytest.mark.usefixtures("worker")
+
+
+def question(max_tokens: int = 400) -> dict:
+    return {"prompt": f"why do retries bury a service? {uuid.uuid4()}", "max_tokens": max_tokens,
+            "temperature": 0}
+
+
+def row(app, request_id) -> InferenceRequest:
+    with services(app).db.session() as session:
+        return session.get(InferenceRequest, uuid.UUID(request_id))
+
+
+def test_identical_requests_in_flight_are_computed_once(client, worker, app):
+    body = question()
+    leader = client.submit(**body).get_json()["id"]
+    client.wait(leader, statuses={"running"})
+    generated = worker.stats()["generated_tokens"]
+    twins = [client.submit(**body) for _ in range(5)]
+    assert all(t.status_code == 202 and "Sluice-Cache" not in t.headers for t in twins)
+    assert {str(row(app, t.get_json()["id"]).follows_id) for t in twins} == {leader}
+    first = client.wait(leader)
+    assert first["status"] == "succeeded" and first["cache_hit"] is False
+    for twin in twins:
+        view = client.wait(twin.get_json()["id"], timeout=10)
+        assert view["status"] == "succeeded" and view["cache_hit"] is True, view
+        assert view["output"] == first["output"] and view["worker"] is None and view["attempts"] == 0
+    time.sleep(1.5)  # the engine's counters arrive with the next heartbeats
+    assert worker.stats()["generated_tokens"] - generated <= 400, "a twin was computed too"
+    svc = services(app)
+    key = answer_key(svc.settings.registry.default.name, {"prompt": body["prompt"]}, {"temperature": 0}, 400)
+    assert not svc.redis.exists(LEADER_PREFIX + key.split(":")[-1]), "the leader key outlived the leader"
+
+
+def test_twins_of_a_cancelled_request_are_computed_on_their_own(client):
+    body = question()
+    leader = client.submit(**body).get_json()["id"]
+    twin = client.submit(**body).get_json()["id"]
+    assert client.cancel(leader).status_code == 200
+    view = client.wait(twin)
+    assert view["status"] == "succeeded" and view["cache_hit"] is False and view["attempts"] == 1
+    assert client.get(leader).get_json()["status"] == "cancelled"
+
+
+def test_a_twin_parked_on_a_leader_that_just_ended_settles_itself(client, app):
+    """The leader's end hook ran before the twin's row existed: the twin's own check answers it."""
+    body = question(max_tokens=8)
+    svc = services(app)
+    # A finished leader whose answer never reached the cache, but whose leader key is still there.
+    leader = client.wait(client.submit(**body).get_json()["id"])
+    key = answer_key(svc.settings.registry.default.name, {"prompt": body["prompt"]}, {"temperature": 0}, 8)
+    svc.redis.delete(key)
+    svc.redis.set(LEADER_PREFIX + key.split(":")[-1], leader["id"], ex=30)
+    twin = client.submit(**body)
+    assert twin.status_code == 202
+    view = client.get(twin.get_json()["id"]).get_json()
+    assert view["status"] == "succeeded" and view["cache_hit"] is True and view["output"] == leader["output"]
+
+
+def test_the_sweep_settles_twins_whose_leader_ended_without_its_hook(app, client):
+    svc = services(app)
+    tenant_id = row(app, client.submit(prompt="whose tenant", max_tokens=1).get_json()["id"]).tenant_id
+    bare = Lifecycle(svc.db)  # no hooks: a process that died between its commit and the hook
+    columns = dict(tenant_id=tenant_id, priority=Priority.REALTIME, size_class=SizeClass.SMALL, queue="nobody.reads",
+                   model_requested="m", input={"prompt": "p"}, params={}, max_tokens=4, time_limit_s=60,
+                   reserved_tokens=5, input_tokens=1)
+    leader = InferenceRequest(id=uuid.uuid4(), **columns)
+    bare.accept(leader)
+    twin = InferenceRequest(id=uuid.uuid4(), follows_id=leader.id, **columns)
+    bare.accept(twin)
+    assert bare.claim(leader.id, "w/gone", "dev0") is not None
+    out = SimpleNamespace(text="the answer", output_tokens=2, prompt_tokens=1, cached_tokens=0, finish_reason="length")
+    bare.finish(leader.id, "w/gone", SUCCEEDED, output=out)
+    svc.redis.delete(FOLLOWED_PREFIX + str(leader.id))
+    sweep(svc)  # (or the session's own beat got there first)
+    settled = row(app, str(twin.id))
+    assert settled.status == Status.SUCCEEDED and settled.output_text == "the answer" and settled.cache_hit
+    assert settled.enqueued_at is None, "a parked twin is never published"

@@ -14,6 +14,7 @@ from sluice.settings import Settings
 from .argv import beat_argv, flower_argv, web_argv, worker_argv
 from .database import create_key, upgrade_database
 from .options import load_settings, service_settings
+from .reserve_cli import reserve
 from .supervisor import run_platform
 from .tenants_cli import tenants
 
@@ -30,6 +31,7 @@ def main() -> None:
 
 
 main.add_command(tenants)
+main.add_command(reserve)
 
 
 @main.command()
@@ -140,20 +142,34 @@ def monitor() -> None:
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    Monitor(svc.settings, svc.redis, svc.db).run(stop)
+    Monitor(svc.settings, svc.redis, svc.db, broker=svc.broker).run(stop)
 
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def status(as_json: bool) -> None:
     """Show the load per class, as the monitor last published it."""
+    from sqlalchemy import func, select
+
+    from models import Database
+    from models.reservation import current
     from sluice.keys import redis_client
     from sluice.load import ClassLoad, load_view
 
     settings = load_settings()
     if not settings.redis_url:
         raise click.UsageError("REDIS_URL not set: `sluice status` reads the load from Redis")
-    view = load_view(redis_client(settings.redis_url), settings.ladder)
+    reservations = []
+    if settings.database_url:  # the reservations live in Postgres
+        db = Database()
+        db.configure(settings.sqlalchemy_url, pool_size=1, max_overflow=0)
+        try:
+            with db.session() as session:
+                now = session.scalar(select(func.now()))
+                reservations = [r.view(now) for r in current(session)]
+        finally:
+            db.dispose()
+    view = load_view(redis_client(settings.redis_url), settings.ladder, reservations)
     if as_json:
         click.echo(json.dumps(view, indent=2))
         return
@@ -168,6 +184,11 @@ def status(as_json: bool) -> None:
         click.echo(f"{load.priority + ':' + load.model:32} {load.queued_requests:>7} {load.queued_tokens:>9} "
                    f"{load.queued_work:>8} {load.drain_tps:>11.0f} {load.seq_tps:>9.1f} {wait:>7} {load.level:>5} "
                    f"{load.workers:>7}")
+    for one in view["reservations"]:
+        click.echo(f"reservation {one['id']}: {one['state']}, {one['from']} → {one['until']}, "
+                   f"role {one['role'] or 'all shared'}{', ' + one['note'] if one['note'] else ''}")
+    if view["paused_for_reservations"]:
+        click.echo(f"batch queues paused on: {', '.join(view['paused_for_reservations'])}")
 
 
 @main.command("config")

@@ -12,6 +12,9 @@ CONVERSATION_PREFIX = "sluice:conv:"
 # A worker killed in that gap leaves its messages in the broker's unacked set, which Redis
 # only restores after the visibility timeout; this lets the sweep restore them at once.
 RESERVED_KEY = "sluice:reserved"
+# Hash worker id → {"node", "queues"}: workers a peak reservation told to stop reading batch
+# queues (workers/reservations.py), so whoever leads the monitor next can resume them.
+PAUSED_KEY = "sluice:reserve:paused"
 
 
 def cancel_key(request_id: str) -> str:

@@ -19,6 +19,7 @@ degradation ladder reason about):
 from __future__ import annotations
 
 import enum
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
@@ -28,7 +29,7 @@ import redis
 from models import Priority, Status
 from models.lifecycle import Moved
 
-from .keys import LOAD_LEVEL_KEY
+from .keys import LOAD_LEVEL_KEY, PAUSED_KEY
 
 log = logging.getLogger(__name__)
 
@@ -157,12 +158,17 @@ def steps_in_force(level: int, enabled: tuple[str, ...]) -> list[str]:
     return [step for rank, step in enumerate(LADDER_STEPS, start=1) if level >= rank and step in enabled]
 
 
-def load_view(client: redis.Redis, enabled_steps: tuple[str, ...]) -> dict:
+def load_view(client: redis.Redis, enabled_steps: tuple[str, ...], reservations: list[dict]) -> dict:
     """What the operator sees (``GET /v1/admin/load``, ``sluice status``): the platform's level,
-    the steps it turns on, and every class as the monitor last published it."""
+    the steps it turns on, every class as the monitor last published it, and the peak
+    reservations in force or to come (``reservations``, from Postgres) with the workers paused
+    for them now."""
     raw = client.hgetall(LOAD_LEVEL_KEY)
     level = int(raw["level"]) if raw else None
+    paused = sorted(json.loads(v)["node"] for v in client.hvals(PAUSED_KEY))
     return {"level": level,
             "steps": steps_in_force(level or 0, enabled_steps),
             "monitor": "running" if raw else "not running: admission applies its local rules",
-            "classes": [asdict(one) for one in ClassLoad.read_all(client)]}
+            "classes": [asdict(one) for one in ClassLoad.read_all(client)],
+            "reservations": reservations,
+            "paused_for_reservations": paused}

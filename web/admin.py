@@ -8,13 +8,18 @@ Registered only when ``SLUICE_ADMIN_KEY`` is set; every call sends ``Authorizati
     GET    /admin/tenants/<tenant>      one tenant
     PATCH  /admin/tenants/<tenant>      {tier?, <limit>?}; null resets a value to the default
     POST   /admin/tenants/<tenant>/keys a new API key → 201 {api_key} (shown once)
-    GET    /v1/admin/load               the load monitor's view: per class queue, drain, wait, level
+    GET    /v1/admin/load               the load monitor's view: per class queue, drain, wait, level,
+                                        steps in force, reservations and the workers paused for them
+    POST   /v1/admin/reservations       {from, until, role?, note?} → 201: a peak reservation
+    GET    /v1/admin/reservations       those in force or to come
+    DELETE /v1/admin/reservations/<id>  cancel one (batch queues are read again within seconds)
 """
 
 from __future__ import annotations
 
 import functools
 import hmac
+import uuid
 from typing import Any
 
 from flask import Blueprint, Response, jsonify, request
@@ -22,7 +27,9 @@ from marshmallow import Schema, fields, validate
 from sqlalchemy import func, select
 
 from models import ApiKey
+from models.reservation import ReservationError, book, cancel, current
 from sluice.load import load_view
+from sluice.queues import ROLES
 from sluice.tenants import TenantError, add_key, create_tenant, find_tenant, list_tenants, tenant_view, update_tenant
 
 from .bodies import json_object, validated
@@ -145,6 +152,57 @@ def new_api_key(tenant_ref: str) -> tuple[Response, int]:
 
 @load_bp.get("/load")
 def show_load() -> Response:
-    """Per class, as the load monitor last published it: queue, drain, wait, level, workers."""
+    """Per class, as the load monitor last published it: queue, drain, wait, level, workers;
+    and the peak reservations."""
     svc = services()
-    return jsonify(load_view(svc.redis, svc.settings.ladder))
+    with svc.db.session() as session:
+        now = session.scalar(select(func.now()))
+        reservations = [r.view(now) for r in current(session)]
+    return jsonify(load_view(svc.redis, svc.settings.ladder, reservations))
+
+
+class ReservationSchema(Schema):
+    """Body of POST /v1/admin/reservations."""
+
+    starts_at = fields.AwareDateTime(required=True, data_key="from")
+    ends_at = fields.AwareDateTime(required=True, data_key="until")
+    role = fields.String(load_default=None, allow_none=True, validate=validate.OneOf(sorted(ROLES)))
+    note = fields.String(load_default=None, allow_none=True, validate=validate.Length(max=200))
+
+
+def _reservation_error(exc: ReservationError) -> ApiError:
+    if exc.code == "not_found":
+        return NotFound(str(exc))
+    return ApiError(str(exc), code=exc.code, status=422)
+
+
+@load_bp.post("/reservations")
+def book_reservation() -> tuple[Response, int]:
+    data = _load(ReservationSchema())
+    with _db().session() as session:
+        try:
+            reservation = book(session, data["starts_at"], data["ends_at"], data["role"], data["note"], tuple(ROLES))
+        except ReservationError as exc:
+            raise _reservation_error(exc) from None
+        return jsonify(reservation.view(session.scalar(select(func.now())))), 201
+
+
+@load_bp.get("/reservations")
+def list_reservations() -> Response:
+    with _db().session() as session:
+        now = session.scalar(select(func.now()))
+        return jsonify(reservations=[r.view(now) for r in current(session)])
+
+
+@load_bp.delete("/reservations/<reservation_id>")
+def cancel_reservation(reservation_id: str) -> Response:
+    try:
+        rid = uuid.UUID(reservation_id)
+    except ValueError:
+        raise NotFound(f"No reservation {reservation_id}: reservation ids are UUIDs.") from None
+    with _db().session() as session:
+        try:
+            reservation = cancel(session, rid)
+        except ReservationError as exc:
+            raise _reservation_error(exc) from None
+        return jsonify(reservation.view(session.scalar(select(func.now()))))

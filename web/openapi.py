@@ -15,7 +15,7 @@ from apispec.ext.marshmallow import MarshmallowPlugin
 from marshmallow import fields, validate
 
 from . import schemas
-from .admin import TenantCreateSchema, TenantLimitsSchema
+from .admin import ReservationSchema, TenantCreateSchema, TenantLimitsSchema
 
 
 def _exact_bounds(self, field: fields.Field, ret: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
@@ -61,7 +61,8 @@ def build_spec(version: str) -> dict:
                          ("RequestView", schemas.RequestViewSchema), ("Error", schemas.ErrorSchema),
                          ("Health", schemas.HealthSchema), ("Readiness", schemas.ReadinessSchema),
                          ("TenantView", schemas.TenantViewSchema), ("TenantCreate", TenantCreateSchema),
-                         ("TenantLimits", TenantLimitsSchema), ("LoadView", schemas.LoadViewSchema)):
+                         ("TenantLimits", TenantLimitsSchema), ("ReservationView", schemas.ReservationViewSchema),
+                         ("LoadView", schemas.LoadViewSchema), ("ReservationCreate", ReservationSchema)):
         spec.components.schema(name, schema=schema)
     _request_paths(spec)
     _service_paths(spec)
@@ -170,6 +171,24 @@ def _admin_paths(spec: APISpec) -> None:
     spec.path(path="/v1/admin/load", operations={"get": {
         **admin, "summary": "Load per class: queue in requests, tokens and work, drain, wait, level",
         "responses": {"200": _json("LoadView", "As the load monitor last published it."), **denied}}})
+    spec.path(path="/v1/admin/reservations", operations={
+        "get": {**admin, "summary": "Peak reservations in force or to come",
+                "responses": {"200": {"description": "The reservations.", "content": {"application/json": {
+                    "schema": {"type": "object", "properties": {
+                        "reservations": {"type": "array", "items": "ReservationView"}}}}}}, **denied}},
+        "post": {**admin, "summary": "Reserve capacity for realtime: shared workers stop reading batch queues "
+                                     "during the window",
+                 "requestBody": {"required": True, "content": {"application/json": {"schema": "ReservationCreate"}}},
+                 "responses": {"201": _json("ReservationView", "Booked."), **denied,
+                               "422": _error("Invalid fields, an empty or past window, an unknown role "
+                                             "(invalid_request).")}},
+    })
+    spec.path(path="/v1/admin/reservations/{reservation_id}", operations={"delete": {
+        **admin, "summary": "Cancel a reservation; paused workers read batch queues again within seconds",
+        "parameters": [{"name": "reservation_id", "in": "path", "required": True,
+                        "schema": {"type": "string", "format": "uuid"}}],
+        "responses": {"200": _json("ReservationView", "The reservation, cancelled."), **denied,
+                      "404": _error("No such reservation.")}}})
     spec.path(path="/admin/tenants/{tenant_ref}/keys", operations={"post": {
         **admin, "summary": "A new API key for a tenant (shown once)", "parameters": [tenant],
         "responses": {"201": {"description": "The key.", "content": {"application/json": {"schema": {

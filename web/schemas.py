@@ -257,9 +257,27 @@ class ClassLoadSchema(Schema):
     updated_at_ms = fields.Integer()
 
 
+class ReservationViewSchema(Schema):
+    """A peak reservation (``models/reservation.py``)."""
+
+    id = fields.UUID()
+    from_ = fields.DateTime(data_key="from")
+    until = fields.DateTime()
+    role = SafeString(allow_none=True, metadata={"description": "Workers of this role pause; null: every worker "
+                                                               "serving both realtime and batch."})
+    note = SafeString(allow_none=True)
+    state = SafeString(metadata={"description": "scheduled, active, ended or cancelled."})
+    created_at = fields.DateTime()
+    cancelled_at = fields.DateTime(allow_none=True)
+
+
 class LoadViewSchema(Schema):
     level = fields.Integer(allow_none=True, metadata={"description": "The platform level admission reads."})
     steps = fields.List(SafeString(), metadata={
         "description": "The degradation steps this level turns on, of those switched on (SLUICE_LADDER_STEPS)."})
     monitor = SafeString()
     classes = fields.List(fields.Nested(ClassLoadSchema))
+    reservations = fields.List(fields.Nested(ReservationViewSchema), metadata={
+        "description": "Peak reservations in force or to come."})
+    paused_for_reservations = fields.List(SafeString(), metadata={
+        "description": "Workers (node names) that stopped reading batch queues for a reservation now."})

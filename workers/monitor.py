@@ -20,7 +20,9 @@ measured, a class's capacity is its workers' threads times the speed one sequenc
 thread keeps one sequence decoding), so the first burst after a start is already promised.
 
 Every ``RECOUNT_S`` the leader re-counts queued work per class from Postgres (a process can die
-between a commit and its counter update); nothing else here reads the database.
+between a commit and its counter update), and every few seconds it reads the peak reservations
+in force, which it carries out (``workers/reservations.py``: shared workers stop reading batch
+queues, and leave the batch classes' capacity meanwhile); nothing else here reads the database.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import redis
+from celery import Celery
 from sqlalchemy import func, select
 
 from models import InferenceRequest, Priority, Status
@@ -42,6 +45,8 @@ from models.session import Database
 from sluice.load import COUNTERS_PREFIX, ClassLoad, LoadLevel, class_name, counters_key, write_level
 from sluice.settings import Settings
 from web.health import warm_workers
+
+from .reservations import BatchPause
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +105,11 @@ class _ClassState:
 
 class Monitor:
     def __init__(self, settings: Settings, client: redis.Redis, db: Database,
-                 clock=time.monotonic, policy: LevelPolicy | None = None) -> None:
+                 clock=time.monotonic, policy: LevelPolicy | None = None, broker: Celery | None = None) -> None:
         self.settings = settings
+        # Peak reservations are carried out by the leader (workers/reservations.py); without a
+        # broker to send remote-control commands through, they are not.
+        self.pause = BatchPause(client, db, broker, clock) if broker is not None else None
         self.redis = client
         self.db = db
         self.clock = clock
@@ -117,6 +125,7 @@ class Monitor:
     def tick(self) -> list[ClassLoad]:
         now = self.clock()
         workers = self._live_workers()
+        paused = self.pause.apply(workers) if self.pause is not None else set()
         seq_by_model = self._sequence_speeds(workers, now)
         seconds, micros = self.redis.time()
         stamp = seconds * 1000 + micros // 1000  # the Redis clock, which admission compares it with
@@ -124,7 +133,8 @@ class Monitor:
         for name, counters in self._counters(workers).items():
             priority, model = name.split(":", 1)
             serving = [w for w in workers if w.get("model") == model
-                       and any(q.startswith(priority + ".") for q in w.get("queues", ()))]
+                       and any(q.startswith(priority + ".") for q in w.get("queues", ()))
+                       and not (priority == Priority.BATCH.value and w["worker"] in paused)]
             threads = sum(w.get("threads", 0) for w in serving)
             loads.append(self._class_load(priority, model, counters, len(serving), threads,
                                           seq_by_model.get(model), now, stamp))

@@ -6,7 +6,8 @@
 
 Users (bench/users.py) arrive open loop (Poisson). A realtime user asks a short question
 (--rt-tokens), waits at most --slo seconds (the client timeout), and when the page hangs asks
-again, up to --retries times; a refused user (429/503, with Retry-After) does not. Batch jobs
+again, up to --retries times; a refused user (429/503, with Retry-After) does not. A Sluice user
+who gives up just stops polling (closes the page; nothing is cancelled). Batch jobs
 (--batch-tokens, priority batch) arrive at a steady rate, wait as long as it takes and resubmit
 after Retry-After. Each setup runs, on fresh processes:
 
@@ -29,15 +30,20 @@ load monitor, whose figures admission uses) on a scratch database of the local P
 Redis database, with a tenant whose limits never bind; everything is stopped and dropped at exit,
 Ctrl-C included. Engines: `sim` is the simulated engine at --sim-speed, its batch bounded by the
 worker's --seqs threads; `vllm` is vLLM on this CPU with the tiny random Llama of tests/tiny_model.py
-and max_num_seqs --seqs, in Sluice's worker and in vLLM's server alike.
+and max_num_seqs --seqs, in Sluice's worker and in vLLM's server alike. On a small CPU host the
+clients, the web tier (which every poll, each --poll seconds, costs), Postgres, Redis and the
+engine share the cores; the defaults put the sim's knee near 2.5 questions/s so that 3x of it
+stays within what two cores serve.
 
 The knee is the rate the engine serves within SLO. Unless --knee is given it is searched first,
 on --knee-setup (vllm-server for --engine vllm, else sluice-ladder-off: the engine behind the
 thinnest front, with no batch load): steps of --knee-step seconds from --knee-start requests/s,
 x1.5 until fewer than --knee-target of the questions are answered within SLO, then --knee-refine
-geometric bisections. The knee is the highest rate that passed; the realtime rate the engine
-sustains there is that step's answers within SLO per second. The batch rate defaults to
---batch-share of the knee's realtime tokens/s.
+geometric bisections. A step is judged on the questions of its second half, once a queue had
+time to build; short steps (a few SLOs) still overstate the knee. The knee is the highest rate
+that passed; the realtime rate the engine sustains there is that half's answers within SLO per
+second (with --knee given, the rate itself). The batch rate defaults to --batch-share of the
+knee's realtime tokens/s.
 
 Per setup and phase (a question belongs to the phase it arrived in; its first attempt decides it):
   within SLO     answered before the client timeout
@@ -68,6 +74,7 @@ import http.client
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -78,7 +85,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -88,15 +95,7 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from users import (  # noqa: E402
-    Arrivals,
-    Http,
-    Question,
-    SluiceFront,
-    VllmFront,
-    batch_job,
-    realtime_user,
-)
+from users import Arrivals, Http, Question, SluiceFront, VllmFront, batch_job, realtime_user  # noqa: E402
 
 from launcher.argv import monitor_argv, web_argv  # noqa: E402
 from launcher.database import upgrade_database  # noqa: E402
@@ -209,7 +208,7 @@ def start_sluice(args: argparse.Namespace, setup: str, exits: contextlib.ExitSta
         if time.monotonic() > deadline:
             raise RuntimeError(f"the load monitor published nothing in 30 s; see {tmp / 'monitor.log'}")
         time.sleep(0.5)
-    say(f"  {setup}: web {api}, worker {worker.worker_key}, logs in {tmp}")
+    say(f"  {setup}: web {api}, worker {worker.worker_key}")
     return front
 
 
@@ -223,7 +222,7 @@ def start_vllm_server(args: argparse.Namespace, exits: contextlib.ExitStack, tmp
     server = spawn(argv, {}, log, exits)
     api = f"http://127.0.0.1:{port}"
     wait_http(api, "/health", server, log, READY_S["vllm"])
-    say(f"  vllm-server: {api}, log {log}")
+    say(f"  vllm-server: {api}")
     return VllmFront(api, MODEL_NAME, slo_s=args.slo, rt_tokens=args.rt_tokens, batch_tokens=args.batch_tokens)
 
 
@@ -449,12 +448,16 @@ def totals(tokens: dict[str, Counter]) -> dict:
 
 def find_knee(front: SluiceFront | VllmFront, args: argparse.Namespace) -> dict:
     """The highest realtime rate (no batch load) at which --knee-target of questions are answered
-    within SLO: x1.5 steps up to the first failure (halving while the start fails), then bisection."""
-    step_s = args.knee_step * args.scale
+    within SLO: x1.5 steps up to the first failure (halving while the start fails), then bisection.
+
+    A step is judged on the questions of its second half: an open-loop queue past the knee grows
+    with time, and the first half gives it time to. Steps of only a few SLOs still overstate it."""
+    half_s = args.knee_step * args.scale / 2
     rate, passed, failed, steps, bisections = args.knee_start, None, None, [], 0
     while len(steps) < args.knee_max_steps:
-        run = run_load(front, args, [("knee", rate, step_s)], 0.0, first=(len(steps) + 1) * 10**6)
-        row = summarise(run, None)[0]
+        run = run_load(front, args, [("ramp", rate, half_s), ("knee", rate, half_s)], 0.0,
+                       first=(len(steps) + 1) * 10**6)
+        row = summarise(run, None)[1]
         share = row["within_slo"] / row["asked"] if row["asked"] else 0.0
         steps.append({**row, "share_within_slo": share})
         ok = row["asked"] > 0 and share >= args.knee_target
@@ -480,7 +483,17 @@ def find_knee(front: SluiceFront | VllmFront, args: argparse.Namespace) -> dict:
 
 
 def start(args: argparse.Namespace, setup: str, exits: contextlib.ExitStack) -> SluiceFront | VllmFront:
+    """The setup's processes, stopped when ``exits`` closes; their logs are kept only if it fails."""
     tmp = Path(tempfile.mkdtemp(prefix=f"overload-{setup}-"))
+
+    def logs(exc_type: type | None, *_: object) -> bool:  # runs last, once every process stopped
+        if exc_type is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            say(f"  {setup}: logs kept in {tmp}")
+        return False
+
+    exits.push(logs)
     if setup == "vllm-server":
         return start_vllm_server(args, exits, tmp)
     return start_sluice(args, setup, exits, tmp)
@@ -493,9 +506,11 @@ def run_setup(front: SluiceFront | VllmFront, args: argparse.Namespace, knee: di
     say(f"  phases {', '.join(f'{n} {r:.2f}/s x {s:.0f}s' for n, r, s in phases)}; batch {batch_rate:.3f} jobs/s")
     run = run_load(front, args, phases, batch_rate, first=0)
     tokens = vllm_tokens(run) if isinstance(front, VllmFront) else sluice_tokens(front, run)
-    rows = summarise(run, tokens)
-    return {"batch_rate": batch_rate, "phases": rows, "totals": totals(tokens), "samples": run.samples,
-            "goals": goals(rows, totals(tokens), knee)}
+    rows, total = summarise(run, tokens), totals(tokens)
+    questions = [{"number": q.number, "kind": q.kind, "phase": q.phase, "arrived": q.arrived, "outcome": q.outcome,
+                  "attempts": [asdict(a) for a in q.attempts]} for q in run.questions + run.batch]
+    return {"batch_rate": batch_rate, "phases": rows, "totals": total, "goals": goals(rows, total, knee),
+            "samples": run.samples, "questions": questions}
 
 
 def goals(rows: list[dict], total: dict, knee: dict) -> dict:
@@ -620,8 +635,10 @@ def main() -> int:
         from tiny_model import build_tiny_model
 
         args.model = build_tiny_model(ROOT / ".cache" / "tiny-llama")
-    # SIGTERM unwinds like Ctrl-C, so every process is stopped and every database dropped.
-    signal.signal(signal.SIGTERM, interrupt)
+    # SIGTERM unwinds like Ctrl-C, so every process is stopped and every database dropped (SIGINT
+    # too, explicitly: a shell starts background jobs with it ignored).
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, interrupt)
     order = sorted(args.setups, key=lambda s: s != args.knee_setup)  # reuse the knee's server for its run
     knee = {"rate": args.knee, "goodput": args.knee, "steps": []} if args.knee else None
     say(f"# {os.cpu_count()} CPUs; engine {args.engine}; setups {', '.join(order)}; SLO {args.slo:g} s; "

@@ -27,6 +27,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -183,6 +184,7 @@ class SluiceFront:
         self.deadline, self.slo_s, self.poll_s = deadline, slo_s, poll_s
         self.rt_tokens, self.batch_tokens, self.batch_deadline_s = rt_tokens, batch_tokens, batch_deadline_s
         self._sampler = Http(api, {"Authorization": f"Bearer {admin_key}"})
+        self._sampling = threading.Lock()  # the sampler thread and the phase marks share one connection
 
     def _client(self) -> Http:
         return Http(self.api, {"Authorization": f"Bearer {self.key}"})
@@ -235,18 +237,18 @@ class SluiceFront:
             client.close()
 
     def sample(self) -> dict:
-        """Queued tokens per priority and the platform level, as the load monitor published them."""
-        reply = self._sampler.call("GET", "/v1/admin/load", timeout_s=5)
+        """Queued tokens per priority, the platform level and the ladder steps it turns on, as the
+        load monitor published them."""
+        with self._sampling:
+            reply = self._sampler.call("GET", "/v1/admin/load", timeout_s=5)
         queued = {"realtime": 0, "batch": 0}
         for one in reply.doc.get("classes", []):
             queued[one["priority"]] = queued.get(one["priority"], 0) + int(one["queued_tokens"])
         return {"realtime_queued_tokens": queued["realtime"], "batch_queued_tokens": queued["batch"],
-                "level": reply.doc.get("level")}
+                "level": reply.doc.get("level"), "steps": reply.doc.get("steps")}
 
     def rows(self, ids: list[str], workers: int = 8) -> dict[str, dict]:
         """The request views of ``ids`` (GET /v1/requests/<id>), read back after the run."""
-        from concurrent.futures import ThreadPoolExecutor
-
         local = threading.local()
 
         def one(request_id: str) -> tuple[str, dict]:
@@ -276,6 +278,7 @@ class VllmFront:
         self.api, self.model, self.slo_s = api, model, slo_s
         self.rt_tokens, self.batch_tokens = rt_tokens, batch_tokens
         self._sampler = Http(api)
+        self._sampling = threading.Lock()  # the sampler thread and the phase marks share one connection
         self._open: set[Http] = set()
         self._lock = threading.Lock()
 
@@ -320,7 +323,8 @@ class VllmFront:
 
     def sample(self) -> dict:
         """Requests waiting and running, and output tokens generated so far, from /metrics."""
-        return metrics(self._sampler.call("GET", "/metrics", timeout_s=5).doc.get("text", ""))
+        with self._sampling:
+            return metrics(self._sampler.call("GET", "/metrics", timeout_s=5).doc.get("text", ""))
 
 
 def metrics(text: str) -> dict:
@@ -339,8 +343,12 @@ def metrics(text: str) -> dict:
 
 
 def _code(reply: Reply) -> str:
+    """The error code, with the gate's reason when there is one (``overloaded:deadline``)."""
     error = reply.doc.get("error")
-    return error.get("code", str(reply.status)) if isinstance(error, dict) else str(reply.status)
+    if not isinstance(error, dict):
+        return str(reply.status)
+    reason = (error.get("details") or {}).get("reason") if isinstance(error.get("details"), dict) else None
+    return f"{error.get('code', reply.status)}:{reason}" if reason else str(error.get("code", reply.status))
 
 
 def realtime_user(front: SluiceFront | VllmFront, question: Question, retries: int) -> None:

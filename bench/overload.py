@@ -19,7 +19,7 @@ after Retry-After. Each setup runs, on fresh processes:
 
   sluice             Sluice as shipped; users state their patience: deadline_s = SLO (batch: --batch-deadline)
   sluice-defaults    the same platform, no deadline_s sent: what the defaults alone give
-  sluice-ladder-off  deadline_s sent, SLUICE_LADDER_STEPS="," (no degradation step in force; the
+  sluice-ladder-off  deadline_s sent, SLUICE_LADDER_STEPS=none (no degradation step in force; the
                      promise at admission still refuses what cannot finish in time)
   vllm-server        vLLM's own OpenAI server alone (--engine vllm only), --scheduling-policy priority,
                      realtime priority 0, batch 1 (lower runs first); its users cannot state patience,
@@ -180,7 +180,7 @@ def start_sluice(args: argparse.Namespace, setup: str, exits: contextlib.ExitSta
     redis_url = f"{args.redis}/{free_redis_db(args.redis, set())}"
     exits.callback(flush_redis, redis_url)
     port, admin_key = free_port(), uuid.uuid4().hex
-    ladder = "," if setup == "sluice-ladder-off" else Settings().ladder_steps  # "": unset, i.e. every step
+    ladder = "none" if setup == "sluice-ladder-off" else Settings().ladder_steps  # "": unset, i.e. every step
     env = {"DATABASE_URL": with_database(args.postgres, name), "REDIS_URL": redis_url,
            "SLUICE_WEB_PORT": str(port), "SLUICE_ADMIN_KEY": admin_key, "SLUICE_LOG_LEVEL": "WARNING",
            "SLUICE_DATA_DIR": str(tmp), "SLUICE_LADDER_STEPS": ladder,

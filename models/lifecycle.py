@@ -104,6 +104,7 @@ class Moved:
     output_tokens: int | None
     started_at: datetime | None
     follows: uuid.UUID | None = None  # a parked twin: off every queue, its leader's id
+    deadline_s: float | None = None  # from its creation to its deadline
 
 
 Ended = Moved  # what on_end hooks receive: a Moved whose status is terminal
@@ -143,15 +144,19 @@ class Requeued(NamedTuple):
 _t = InferenceRequest
 _MOVED_COLUMNS = (_t.id, _t.tenant_id, _t.status, _t.error_code, _t.priority, func.coalesce(_t.model_routed,
                   _t.model_requested), _t.reserved_tokens, _t.input_tokens, _t.output_tokens, _t.started_at,
-                  _t.follows_id)
+                  _t.follows_id, func.extract("epoch", _t.deadline_at - _t.created_at))
 
 
 def _moved(source: Status | None, row: Any) -> Moved:
     """A Moved from a row of ``_MOVED_COLUMNS`` (or a loaded InferenceRequest)."""
     if isinstance(row, InferenceRequest):
+        deadline = (row.deadline_at - row.created_at).total_seconds() if row.deadline_at and row.created_at else None
         row = (row.id, row.tenant_id, row.status, row.error_code, row.priority, row.target_model,
-               row.reserved_tokens, row.input_tokens, row.output_tokens, row.started_at, row.follows_id)
-    return Moved(row[0], row[1], source, *row[2:])
+               row.reserved_tokens, row.input_tokens, row.output_tokens, row.started_at, row.follows_id, deadline)
+    moved = Moved(row[0], row[1], source, *row[2:])
+    if moved.deadline_s is not None and not isinstance(moved.deadline_s, float):
+        moved = dataclasses.replace(moved, deadline_s=float(moved.deadline_s))  # Postgres numeric → float
+    return moved
 
 
 def about(request_id: uuid.UUID) -> dict[str, str]:

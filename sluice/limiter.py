@@ -78,7 +78,7 @@ def unused_tokens(reserved: int, input_tokens: int, output_tokens: int | None, s
 class SharedLimiter:
     def __init__(self, client: redis.Redis, *, platform_tokens_per_minute: int = 0,
                  load_level_max_age_s: float = 30.0, reject_batch: bool = True, shed: bool = True,
-                 tight_promise_factor: float | None = None) -> None:
+                 tight_promise_factor: float | None = None, promise_factor: float = 1.0) -> None:
         self.redis = client
         self.platform_tokens_per_minute = platform_tokens_per_minute
         self.load_level_max_age_ms = int(load_level_max_age_s * 1000)
@@ -89,6 +89,8 @@ class SharedLimiter:
         # fraction of its deadline; None: the step is off and the promise keeps no margin.
         self.tight_level = int(LoadLevel.TIGHT_PROMISE) if tight_promise_factor is not None else 99
         self.tight_factor = tight_promise_factor or 1.0
+        # At every level, the share of its deadline a request must be predicted to finish in.
+        self.promise_factor = promise_factor
         self._admit = client.register_script(_script("admit.lua"))
         self._release = client.register_script(_script("release.lua"))
 
@@ -108,7 +110,8 @@ class SharedLimiter:
         args = [request_id, cost, self.platform_tokens_per_minute, limits.tokens_per_minute,
                 limits.requests_per_minute, limits.max_concurrent, priority, int(too_large),
                 self.load_level_max_age_ms, self.reject_batch_level, self.shed_level, int(dry_run),
-                "" if now_ms is None else now_ms, deadline_ms, max_tokens, self.tight_level, self.tight_factor]
+                "" if now_ms is None else now_ms, deadline_ms, max_tokens, self.tight_level, self.tight_factor,
+                self.promise_factor]
         gate, reason, retry, *numbers = self._admit(keys=keys, args=args)
         tl, tr, tz, rl, rr, rz, level, wait = (int(n) for n in numbers)
         return Verdict(_text(gate), _text(reason), int(retry), Quota(tl, tr, tz), Quota(rl, rr, rz), level, wait)

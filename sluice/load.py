@@ -62,7 +62,8 @@ def snapshot_key(priority: Priority | str, model: str) -> str:
 class QueueCounters:
     """A lifecycle ``on_move`` hook keeping each class's counters in Redis.
 
-    accepted or requeued (→ queued)   queued_requests += 1, queued_tokens += reserved, queued_work += max_tokens
+    accepted or requeued (→ queued)   queued_requests += 1, queued_tokens += reserved, queued_work += max_tokens,
+                                       queued_deadline_ms += its deadline (creation to deadline)
     claimed (queued → running)         queued_* −= …, claimed_work += max_tokens
     ended while queued (cancel/expiry) queued_* −= …
     ended while running                finished_tokens += input + output actually processed
@@ -80,15 +81,18 @@ class QueueCounters:
         key = counters_key(moved.priority, moved.model)
         # Before a request ran, reserved = admission's input estimate + max_tokens.
         work = moved.reserved_tokens - moved.input_tokens
+        deadline_ms = int((moved.deadline_s or 0) * 1000)
         pipe = self.redis.pipeline(transaction=False)
         if moved.status == Status.QUEUED:
             pipe.hincrby(key, "queued_requests", 1)
             pipe.hincrby(key, "queued_tokens", moved.reserved_tokens)
             pipe.hincrby(key, "queued_work", work)
+            pipe.hincrby(key, "queued_deadline_ms", deadline_ms)
         if moved.source == Status.QUEUED:
             pipe.hincrby(key, "queued_requests", -1)
             pipe.hincrby(key, "queued_tokens", -moved.reserved_tokens)
             pipe.hincrby(key, "queued_work", -work)
+            pipe.hincrby(key, "queued_deadline_ms", -deadline_ms)
             if moved.status == Status.RUNNING:
                 pipe.hincrby(key, "claimed_work", work)
         if moved.source == Status.RUNNING and moved.status.terminal:
@@ -114,6 +118,8 @@ class ClassLoad:
     level: int
     workers: int  # warm workers consuming this class's queues
     updated_at_ms: int
+    deadline_s: float = 0.0  # what the level judges the wait against: the queued requests' mean
+    # deadline, or the class default when that is shorter or nothing is queued
 
     def write(self, client: redis.Redis, ttl_s: float) -> None:
         key = snapshot_key(self.priority, self.model)

@@ -137,9 +137,13 @@ class Settings:
         "Degradation steps in force, comma-separated, from light_model (level 1: realtime to the registry's "
         "light model when warm), shorter_output (2: max_tokens capped), cached_answer (3: cached answers "
         "for non-deterministic requests too), reject_batch (4), tight_promise (5: the promise keeps a "
-        "margin, SLUICE_TIGHT_PROMISE_FACTOR), shed (6).")
+        "margin, SLUICE_TIGHT_PROMISE_FACTOR), shed (6); none: no step.")
+    promise_factor: float = _field(
+        "SLUICE_PROMISE_FACTOR", 0.8,
+        "A request is accepted only if predicted to finish within this fraction of its deadline: the rest is "
+        "margin for the estimate's error and for the client to learn of the answer.")
     tight_promise_factor: float = _field(
-        "SLUICE_TIGHT_PROMISE_FACTOR", 0.7,
+        "SLUICE_TIGHT_PROMISE_FACTOR", 0.6,
         "At the tight_promise level a request is accepted only if predicted to finish within this fraction "
         "of its deadline (the rest is margin for the estimate's error).")
     shorter_output_tokens: int = _field(
@@ -208,8 +212,9 @@ class Settings:
         for name in positive:
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise SettingsError(f"{_env(name)} must be > 0, got {getattr(self, name)!r}")
-        if not 0 < self.tight_promise_factor <= 1:
-            raise SettingsError("SLUICE_TIGHT_PROMISE_FACTOR must be in (0, 1]")
+        for name in ("promise_factor", "tight_promise_factor"):
+            if not 0 < getattr(self, name) <= 1:
+                raise SettingsError(f"{_env(name)} must be in (0, 1]")
         if self.auth_cache_s < 0:
             raise SettingsError("SLUICE_AUTH_CACHE_S must be >= 0 (0 = every refusal asks Postgres)")
         if self.cache_ttl_s < 0:
@@ -251,7 +256,9 @@ class Settings:
 
     @property
     def ladder(self) -> tuple[str, ...]:
-        """The degradation steps in force (SLUICE_LADDER_STEPS)."""
+        """The degradation steps in force (SLUICE_LADDER_STEPS; ``none`` switches every one off)."""
+        if self.ladder_steps.strip().lower() == "none":
+            return ()
         return tuple(step.strip() for step in self.ladder_steps.split(",") if step.strip())
 
     @functools.cached_property

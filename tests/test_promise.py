@@ -32,7 +32,9 @@ def publish(app, *, queued_work: int, drain_tps: float, seq_tps: float, priority
 
 @pytest.fixture
 def promising(isolated_app, new_client):
-    application = isolated_app(realtime_deadline_s=30.0)  # the shipped default
+    # The shipped 30 s realtime deadline; no margin, to keep the arithmetic plain (see
+    # test_the_promise_keeps_its_margin for the shipped one).
+    application = isolated_app(realtime_deadline_s=30.0, promise_factor=1.0)
     return application, new_client(application)
 
 
@@ -143,7 +145,7 @@ def test_an_idempotent_retry_gets_its_original_back_during_an_overload(promising
 def test_the_tight_promise_level_keeps_a_margin(promising):
     application, client = promising
     redis = services(application).redis
-    # 24 s of queue + 2 s of its own: inside the 30 s deadline, outside 0.7 × 30 = 21 s.
+    # 24 s of queue + 2 s of its own: inside the 30 s deadline, outside 0.6 × 30 = 18 s.
     publish(application, queued_work=2400, drain_tps=100, seq_tps=50)
     write_level(redis, LoadLevel.REJECT_BATCH, ttl_s=30)
     assert client.submit(prompt="fits", max_tokens=100).status_code == 202
@@ -151,5 +153,17 @@ def test_the_tight_promise_level_keeps_a_margin(promising):
     write_level(redis, LoadLevel.TIGHT_PROMISE, ttl_s=30)
     refused = client.submit(prompt="fits, but not with the margin", max_tokens=100)
     assert envelope(refused, 503, "overloaded")["details"]["reason"] == "deadline"
-    assert refused.headers["Retry-After"] == str(math.ceil(26 - 0.7 * 30)) == "5"
+    assert refused.headers["Retry-After"] == str(math.ceil(26 - 0.6 * 30)) == "8"
     redis.delete(LOAD_LEVEL_KEY)
+
+
+def test_the_promise_keeps_its_margin(isolated_app, new_client):
+    application = isolated_app(realtime_deadline_s=30.0)  # and the shipped SLUICE_PROMISE_FACTOR, 0.8
+    client = new_client(application)
+    # 23 s of queue + 2 s of its own = 25 s: inside the deadline, but not inside 0.8 × 30 = 24 s.
+    publish(application, queued_work=2300, drain_tps=100, seq_tps=50)
+    refused = client.submit(prompt="would finish, barely", max_tokens=100)
+    assert envelope(refused, 503, "overloaded")["details"]["reason"] == "deadline"
+    assert refused.headers["Retry-After"] == "1"
+    publish(application, queued_work=2000, drain_tps=100, seq_tps=50)  # 22 s: inside the margin
+    assert client.submit(prompt="in time with room to spare", max_tokens=100).status_code == 202

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from launcher.argv import worker_argv
-from sluice.settings import Settings, SettingsError
+from sluice.settings import LADDER_STEPS, Settings, SettingsError
 
 
 def concurrency_of(argv: list[str]) -> int:
@@ -26,3 +26,11 @@ def test_worker_queues_are_listed_in_order_of_preference():
     argv = worker_argv(Settings.from_env({}), "all", name="w1@host")
     assert argv[argv.index("--queues") + 1].split(",") == [
         "maintenance", "direct.w1@host", "realtime.small", "realtime.large", "batch.small", "batch.large"]
+
+
+def test_ladder_steps_are_chosen_one_by_one_or_all_switched_off():
+    assert Settings.from_env({}).ladder == LADDER_STEPS
+    assert Settings.from_env({"SLUICE_LADDER_STEPS": "none"}).ladder == ()
+    assert Settings.from_env({"SLUICE_LADDER_STEPS": "shed, reject_batch"}).ladder == ("shed", "reject_batch")
+    with pytest.raises(SettingsError, match="unknown steps gpu"):
+        Settings.from_env({"SLUICE_LADDER_STEPS": "gpu"})

@@ -86,7 +86,8 @@ class Admission:
                                     load_level_max_age_s=settings.load_level_max_age_s,
                                     reject_batch="reject_batch" in settings.ladder, shed="shed" in settings.ladder,
                                     tight_promise_factor=(settings.tight_promise_factor
-                                                          if "tight_promise" in settings.ladder else None))
+                                                          if "tight_promise" in settings.ladder else None),
+                                    promise_factor=settings.promise_factor)
         self.floor = LocalFloor(settings.local_floor_tokens_per_minute)
         self.breaker = RedisBreaker()
 

@@ -255,6 +255,8 @@ class ClassLoadSchema(Schema):
     level = fields.Integer(metadata={"description": "Degradation level 0-6 (sluice/load.py)."})
     workers = fields.Integer(metadata={"description": "Warm workers consuming this class's queues."})
     updated_at_ms = fields.Integer()
+    deadline_s = fields.Float(metadata={"description": "The deadline the level judges the wait against: the queued "
+                                                       "requests' mean, or the class default if shorter."})
 
 
 class ReservationViewSchema(Schema):

@@ -52,7 +52,13 @@ log = logging.getLogger(__name__)
 
 LEADER_KEY = "sluice:monitor:leader"
 TICK_S = 1.0
-WINDOW_S = 10.0  # drain is measured over this much history
+WINDOW_S = 10.0  # drain is measured over this much history ...
+MEASURE_MIN_S = 2.0  # ... once a backlog has lasted this long
+# Before any backlog was measured, the share of threads × one sequence's speed taken as the
+# capacity: a sequence's speed is measured at the batch sizes seen so far, and a full batch
+# runs each sequence slower (H200 calibration, 8B decode at L=512: a step takes 4.6 ms at B=1,
+# 8.3 ms at B=128, 11.5 ms at B=256).
+PRIOR_SHARE = 0.6
 RECOUNT_S = 30.0
 # Estimated wait ÷ the class's deadline at which each level (1..6) is entered; a level is left
 # only after the ratio stayed below DOWN_FACTOR × its threshold for HOLD_S. Shedding waits for
@@ -119,13 +125,17 @@ class Monitor:
         self._steps: dict[str, tuple[float, int]] = {}  # worker → (t, engine steps)
         self._renew = client.register_script(_RENEW)
         self._last_recount = float("-inf")
+        self._level = 0  # the platform level this monitor published last
 
     # ------------------------------------------------------------------ one tick
 
     def tick(self) -> list[ClassLoad]:
         now = self.clock()
         workers = self._live_workers()
-        paused = self.pause.apply(workers) if self.pause is not None else set()
+        # At the reject_batch level shared workers also stop taking batch work (from the last
+        # tick's level: the hysteresis keeps it from flapping).
+        overloaded = self._level >= LoadLevel.REJECT_BATCH and "reject_batch" in self.settings.ladder
+        paused = self.pause.apply(workers, overloaded) if self.pause is not None else set()
         seq_by_model = self._sequence_speeds(workers, now)
         seconds, micros = self.redis.time()
         stamp = seconds * 1000 + micros // 1000  # the Redis clock, which admission compares it with
@@ -143,6 +153,7 @@ class Monitor:
             load.write(self.redis, ttl)
         level = max((load.level for load in loads if load.priority == Priority.REALTIME.value), default=0)
         write_level(self.redis, LoadLevel(level), ttl_s=ttl)
+        self._level = level
         return loads
 
     def _live_workers(self) -> list[dict]:
@@ -197,31 +208,44 @@ class Monitor:
             state.samples.popleft()
         if seq_tps:
             state.seq_tps = seq_tps
-        t0, claimed0, _, _ = state.samples[0]
-        # A measurement is the capacity of `workers` only if the queue never ran dry and the
-        # same workers served it all along.
-        steady = len(state.samples) > 1 and all(q > 0 and n == workers for _, _, q, n in state.samples)
-        if steady and now - t0 >= 1.0:
-            measured = (counters.get("claimed_work", 0) - claimed0) / (now - t0)
-            if measured > 0:
-                state.capacity_tps, state.capacity_workers = measured, workers
+        # A measurement is the capacity of `workers` only over samples in which the queue never ran
+        # dry and the same workers served it: the latest such run, once it spans MEASURE_MIN_S
+        # (a backlog that just began is measured within seconds, not after a whole window).
+        backlog = 0
+        for _, _, q, n in reversed(state.samples):
+            if q <= 0 or n != workers:
+                break
+            backlog += 1
+        if backlog > 1:
+            t0, claimed0, _, _ = state.samples[-backlog]
+            if now - t0 >= MEASURE_MIN_S:
+                measured = (counters.get("claimed_work", 0) - claimed0) / (now - t0)
+                if measured > 0:
+                    state.capacity_tps, state.capacity_workers = measured, workers
         drain = 0.0
         if state.capacity_workers and workers:
             drain = state.capacity_tps * min(1.0, workers / state.capacity_workers)
-        elif workers and state.seq_tps:  # nothing measured yet: every thread decoding one sequence
-            drain = threads * state.seq_tps
+        elif workers and state.seq_tps:
+            # Nothing measured yet: every thread decoding one sequence, at the speed one sequence
+            # got at the batch sizes seen so far (often small), discounted for a full batch.
+            drain = threads * state.seq_tps * PRIOR_SHARE
         if queued == 0:
             wait = 0.0
         elif drain > 0:
             wait = queued / drain
         else:
             wait = -1.0 if workers else float("inf")  # unknown yet; or nobody serves this class at all
+        # The wait is judged against the deadlines the queued requests carry (users who state a
+        # 5 s patience degrade the class sooner than the 30 s default would), never a longer one.
         deadline = (self.settings.realtime_deadline_s if priority == Priority.REALTIME.value
                     else self.settings.batch_deadline_s)
+        requests = counters.get("queued_requests", 0)
+        if requests > 0 and counters.get("queued_deadline_ms", 0) > 0:
+            deadline = min(deadline, counters["queued_deadline_ms"] / requests / 1000)
         level = state.policy.step(max(0.0, wait) / deadline if wait != float("inf") else float("inf"), now)
         return ClassLoad(priority, model, max(0, counters.get("queued_tokens", 0)),
-                         max(0, counters.get("queued_requests", 0)), queued, round(drain, 1), round(state.seq_tps, 2),
-                         round(wait, 3) if wait != float("inf") else -1.0, level, workers, stamp)
+                         max(0, requests), queued, round(drain, 1), round(state.seq_tps, 2),
+                         round(wait, 3) if wait != float("inf") else -1.0, level, workers, stamp, round(deadline, 3))
 
     # ------------------------------------------------------------------ leading and re-counting
 
@@ -236,13 +260,15 @@ class Monitor:
         with self.db.session() as session:
             rows = session.execute(
                 select(t.priority, model, func.count(), func.coalesce(func.sum(t.reserved_tokens), 0),
-                       func.coalesce(func.sum(t.max_tokens), 0))
+                       func.coalesce(func.sum(t.max_tokens), 0),
+                       func.coalesce(func.sum(func.extract("epoch", t.deadline_at - t.created_at)), 0))
                 .where(t.status == Status.QUEUED, t.follows_id.is_(None)).group_by(t.priority, model)).all()
-        queued = {counters_key(p, m): (n, tokens, work) for p, m, n, tokens, work in rows}
+        queued = {counters_key(p, m): (n, tokens, work, deadlines) for p, m, n, tokens, work, deadlines in rows}
         with self.redis.pipeline(transaction=False) as pipe:
             for key in set(self.redis.scan_iter(match=COUNTERS_PREFIX + "*", count=200)) | set(queued):
-                n, tokens, work = queued.get(key, (0, 0, 0))
-                pipe.hset(key, mapping={"queued_requests": n, "queued_tokens": int(tokens), "queued_work": int(work)})
+                n, tokens, work, deadlines = queued.get(key, (0, 0, 0, 0))
+                pipe.hset(key, mapping={"queued_requests": n, "queued_tokens": int(tokens), "queued_work": int(work),
+                                        "queued_deadline_ms": int(float(deadlines) * 1000)})
             pipe.execute()
 
     def run(self, stop: threading.Event) -> None:

@@ -12,6 +12,7 @@
 --       per-request gate's verdict  9 load level max age (ms)  10 reject-batch level  11 shed level
 --       12 dry run (1|0)  13 now in ms ('' = the Redis clock)  14 deadline in ms from now
 --       15 max_tokens  16 tight-promise level  17 the fraction of the deadline promised from it on
+--       18 the fraction of the deadline promised below it
 -- Returns {gate, reason, retry_ms, tokens limit, tokens remaining, tokens reset ms,
 --          requests limit, requests remaining, requests reset ms, load level, estimated wait ms};
 --          gate '' = admitted; wait -1 = unknown (no fresh snapshot of the class).
@@ -63,8 +64,8 @@ if snap[3] and now - tonumber(snap[3]) <= tonumber(ARGV[9]) and (tonumber(snap[1
   local seq = tonumber(snap[2]) or 0
   local own = 0
   if seq > 0 then own = tonumber(ARGV[15]) * 1000 / seq end
-  local allowed = tonumber(ARGV[14])
-  if load >= tonumber(ARGV[16]) then allowed = allowed * tonumber(ARGV[17]) end
+  local allowed = tonumber(ARGV[14]) * tonumber(ARGV[18])
+  if load >= tonumber(ARGV[16]) then allowed = tonumber(ARGV[14]) * tonumber(ARGV[17]) end
   local late = wait + own - allowed
   if gate == '' and late > 0 then
     -- Retry when the queue will have drained by the excess: computed, not a constant.

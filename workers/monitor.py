@@ -13,9 +13,11 @@ per step), the estimated wait (queued work ÷ drain rate) and a degradation leve
 The platform level admission reads is the highest realtime level.
 
 While a class has a backlog, its measured drain is its capacity, and it is remembered with the
-number of workers that produced it. When the backlog is gone (nothing to measure) or a worker
-stops heartbeating, the capacity is that memory scaled by the workers alive now, so a lost node
-shows in the estimate at the next tick, not after the measuring window. Before any backlog was
+number of threads that produced it (for realtime, those of live workers less the ones running
+batch work). When the backlog is gone (nothing to measure), a worker stops heartbeating or batch
+work takes threads, the capacity is that memory scaled by the threads serving the class now, so
+a lost node (or a batch backlog resuming) shows in the estimate at the next tick, not after the
+measuring window. Before any backlog was
 measured, a class's capacity is its workers' threads times the speed one sequence gets (each
 thread keeps one sequence decoding), so the first burst after a start is already promised.
 
@@ -102,9 +104,9 @@ class LevelPolicy:
 
 @dataclass
 class _ClassState:
-    samples: deque = field(default_factory=deque)  # (t, claimed_work, queued_work, workers)
+    samples: deque = field(default_factory=deque)  # (t, claimed_work, queued_work, threads)
     capacity_tps: float = 0.0  # drain measured while backlogged ...
-    capacity_workers: int = 0  # ... by this many workers
+    capacity_threads: int = 0  # ... by this many threads (of live workers, less those batch held)
     seq_tps: float = 0.0
     policy: LevelPolicy = field(default_factory=LevelPolicy)
 
@@ -146,7 +148,9 @@ class Monitor:
                        and any(q.startswith(priority + ".") for q in w.get("queues", ()))
                        and not (priority == Priority.BATCH.value and w["worker"] in paused)]
             threads = sum(w.get("threads", 0) for w in serving)
-            loads.append(self._class_load(priority, model, counters, len(serving), threads,
+            if priority == Priority.REALTIME.value:  # threads busy with batch work serve no realtime
+                threads -= sum(w.get("batch_in_flight", 0) for w in serving)
+            loads.append(self._class_load(priority, model, counters, len(serving), max(0, threads),
                                           seq_by_model.get(model), now, stamp))
         ttl = 3 * TICK_S
         for load in loads:
@@ -203,17 +207,17 @@ class Monitor:
         state = self._classes.setdefault(class_name(priority, model),
                                          _ClassState(policy=dataclasses.replace(self.policy)))
         queued = max(0, counters.get("queued_work", 0))
-        state.samples.append((now, counters.get("claimed_work", 0), queued, workers))
+        state.samples.append((now, counters.get("claimed_work", 0), queued, threads))
         while state.samples and now - state.samples[0][0] > WINDOW_S:
             state.samples.popleft()
         if seq_tps:
             state.seq_tps = seq_tps
-        # A measurement is the capacity of `workers` only over samples in which the queue never ran
-        # dry and the same workers served it: the latest such run, once it spans MEASURE_MIN_S
+        # A measurement is the capacity of `threads` only over samples in which the queue never ran
+        # dry and the same threads served it: the latest such run, once it spans MEASURE_MIN_S
         # (a backlog that just began is measured within seconds, not after a whole window).
         backlog = 0
         for _, _, q, n in reversed(state.samples):
-            if q <= 0 or n != workers:
+            if q <= 0 or n != threads:
                 break
             backlog += 1
         if backlog > 1:
@@ -221,10 +225,12 @@ class Monitor:
             if now - t0 >= MEASURE_MIN_S:
                 measured = (counters.get("claimed_work", 0) - claimed0) / (now - t0)
                 if measured > 0:
-                    state.capacity_tps, state.capacity_workers = measured, workers
+                    state.capacity_tps, state.capacity_threads = measured, threads
+        # Remembered capacity scales with the threads serving the class now: a dead worker's, or
+        # (for realtime) those batch work holds, leave it at once.
         drain = 0.0
-        if state.capacity_workers and workers:
-            drain = state.capacity_tps * min(1.0, workers / state.capacity_workers)
+        if state.capacity_threads and workers:
+            drain = state.capacity_tps * min(1.0, threads / state.capacity_threads)
         elif workers and state.seq_tps:
             # Nothing measured yet: every thread decoding one sequence, at the speed one sequence
             # got at the batch sizes seen so far (often small), discounted for a full batch.

@@ -68,6 +68,7 @@ class EngineRuntime:
         self.info = info or {}  # static facts for /readyz: node, role, model, device, queues
         self._loop = asyncio.new_event_loop()
         self._in_flight: set[str] = set()
+        self._batch_in_flight: set[str] = set()  # those of batch priority: threads realtime cannot use
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -125,6 +126,8 @@ class EngineRuntime:
             limit, ends_as = max(0.0, deadline_in_s), "deadline"
         with self._lock:
             self._in_flight.add(rid)
+            if request.priority > 0:
+                self._batch_in_flight.add(rid)
         try:
             # The engine ends every stream by limit + ABORT_GRACE_S; past that the loop itself
             # is stuck and the watchdog is about to restart this worker.
@@ -140,6 +143,7 @@ class EngineRuntime:
         finally:
             with self._lock:
                 self._in_flight.discard(rid)
+                self._batch_in_flight.discard(rid)
                 self._cancelled.discard(rid)
 
     async def _run(self, request: GenerationRequest, time_limit_s: float, ends_as: str) -> RunResult:
@@ -238,6 +242,7 @@ class EngineRuntime:
             try:
                 stats = asdict(engine_stats)
                 stats.update(self.info, worker=self.worker_id, in_flight=len(self._in_flight),
+                             batch_in_flight=len(self._batch_in_flight),
                              cold_start_s=self.cold_start_s, seq_tps=self.seq_tps, at=time.time())
                 ttl = max(1, int(self._dead_after_s))
                 with self._redis.pipeline(transaction=False) as pipe:

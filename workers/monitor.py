@@ -127,17 +127,13 @@ class Monitor:
         self._steps: dict[str, tuple[float, int]] = {}  # worker → (t, engine steps)
         self._renew = client.register_script(_RENEW)
         self._last_recount = float("-inf")
-        self._level = 0  # the platform level this monitor published last
 
     # ------------------------------------------------------------------ one tick
 
     def tick(self) -> list[ClassLoad]:
         now = self.clock()
         workers = self._live_workers()
-        # At the reject_batch level shared workers also stop taking batch work (from the last
-        # tick's level: the hysteresis keeps it from flapping).
-        overloaded = self._level >= LoadLevel.REJECT_BATCH and "reject_batch" in self.settings.ladder
-        paused = self.pause.apply(workers, overloaded) if self.pause is not None else set()
+        paused = self.pause.apply(workers) if self.pause is not None else set()
         seq_by_model = self._sequence_speeds(workers, now)
         seconds, micros = self.redis.time()
         stamp = seconds * 1000 + micros // 1000  # the Redis clock, which admission compares it with
@@ -157,7 +153,6 @@ class Monitor:
             load.write(self.redis, ttl)
         level = max((load.level for load in loads if load.priority == Priority.REALTIME.value), default=0)
         write_level(self.redis, LoadLevel(level), ttl_s=ttl)
-        self._level = level
         return loads
 
     def _live_workers(self) -> list[dict]:

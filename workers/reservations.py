@@ -1,13 +1,11 @@
-"""Shared workers stop reading batch queues during a peak reservation, and while realtime is
-overloaded.
+"""Peak reservations, carried out: shared workers stop reading batch queues during a window.
 
 The load monitor's leader calls :meth:`BatchPause.apply` on its tick with the live workers'
-heartbeats, the reservations in force (``models/reservation.py``, read from Postgres every
-``READ_EVERY_S``) and whether the degradation level has reached ``reject_batch``. A worker that
-serves both realtime and batch queues and matches a reservation's role (or any, during an
-overload) is told, through Celery's remote control, to cancel its batch consumers; when neither
-holds any more it is told to add them back. Batch work it had already started runs on to its
-end: taken work is not thrown away, but no thread takes new batch work while realtime waits.
+heartbeats and the reservations in force (``models/reservation.py``, read from Postgres every
+``READ_EVERY_S``). A worker that serves both realtime and batch queues and matches a
+reservation's role is told, through Celery's remote control, to cancel its batch consumers; when
+no reservation covers it any more it is told to add them back. Batch work it had already started
+runs on to its end: taken work is not thrown away.
 
 Level-triggered, so restarts do not matter: which workers this platform paused is kept in Redis
 (``PAUSED_KEY``), so a monitor that starts (or takes over) mid-window resumes them after it; a
@@ -66,10 +64,10 @@ class BatchPause:
                 log.warning("reservations not read (%s); keeping the last known", type(exc).__name__)
         return self._in_force
 
-    def apply(self, workers: list[dict], overloaded: bool = False) -> set[str]:
-        """Pause or resume each live worker's batch queues as the reservations and the level
-        say; the ids of the workers paused now."""
-        roles = [None] if overloaded else self.in_force()
+    def apply(self, workers: list[dict]) -> set[str]:
+        """Pause or resume each live worker's batch queues as the reservations say; the ids of
+        the workers paused now."""
+        roles = self.in_force()
         paused = {k: json.loads(v) for k, v in self.redis.hgetall(PAUSED_KEY).items()}
         live = {w["worker"]: w for w in workers}
         for worker in workers:
@@ -80,14 +78,12 @@ class BatchPause:
                 self._send("cancel_consumer", worker["node"], queues)
                 self.redis.hset(PAUSED_KEY, wid, json.dumps({"node": worker["node"], "queues": queues}))
                 paused[wid] = {"node": worker["node"], "queues": queues}
-                log.info("%s: %s stops reading %s", "overload" if overloaded else "reservation in force",
-                         worker["node"], ", ".join(queues))
+                log.info("reservation in force: %s stops reading %s", worker["node"], ", ".join(queues))
             elif not wanted and wid in paused:
                 self._send("add_consumer", worker["node"], paused[wid]["queues"])
                 self.redis.hdel(PAUSED_KEY, wid)
                 del paused[wid]
-                log.info("no reservation or overload: %s reads %s again", worker["node"],
-                         ", ".join(batch_queues(worker)))
+                log.info("reservation over: %s reads %s again", worker["node"], ", ".join(batch_queues(worker)))
         for wid in set(paused) - set(live):  # gone: a restarted worker reads all its queues again
             self.redis.hdel(PAUSED_KEY, wid)
             del paused[wid]

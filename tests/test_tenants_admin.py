@@ -102,3 +102,27 @@ def test_cli_creates_updates_and_lists_tenants(database_url, redis_url):
     bad = runner.invoke(main, ["tenants", "update", name, "--tier", "platinum"], env=env)
     assert bad.exit_code != 0 and "Unknown tier" in bad.output
     assert runner.invoke(main, ["tenants", "create", name], env=env).exit_code != 0
+
+
+
+def test_bodies_and_names_postgres_cannot_hold_are_4xx_not_500(admin_app):
+    for name in ("nul\x00name", "lone\ud800surrogate"):
+        assert_envelope(admin(admin_app, "POST", "/admin/tenants", {"name": name}), 422)
+    body = {"name": f"big-{uuid.uuid4().hex[:8]}", "max_concurrent": 2**31}
+    too_big = admin(admin_app, "POST", "/admin/tenants", body)
+    assert "max_concurrent" in assert_envelope(too_big, 422)["details"]
+    assert_envelope(admin(admin_app, "GET", "/admin/tenants/%00"), 404)
+    assert_envelope(admin(admin_app, "PATCH", "/admin/tenants/%00", {"max_concurrent": 1}), 404)
+
+
+def test_a_deeply_nested_body_is_a_400(client):
+    deep = "[" * 100_000 + "]" * 100_000
+    response = client.http.post("/v1/requests", data=deep,
+                                headers={**client.headers, "Content-Type": "application/json"})
+    assert assert_envelope(response, 400, "malformed_json")
+    nested: dict = {"prompt": "x", "metadata": {}}
+    node = nested["metadata"]
+    for _ in range(40):
+        node["a"] = {}
+        node = node["a"]
+    assert assert_envelope(client.submit(**nested), 400, "malformed_json")

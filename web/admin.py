@@ -34,8 +34,10 @@ from sluice.tenants import TenantError, add_key, create_tenant, find_tenant, lis
 
 from .bodies import json_object, validated
 from .errors import ApiError, NotFound, Unauthorized
-from .schemas import StrictInteger
+from .schemas import SafeString, StrictInteger
 from .services import services
+
+INT32_MAX = 2**31 - 1
 
 bp = Blueprint("admin", __name__, url_prefix="/admin")
 # The operator's view of load lives beside the request API it describes.
@@ -47,17 +49,18 @@ _STATUS = {"tenant_exists": 409, "unknown_tier": 422, "invalid_request": 422}
 class TenantLimitsSchema(Schema):
     """Body of PATCH /admin/tenants/<tenant>: null resets a value to the tier's."""
 
-    tier = fields.String(allow_none=True, validate=validate.Length(min=1, max=32))
-    tokens_per_minute = StrictInteger(allow_none=True, validate=validate.Range(min=1))
-    requests_per_minute = StrictInteger(allow_none=True, validate=validate.Range(min=1))
-    max_concurrent = StrictInteger(allow_none=True, validate=validate.Range(min=1))
-    max_request_tokens = StrictInteger(allow_none=True, validate=validate.Range(min=1))
+    tier = SafeString(allow_none=True, validate=validate.Length(min=1, max=32))
+    # The columns are 32-bit integers.
+    tokens_per_minute = StrictInteger(allow_none=True, validate=validate.Range(min=1, max=INT32_MAX))
+    requests_per_minute = StrictInteger(allow_none=True, validate=validate.Range(min=1, max=INT32_MAX))
+    max_concurrent = StrictInteger(allow_none=True, validate=validate.Range(min=1, max=INT32_MAX))
+    max_request_tokens = StrictInteger(allow_none=True, validate=validate.Range(min=1, max=INT32_MAX))
 
 
 class TenantCreateSchema(TenantLimitsSchema):
     """Body of POST /admin/tenants."""
 
-    name = fields.String(required=True, validate=validate.Length(min=1, max=100))
+    name = SafeString(required=True, validate=validate.Length(min=1, max=100))
     create_key = fields.Boolean(load_default=True)
 
 
@@ -85,6 +88,8 @@ def _settings():
 
 
 def _tenant_or_404(session, ref: str):
+    if "\x00" in ref or not ref.encode("utf-8", "surrogatepass").decode("utf-8", "ignore") == ref:
+        raise NotFound("No such tenant.")  # no tenant has such a name, and Postgres cannot compare it
     tenant = find_tenant(session, ref)
     if tenant is None:
         raise NotFound(f"No tenant {ref!r}.")

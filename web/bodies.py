@@ -9,18 +9,40 @@ from marshmallow import Schema, ValidationError
 
 from .errors import ApiError, InvalidRequest
 
+# Nothing Sluice accepts nests deeper; a body that does is refused before anything recurses on it
+# (the JSON encoder of the idempotency hash, Postgres's JSONB, marshmallow).
+MAX_DEPTH = 32
+
 
 def json_object() -> dict[str, Any]:
     """The body as a JSON object: 415 if not sent as JSON, 400 if unparseable, 422 if not an object."""
     if not request.is_json:
         raise ApiError("Send the body as JSON with Content-Type: application/json.",
                        code="unsupported_media_type", status=415)
-    body = request.get_json(silent=True)
+    try:
+        body = request.get_json(silent=True)
+    except RecursionError:  # nested deeper than the parser's recursion allows
+        body = None
     if body is None:
         raise ApiError("The body is not valid JSON.", code="malformed_json", status=400)
+    if _deeper_than(body, MAX_DEPTH):
+        raise ApiError(f"The body nests arrays or objects more than {MAX_DEPTH} levels deep.",
+                       code="malformed_json", status=400)
     if not isinstance(body, dict):
         raise InvalidRequest("The body must be a JSON object.")
     return body
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests containers more than ``limit`` levels (iteratively: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
 
 
 def validated(schema: Schema, body: dict[str, Any]) -> dict[str, Any]:

@@ -149,10 +149,8 @@ def monitor() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def status(as_json: bool) -> None:
     """Show the load per class, as the monitor last published it."""
-    from sqlalchemy import func, select
-
     from models import Database
-    from models.reservation import current
+    from models.reservation import current_views
     from sluice.keys import redis_client
     from sluice.load import ClassLoad, load_view
 
@@ -165,8 +163,7 @@ def status(as_json: bool) -> None:
         db.configure(settings.sqlalchemy_url, pool_size=1, max_overflow=0)
         try:
             with db.session() as session:
-                now = session.scalar(select(func.now()))
-                reservations = [r.view(now) for r in current(session)]
+                reservations = current_views(session)
         finally:
             db.dispose()
     view = load_view(redis_client(settings.redis_url), settings.ladder, reservations)

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 import click
 
 from models import Database
-from models.reservation import ReservationError, book, cancel, current
+from models.reservation import ReservationError, book, cancel, current_views, now
 from sluice.queues import ROLES
 
 from .options import service_settings
@@ -56,12 +56,12 @@ def reserve(starts, ends, role, note, listing, cancel_id, as_json) -> None:
     db.configure(settings.sqlalchemy_url, pool_size=1, max_overflow=0)
     try:
         with db.session() as session:
-            now = datetime.now(UTC)
+            at = now(session)  # the database's clock, which the windows are compared with
             if listing:
-                views = [r.view(now) for r in current(session)]
+                views = current_views(session)
             elif cancel_id:
                 try:
-                    views = [cancel(session, uuid.UUID(cancel_id)).view(now)]
+                    views = [cancel(session, uuid.UUID(cancel_id)).view(at)]
                 except ValueError as exc:
                     raise click.ClickException(str(exc) if isinstance(exc, ReservationError)
                                                else f"{cancel_id!r} is not a reservation id") from None
@@ -69,7 +69,7 @@ def reserve(starts, ends, role, note, listing, cancel_id, as_json) -> None:
                 if starts is None or ends is None:
                     raise click.UsageError("give --from and --until (or --list, or --cancel ID)")
                 try:
-                    views = [book(session, starts, ends, role, note, tuple(ROLES)).view(now)]
+                    views = [book(session, starts, ends, role, note, tuple(ROLES)).view(at)]
                 except ReservationError as exc:
                     raise click.ClickException(str(exc)) from None
     finally:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
-from sqlalchemy import ColumnElement, func, or_, select, update
+from sqlalchemy import ColumnElement, Float, cast, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from .request import InferenceRequest, Priority, Status, storable_text
@@ -144,7 +144,7 @@ class Requeued(NamedTuple):
 _t = InferenceRequest
 _MOVED_COLUMNS = (_t.id, _t.tenant_id, _t.status, _t.error_code, _t.priority, func.coalesce(_t.model_routed,
                   _t.model_requested), _t.reserved_tokens, _t.input_tokens, _t.output_tokens, _t.started_at,
-                  _t.follows_id, func.extract("epoch", _t.deadline_at - _t.created_at))
+                  _t.follows_id, cast(func.extract("epoch", _t.deadline_at - _t.created_at), Float))
 
 
 def _moved(source: Status | None, row: Any) -> Moved:
@@ -153,10 +153,7 @@ def _moved(source: Status | None, row: Any) -> Moved:
         deadline = (row.deadline_at - row.created_at).total_seconds() if row.deadline_at and row.created_at else None
         row = (row.id, row.tenant_id, row.status, row.error_code, row.priority, row.target_model,
                row.reserved_tokens, row.input_tokens, row.output_tokens, row.started_at, row.follows_id, deadline)
-    moved = Moved(row[0], row[1], source, *row[2:])
-    if moved.deadline_s is not None and not isinstance(moved.deadline_s, float):
-        moved = dataclasses.replace(moved, deadline_s=float(moved.deadline_s))  # Postgres numeric → float
-    return moved
+    return Moved(row[0], row[1], source, *row[2:])
 
 
 def about(request_id: uuid.UUID) -> dict[str, str]:

@@ -142,6 +142,17 @@ class InferenceRequest(Base):
         return (self.finished_at - self.started_at).total_seconds()
 
 
+def storable(text: str) -> bool:
+    """Whether PostgreSQL text can hold ``text`` as it is: no NUL, no lone UTF-16 surrogate."""
+    if "\x00" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def storable_text(text: str) -> str:
     """``text`` as PostgreSQL text can hold it: a model may emit NUL, which text columns refuse."""
     return text.replace("\x00", "\ufffd")

@@ -37,6 +37,17 @@ class Reservation(Base):
                 "cancelled_at": self.cancelled_at.isoformat() if self.cancelled_at else None}
 
 
+def now(session: Session) -> datetime:
+    """The database's clock, the one the windows are compared with."""
+    return session.scalar(select(func.now()))
+
+
+def current_views(session: Session) -> list[dict]:
+    """``current``, as the load view and the listings show them."""
+    at = now(session)
+    return [r.view(at) for r in current(session)]
+
+
 def current(session: Session) -> list[Reservation]:
     """Reservations not cancelled and not yet over (active or scheduled), soonest first."""
     return list(session.scalars(select(Reservation).where(
@@ -64,7 +75,7 @@ def book(session: Session, starts_at: datetime, ends_at: datetime, role: str | N
         raise ReservationError("Give the window's times with a timezone, e.g. 2026-12-01T18:00:00+00:00.")
     if ends_at <= starts_at:
         raise ReservationError("The window must end after it starts.")
-    if ends_at <= session.scalar(select(func.now())):
+    if ends_at <= now(session):
         raise ReservationError("The window is already over.")
     if role is not None and role not in roles:
         raise ReservationError(f"Unknown worker role {role!r}; choose one of {', '.join(roles)}.")
@@ -79,5 +90,5 @@ def cancel(session: Session, reservation_id: uuid.UUID) -> Reservation:
     if reservation is None:
         raise ReservationError(f"No reservation {reservation_id}.", code="not_found")
     if reservation.cancelled_at is None:
-        reservation.cancelled_at = session.scalar(select(func.now()))
+        reservation.cancelled_at = now(session)
     return reservation

@@ -30,6 +30,7 @@ from models import Priority, Status
 from models.lifecycle import Moved
 
 from .keys import LOAD_LEVEL_KEY, PAUSED_KEY
+from .settings import LADDER_STEPS
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +160,6 @@ def write_level(client: redis.Redis, level: LoadLevel, ttl_s: float = 60.0) -> N
 
 def steps_in_force(level: int, enabled: tuple[str, ...]) -> list[str]:
     """The ladder's steps that ``level`` turns on, of those switched on in SLUICE_LADDER_STEPS."""
-    from .settings import LADDER_STEPS
-
     return [step for rank, step in enumerate(LADDER_STEPS, start=1) if level >= rank and step in enabled]
 
 

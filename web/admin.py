@@ -27,7 +27,8 @@ from marshmallow import Schema, fields, validate
 from sqlalchemy import func, select
 
 from models import ApiKey
-from models.reservation import ReservationError, book, cancel, current
+from models.request import storable
+from models.reservation import ReservationError, book, cancel, current_views, now
 from sluice.load import load_view
 from sluice.queues import ROLES
 from sluice.tenants import TenantError, add_key, create_tenant, find_tenant, list_tenants, tenant_view, update_tenant
@@ -88,7 +89,7 @@ def _settings():
 
 
 def _tenant_or_404(session, ref: str):
-    if "\x00" in ref or not ref.encode("utf-8", "surrogatepass").decode("utf-8", "ignore") == ref:
+    if not storable(ref):
         raise NotFound("No such tenant.")  # no tenant has such a name, and Postgres cannot compare it
     tenant = find_tenant(session, ref)
     if tenant is None:
@@ -161,8 +162,7 @@ def show_load() -> Response:
     and the peak reservations."""
     svc = services()
     with svc.db.session() as session:
-        now = session.scalar(select(func.now()))
-        reservations = [r.view(now) for r in current(session)]
+        reservations = current_views(session)
     return jsonify(load_view(svc.redis, svc.settings.ladder, reservations))
 
 
@@ -189,14 +189,13 @@ def book_reservation() -> tuple[Response, int]:
             reservation = book(session, data["starts_at"], data["ends_at"], data["role"], data["note"], tuple(ROLES))
         except ReservationError as exc:
             raise _reservation_error(exc) from None
-        return jsonify(reservation.view(session.scalar(select(func.now())))), 201
+        return jsonify(reservation.view(now(session))), 201
 
 
 @load_bp.get("/reservations")
 def list_reservations() -> Response:
     with _db().session() as session:
-        now = session.scalar(select(func.now()))
-        return jsonify(reservations=[r.view(now) for r in current(session)])
+        return jsonify(reservations=current_views(session))
 
 
 @load_bp.delete("/reservations/<reservation_id>")
@@ -210,4 +209,4 @@ def cancel_reservation(reservation_id: str) -> Response:
             reservation = cancel(session, rid)
         except ReservationError as exc:
             raise _reservation_error(exc) from None
-        return jsonify(reservation.view(session.scalar(select(func.now()))))
+        return jsonify(reservation.view(now(session)))

@@ -104,13 +104,11 @@ class Admission:
         limits = self.limits_for(tenant)
         cost = plan.reserved_tokens
         too_large = self._too_large(limits, plan)
-        args = (str(tenant.id), limits, cost, plan.priority.value)
-        verdict = self._shared(lambda: self.shared.admit(
-            str(plan.request_id), *args, too_large=too_large is not None, model=plan.target_model,
-            deadline_s=plan.deadline_s, max_tokens=plan.max_tokens))
+        verdict = self._shared(lambda: self._gates(tenant, limits, plan, too_large=too_large is not None))
         limiter = "shared"
         if verdict is None:
-            verdict, limiter = self.floor.admit(*args, too_large=too_large is not None), "local_floor"
+            verdict, limiter = self.floor.admit(str(tenant.id), limits, cost, plan.priority.value,
+                                                too_large=too_large is not None), "local_floor"
         headers = ratelimit_headers(verdict)
         if verdict.admitted:
             metrics.ADMITTED.labels(limiter=limiter).inc()
@@ -125,14 +123,19 @@ class Admission:
         refuse ``plan`` now; charge nothing either way. Only the shared limiter answers: with Redis
         away this returns and the full admission decides on the floor."""
         limits = self.limits_for(tenant)
-        verdict = self._shared(lambda: self.shared.admit(
-            str(plan.request_id), str(tenant.id), limits, plan.reserved_tokens, plan.priority.value,
-            dry_run=True, model=plan.target_model, deadline_s=plan.deadline_s, max_tokens=plan.max_tokens))
+        verdict = self._shared(lambda: self._gates(tenant, limits, plan, dry_run=True))
         if verdict is None or verdict.gate != "global":
             return
         metrics.REJECTIONS.labels(gate=verdict.gate, reason=verdict.reason).inc()
         log.info("refused early at the global gate: %s (%d tokens)", verdict.reason, plan.reserved_tokens)
         raise _rejection(verdict, limits, plan.reserved_tokens, None, ratelimit_headers(verdict))
+
+    def _gates(self, tenant: Tenant, limits: Limits, plan: Plan, *, too_large: bool = False,
+               dry_run: bool = False) -> Verdict:
+        """The shared limiter's gates for ``plan`` (its promise included); raises Redis errors."""
+        return self.shared.admit(str(plan.request_id), str(tenant.id), limits, plan.reserved_tokens,
+                                 plan.priority.value, too_large=too_large, dry_run=dry_run, model=plan.target_model,
+                                 deadline_s=plan.deadline_s, max_tokens=plan.max_tokens)
 
     def cancel(self, ticket: Ticket) -> None:
         """Undo an admission whose row was never committed."""

@@ -9,6 +9,7 @@ writes nothing: admission prices the plan, and only an admitted plan becomes a r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import uuid
@@ -21,6 +22,7 @@ import redis
 from sqlalchemy import func
 
 from models import InferenceRequest, Priority, SizeClass
+from sluice.answers import answer_key
 from sluice.keys import conversation_key, node_key
 from sluice.queues import direct_queue, queue_name, size_class_for
 from sluice.registry import ModelSpec
@@ -64,6 +66,11 @@ class Plan:
     @property
     def target_model(self) -> str:
         return self.model_routed or self.model_requested
+
+    @functools.cached_property
+    def answer_key(self) -> str:
+        """Its hot-cache key (``sluice/answers.py``), which also names its twins (``sluice/twins.py``)."""
+        return answer_key(self.target_model, self.input, self.params, self.max_tokens)
 
     def row(self) -> InferenceRequest:
         """The request's row, born ``queued`` (the column default); its deadline on the database clock."""

@@ -10,6 +10,8 @@ import numbers
 
 from marshmallow import Schema, ValidationError, fields, pre_dump, validate, validates_schema
 
+from models.request import storable
+
 
 class StrictInteger(fields.Integer):
     def _validated(self, value):
@@ -30,12 +32,9 @@ class SafeString(fields.String):
 
     def _deserialize(self, value, attr, data, **kwargs):
         text = super()._deserialize(value, attr, data, **kwargs)
-        if "\x00" in text:
-            raise ValidationError("Must not contain the NUL character (\\u0000).")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValidationError("Must be valid Unicode (no unpaired surrogates).") from None
+        if not storable(text):
+            raise ValidationError("Must not contain the NUL character (\\u0000)." if "\x00" in text
+                                  else "Must be valid Unicode (no unpaired surrogates).")
         return text
 
 

@@ -28,7 +28,7 @@ from sqlalchemy import select
 from models import InferenceRequest, Status, Tenant
 from models.lifecycle import Lifecycle, TransitionRefused
 from models.session import Database
-from sluice.answers import AnswerCache, answer_key, deterministic
+from sluice.answers import AnswerCache, deterministic
 from sluice.keys import raise_cancel_flag
 from sluice.logs import bind_request
 from sluice.queues import publish_committed
@@ -78,7 +78,7 @@ class RequestService:
         Idempotency-Key (a retry of an accepted request must get its original back, which only
         Postgres knows). A request the hot cache can answer is never refused here: it costs no GPU.
         """
-        if self._cacheable(plan) and self.answers.get(self._answer_key(plan)) is not None:
+        if self._cacheable(plan) and self.answers.get(plan.answer_key) is not None:
             return
         self.admission.refuse_early(tenant, plan)
 
@@ -98,7 +98,7 @@ class RequestService:
                     row = self.insert(plan, ticket, key)
                 except BaseException:
                     if self._cacheable(plan):  # it may have become its twins' leader: it no longer is
-                        self.twins.forget(self._answer_key(plan), plan.request_id)
+                        self.twins.forget(plan.answer_key, plan.request_id)
                     raise
             except idempotency.KeyTaken:  # a concurrent submit with this key committed first
                 original = idempotency.find(self.db, key)
@@ -117,7 +117,7 @@ class RequestService:
         used, so neither admission's gates nor its quotas apply."""
         if not self._cacheable(plan):
             return None
-        answer = self.answers.get(self._answer_key(plan))
+        answer = self.answers.get(plan.answer_key)
         if answer is None:
             return None
         if not deterministic(plan.params):
@@ -131,17 +131,13 @@ class RequestService:
     def _cacheable(self, plan: Plan) -> bool:
         return deterministic(plan.params) or self.ladder.answers_samples_from_cache()
 
-    @staticmethod
-    def _answer_key(plan: Plan) -> str:
-        return answer_key(plan.target_model, plan.input, plan.params, plan.max_tokens)
-
     def follow(self, plan: Plan, tenant: Tenant, key: idempotency.Key | None) -> Accepted | None:
         """Park the request on its identical twin in flight (``sluice/twins.py``), or None when it
         has none and now leads. A parked twin is accepted (its row is committed) but never queued:
         it costs no GPU, so, like a cache hit, it passes no admission gate."""
         if not self._cacheable(plan):
             return None
-        leader = self.twins.lead(self._answer_key(plan), plan.request_id, plan.deadline_s)
+        leader = self.twins.lead(plan.answer_key, plan.request_id, plan.deadline_s)
         if leader is None:
             return None
         self.twins.park_on(leader, plan.deadline_s)

@@ -23,7 +23,6 @@ from collections.abc import Callable
 import redis
 from celery import Celery
 
-from models import Reservation
 from models.reservation import active
 from models.session import Database
 from sluice.keys import PAUSED_KEY
@@ -93,5 +92,3 @@ class BatchPause:
         for queue in queues:
             getattr(self.control, command)(queue, destination=[node])
 
-
-__all__ = ["BatchPause", "Reservation"]

@@ -47,7 +47,17 @@ def web_argv(settings: Settings) -> list[str]:
 
 def flower_argv(settings: Settings) -> list[str]:
     return [sys.executable, "-m", "celery", "-A", "workers.entry", "flower",
-            f"--port={settings.flower_port}", f"--address={settings.web_host}"]
+            f"--port={settings.flower_port}", f"--address={settings.flower_host}"]
+
+
+def flower_env(settings: Settings) -> dict[str, str]:
+    """Flower's logins go in its environment: a command line is readable by every local user."""
+    return {"FLOWER_BASIC_AUTH": settings.flower_basic_auth} if settings.flower_basic_auth else {}
+
+
+def flower_exposed(settings: Settings) -> bool:
+    """Flower would answer beyond this host without a login."""
+    return settings.flower_host not in ("127.0.0.1", "localhost", "::1") and not settings.flower_basic_auth
 
 
 def monitor_argv(settings: Settings) -> list[str]:

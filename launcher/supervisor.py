@@ -31,13 +31,15 @@ from sluice.settings import Settings
 from workers.runtime import EngineRuntime
 
 from . import embedded
-from .argv import beat_argv, flower_argv, monitor_argv, web_argv, worker_argv
+from .argv import beat_argv, flower_argv, flower_env, flower_exposed, monitor_argv, web_argv, worker_argv
 from .database import create_key, upgrade_database
 
 # A vLLM worker loads and warms a real model before its first heartbeat; that can take minutes.
 READY_TIMEOUT_S = {"simulated": 120.0, "vllm": 900.0}
 DEMO_TIMEOUT_S = 120.0
 STOP_GRACE_S = 15.0
+# Past its stop grace a worker still aborts, requeues and closes its engine: allow for that.
+WORKER_STOP_MARGIN_S = 30.0
 TERMINAL = {s.value for s in Status if s.terminal}
 LOG_MARKER = "=== sluice up: starting"
 DEMO_BODY = {"prompt": "In one sentence: why put a job queue in front of GPUs?", "max_tokens": 64}
@@ -46,6 +48,9 @@ say = functools.partial(print, flush=True)
 
 
 MAX_WORKER_RESTARTS = 5
+# Each `sluice up` starts a log past this size afresh, keeping the previous LOG_KEEP.
+LOG_ROTATE_BYTES = 50 * 1024 * 1024
+LOG_KEEP = 3
 
 
 @dataclass
@@ -66,6 +71,7 @@ class Platform:
     services: list[embedded.EmbeddedPostgres | embedded.EmbeddedRedis] = field(default_factory=list)
     children: list[Child] = field(default_factory=list)
     stop_signal: int | None = None  # set by SIGINT/SIGTERM; every wait loop checks it
+    hurry: bool = False  # a second Ctrl-C while stopping: workers requeue their requests now
 
     def sleep(self, seconds: float) -> None:
         end = time.monotonic() + seconds
@@ -78,7 +84,7 @@ class Platform:
 
     def _start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
         log = self.data_dir / "logs" / f"{name}.log"
-        with log.open("ab") as fh:
+        with os.fdopen(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as fh:
             fh.write(f"\n{LOG_MARKER} {name} at {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n".encode())
             fh.flush()
             # Own session: a Ctrl-C in the terminal reaches only the supervisor, which then stops
@@ -89,12 +95,13 @@ class Platform:
     def dead(self) -> str | None:
         """A line saying which piece stopped on its own, with its log tail; None if all run."""
         for child in self.children:
-            if (child.name == "worker" and child.proc.poll() == EngineRuntime.WATCHDOG_EXIT_CODE
-                    and child.restarts < MAX_WORKER_RESTARTS):
-                # The worker's watchdog found its engine stuck and exited so that it is restarted;
-                # the sweep requeues what it was running.
+            if child.name == "worker" and child.proc.poll() is not None and child.restarts < MAX_WORKER_RESTARTS:
+                # Its watchdog found the engine stuck (exit 70), or Celery gave up (kombu's Redis
+                # transport can die on a broker restart): restart it; the sweep requeues what it ran.
                 child.restarts += 1
-                say(f"worker exited by its watchdog; restarting it ({child.restarts}/{MAX_WORKER_RESTARTS})")
+                why = "by its watchdog" if child.proc.returncode == EngineRuntime.WATCHDOG_EXIT_CODE else \
+                    f"with code {child.proc.returncode}"
+                say(f"worker exited {why}; restarting it ({child.restarts}/{MAX_WORKER_RESTARTS})")
                 child.proc = self._start(child.name, child.argv, child.env)
                 continue
             if child.proc.poll() is not None:
@@ -104,19 +111,29 @@ class Platform:
                 return _report(f"embedded {service.name} stopped unexpectedly", service.log_path)
         return None
 
-    def shutdown(self) -> None:
-        """SIGTERM every child group (web first), SIGKILL what is left after the grace, then servers."""
+    def shutdown(self, worker_grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM every child group (web first) and wait: the worker as long as its requests may
+        take to finish (``worker_grace_s``; a second Ctrl-C makes it requeue them at once), the
+        others STOP_GRACE_S. SIGKILL what is left, then stop the servers."""
         order = sorted(self.children, key=lambda c: ["web", "flower", "monitor", "beat", "worker"].index(c.name))
         if order:
             say(f"stopping {', '.join(c.name for c in order)} ...")
         for child in order:
             _signal_group(child.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
+        began, hurried = time.monotonic(), False
         for child in order:
-            try:
-                child.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                say(f"{child.name} did not stop within {STOP_GRACE_S:.0f}s; killing it")
+            grace = worker_grace_s if child.name == "worker" else STOP_GRACE_S
+            if child.name == "worker" and child.proc.poll() is None:
+                say(f"waiting up to {grace:.0f}s for the worker to finish its requests "
+                    "(Ctrl-C again: requeue them now)")
+            while child.proc.poll() is None and time.monotonic() - began < grace:
+                if self.hurry and not hurried:
+                    hurried = True
+                    for worker in (c for c in order if c.name == "worker" and c.proc.poll() is None):
+                        _signal_group(worker.proc.pid, signal.SIGTERM)  # the second one: requeue now
+                time.sleep(0.1)
+            if child.proc.poll() is None:
+                say(f"{child.name} did not stop within {grace:.0f}s; killing it")
         for child in order:
             _signal_group(child.proc.pid, signal.SIGKILL)  # stragglers, e.g. a hung gunicorn worker
             child.proc.wait()
@@ -131,6 +148,14 @@ def run_platform(settings: Settings, role: str = "all", flower: bool = True, smo
     """Run everything until Ctrl-C/SIGTERM (or, with ``smoke``, until the demo finished); exit code."""
     data_dir = Path(settings.data_dir).resolve()
     (data_dir / "logs").mkdir(parents=True, exist_ok=True)
+    # Logs name tenants' request ids and the data folder holds keys and passwords: owner only.
+    for private in (data_dir, data_dir / "logs"):
+        private.chmod(0o700)
+    rotate_logs(data_dir / "logs")
+    if os.geteuid() == 0 and not settings.database_url:
+        say("WARNING: running as root. The embedded PostgreSQL then runs as user embedded_postgres, "
+            f"which needs every parent folder of {data_dir} opened to other users (o+rx); run "
+            "`sluice up` as an ordinary user, or set DATABASE_URL to a server of your own.")
     try:
         worker_argv(settings, role)  # fail early on a bad role or model
     except ValueError as exc:
@@ -160,10 +185,14 @@ def run_platform(settings: Settings, role: str = "all", flower: bool = True, smo
         platform.spawn("beat", beat_argv(settings), env)
         platform.spawn("monitor", monitor_argv(settings), env)
         if flower:
-            platform.spawn("flower", flower_argv(settings), env)
+            if flower_exposed(settings):
+                say(f"warning: Flower listens on {settings.flower_host} with no login, and it lists every "
+                    "tenant's requests; set SLUICE_FLOWER_BASIC_AUTH=user:password")
+            platform.spawn("flower", flower_argv(settings), {**env, **flower_env(settings)})
         host = "127.0.0.1" if settings.web_host in ("0.0.0.0", "") else settings.web_host
         api = f"http://{host}:{settings.web_port}"
-        flower_url = f"http://{host}:{settings.flower_port}" if flower else None
+        flower_host = "127.0.0.1" if settings.flower_host in ("0.0.0.0", "") else settings.flower_host
+        flower_url = f"http://{flower_host}:{settings.flower_port}" if flower else None
         problem = _wait_ready(platform, settings, api, flower_url, known_workers)
         if problem:
             say(problem)
@@ -186,13 +215,25 @@ def run_platform(settings: Settings, role: str = "all", flower: bool = True, smo
         say(f"error: {exc}")
         return 1
     finally:
-        for signum in previous:  # a second Ctrl-C must not interrupt the orderly stop
-            signal.signal(signum, signal.SIG_IGN)
-        platform.shutdown()
+        for signum in previous:  # a second Ctrl-C hurries the orderly stop, never interrupts it
+            signal.signal(signum, lambda *_: setattr(platform, "hurry", True))
+        platform.shutdown(settings.stop_grace_s + WORKER_STOP_MARGIN_S)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         lock.close()
         say("all Sluice processes stopped")
+
+
+def rotate_logs(directory: Path, max_bytes: int = LOG_ROTATE_BYTES, keep: int = LOG_KEEP) -> None:
+    """At start, move each log past ``max_bytes`` to ``.1`` (``.1`` to ``.2``, …, keeping ``keep``)."""
+    for log in directory.glob("*.log"):
+        if log.stat().st_size <= max_bytes:
+            continue
+        for n in range(keep - 1, 0, -1):
+            older = log.with_name(f"{log.name}.{n}")
+            if older.exists():
+                older.replace(log.with_name(f"{log.name}.{n + 1}"))
+        log.replace(log.with_name(f"{log.name}.1"))
 
 
 def child_env(settings: Settings) -> dict[str, str]:
@@ -209,7 +250,9 @@ def child_env(settings: Settings) -> dict[str, str]:
 def _services(settings: Settings, platform: Platform) -> Settings:
     """Settings with both URLs set: the given ones, or those of embedded servers started now."""
     urls = {}
-    for attr, start in (("database_url", embedded.start_postgres), ("redis_url", embedded.start_redis)):
+    starts = (("database_url", embedded.start_postgres),
+              ("redis_url", lambda data_dir: embedded.start_redis(data_dir, server=settings.redis_server)))
+    for attr, start in starts:
         urls[attr] = getattr(settings, attr)
         if urls[attr]:
             say(f"{attr.upper()} is set: using that server")
@@ -217,7 +260,7 @@ def _services(settings: Settings, platform: Platform) -> Settings:
             server = start(platform.data_dir)
             platform.services.append(server)
             urls[attr] = server.url
-            say(f"{server.name}: embedded, {server.url}")
+            say(f"{server.name}: embedded, {getattr(server, 'shown_url', server.url)}")
     return settings.replace(**urls)
 
 

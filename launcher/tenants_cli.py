@@ -1,4 +1,5 @@
-"""``sluice tenants create/update/list``: tenants, their tiers and per-tenant limit overrides."""
+"""``sluice tenants create/update/list/disable/enable``: tenants, their tiers and per-tenant limit
+overrides."""
 
 from __future__ import annotations
 
@@ -9,9 +10,19 @@ from typing import Any
 
 import click
 
-from models import Database
+from models import Database, Tenant
+from sluice.keys import bump_auth_epoch, redis_client
 from sluice.settings import Settings
-from sluice.tenants import TenantError, add_key, create_tenant, find_tenant, list_tenants, tenant_view, update_tenant
+from sluice.tenants import (
+    TenantError,
+    add_key,
+    create_tenant,
+    find_tenant,
+    list_tenants,
+    set_disabled,
+    tenant_view,
+    update_tenant,
+)
 from sluice.tiers import LIMIT_FIELDS
 
 from .options import service_settings
@@ -56,7 +67,8 @@ def _changes(tier: str | None, limits: dict[str, Any], ctx: click.Context) -> di
 
 
 @contextmanager
-def _session() -> Iterator[tuple[Any, Settings]]:
+def management_session() -> Iterator[tuple[Any, Settings]]:
+    """A session committed on leaving the block; a TenantError becomes the command's error message."""
     settings = service_settings()
     db = Database()
     db.configure(settings.sqlalchemy_url, pool_size=1, max_overflow=0)
@@ -67,6 +79,24 @@ def _session() -> Iterator[tuple[Any, Settings]]:
         raise click.ClickException(str(exc)) from None
     finally:
         db.dispose()
+
+
+def tenant_named(session: Any, name: str) -> Tenant:
+    tenant = find_tenant(session, name)
+    if tenant is None:
+        raise click.ClickException(f"no tenant named {name!r}")
+    return tenant
+
+
+def forget_keys(settings: Settings) -> None:
+    """After a revocation or a disable commits: web processes stop refusing from memory."""
+    client = redis_client(settings.redis_url)
+    try:
+        if not bump_auth_epoch(client):
+            click.echo("warning: Redis unreachable; web processes may answer this key's submits with 503 "
+                       "instead of 401/403 for up to SLUICE_AUTH_CACHE_S", err=True)
+    finally:
+        client.close()
 
 
 def _summary(view: dict[str, Any]) -> str:
@@ -92,7 +122,7 @@ def tenants() -> None:
 def create(ctx: click.Context, name: str, tier: str | None, no_key: bool, **limits: Any) -> None:
     """Create tenant NAME and print its first API key (shown only this once)."""
     changes = _changes(tier, limits, ctx)
-    with _session() as (session, settings):
+    with management_session() as (session, settings):
         tenant = create_tenant(session, settings, name, changes.pop("tier", None), changes)
         key = None if no_key else add_key(session, tenant)
         summary = _summary(tenant_view(tenant, settings))
@@ -110,10 +140,8 @@ def update(ctx: click.Context, name: str, tier: str | None, **limits: Any) -> No
     changes = _changes(tier, limits, ctx)
     if not changes:
         raise click.UsageError("nothing to change: give --tier or a limit option")
-    with _session() as (session, settings):
-        tenant = find_tenant(session, name)
-        if tenant is None:
-            raise click.ClickException(f"no tenant named {name!r}")
+    with management_session() as (session, settings):
+        tenant = tenant_named(session, name)
         update_tenant(session, settings, tenant, changes)
         summary = _summary(tenant_view(tenant, settings))
     click.echo(summary)
@@ -123,10 +151,30 @@ def update(ctx: click.Context, name: str, tier: str | None, **limits: Any) -> No
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of one line per tenant.")
 def list_(as_json: bool) -> None:
     """List tenants with their tier and effective limits."""
-    with _session() as (session, settings):
+    with management_session() as (session, settings):
         views = list_tenants(session, settings)
     if as_json:
         click.echo(json.dumps(views, indent=2))
         return
     for view in views:
-        click.echo(f"{_summary(view)}  keys={view['active_keys']}")
+        click.echo(f"{_summary(view)}  keys={view['active_keys']}{'  disabled' if view['disabled'] else ''}")
+
+
+@tenants.command("disable")
+@click.argument("name")
+def disable(name: str) -> None:
+    """Refuse every call with tenant NAME's keys (403 tenant_disabled) until `enable`. Requests it
+    submitted before still run."""
+    with management_session() as (session, settings):
+        set_disabled(session, tenant_named(session, name), True)
+    forget_keys(settings)
+    click.echo(f"tenant {name} disabled")
+
+
+@tenants.command("enable")
+@click.argument("name")
+def enable(name: str) -> None:
+    """Accept tenant NAME's keys again."""
+    with management_session() as (session, _):
+        set_disabled(session, tenant_named(session, name), False)
+    click.echo(f"tenant {name} enabled")

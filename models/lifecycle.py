@@ -302,13 +302,14 @@ class Lifecycle:
             log.info("un-parked: the request it followed ended %s", status.value, extra=about(row.id))
         return [Requeued(r.id, r.queue) for r in rows]
 
-    def stamp_enqueued(self, request_id: uuid.UUID) -> None:
-        """Record that the row's message was published (once: a re-publish keeps the first stamp
-        unless the row was requeued). Not conditional on ``queued``: an idle worker often claims
-        the row before this stamp, and the row must still say when it was published."""
+    def stamp_enqueued(self, request_id: uuid.UUID, epoch: str | None) -> None:
+        """Record that the row's message was published into broker ``epoch`` (``enqueued_at`` once:
+        a re-publish keeps the first stamp unless the row was requeued). Not conditional on
+        ``queued``: an idle worker often claims the row before this stamp, and the row must still
+        say when it was published."""
         with self.db.session() as session:
-            session.execute(update(_t).where(_t.id == request_id, _t.enqueued_at.is_(None))
-                            .values(enqueued_at=db_now()))
+            session.execute(update(_t).where(_t.id == request_id).values(
+                enqueued_at=func.coalesce(_t.enqueued_at, db_now()), broker_epoch=epoch))
 
     # ------------------------------------------------------------------ running → …
 
@@ -341,6 +342,24 @@ class Lifecycle:
             log.warning("outcome %s discarded: this worker no longer owns the row", end.status.value)
             return None
         return moved[0]
+
+    def hand_back(self, request_id: uuid.UUID, worker: str) -> Requeued | None:
+        """running → queued for a worker that stops before it finished the row (a deploy, a
+        shutdown): not a failure, so the attempt is given back. The caller publishes the returned
+        row. None if the row is not this worker's or the client asked to cancel it (the caller
+        then ends it as cancelled)."""
+        with self._moving() as moved, self.db.session() as session:
+            row = session.execute(
+                _transition(Status.RUNNING, Status.QUEUED, _t.id == request_id, _t.worker == worker,
+                            _t.cancel_requested_at.is_(None))
+                .values(worker=None, device=None, started_at=None, enqueued_at=None,
+                        attempts=func.greatest(_t.attempts - 1, 0))
+                .returning(*_MOVED_COLUMNS, _t.queue)).one_or_none()
+            if row is None:
+                return None
+            moved.append(_moved(Status.RUNNING, row[:-1]))
+        log.warning("handed back: its worker stopped before it finished", extra=about(request_id))
+        return Requeued(request_id, row[-1])
 
     def recover_orphans(self, *where: ColumnElement[bool], max_attempts: int, limit: int
                         ) -> tuple[dict[str, int], list[Requeued]]:

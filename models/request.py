@@ -114,6 +114,9 @@ class InferenceRequest(Base):
 
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
     enqueued_at: Mapped[datetime | None]
+    # The broker epoch (sluice/queues.py:BrokerEpoch) its latest message was published into: a
+    # queued row with an older one lost its message with the broker's data and is published again.
+    broker_epoch: Mapped[str | None] = mapped_column(String(32))
     started_at: Mapped[datetime | None]
     first_token_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]

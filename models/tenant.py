@@ -5,14 +5,16 @@ from __future__ import annotations
 import hashlib
 import secrets
 import uuid
-from datetime import datetime
+from datetime import datetime, timedelta
 
-from sqlalchemy import CheckConstraint, ForeignKey, String, func, select
+from sqlalchemy import CheckConstraint, ForeignKey, String, func, or_, select, update
 from sqlalchemy.orm import Mapped, Session, mapped_column, relationship
 
 from .base import Base
 
 KEY_PREFIX = "sk-sluice-"
+# A key's last_used_at is written at most this often, so authentication stays one read.
+LAST_USED_EVERY = timedelta(seconds=60)
 
 
 class Tenant(Base):
@@ -28,6 +30,8 @@ class Tenant(Base):
     requests_per_minute: Mapped[int | None]
     max_concurrent: Mapped[int | None]
     max_request_tokens: Mapped[int | None]
+    # Set: every key of the tenant is refused (403 tenant_disabled) until it is cleared.
+    disabled_at: Mapped[datetime | None]
 
     keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant")
 
@@ -48,6 +52,8 @@ class ApiKey(Base):
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
     revoked_at: Mapped[datetime | None]
+    # Stamped by authentication at most once a minute (LAST_USED_EVERY): up to a minute stale.
+    last_used_at: Mapped[datetime | None]
 
     tenant: Mapped[Tenant] = relationship(back_populates="keys")
 
@@ -61,6 +67,18 @@ def new_key() -> str:
 
 
 def tenant_for_key(session: Session, key: str) -> Tenant | None:
-    """The tenant an active (not revoked) API key belongs to; None for any other key."""
-    return session.scalar(select(Tenant).join(ApiKey, ApiKey.tenant_id == Tenant.id).where(
-        ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None)))
+    """The tenant an active (not revoked) API key belongs to, disabled or not; None for any other key.
+
+    Stamps the key's ``last_used_at`` when the last stamp is over a minute old: the lookup itself
+    says whether it is, so most calls cost this one query.
+    """
+    due = or_(ApiKey.last_used_at.is_(None), ApiKey.last_used_at < func.now() - LAST_USED_EVERY)
+    row = session.execute(select(Tenant, ApiKey.id, due).join(ApiKey, ApiKey.tenant_id == Tenant.id).where(
+        ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None))).first()
+    if row is None:
+        return None
+    tenant, key_id, stamp = row
+    if stamp:
+        # ``due`` again: of concurrent calls that all saw an old stamp, one writes it.
+        session.execute(update(ApiKey).where(ApiKey.id == key_id, due).values(last_used_at=func.now()))
+    return tenant

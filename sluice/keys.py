@@ -15,6 +15,10 @@ RESERVED_KEY = "sluice:reserved"
 # Hash worker id → {"node", "queues"}: workers a peak reservation told to stop reading batch
 # queues (workers/reservations.py), so whoever leads the monitor next can resume them.
 PAUSED_KEY = "sluice:reserve:paused"
+# Set (with a TTL) by the sweep that last read every queued message looking for lost ones.
+LOST_CHECK_KEY = "sluice:sweep:lost_check"
+# Hash {at, took_ms}: when the sweep last finished, shown by /readyz.
+SWEEP_LAST_KEY = "sluice:sweep:last"
 
 
 def cancel_key(request_id: str) -> str:
@@ -59,7 +63,34 @@ def inflight_key(tenant_id: str) -> str:
     return TENANT_LIMIT_PREFIX + tenant_id + INFLIGHT_SUFFIX
 
 
+def eviction_policy(client: redis.Redis) -> str | None:
+    """Redis's ``maxmemory-policy`` (from INFO, which servers that disable CONFIG still answer),
+    or None when it cannot be read. Anything but ``noeviction`` may drop queued messages, limits
+    and cancel flags under memory pressure."""
+    try:
+        return client.info("memory").get("maxmemory_policy")
+    except redis.RedisError:
+        return None
+
+
 def redis_client(url: str, timeout_s: float = 2.0) -> redis.Redis:
     # Bounded timeouts: a hung Redis must not hang a web request or a worker thread.
     return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                 health_check_interval=30, decode_responses=True)
+
+
+# Counter INCR'd after every API key revocation and tenant disable commits. A web process that
+# answers a submit from keys it authenticated a moment ago (web/auth.py RecentKeys) first checks
+# that it has not moved since, so a revoked key gets its 401 at once.
+AUTH_EPOCH_KEY = "sluice:auth:epoch"
+
+
+def bump_auth_epoch(client: redis.Redis) -> bool:
+    """Tell web processes to stop answering from the keys they remember. Call it after the
+    revocation or disable commits: bumped before, a lookup in between would remember the key
+    anew. False when Redis did not answer; they then forget it within SLUICE_AUTH_CACHE_S."""
+    try:
+        client.incr(AUTH_EPOCH_KEY)
+    except redis.RedisError:
+        return False
+    return True

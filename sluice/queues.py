@@ -9,9 +9,14 @@ publish through :func:`publish_request`, so a request's message always looks the
 
 from __future__ import annotations
 
+import re
+import threading
+import time
 import uuid
 
+import redis
 from celery import Celery
+from kombu.transport.redis import PRIORITY_STEPS
 
 from models import Priority, SizeClass
 from models.lifecycle import Lifecycle
@@ -65,13 +70,91 @@ def publish_request(celery: Celery, request_id: uuid.UUID, queue: str) -> None:
                      routing_key=queue)
 
 
-def publish_committed(lifecycle: Lifecycle, celery: Celery, rows) -> None:
+def publish_committed(lifecycle: Lifecycle, celery: Celery, rows, epoch: BrokerEpoch) -> None:
     """Publish rows (anything with ``id`` and ``queue``) already committed as queued, then stamp
-    each one's ``enqueued_at``.
+    each one's ``enqueued_at`` and the broker epoch it was published into.
 
     A crash between the two leaves enqueued_at NULL and the next sweep publishes again; the
     duplicate message is harmless because only one delivery can claim the row.
     """
     for row in rows:
         publish_request(celery, row.id, row.queue)
-        lifecycle.stamp_enqueued(row.id)
+        lifecycle.stamp_enqueued(row.id, epoch.current())
+
+
+# Which life of the broker's data a message was published into. Redis that restarts without its
+# data, fails over to a replica that had not caught up, or evicts keys loses queued messages
+# without telling anyone; the epoch key goes with them, so the next process to look writes a new
+# one, and the sweep re-publishes every queued row stamped with an older epoch. An epoch starts
+# with the Redis database number (``<db>.<random>``): deployments that share one Postgres but
+# not one Redis database (the test suite's) only ever re-publish their own rows.
+EPOCH_KEY = "sluice:broker:epoch"
+
+
+class BrokerEpoch:
+    """The broker's current epoch, read at most once per ``cache_s`` per process.
+
+    A row published in the second after a loss may carry the old epoch and be re-published once
+    more: a duplicate message, which is harmless. When Redis does not answer, the last known
+    epoch stands (the publish itself fails then, and the sweep publishes later).
+    """
+
+    def __init__(self, client: redis.Redis, cache_s: float = 1.0) -> None:
+        self.client = client
+        self.cache_s = cache_s
+        self.prefix = f"{client.connection_pool.connection_kwargs.get('db', 0)}."
+        self._value: str | None = None
+        self._read_at = float("-inf")
+        self._lock = threading.Lock()
+
+    def current(self) -> str | None:
+        with self._lock:
+            if time.monotonic() - self._read_at < self.cache_s:
+                return self._value
+            try:
+                value = self.client.get(EPOCH_KEY)
+                if value is None:
+                    self.client.set(EPOCH_KEY, self.prefix + uuid.uuid4().hex[:16], nx=True)
+                    value = self.client.get(EPOCH_KEY)
+            except redis.RedisError:
+                return self._value
+            self._value, self._read_at = value, time.monotonic()
+            return value
+
+
+# Kombu's Redis transport keeps a queue's messages in lists named after it (one per priority
+# step, ``<queue>\x06\x16<step>``) and a message a consumer took but has not acked in the
+# ``unacked`` hash until it is acked or restored.
+_PRIORITY_SEP = "\x06\x16"
+_UNACKED = "unacked"
+_UUID = re.compile(rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+_SCAN_CHUNK = 5_000
+
+
+def messages_present(client: redis.Redis, queues: set[str]) -> set[str]:
+    """Ids of the requests whose message sits in one of ``queues`` or is held by a consumer.
+
+    Reads every message (a task message carries its row's id), so it is as long as the queues; a
+    message in flight between the list and the unacked hash at that instant is missed, which at
+    worst costs a duplicate message.
+    """
+    present: set[str] = set()
+    for queue in queues:
+        for key in (queue, *(f"{queue}{_PRIORITY_SEP}{step}" for step in PRIORITY_STEPS if step)):
+            start = 0
+            while True:
+                chunk = client.lrange(key, start, start + _SCAN_CHUNK - 1)
+                present.update(_ids(chunk))
+                if len(chunk) < _SCAN_CHUNK:
+                    break
+                start += _SCAN_CHUNK
+    present.update(_ids(client.hvals(_UNACKED)))
+    return present
+
+
+def _ids(values) -> set[str]:
+    found: set[str] = set()
+    for value in values:
+        data = value.encode() if isinstance(value, str) else value
+        found.update(m.decode() for m in _UUID.findall(data))
+    return found

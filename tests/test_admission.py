@@ -225,3 +225,27 @@ def test_rejections_are_counted_by_gate_and_reason(app, client):
     line = next(m for m in metrics.splitlines() if m.startswith("sluice_admission_rejections_total{")
                 and 'reason="requests_per_minute"' in m)
     assert 'gate="tenant"' in line and float(line.rsplit(" ", 1)[1]) >= 1
+
+
+def test_a_tenant_over_its_limits_is_refused_before_its_input_is_tokenized(app, client, monkeypatch):
+    """Cheap gates first: counting 400 K characters of input costs the web tier real work, and a
+    tenant whose request rate is used up would be refused whatever the count."""
+    set_limits(app, client, requests_per_minute=1)
+    counted = []
+    planner = services(app).requests.planner
+    real = planner.counters.for_model
+
+    def counting(model):
+        counter = real(model)
+        monkeypatch.setattr(counter, "count", lambda request_input, _count=counter.count: (
+            counted.append(1), _count(request_input))[1])
+        return counter
+
+    monkeypatch.setattr(planner.counters, "for_model", counting)
+    assert client.submit(prompt="word " * 1000, max_tokens=4).status_code == 202
+    assert len(counted) == 1
+    rejected = client.submit(prompt="word " * 80_000, max_tokens=4)
+    error = assert_envelope(rejected, 429, "rate_limited")
+    assert error["details"]["reason"] == "requests_per_minute"
+    assert len(counted) == 1, "the refused request was tokenized"
+    assert_retry_after(rejected)

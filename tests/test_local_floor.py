@@ -20,7 +20,7 @@ from sqlalchemy import select
 from test_admission import assert_ratelimit_headers, assert_retry_after
 from test_api_errors import assert_envelope
 
-from launcher.embedded import EmbeddedRedis, _wait_pong, redis_executable, start_redis
+from launcher.embedded import EmbeddedRedis, _wait_pong, redis_executable, start_redis, write_redis_conf
 from models import InferenceRequest
 from web.services import services
 from workers.sweep import sweep
@@ -42,8 +42,7 @@ def restart(server: EmbeddedRedis) -> EmbeddedRedis:
     port = urlsplit(server.url).port
     directory = server.log_path.parent
     with server.log_path.open("ab") as log:
-        proc = subprocess.Popen([str(redis_executable()), "--bind", "127.0.0.1", "--port", str(port), "--dir",
-                                 str(directory), "--appendonly", "yes", "--daemonize", "no"],
+        proc = subprocess.Popen([str(redis_executable()), str(write_redis_conf(directory, port))],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     again = EmbeddedRedis(url=server.url, process=proc, log_path=server.log_path)
     assert _wait_pong(again, 20), "redis-server did not come back"

@@ -11,26 +11,13 @@ import uuid
 from datetime import timedelta
 
 import pytest
-from conftest import ApiClient, BeatProcess, WorkerProcess, make_settings
+from conftest import ApiClient, BeatProcess, WorkerProcess
 from factories import request_row
 from sqlalchemy import select, update
 
 from models import InferenceRequest, Status, utcnow
 from web.services import services
 from workers.sweep import sweep
-
-
-@pytest.fixture
-def isolated(database_url, redis_dbs, new_client):
-    """An app on a Redis database of its own, with no worker consuming it yet."""
-    from web import create_app
-
-    redis_url = redis_dbs()
-    application = create_app(make_settings(database_url, redis_url))
-    client = new_client(application)
-    yield application, client, redis_url
-    services(application).redis.flushdb()
-    services(application).db.dispose()
 
 
 def run_sweep(application) -> dict:
@@ -112,7 +99,7 @@ def test_message_taken_by_a_worker_that_died_before_claiming_is_republished(isol
 
     application, client, redis_url = isolated
     tenant_id = client_tenant(application, client)
-    lost = request_row(tenant_id, enqueued_at=utcnow())
+    lost = request_row(tenant_id, enqueued_at=utcnow(), broker_epoch=services(application).epoch.current())
     with services(application).db.session() as session:
         session.add(lost)
     services(application).redis.hset(RESERVED_KEY, str(lost.id), "all@gone/1.dead")
@@ -177,5 +164,62 @@ def test_worker_whose_engine_cannot_start_exits_instead_of_eating_messages(isola
     worker = WorkerProcess(database_url, redis_url, tmp_path)
     try:
         assert client.wait(request_id)["status"] == "succeeded"
+    finally:
+        worker.stop()
+
+
+def _backdate_enqueued(application, ids, seconds: float) -> None:
+    with services(application).db.session() as session:
+        session.execute(update(InferenceRequest).where(InferenceRequest.id.in_([uuid.UUID(i) for i in ids]))
+                        .values(enqueued_at=utcnow() - timedelta(seconds=seconds)))
+
+
+def test_messages_lost_with_their_queue_are_published_again(isolated, database_url, tmp_path):
+    """The issue's reproduction: batch requests queued, their queue list deleted in Redis (what an
+    eviction or a failover does). The sweep finds rows queued past the grace whose message is in
+    no list and held by no worker, and publishes them again; a row whose message is there is left."""
+    from sluice.queues import messages_present
+
+    application, client, redis_url = isolated
+    redis_client = services(application).redis
+    lost = [client.submit(prompt=f"lost {i}", max_tokens=4, priority="batch").get_json()["id"] for i in range(3)]
+    kept = client.submit(prompt="kept", max_tokens=4).get_json()["id"]
+    assert redis_client.delete("batch.small") == 1
+    _backdate_enqueued(application, [*lost, kept], application.extensions["sluice"].settings.lost_message_grace_s + 5)
+
+    report = run_sweep(application)
+    assert report["lost_missing"] >= 3 and report["lost_epoch"] == 0
+    assert set(lost) <= messages_present(redis_client, {"batch.small"})
+    assert redis_client.llen("realtime.small") == 1  # not published twice
+    worker = WorkerProcess(database_url, redis_url, tmp_path)
+    try:
+        for request_id in (*lost, kept):
+            assert client.wait(request_id)["status"] == "succeeded"
+        assert {r.attempts for r in rows(application, [*lost, kept]).values()} == {1}
+    finally:
+        worker.stop()
+
+
+def test_messages_lost_with_the_brokers_data_are_published_again_at_once(isolated, database_url, tmp_path):
+    """Redis restarted without its data (or failed over to an empty replica): the epoch the rows
+    were published into is gone, so the sweep publishes them again without waiting for a grace."""
+    application, client, redis_url = isolated
+    redis_client = services(application).redis
+    ids = [client.submit(prompt=f"before the loss {i}", max_tokens=4, priority=p).get_json()["id"]
+           for i, p in enumerate(("realtime", "batch", "realtime"))]
+    old_epoch = {r.broker_epoch for r in rows(application, ids).values()}
+    assert len(old_epoch) == 1 and None not in old_epoch
+    redis_client.flushdb()
+    services(application).epoch._read_at = float("-inf")  # this process looks again now, not in a second
+
+    report = run_sweep(application)
+    assert report["lost_epoch"] == 3
+    assert run_sweep(application)["lost_epoch"] == 0
+    assert {r.broker_epoch for r in rows(application, ids).values()}.isdisjoint(old_epoch)
+    worker = WorkerProcess(database_url, redis_url, tmp_path)
+    try:
+        for request_id in ids:
+            assert client.wait(request_id)["status"] == "succeeded"
+        assert {r.attempts for r in rows(application, ids).values()} == {1}
     finally:
         worker.stop()

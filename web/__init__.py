@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import uuid
 from importlib.metadata import PackageNotFoundError, version
 
@@ -11,9 +13,10 @@ from models import Database
 from models.lifecycle import Lifecycle
 from sluice.answers import AnswerCache
 from sluice.broker import publisher as celery_publisher
-from sluice.keys import redis_client
+from sluice.keys import eviction_policy, redis_client
 from sluice.load import QueueCounters
 from sluice.logs import configure_logging, current_call_id, current_request_id
+from sluice.queues import BrokerEpoch
 from sluice.settings import Settings
 from sluice.twins import Twins
 
@@ -36,6 +39,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False
     app.extensions[EXTENSION] = build_services(settings)
+    _check_eviction_policy(services(app).redis)
 
     errors.register_error_handlers(app)
     _bind_call_ids(app)
@@ -74,25 +78,46 @@ def build_services(settings: Settings) -> Services:
     planner = Planner(settings, TokenCounters(), admission.redis, lambda: admission.redis_healthy)
     ladder = Ladder(settings, planner, LoadReader(settings, admission))
     # A request that ends settles the identical twins parked on it (sluice/twins.py).
-    twins = Twins(admission.redis, lifecycle, publisher, healthy=lambda: admission.redis_healthy)
+    # Which life of the broker's data rows are published into (lost messages are found by it).
+    epoch = BrokerEpoch(admission.redis)
+    twins = Twins(admission.redis, lifecycle, publisher, epoch, healthy=lambda: admission.redis_healthy)
     lifecycle.on_end(twins.leader_ended)
     answers = AnswerCache(admission.redis, ttl_s=settings.cache_ttl_s, max_entries=settings.cache_max_entries,
                           max_bytes=settings.cache_max_answer_bytes, healthy=lambda: admission.redis_healthy)
     return Services(settings=settings, db=db, redis=redis_client(settings.redis_url),
                     publisher=publisher, broker=celery_publisher(settings, fail_fast=False), admission=admission,
-                    answers=answers, lifecycle=lifecycle,
-                    twins=twins,
-                    requests=RequestService(db, planner, ladder, admission, publisher, lifecycle, answers, twins),
+                    answers=answers, lifecycle=lifecycle, twins=twins, epoch=epoch,
+                    requests=RequestService(db, planner, ladder, admission, publisher, epoch, lifecycle, answers,
+                                            twins),
                     recent_keys=RecentKeys(settings.auth_cache_s))
 
 
+def _check_eviction_policy(client) -> None:
+    """Redis that evicts keys under memory pressure loses queued messages, limits and cancel flags;
+    the sweep re-publishes lost messages, but the rest is gone. Say so at every start."""
+    policy = eviction_policy(client)
+    if policy not in (None, "noeviction"):
+        logging.getLogger(__name__).error(
+            "Redis runs with maxmemory-policy %s; Sluice needs noeviction (set it in redis.conf, or "
+            "CONFIG SET maxmemory-policy noeviction)", policy)
+
+
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._-]+")
+
+
 def _bind_call_ids(app: Flask) -> None:
-    """Every HTTP call gets an id: on each log line, in error envelopes, in X-Request-Id."""
+    """Every HTTP call gets an id: on each log line, in error envelopes, in X-Request-Id.
+
+    The id is always ours. A client's own X-Request-Id (letters, digits, ``._-``, at most 64)
+    prefixes it, so the client's id can be found in the logs, but two calls can never share one.
+    """
 
     @app.before_request
     def _bind() -> None:
+        ours = uuid.uuid4().hex
         incoming = request.headers.get("X-Request-Id", "")
-        current_call_id.set(incoming if 0 < len(incoming) <= 64 and incoming.isprintable() else uuid.uuid4().hex)
+        client_id = 0 < len(incoming) <= 64 and _CLIENT_ID.fullmatch(incoming)
+        current_call_id.set(f"{incoming}.{ours[:12]}" if client_id else ours)
 
     @app.after_request
     def _tag(response: Response) -> Response:

@@ -6,8 +6,11 @@ Registered only when ``SLUICE_ADMIN_KEY`` is set; every call sends ``Authorizati
     GET    /admin/tenants               every tenant: tier, overrides, effective limits, active keys
     POST   /admin/tenants               {name, tier?, <limit>?, create_key?=true} → 201 (+ api_key, once)
     GET    /admin/tenants/<tenant>      one tenant
-    PATCH  /admin/tenants/<tenant>      {tier?, <limit>?}; null resets a value to the default
+    PATCH  /admin/tenants/<tenant>      {tier?, <limit>?, disabled?}; null resets a value to the default;
+                                        disabled: true refuses every key of the tenant (403)
     POST   /admin/tenants/<tenant>/keys a new API key → 201 {api_key} (shown once)
+    GET    /admin/tenants/<tenant>/keys {keys: [{id, prefix, created_at, last_used_at, revoked_at}]}
+    DELETE /admin/tenants/<tenant>/keys/<key id>  revoke it (401 from its next call) → the key
     GET    /v1/admin/load               the load monitor's view: per class queue, drain, wait, level,
                                         steps in force, reservations and the workers paused for them
     POST   /v1/admin/reservations       {from, until, role?, note?} → 201: a peak reservation
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import hmac
+import logging
 import uuid
 from typing import Any
 
@@ -29,22 +33,36 @@ from sqlalchemy import func, select
 from models import ApiKey
 from models.request import storable
 from models.reservation import ReservationError, book, cancel, current_views, now
+from sluice.keys import bump_auth_epoch
 from sluice.load import load_view
 from sluice.queues import ROLES
-from sluice.tenants import TenantError, add_key, create_tenant, find_tenant, list_tenants, tenant_view, update_tenant
+from sluice.tenants import (
+    TenantError,
+    add_key,
+    create_tenant,
+    find_tenant,
+    key_view,
+    list_keys,
+    list_tenants,
+    revoke_key,
+    set_disabled,
+    tenant_view,
+    update_tenant,
+)
 
 from .bodies import json_object, validated
 from .errors import ApiError, NotFound, Unauthorized
-from .schemas import SafeString, StrictInteger
+from .schemas import SafeString, StrictBoolean, StrictInteger
 from .services import services
 
+log = logging.getLogger(__name__)
 INT32_MAX = 2**31 - 1
 
 bp = Blueprint("admin", __name__, url_prefix="/admin")
 # The operator's view of load lives beside the request API it describes.
 load_bp = Blueprint("admin_load", __name__, url_prefix="/v1/admin")
 
-_STATUS = {"tenant_exists": 409, "unknown_tier": 422, "invalid_request": 422}
+_STATUS = {"tenant_exists": 409, "unknown_tier": 422, "invalid_request": 422, "key_not_found": 404}
 
 
 class TenantLimitsSchema(Schema):
@@ -56,6 +74,8 @@ class TenantLimitsSchema(Schema):
     requests_per_minute = StrictInteger(allow_none=True, validate=validate.Range(min=1, max=INT32_MAX))
     max_concurrent = StrictInteger(allow_none=True, validate=validate.Range(min=1, max=INT32_MAX))
     max_request_tokens = StrictInteger(allow_none=True, validate=validate.Range(min=1, max=INT32_MAX))
+    disabled = StrictBoolean(metadata={"description": "true: every key of the tenant gets 403 tenant_disabled "
+                                                      "until false again."})
 
 
 class TenantCreateSchema(TenantLimitsSchema):
@@ -63,6 +83,9 @@ class TenantCreateSchema(TenantLimitsSchema):
 
     name = SafeString(required=True, validate=validate.Length(min=1, max=100))
     create_key = fields.Boolean(load_default=True)
+
+    class Meta:
+        exclude = ("disabled",)  # a tenant starts enabled
 
 
 @bp.before_request
@@ -100,6 +123,13 @@ def _tenant_or_404(session, ref: str):
 def _active_keys(session, tenant) -> int:
     return session.scalar(select(func.count()).select_from(ApiKey).where(
         ApiKey.tenant_id == tenant.id, ApiKey.revoked_at.is_(None)))
+
+
+def _forget_keys() -> None:
+    """After a revocation or a disable commits: web processes stop refusing from memory."""
+    if not bump_auth_epoch(services().redis):
+        log.warning("Redis unreachable: web processes may refuse a revoked key's submits (503) rather than "
+                    "reject them (401) for up to SLUICE_AUTH_CACHE_S")
 
 
 def _managed(fn):
@@ -142,10 +172,16 @@ def show(tenant_ref: str) -> Response:
 @_managed
 def update(tenant_ref: str) -> Response:
     changes = _load(TenantLimitsSchema())
+    disabled = changes.pop("disabled", None)
     with _db().session() as session:
         tenant = _tenant_or_404(session, tenant_ref)
         update_tenant(session, _settings(), tenant, changes)
-        return jsonify(tenant_view(tenant, _settings(), _active_keys(session, tenant)))
+        if disabled is not None:
+            set_disabled(session, tenant, disabled)
+        view = tenant_view(tenant, _settings(), _active_keys(session, tenant))
+    if disabled:
+        _forget_keys()
+    return jsonify(view)
 
 
 @bp.post("/tenants/<tenant_ref>/keys")
@@ -154,6 +190,27 @@ def new_api_key(tenant_ref: str) -> tuple[Response, int]:
         tenant = _tenant_or_404(session, tenant_ref)
         key = add_key(session, tenant)
     return jsonify(tenant=tenant.name, api_key=key), 201
+
+
+@bp.get("/tenants/<tenant_ref>/keys")
+def api_keys(tenant_ref: str) -> Response:
+    with _db().session() as session:
+        return jsonify(keys=list_keys(session, _tenant_or_404(session, tenant_ref)))
+
+
+@bp.delete("/tenants/<tenant_ref>/keys/<key_id>")
+@_managed
+def revoke_api_key(tenant_ref: str, key_id: str) -> Response:
+    """The key, revoked; ``already_revoked`` when an earlier call did it (its revoked_at stays)."""
+    try:
+        uuid.UUID(key_id)
+    except ValueError:
+        raise NotFound(f"No API key {key_id}: key ids are UUIDs.", code="key_not_found") from None
+    with _db().session() as session:
+        key, revoked = revoke_key(session, key_id, _tenant_or_404(session, tenant_ref))
+        view = key_view(key)
+    _forget_keys()
+    return jsonify(**view, already_revoked=not revoked)
 
 
 @load_bp.get("/load")

@@ -130,6 +130,19 @@ class Admission:
         log.info("refused early at the global gate: %s (%d tokens)", verdict.reason, plan.reserved_tokens)
         raise _rejection(verdict, limits, plan.reserved_tokens, None, ratelimit_headers(verdict))
 
+    def refuse_over_limits(self, tenant: Tenant) -> None:
+        """Raise the tenant gate's 429 if it would refuse even the cheapest request (one token): its
+        request rate or concurrency used up, or its token bucket empty. Checked before the request
+        is tokenized (up to SLUICE_MAX_PROMPT_CHARS), so a tenant over its limits costs the web tier
+        one Redis call, not that work. Charges nothing; with Redis away the floor decides later."""
+        limits = self.limits_for(tenant)
+        verdict = self._shared(lambda: self.shared.admit("", str(tenant.id), limits, 1, "realtime", dry_run=True))
+        if verdict is None or verdict.gate != "tenant":
+            return
+        metrics.REJECTIONS.labels(gate=verdict.gate, reason=verdict.reason).inc()
+        log.info("refused before planning: tenant %s", verdict.reason)
+        raise _rejection(verdict, limits, 0, None, ratelimit_headers(verdict))
+
     def _gates(self, tenant: Tenant, limits: Limits, plan: Plan, *, too_large: bool = False,
                dry_run: bool = False) -> Verdict:
         """The shared limiter's gates for ``plan`` (its promise included); raises Redis errors."""
@@ -226,6 +239,8 @@ def _rejection(verdict: Verdict, limits: Limits, cost: int, too_large, headers: 
         "local_floor_tokens": f"This server is at its emergency token limit; {after}.",
         "tokens_per_minute": (f"Rate limit reached: this request needs {cost} tokens and "
                               f"{verdict.tokens.remaining} of your {limits.tokens_per_minute} tokens per minute "
+                              f"are left; {after}." if cost else
+                              f"Rate limit reached: none of your {limits.tokens_per_minute} tokens per minute "
                               f"are left; {after}."),
         "requests_per_minute": f"Rate limit reached: {limits.requests_per_minute} requests per minute; {after}.",
         "concurrency": (f"You have {limits.max_concurrent} requests queued or running, your limit; "

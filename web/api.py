@@ -28,8 +28,9 @@ _view_schema = RequestViewSchema()
 def submit_request() -> tuple[Response, int, dict[str, str]]:
     svc = services()
     # A key seen a moment ago may be refused by the global gate without asking Postgres (a
-    # spike's commonest answer); anything accepted is authenticated afresh below.
-    tenant = svc.recent_keys.tenant(bearer_key())
+    # spike's commonest answer; web/auth.py); anything accepted is authenticated afresh below.
+    api_key = bearer_key()
+    tenant = svc.recent_keys.tenant(api_key)
     fresh = tenant is None
     if fresh:
         tenant = authenticate(svc.db, svc.recent_keys)
@@ -43,11 +44,17 @@ def submit_request() -> tuple[Response, int, dict[str, str]]:
             if key is None:
                 plan = svc.requests.prepare(tenant, data)
                 svc.requests.refuse_early(tenant, plan)
-            tenant = authenticate(svc.db, svc.recent_keys)
+            tenant, fresh = authenticate(svc.db, svc.recent_keys), True
         accepted = svc.requests.submit(tenant, data, key, plan)
     except ApiError as exc:
+        if exc.status in (401, 403):
+            raise
+        if not fresh and not svc.recent_keys.confirm(api_key, svc.admission.redis):
+            # Refused on a remembered key, and keys may have been revoked since (the epoch moved, or
+            # Redis did not say): a revoked key gets 401 instead, a disabled tenant 403, a live key this.
+            tenant = authenticate(svc.db, svc.recent_keys)
         # Every answer after authentication carries the tenant's quotas; a gate's refusal has them already.
-        if exc.status != 401 and "x-ratelimit-limit-tokens" not in exc.headers:
+        if "x-ratelimit-limit-tokens" not in exc.headers:
             try:
                 exc.headers.update(svc.admission.headers(tenant))
             except Exception:  # the refusal matters more than the quota report
@@ -84,7 +91,16 @@ def cancel_request(request_id: str) -> Response:
 
 
 def _status_url(row: InferenceRequest) -> str:
-    base = services().settings.public_url
-    if base:
-        return f"{base.rstrip('/')}/v1/requests/{row.id}"
-    return url_for("api.get_request", request_id=str(row.id), _external=True)
+    settings = services().settings
+    if settings.public_url:
+        return f"{settings.public_url.rstrip('/')}/v1/requests/{row.id}"
+    # A Host header is the client's to choose: reflected only when it names this service.
+    allowed = {h.strip().lower() for h in settings.allowed_hosts.split(",") if h.strip()}
+    return url_for("api.get_request", request_id=str(row.id), _external=_host_name(request.host) in allowed)
+
+
+def _host_name(host: str) -> str:
+    """The name in a Host header, without its port (``[::1]:8000`` → ``::1``)."""
+    if host.startswith("["):
+        return host[1:host.find("]")].lower()
+    return host.split(":", 1)[0].lower()

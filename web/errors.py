@@ -43,6 +43,10 @@ class Unauthorized(ApiError):
     status, code = 401, "invalid_api_key"
 
 
+class Forbidden(ApiError):
+    status, code = 403, "forbidden"
+
+
 class NotFound(ApiError):
     status, code = 404, "not_found"
 

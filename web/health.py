@@ -8,7 +8,7 @@ import time
 from flask import Blueprint, Response, jsonify
 from sqlalchemy import text
 
-from sluice.keys import WORKER_PREFIX
+from sluice.keys import SWEEP_LAST_KEY, WORKER_PREFIX, eviction_policy
 
 from .services import services
 
@@ -48,7 +48,16 @@ def readyz() -> tuple[Response, int]:
     for w in workers:
         models[w.get("model", "?")] = models.get(w.get("model", "?"), 0) + 1
     ready = models.get(settings.registry.default.name, 0) > 0
-    return jsonify(ready=ready, models=models, workers=workers), 200 if ready else 503
+    return jsonify(ready=ready, models=models, workers=workers, sweep=_last_sweep(services().redis),
+                   redis_eviction_policy=eviction_policy(services().redis)), 200 if ready else 503
+
+
+def _last_sweep(redis) -> dict | None:
+    """When the sweep last finished (it publishes what was lost and requeues what died)."""
+    last = redis.hgetall(SWEEP_LAST_KEY)
+    if not last:
+        return None
+    return {"age_s": round(time.time() - float(last["at"]), 1), "took_ms": int(last["took_ms"])}
 
 
 def warm_workers(redis) -> list[dict]:

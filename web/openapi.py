@@ -61,7 +61,8 @@ def build_spec(version: str) -> dict:
                          ("RequestView", schemas.RequestViewSchema), ("Error", schemas.ErrorSchema),
                          ("Health", schemas.HealthSchema), ("Readiness", schemas.ReadinessSchema),
                          ("TenantView", schemas.TenantViewSchema), ("TenantCreate", TenantCreateSchema),
-                         ("TenantLimits", TenantLimitsSchema), ("ReservationView", schemas.ReservationViewSchema),
+                         ("TenantLimits", TenantLimitsSchema), ("KeyView", schemas.KeyViewSchema),
+                         ("ReservationView", schemas.ReservationViewSchema),
                          ("LoadView", schemas.LoadViewSchema), ("ReservationCreate", ReservationSchema)):
         spec.components.schema(name, schema=schema)
     _request_paths(spec)
@@ -73,7 +74,8 @@ def build_spec(version: str) -> dict:
 
 
 def _request_paths(spec: APISpec) -> None:
-    auth_errors = {"401": _error("Missing, malformed or invalid API key.")}
+    auth_errors = {"401": _error("Missing, malformed, invalid or revoked API key."),
+                   "403": _error("The key's tenant is disabled (tenant_disabled).")}
     id_param = {"name": "request_id", "in": "path", "required": True,
                 "schema": {"type": "string", "format": "uuid"}}
     limit_headers = {f"x-ratelimit-{kind}-{unit}": {"schema": {"type": "string"}}
@@ -189,9 +191,20 @@ def _admin_paths(spec: APISpec) -> None:
                         "schema": {"type": "string", "format": "uuid"}}],
         "responses": {"200": _json("ReservationView", "The reservation, cancelled."), **denied,
                       "404": _error("No such reservation.")}}})
-    spec.path(path="/admin/tenants/{tenant_ref}/keys", operations={"post": {
-        **admin, "summary": "A new API key for a tenant (shown once)", "parameters": [tenant],
-        "responses": {"201": {"description": "The key.", "content": {"application/json": {"schema": {
-            "type": "object", "properties": {"tenant": {"type": "string"}, "api_key": {"type": "string"}}}}}},
-            **denied, "404": _error("No such tenant.")},
-    }})
+    spec.path(path="/admin/tenants/{tenant_ref}/keys", operations={
+        "post": {**admin, "summary": "A new API key for a tenant (shown once)", "parameters": [tenant],
+                 "responses": {"201": {"description": "The key.", "content": {"application/json": {"schema": {
+                     "type": "object", "properties": {"tenant": {"type": "string"}, "api_key": {"type": "string"}}}}}},
+                     **denied, "404": _error("No such tenant.")}},
+        "get": {**admin, "summary": "A tenant's API keys, revoked ones too: prefixes, never the keys",
+                "parameters": [tenant],
+                "responses": {"200": {"description": "The keys.", "content": {"application/json": {"schema": {
+                    "type": "object", "properties": {"keys": {"type": "array", "items": "KeyView"}}}}}},
+                    **denied, "404": _error("No such tenant.")}},
+    })
+    spec.path(path="/admin/tenants/{tenant_ref}/keys/{key_id}", operations={"delete": {
+        **admin, "summary": "Revoke an API key: its next call gets 401",
+        "parameters": [tenant, {"name": "key_id", "in": "path", "required": True,
+                                "schema": {"type": "string", "format": "uuid"}}],
+        "responses": {"200": _json("KeyView", "The key, revoked; already_revoked when an earlier call did it."),
+                      **denied, "404": _error("No such tenant, or no such key of it (key_not_found).")}}})

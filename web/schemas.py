@@ -222,8 +222,22 @@ class TenantViewSchema(Schema):
                             metadata={"description": "The limits this tenant sets itself, over its tier's."})
     limits = fields.Nested(LimitsSchema, metadata={"description": "Effective limits: tier plus overrides."})
     created_at = fields.DateTime(allow_none=True)
+    disabled = fields.Boolean(metadata={"description": "Every key of the tenant gets 403 tenant_disabled."})
+    disabled_at = fields.DateTime(allow_none=True)
     active_keys = fields.Integer()
     api_key = SafeString(metadata={"description": "Only in the answer that created the key; never shown again."})
+
+
+class KeyViewSchema(Schema):
+    """An API key as the admin API shows it (``sluice.tenants.key_view``): never the key itself."""
+
+    id = fields.UUID()
+    prefix = fields.String(metadata={"description": "The key's first characters, to tell keys apart."})
+    created_at = fields.DateTime()
+    last_used_at = fields.DateTime(allow_none=True, metadata={"description": "Stamped at most once a minute."})
+    revoked_at = fields.DateTime(allow_none=True)
+    already_revoked = fields.Boolean(metadata={"description": "Only in a revocation's answer: an earlier call "
+                                                              "revoked it (revoked_at is that call's)."})
 
 
 class HealthSchema(Schema):

@@ -31,7 +31,7 @@ from models.session import Database
 from sluice.answers import AnswerCache, deterministic
 from sluice.keys import raise_cancel_flag
 from sluice.logs import bind_request
-from sluice.queues import publish_committed
+from sluice.queues import BrokerEpoch, publish_committed
 from sluice.twins import Twins
 
 from . import idempotency, metrics
@@ -55,7 +55,7 @@ class Accepted:
 
 class RequestService:
     def __init__(self, db: Database, planner: Planner, ladder: Ladder, admission: Admission, publisher: Celery,
-                 lifecycle: Lifecycle, answers: AnswerCache, twins: Twins) -> None:
+                 epoch: BrokerEpoch, lifecycle: Lifecycle, answers: AnswerCache, twins: Twins) -> None:
         self.db = db
         self.answers = answers
         self.twins = twins
@@ -63,10 +63,13 @@ class RequestService:
         self.ladder = ladder
         self.admission = admission
         self.publisher = publisher
+        self.epoch = epoch
         self.lifecycle = lifecycle
 
     def prepare(self, tenant: Tenant, body: dict[str, Any]) -> Plan:
-        """The request's plan with the ladder's steps for the current level applied."""
+        """The request's plan with the ladder's steps for the current level applied. A tenant that
+        is over its limits whatever the request is refused first: planning tokenizes the input."""
+        self.admission.refuse_over_limits(tenant)
         plan = self.ladder.apply(self.planner.plan(tenant.id, body), model_named="model" in body)
         bind_request(str(plan.request_id))
         return plan
@@ -165,7 +168,7 @@ class RequestService:
             log.warning("Redis unreachable; the sweep will publish it")
             return
         try:
-            publish_committed(self.lifecycle, self.publisher, [row])
+            publish_committed(self.lifecycle, self.publisher, [row], self.epoch)
         except Exception:
             log.warning("publish failed; the sweep will publish it", exc_info=True)
 

@@ -16,6 +16,7 @@ from flask import Flask, current_app
 from models import Database
 from models.lifecycle import Lifecycle
 from sluice.answers import AnswerCache
+from sluice.queues import BrokerEpoch
 from sluice.settings import Settings
 from sluice.twins import Twins
 
@@ -38,6 +39,7 @@ class Services:
     admission: Admission
     answers: AnswerCache
     twins: Twins
+    epoch: BrokerEpoch
     lifecycle: Lifecycle
     requests: RequestService
     # Keys that authenticated here a moment ago: only for refusing early (web/auth.py).

@@ -12,7 +12,7 @@ import threading
 import uuid
 from dataclasses import dataclass
 
-from celery.signals import task_received, worker_init, worker_shutdown
+from celery.signals import task_received, worker_init, worker_shutdown, worker_shutting_down
 from flask import Flask
 
 from sluice.keys import RESERVED_KEY
@@ -139,6 +139,14 @@ def connect(app: Flask) -> None:
         except Exception:
             log.warning("could not record reservation of %s; recovery falls back to the visibility timeout",
                         request.id)
+
+    @worker_shutting_down.connect(weak=False)
+    def _on_shutting_down(**kwargs) -> None:
+        # Sent from Celery's signal handler on every SIGTERM/SIGINT: the first drains, the next
+        # hands back what still runs at once. Celery itself stops taking messages.
+        runtime = WORKER.runtime
+        if runtime is not None:
+            runtime.drain(services(app).settings.stop_grace_s)
 
     @worker_shutdown.connect(weak=False)
     def _on_shutdown(**kwargs) -> None:

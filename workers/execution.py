@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -19,7 +20,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from models import Priority, Status
 from models import lifecycle as lc
-from models.lifecycle import Claimed, Ended, Lifecycle
+from models.lifecycle import Claimed, Ended, Lifecycle, Requeued
 from models.request import storable_text
 from sluice.answers import AnswerCache, answer_key
 from sluice.keys import conversation_key
@@ -58,7 +59,10 @@ def with_db_retries(attempt):
 
 
 def execute(lifecycle: Lifecycle, redis_client: redis.Redis, runtime: EngineRuntime, request_id: uuid.UUID,
-            answers: AnswerCache | None = None, twins: Twins | None = None) -> None:
+            answers: AnswerCache | None = None, twins: Twins | None = None,
+            publish: Callable[[list[Requeued]], None] | None = None) -> None:
+    """Claim, run and finish one request. ``publish`` sends a request this worker hands back
+    (it stopped before the request finished) to its queue again; without it the sweep does."""
     claimed = with_db_retries(lambda: lifecycle.claim(request_id, runtime.worker_id, runtime.info["device"]))
     claimed_mono = time.monotonic()  # started_at, on this host's clock (give or take the claim's return)
     if claimed is None:
@@ -71,14 +75,14 @@ def execute(lifecycle: Lifecycle, redis_client: redis.Redis, runtime: EngineRunt
             log.warning("could not record conversation affinity; the next turn may miss the prefix cache")
     key = answer_key(runtime.info["model"], claimed.input, claimed.params, claimed.max_tokens)
     try:
-        run(lifecycle, runtime, claimed, claimed_mono, key, answers)
+        run(lifecycle, runtime, claimed, claimed_mono, key, answers, publish)
     finally:
         if twins is not None:  # whatever the end, it computes this answer no longer
             twins.forget(key, request_id)
 
 
 def run(lifecycle: Lifecycle, runtime: EngineRuntime, claimed: Claimed, claimed_mono: float, key: str,
-        answers: AnswerCache | None) -> None:
+        answers: AnswerCache | None, publish: Callable[[list[Requeued]], None] | None = None) -> None:
     """Run a claimed request in the engine and write its outcome; a success goes into the cache."""
     request_id = claimed.id
     try:
@@ -86,6 +90,16 @@ def run(lifecycle: Lifecycle, runtime: EngineRuntime, claimed: Claimed, claimed_
     except Exception:
         log.exception("engine error")
         with_db_retries(lambda: lifecycle.finish(request_id, runtime.worker_id, lc.ENGINE_ERROR))
+        return
+    if result.ended_by == "shutdown":
+        requeued = with_db_retries(lambda: lifecycle.hand_back(request_id, runtime.worker_id))
+        if requeued is None:  # the client asked to cancel it meanwhile (or it is no longer ours)
+            with_db_retries(lambda: lifecycle.finish(request_id, runtime.worker_id, lc.CANCELLED_RUNNING))
+        elif publish is not None:
+            try:
+                publish([requeued])
+            except Exception:
+                log.warning("handed-back request not published; the sweep will publish it", exc_info=True)
         return
     try:
         ended = finish(lifecycle, request_id, runtime.worker_id, runtime.info["model"], result, claimed_mono)

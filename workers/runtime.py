@@ -12,6 +12,12 @@ Two housekeeping threads run beside it:
   watchdog: before each beat it checks that the engine's event loop still answers, and if the
   loop is stuck it exits the process (status 70) instead of holding requests hostage; the
   process manager restarts the worker and the sweep requeues what it was running.
+
+Stopping (SIGTERM: a deploy, Ctrl-C under `sluice up`, `docker stop`) drains: Celery stops
+taking messages, requests in flight may finish within the stop grace (the time limit by
+default, so any request that could still succeed does), and whatever is left when it runs out,
+or at a second SIGTERM, is aborted and handed back (``ended_by="shutdown"``): requeued, not
+failed, and not counted as an attempt.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ class RunResult:
     # time.monotonic() when the first token was produced: the row's stamp is the claim's
     # database time plus the offset from the claim, so this host's wall clock never enters it.
     first_token_mono: float | None
-    ended_by: str  # "finished" | "timeout" | "deadline" | "cancel" | "engine_abort"
+    ended_by: str  # "finished" | "timeout" | "deadline" | "cancel" | "shutdown" | "engine_abort"
 
     def first_token_after(self, mono: float) -> float | None:
         """Seconds from ``mono`` (a time.monotonic() reading) to the first token, or None."""
@@ -70,6 +76,9 @@ class EngineRuntime:
         self._in_flight: set[str] = set()
         self._batch_in_flight: set[str] = set()  # those of batch priority: threads realtime cannot use
         self._cancelled: set[str] = set()
+        self._handed_back: set[str] = set()  # aborted by a stop: requeued, not ended
+        self.draining = threading.Event()  # told to stop: take no new request
+        self._handing_back = False  # the stop ran out: nothing more starts in the engine
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._background: set[asyncio.Future] = set()
@@ -125,6 +134,8 @@ class EngineRuntime:
         if deadline_in_s is not None and deadline_in_s < time_limit_s:
             limit, ends_as = max(0.0, deadline_in_s), "deadline"
         with self._lock:
+            if self._handing_back:  # claimed in the instant the stop ran out: never started
+                return RunResult(None, None, "shutdown")
             self._in_flight.add(rid)
             if request.priority > 0:
                 self._batch_in_flight.add(rid)
@@ -135,7 +146,9 @@ class EngineRuntime:
                 result = self._call(self._run(request, limit, ends_as), timeout=limit + ABORT_GRACE_S + 30)
             except EngineDead as exc:
                 self._die(str(exc))
-            if result.ended_by == "cancel" and rid not in self._cancelled:
+            if result.ended_by == "cancel" and rid in self._handed_back:
+                result = RunResult(result.output, result.first_token_mono, "shutdown")
+            elif result.ended_by == "cancel" and rid not in self._cancelled:
                 # Aborted, but nobody cancelled it: the engine is shutting down.
                 result = RunResult(result.output, result.first_token_mono, "engine_abort")
             self._learn_speed(result)
@@ -145,6 +158,36 @@ class EngineRuntime:
                 self._in_flight.discard(rid)
                 self._batch_in_flight.discard(rid)
                 self._cancelled.discard(rid)
+                self._handed_back.discard(rid)
+
+    def drain(self, grace_s: float) -> None:
+        """Stop: take nothing new, let what runs finish for ``grace_s``, then hand the rest back.
+        Called again (a second SIGTERM), it hands back what runs at once."""
+        if self.draining.is_set():
+            log.warning("stopping now: handing back %d requests in flight", len(self._in_flight))
+            self.hand_back()
+            return
+        self.draining.set()
+        log.warning("stopping: %d requests in flight may finish within %.0fs; the rest are requeued",
+                    len(self._in_flight), grace_s)
+        threading.Thread(target=self._drain, args=(grace_s,), name="drain", daemon=True).start()
+
+    def _drain(self, grace_s: float) -> None:
+        deadline = time.monotonic() + grace_s
+        while self._in_flight and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if self._in_flight:
+            log.warning("stop grace over: handing back %d requests in flight", len(self._in_flight))
+            self.hand_back()
+
+    def hand_back(self) -> None:
+        """Abort every request in flight so its task requeues it (``ended_by="shutdown"``)."""
+        with self._lock:
+            self._handing_back = True
+            ids = list(self._in_flight)
+            self._handed_back.update(ids)
+        for rid in ids:
+            asyncio.run_coroutine_threadsafe(self.engine.abort(rid), self._loop)
 
     async def _run(self, request: GenerationRequest, time_limit_s: float, ends_as: str) -> RunResult:
         rid = request.request_id

@@ -5,6 +5,9 @@ on rows locked with SKIP LOCKED, so overlapping sweeps never act on one row twic
 
 1. Unpublished: `queued`, never published, older than the publish grace (the web process
    died or the broker refused between commit and publish) → publish.
+   Lost: `queued` and published, but the message is gone — published into an older epoch of the
+   broker's data (Redis restarted empty, failed over, flushed), or, past the lost-message
+   grace, in no queue list and held by no consumer (a list deleted or evicted) → publish again.
 2. Orphaned: `running` on a worker whose heartbeat expired (SIGKILL, OOM, lost host) →
    back to `queued` and republished, or `failed` with `worker_lost` once it used all its
    attempts, or `cancelled` if the client had asked for that.
@@ -25,22 +28,23 @@ write and the release, a Redis blip), and delete idempotency keys past their win
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import redis
-from celery import Celery
 from sqlalchemy import func, or_, select, update
 
 from models import InferenceRequest, Status
 from models.idempotency import expire_keys
 from models.lifecycle import Lifecycle
 from models.session import Database
-from sluice.keys import RESERVED_KEY, node_key, raise_cancel_flag, worker_key
+from sluice.keys import LOST_CHECK_KEY, RESERVED_KEY, node_key, raise_cancel_flag, worker_key
 from sluice.limiter import limiter_for, reconcile_in_flight
-from sluice.queues import DIRECT_PREFIX, direct_queue, publish_committed, queue_name
+from sluice.queues import DIRECT_PREFIX, BrokerEpoch, direct_queue, messages_present, publish_committed, queue_name
 from sluice.settings import Settings
 from sluice.twins import Twins
 from web.services import Services
@@ -48,17 +52,23 @@ from web.services import Services
 log = logging.getLogger(__name__)
 
 BATCH = 500
+# Published rows checked for a lost message per sweep (ids and queue names only).
+LOST_SCAN_ROWS = 20_000
 _t = InferenceRequest
+# Rows (anything with ``id`` and ``queue``) committed as queued → published and stamped.
+Publish = Callable[[Sequence[Any]], None]
 
 
 def sweep(svc: Services) -> dict[str, int]:
     db, redis_client, settings = svc.db, svc.redis, svc.settings
+    publish = functools.partial(publish_committed, svc.lifecycle, svc.broker, epoch=svc.epoch)
     return {
-        "published": _publish_unpublished(db, svc.lifecycle, svc.broker, settings),
+        "published": _publish_unpublished(db, publish, settings),
+        **_republish_lost(db, publish, redis_client, svc.epoch, settings),
         "twins_settled": _settle_twins(db, svc.twins),
-        **_recover_orphans(db, svc.lifecycle, redis_client, svc.broker, settings),
-        "unreserved": _recover_reserved(db, svc.lifecycle, redis_client, svc.broker),
-        "rerouted": _reroute_direct(db, svc.lifecycle, redis_client, svc.broker, settings),
+        **_recover_orphans(db, svc.lifecycle, redis_client, publish, settings),
+        "unreserved": _recover_reserved(db, redis_client, publish),
+        "rerouted": _reroute_direct(db, redis_client, publish, settings),
         "expired": svc.lifecycle.expire_late(),
         "cancel_flags": _reraise_cancel_flags(db, redis_client),
         # Last, so requests the steps above just ended are released in this same run.
@@ -72,14 +82,47 @@ def _ago(seconds: float):
     return func.now() - timedelta(seconds=seconds)
 
 
-def _publish_unpublished(db: Database, lifecycle: Lifecycle, celery: Celery, settings: Settings) -> int:
+def _publish_unpublished(db: Database, publish: Publish, settings: Settings) -> int:
     with db.session() as session:
         rows = session.execute(
             select(_t.id, _t.queue).where(_t.status == Status.QUEUED, _t.enqueued_at.is_(None),
                                           _t.follows_id.is_(None), _t.created_at < _ago(settings.publish_grace_s))
             .order_by(_t.created_at).limit(BATCH)).all()
-    publish_committed(lifecycle, celery, rows)
+    publish(rows)
     return len(rows)
+
+
+def _republish_lost(db: Database, publish: Publish, redis_client: redis.Redis, epoch: BrokerEpoch,
+                    settings: Settings) -> dict[str, int]:
+    """Queued rows whose message the broker no longer has: published into an older epoch of its
+    data, or (past the grace, checked message by message) in no queue and held by no worker."""
+    current = epoch.current()
+    if current is None:  # Redis is away: nothing can be published now anyway
+        return {"lost_epoch": 0, "lost_missing": 0}
+    published = (_t.status == Status.QUEUED, _t.enqueued_at.is_not(None), _t.follows_id.is_(None))
+    with db.session() as session:
+        stale = or_(_t.broker_epoch.is_(None),  # published before epochs were recorded
+                    _t.broker_epoch.startswith(epoch.prefix, autoescape=True) & (_t.broker_epoch != current))
+        older = session.execute(select(_t.id, _t.queue).where(*published, stale)
+                                .order_by(_t.enqueued_at).limit(BATCH)).all()
+    publish(older)
+    missing: list[Any] = []
+    # Reading every message is as long as the queues: at most a few times per grace.
+    if redis_client.set(LOST_CHECK_KEY, 1, nx=True, ex=max(1, int(settings.lost_message_grace_s / 4))):
+        with db.session() as session:
+            suspects = session.execute(
+                select(_t.id, _t.queue).where(*published, _t.broker_epoch == current,
+                                              _t.enqueued_at < _ago(settings.lost_message_grace_s))
+                .order_by(_t.enqueued_at).limit(LOST_SCAN_ROWS)).all()
+        if suspects:
+            present = messages_present(redis_client, {r.queue for r in suspects})
+            present.update(redis_client.hkeys(RESERVED_KEY))
+            missing = [r for r in suspects if str(r.id) not in present][:BATCH]
+            publish(missing)
+    if older or missing:
+        log.warning("re-published queued requests whose message was lost: %d from an older broker epoch, "
+                    "%d missing from their queue", len(older), len(missing))
+    return {"lost_epoch": len(older), "lost_missing": len(missing)}
 
 
 def _settle_twins(db: Database, twins: Twins) -> int:
@@ -99,7 +142,7 @@ def _settle_twins(db: Database, twins: Twins) -> int:
 _LIVE = (Status.QUEUED, Status.RUNNING)
 
 
-def _recover_orphans(db: Database, lifecycle: Lifecycle, redis_client: redis.Redis, celery: Celery,
+def _recover_orphans(db: Database, lifecycle: Lifecycle, redis_client: redis.Redis, publish: Publish,
                      settings: Settings) -> dict[str, int]:
     running = (_t.status == Status.RUNNING, _t.started_at < _ago(settings.worker_dead_after_s))
     # Past its time limit by a wide margin, a row is lost even if its worker lives (its outcome
@@ -113,13 +156,13 @@ def _recover_orphans(db: Database, lifecycle: Lifecycle, redis_client: redis.Red
         running[1], or_(_t.worker.in_(dead), _t.worker.is_(None), overdue),
         max_attempts=settings.max_attempts, limit=BATCH)
     # Publish only after the requeue is committed.
-    publish_committed(lifecycle, celery, requeued)
+    publish(requeued)
     if any(counts.values()):
         log.warning("recovered requests of dead workers: %s", counts)
     return counts
 
 
-def _recover_reserved(db: Database, lifecycle: Lifecycle, redis_client: redis.Redis, celery: Celery) -> int:
+def _recover_reserved(db: Database, redis_client: redis.Redis, publish: Publish) -> int:
     reserved = redis_client.hgetall(RESERVED_KEY)
     alive = {w: bool(redis_client.exists(worker_key(w))) for w in set(reserved.values())}
     dead = [rid for rid, w in reserved.items() if not alive[w]]
@@ -128,13 +171,12 @@ def _recover_reserved(db: Database, lifecycle: Lifecycle, redis_client: redis.Re
     with db.session() as session:
         rows = session.execute(select(_t.id, _t.queue).where(
             _t.id.in_([uuid.UUID(r) for r in dead]), _t.status == Status.QUEUED)).all()
-    publish_committed(lifecycle, celery, rows)
+    publish(rows)
     redis_client.hdel(RESERVED_KEY, *dead)
     return len(rows)
 
 
-def _reroute_direct(db: Database, lifecycle: Lifecycle, redis_client: redis.Redis, celery: Celery,
-                    settings: Settings) -> int:
+def _reroute_direct(db: Database, redis_client: redis.Redis, publish: Publish, settings: Settings) -> int:
     """Queued turns on a dead worker's direct queue move to their model's shared queue. Not a
     status change: the row stays ``queued``, on another queue, to be published again."""
     registry = settings.registry
@@ -155,7 +197,7 @@ def _reroute_direct(db: Database, lifecycle: Lifecycle, redis_client: redis.Redi
             session.execute(update(_t).where(_t.id == row.id, _t.status == Status.QUEUED)
                             .values(queue=queue, enqueued_at=None))
             moved.append(Routed(row.id, queue))
-    publish_committed(lifecycle, celery, moved)
+    publish(moved)
     # Nobody consumes a dead node's queue; its rows were rerouted above (or will be next time).
     for node in dead:
         if not redis_client.exists(node_key(node)):  # not restarted under the same name meanwhile

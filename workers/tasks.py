@@ -5,15 +5,18 @@ Every task runs through :class:`workers.celery_app.SluiceTask` (app context, ids
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import time
 import uuid
 
+import redis
 from celery import shared_task
 from celery.exceptions import Reject
 
-from sluice.keys import RESERVED_KEY
-from sluice.queues import RUN_TASK, SWEEP_TASK
+from sluice.keys import RESERVED_KEY, SWEEP_LAST_KEY
+from sluice.queues import RUN_TASK, SWEEP_TASK, publish_committed
 
 from . import execution, sweep
 from .bootstrap import WORKER, EngineNotStarted
@@ -33,6 +36,10 @@ BATCH_FULL_PAUSE_S = 0.2
 def run_request(self: SluiceTask, request_id: str) -> None:
     """Run one request. Safe to deliver twice: the row's conditional claim lets one run win."""
     svc = self.services
+    runtime = WORKER.runtime
+    if runtime is not None and runtime.draining.is_set():
+        _unreserve(svc, request_id)
+        raise Reject(requeue=True)  # this worker is stopping: the message goes back, unclaimed
     queue = (self.request.delivery_info or {}).get("routing_key") or ""
     slots = WORKER.batch if queue.startswith("batch.") else None
     if slots is not None and not slots.try_take():
@@ -41,7 +48,7 @@ def run_request(self: SluiceTask, request_id: str) -> None:
         raise Reject(requeue=True)  # not claimed: the row stays queued, the message goes back
     try:
         execution.execute(svc.lifecycle, svc.redis, WORKER.require(), uuid.UUID(request_id), svc.answers,
-                          svc.twins)
+                          svc.twins, functools.partial(publish_committed, svc.lifecycle, svc.broker, epoch=svc.epoch))
     except (*DB_UNAVAILABLE, EngineNotStarted) as exc:
         # Postgres unreachable through every retry, or no engine in this process: hand the
         # message back to the queue rather than ack it, so the request is not stranded. The
@@ -64,7 +71,11 @@ def _unreserve(svc, request_id: str) -> None:
 
 @shared_task(bind=True, name=SWEEP_TASK, ignore_result=True)
 def sweep_stranded(self: SluiceTask) -> dict:
+    began = time.monotonic()
     report = sweep.sweep(self.services)
+    with contextlib.suppress(redis.RedisError):
+        self.services.redis.hset(SWEEP_LAST_KEY, mapping={
+            "at": time.time(), "took_ms": round((time.monotonic() - began) * 1000)})
     if any(report.values()):
         log.info("sweep: %s", report)
     return report

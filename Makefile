@@ -3,13 +3,19 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: up test lint docs clean
+.PHONY: up test faults lint docs clean
 
 up: $(VENV)/.installed
 	$(BIN)/sluice up
 
 test: $(VENV)/.installed-vllm
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The fault suite alone (it also runs in `make test`), with its ledger, one JSON line per scenario.
+faults: $(VENV)/.installed-vllm
+	mkdir -p .sluice && rm -f .sluice/fault-report.jsonl
+	SLUICE_FAULT_REPORT=$(CURDIR)/.sluice/fault-report.jsonl $(BIN)/python -m pytest tests/faults $(PYTEST_ARGS)
+	cat .sluice/fault-report.jsonl
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

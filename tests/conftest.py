@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psycopg
 import pytest
@@ -244,3 +246,16 @@ def isolated(database_url, redis_dbs, new_client):
     yield application, client, redis_url
     services(application).db.dispose()
     redis_dbs.release(redis_url)  # flushed, and free for the next test: there are only 15
+
+
+def restart_redis(server):
+    """Start an embedded redis-server again on the same port and data folder (so URLs hold)."""
+    from launcher.embedded import EmbeddedRedis, _wait_pong, redis_executable, write_redis_conf
+
+    directory = server.log_path.parent
+    with server.log_path.open("ab") as log:
+        proc = subprocess.Popen([str(redis_executable()), str(write_redis_conf(directory, urlsplit(server.url).port))],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    again = EmbeddedRedis(url=server.url, process=proc, log_path=server.log_path)
+    assert _wait_pong(again, 20), "redis-server did not come back"
+    return again

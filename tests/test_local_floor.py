@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 import warnings
-from urllib.parse import urlsplit
 
 import pytest
 from admission_support import rows_of, tenant_id_of
+from conftest import restart_redis
 from sqlalchemy import select
 from test_admission import assert_ratelimit_headers, assert_retry_after
 from test_api_errors import assert_envelope
 
-from launcher.embedded import EmbeddedRedis, _wait_pong, redis_executable, start_redis, write_redis_conf
+from launcher.embedded import start_redis
 from models import InferenceRequest
 from web.services import services
 from workers.sweep import sweep
@@ -35,18 +34,6 @@ def own_redis(tmp_path):
     holder = {"server": server}
     yield holder
     holder["server"].stop()
-
-
-def restart(server: EmbeddedRedis) -> EmbeddedRedis:
-    """Start redis-server again on the same port and data directory (so the app's URL holds)."""
-    port = urlsplit(server.url).port
-    directory = server.log_path.parent
-    with server.log_path.open("ab") as log:
-        proc = subprocess.Popen([str(redis_executable()), str(write_redis_conf(directory, port))],
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    again = EmbeddedRedis(url=server.url, process=proc, log_path=server.log_path)
-    assert _wait_pong(again, 20), "redis-server did not come back"
-    return again
 
 
 def back_on_shared_limits(client, admission, tenant_id, timeout_s: float = 30) -> str:
@@ -94,7 +81,7 @@ def test_floor_engages_when_redis_stops_and_disengages_when_it_restarts(own_redi
     assert client.get(during.get_json()["id"]).get_json()["status"] == "queued"
     assert len(rows_of(application, tenant_id)) == 2  # before + during; no row for the rejected ones
 
-    own_redis["server"] = restart(own_redis["server"])
+    own_redis["server"] = restart_redis(own_redis["server"])
     back_on_shared_limits(client, admission, tenant_id)
     assert floor_gauge(application) == 0.0
     assert client.submit(prompt="batch", max_tokens=16, priority="batch").status_code == 202

@@ -13,18 +13,16 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import threading
 import time
 import uuid
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import pytest
-from conftest import BeatProcess, WorkerProcess, make_settings
+from conftest import BeatProcess, WorkerProcess, make_settings, restart_redis
 from sqlalchemy import select
 
-from launcher.embedded import EmbeddedRedis, _wait_pong, redis_executable, start_redis, write_redis_conf
+from launcher.embedded import EmbeddedRedis, start_redis
 from models import InferenceRequest
 from sluice.keys import inflight_key
 from web.services import services
@@ -168,19 +166,27 @@ def platform(database_url, redis_dbs, new_client, tmp_path):
     redis_dbs.release(redis_url)
 
 
+def three_workers_then_a_fourth(start, end) -> tuple[list[Path], WorkerProcess, float]:
+    """Start a worker, let it run 3 s, ``end`` it; three times. Then the survivor: the logs of
+    all four, the survivor, and when the last fault happened."""
+    logs: list[Path] = []
+    for _ in range(3):
+        worker = start()
+        logs.append(worker.log_path)
+        time.sleep(3.0)
+        end(worker)
+    fault_at = time.monotonic()
+    final = start()
+    logs.append(final.log_path)
+    time.sleep(2.0)
+    return logs, final, fault_at
+
+
 def test_workers_sigkilled_mid_batch_three_times(platform, database_url, tmp_path):
     application, client, redis_url = platform
-    logs: list[Path] = []
     with Load(client, every_s=0.05) as load:
-        for _kill in range(3):
-            worker = WorkerProcess(database_url, redis_url, tmp_path)
-            logs.append(worker.log_path)
-            time.sleep(3.0)
-            worker.kill()
-        fault_at = time.monotonic()
-        final = WorkerProcess(database_url, redis_url, tmp_path)
-        logs.append(final.log_path)
-        time.sleep(2.0)
+        logs, final, fault_at = three_workers_then_a_fourth(
+            lambda: WorkerProcess(database_url, redis_url, tmp_path), WorkerProcess.kill)
     try:
         check_ledger(application, client, load, logs, "worker SIGKILL x3", fault_at)
     finally:
@@ -190,18 +196,11 @@ def test_workers_sigkilled_mid_batch_three_times(platform, database_url, tmp_pat
 def test_graceful_worker_restarts_during_long_requests(platform, database_url, tmp_path):
     """Scenario 7: SIGTERM with a stop grace shorter than the requests; nothing fails or runs twice."""
     application, client, redis_url = platform
-    logs: list[Path] = []
     slow = {"SLUICE_SIM_SPEED": "0.2", "SLUICE_WORKER_STOP_GRACE_S": "1"}
     with Load(client, every_s=0.1, max_tokens=300) as load:
-        for _deploy in range(3):
-            worker = WorkerProcess(database_url, redis_url, tmp_path, extra_env=slow)
-            logs.append(worker.log_path)
-            time.sleep(3.0)
-            worker.stop()  # SIGTERM, waits for the exit
-        fault_at = time.monotonic()
-        final = WorkerProcess(database_url, redis_url, tmp_path)
-        logs.append(final.log_path)
-        time.sleep(2.0)
+        # stop(): SIGTERM, then it waits for the exit.
+        logs, final, fault_at = three_workers_then_a_fourth(
+            lambda: WorkerProcess(database_url, redis_url, tmp_path, extra_env=slow), WorkerProcess.stop)
     try:
         check_ledger(application, client, load, logs, "graceful restart (SIGTERM) x3", fault_at)
         with services(application).db.session() as session:
@@ -226,19 +225,12 @@ def own_redis(tmp_path):
 
 
 def _restart(server: EmbeddedRedis, keep_data: bool) -> EmbeddedRedis:
-    directory = server.log_path.parent
     server.stop()
-    if not keep_data:
-        for path in directory.iterdir():
+    if not keep_data:  # what a restart without persistence, or a failover to an empty replica, leaves
+        for path in server.log_path.parent.iterdir():
             if path.name.startswith(("appendonly", "dump")):
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
-    port = urlsplit(server.url).port
-    with server.log_path.open("ab") as log:
-        proc = subprocess.Popen([str(redis_executable()), str(write_redis_conf(directory, port))],
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    again = EmbeddedRedis(url=server.url, process=proc, log_path=server.log_path)
-    assert _wait_pong(again, 20), "redis-server did not come back"
-    return again
+    return restart_redis(server)
 
 
 @pytest.mark.parametrize("keep_data", [True, False], ids=["data-kept", "data-lost"])

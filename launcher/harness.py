@@ -51,6 +51,7 @@ class WorkerProcess:
     def __init__(self, env: dict[str, str], redis_url: str, tmp: Path, role: str = "all",
                  ready_timeout: float = 60, model: str | None = None, concurrency: int = 64) -> None:
         self.redis = redis_lib.Redis.from_url(redis_url, decode_responses=True)
+        self.role = role
         self.log_path = tmp / f"worker-{role}-{uuid.uuid4().hex[:6]}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         before = set(self.redis.keys(WORKER_PREFIX + "*"))

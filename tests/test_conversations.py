@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import BeatProcess, WorkerProcess, make_settings
 
+from web.schemas import worker_tag
 from web.services import services
 
 
@@ -23,7 +24,9 @@ def two_workers(database_url, redis_dbs, new_client, tmp_path):
 
 
 def node_of(view: dict) -> str:
-    return view["worker"].split("/")[0]
+    """The worker that ran it, as a tenant can tell: an opaque tag, the same for one process."""
+    assert view["worker"].startswith("w-") and "@" not in view["worker"]
+    return view["worker"]
 
 
 def test_turns_follow_the_worker_that_served_the_first(two_workers):
@@ -33,7 +36,7 @@ def test_turns_follow_the_worker_that_served_the_first(two_workers):
     node = node_of(first)
     for turn in range(2, 6):
         view = client.wait(client.submit(prompt=f"turn {turn}", max_tokens=4, conversation_id="c-1").get_json()["id"])
-        assert view["queue"] == f"direct.{node}" and node_of(view) == node
+        assert view["queue"] == "direct" and node_of(view) == node
     other = client.wait(client.submit(prompt="no conversation", max_tokens=4).get_json()["id"])
     assert other["queue"] == "realtime.small"
 
@@ -43,7 +46,7 @@ def test_turn_for_a_dead_worker_is_rerouted_to_the_shared_queue(two_workers, dat
     _, client, workers, redis_url = two_workers
     first = client.wait(client.submit(prompt="turn 1", max_tokens=4, conversation_id="c-2").get_json()["id"])
     node = node_of(first)
-    victim = next(w for w in workers if w.worker_key.split(":", 2)[2].startswith(node + "/"))
+    victim = next(w for w in workers if worker_tag(w.worker_key.split(":", 2)[2]) == node)
     victim.kill()
     # Its node key outlives it for a few seconds: this turn is routed to the dead worker's queue.
     stranded = client.submit(prompt="turn 2", max_tokens=4, conversation_id="c-2").get_json()["id"]
@@ -64,16 +67,17 @@ def test_affinity_never_puts_batch_work_on_a_realtime_worker(database_url, redis
     application = create_app(make_settings(database_url, redis_url))
     client = new_client(application)
     workers = [WorkerProcess(database_url, redis_url, tmp_path, role=role) for role in ("realtime", "batch")]
+    role_of = {worker_tag(w.worker_key.split(":", 2)[2]): w.role for w in workers}
     try:
         first = client.wait(client.submit(prompt="turn 1", max_tokens=4, conversation_id="c-3").get_json()["id"])
-        assert node_of(first).startswith("realtime-")
+        assert role_of[node_of(first)] == "realtime"
         batch_turn = client.wait(client.submit(prompt="turn 2", max_tokens=4, priority="batch",
                                                conversation_id="c-3").get_json()["id"])
-        assert batch_turn["queue"] == "batch.small" and node_of(batch_turn).startswith("batch-")
+        assert batch_turn["queue"] == "batch.small" and role_of[node_of(batch_turn)] == "batch"
         # The batch worker served the last turn; a realtime turn cannot follow it there either.
         realtime_turn = client.wait(client.submit(prompt="turn 3", max_tokens=4, conversation_id="c-3")
                                     .get_json()["id"])
-        assert realtime_turn["queue"] == "realtime.small" and node_of(realtime_turn).startswith("realtime-")
+        assert realtime_turn["queue"] == "realtime.small" and role_of[node_of(realtime_turn)] == "realtime"
     finally:
         for worker in workers:
             worker.stop()

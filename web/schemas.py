@@ -6,11 +6,13 @@ because a client that sends those has a bug we should tell it about, not guess a
 
 from __future__ import annotations
 
+import hashlib
 import numbers
 
 from marshmallow import Schema, ValidationError, fields, pre_dump, validate, validates_schema
 
 from models.request import storable
+from sluice.queues import DIRECT_PREFIX
 
 
 class StrictInteger(fields.Integer):
@@ -125,13 +127,24 @@ class RequestErrorSchema(Schema):
     message = SafeString()
 
 
+def worker_tag(worker: str | None) -> str | None:
+    """What a tenant sees of the worker that ran its request: a tag, not host and process names."""
+    return None if worker is None else "w-" + hashlib.sha256(worker.encode()).hexdigest()[:12]
+
+
+def public_queue(queue: str) -> str:
+    """A queue's name as a tenant sees it: a worker's own queue is named after its host."""
+    return "direct" if queue.startswith(DIRECT_PREFIX) else queue
+
+
 class RequestViewSchema(Schema):
     id = fields.UUID()
     status = SafeString(metadata={"enum": ["queued", "running", "succeeded", "failed", "timed_out",
                                               "cancelled", "expired", "rejected"]})
     priority = SafeString()
     size_class = SafeString()
-    queue = SafeString()
+    queue = SafeString(metadata={"description": "The queue it went to; `direct` for a conversation turn "
+                                                "sent to the worker holding its prefix cache."})
     model = SafeString(metadata={"description": "Model asked for."})
     model_used = SafeString(allow_none=True, metadata={"description": "Model that actually ran."})
     model_routed = SafeString(allow_none=True, metadata={
@@ -152,7 +165,9 @@ class RequestViewSchema(Schema):
     cancel_requested = fields.Boolean()
     cache_hit = fields.Boolean(metadata={"description": "Answered from the hot answer cache: no engine ran."})
     attempts = fields.Integer()
-    worker = SafeString(allow_none=True)
+    worker = SafeString(allow_none=True, metadata={
+        "description": "An opaque tag of the worker process that ran it (the same tag: the same "
+                       "process); never its host name."})
     metadata = fields.Dict()
     conversation_id = SafeString(allow_none=True)
 
@@ -164,7 +179,7 @@ class RequestViewSchema(Schema):
         done = row.status == "succeeded" or row.output_text is not None
         return {
             "id": row.id, "status": row.status.value, "priority": row.priority.value,
-            "size_class": row.size_class.value, "queue": row.queue, "model": row.model_requested,
+            "size_class": row.size_class.value, "queue": public_queue(row.queue), "model": row.model_requested,
             "model_used": row.model_used, "model_routed": row.model_routed, "route_reason": row.route_reason,
             "degradation_step": row.degradation_step,
             "max_tokens": row.max_tokens, "time_limit_s": row.time_limit_s,
@@ -178,7 +193,7 @@ class RequestViewSchema(Schema):
             "error": {"code": row.error_code, "message": row.error_message} if row.error_code else None,
             "cancel_requested": row.cancel_requested_at is not None, "cache_hit": row.cache_hit,
             "attempts": row.attempts,
-            "worker": row.worker, "metadata": row.meta, "conversation_id": row.conversation_id,
+            "worker": worker_tag(row.worker), "metadata": row.meta, "conversation_id": row.conversation_id,
         }
 
 

@@ -58,7 +58,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         if spec is None:
             from .openapi import build_spec
 
-            spec = build_spec(_version())
+            spec = build_spec(_version(), settings)
         return jsonify(spec)
 
     return app

@@ -14,6 +14,8 @@ from apispec import APISpec
 from apispec.ext.marshmallow import MarshmallowPlugin
 from marshmallow import fields, validate
 
+from sluice.settings import Settings
+
 from . import schemas
 from .admin import ReservationSchema, TenantCreateSchema, TenantLimitsSchema
 
@@ -36,9 +38,17 @@ def _exact_bounds(self, field: fields.Field, ret: dict[str, Any], **kwargs: Any)
         key_bounds = {name: getattr(v, attr) for v in getattr(field.key_field, "validators", ())
                       if isinstance(v, validate.Length)
                       for name, attr in (("minLength", "min"), ("maxLength", "max")) if getattr(v, attr) is not None}
+        if isinstance(field.key_field, schemas.SafeString):
+            key_bounds["pattern"] = NO_NUL
         if key_bounds:
             extra["propertyNames"] = {"type": "string", **key_bounds}
+    if isinstance(field, schemas.SafeString):
+        extra["pattern"] = NO_NUL
     return extra
+
+
+# Text PostgreSQL can store (web/schemas.py: SafeString): JSON allows NUL, Postgres does not.
+NO_NUL = "^[^\\u0000]*$"
 
 
 def _error(description: str) -> dict:
@@ -49,7 +59,8 @@ def _json(schema: str, description: str) -> dict:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
-def build_spec(version: str) -> dict:
+def build_spec(version: str, settings: Settings | None = None) -> dict:
+    """The OpenAPI document; ``settings`` add this deployment's own caps (the time limit, …)."""
     plugin = MarshmallowPlugin()
     spec = APISpec(title="Sluice", version=version, openapi_version="3.1.0", plugins=[plugin],
                    info={"description": "Job-queue platform for LLM inference: submit, poll, cancel."})
@@ -70,6 +81,14 @@ def build_spec(version: str) -> dict:
     _admin_paths(spec)
     document = spec.to_dict()
     document["components"]["schemas"]["SubmitRequest"]["oneOf"] = schemas.SubmitRequestSchema.OPENAPI_ONE_OF
+    if settings is not None:
+        submit = document["components"]["schemas"]["SubmitRequest"]["properties"]
+        submit["time_limit_s"]["maximum"] = settings.time_limit_s
+        submit["model"]["enum"] = [model.name for model in settings.registry.models]
+        submit["max_tokens"]["maximum"] = settings.max_output_tokens
+        submit["prompt"]["maxLength"] = settings.max_prompt_chars  # messages: their contents together
+        for name in ("TenantCreate", "TenantLimits"):
+            document["components"]["schemas"][name]["properties"]["tier"]["enum"] = [*settings.tiers, None]
     return document
 
 

@@ -16,7 +16,11 @@ from sluice.queues import DIRECT_PREFIX
 
 
 class StrictInteger(fields.Integer):
+    """A JSON integer: no strings, no booleans. ``5.0`` is one too (JSON Schema says so)."""
+
     def _validated(self, value):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise self.make_error("invalid")
         return super()._validated(value)
@@ -261,12 +265,21 @@ class HealthSchema(Schema):
                          metadata={"description": "postgres and redis: ok or unreachable."})
 
 
+class SweepSchema(Schema):
+    age_s = fields.Float(metadata={"description": "Seconds since it finished."})
+    took_ms = fields.Integer()
+
+
 class ReadinessSchema(Schema):
     ready = fields.Boolean()
     reason = SafeString()
     models = fields.Dict(keys=fields.String(), values=fields.Integer(),
                          metadata={"description": "Warm workers per registry model."})
     workers = fields.List(fields.Dict(), metadata={"description": "Heartbeats of warm workers, with engine stats."})
+    sweep = fields.Nested(SweepSchema, allow_none=True,
+                          metadata={"description": "When the sweep last finished; null: not since Redis started."})
+    redis_eviction_policy = SafeString(allow_none=True, metadata={
+        "description": "Redis's maxmemory-policy; Sluice needs noeviction. null: unreadable."})
 
 
 class ClassLoadSchema(Schema):

@@ -25,6 +25,7 @@ from sqlalchemy import select
 from launcher.embedded import EmbeddedRedis, start_redis
 from models import InferenceRequest
 from sluice.keys import inflight_key
+from sluice.settings import Settings
 from web.services import services
 
 TERMINAL = {"succeeded", "failed", "timed_out", "cancelled", "expired"}
@@ -37,6 +38,7 @@ class Load:
         self.client, self.every_s, self.max_tokens = client, every_s, max_tokens
         self.accepted: list[str] = []
         self.refused: dict[int, int] = {}
+        self.without_retry_after = 0  # 429s and 503s that did not say when to come back
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -58,6 +60,8 @@ class Load:
                 self.accepted.append(response.get_json()["id"])
             else:
                 self.refused[response.status_code] = self.refused.get(response.status_code, 0) + 1
+                if response.status_code in (429, 503) and "Retry-After" not in response.headers:
+                    self.without_retry_after += 1
 
     @property
     def rate(self) -> float:
@@ -258,3 +262,102 @@ def test_redis_restarted_under_load(own_redis, keep_data, database_url, new_clie
         keeper.stop()
         beat.stop()
         services(application).db.dispose()
+
+
+def test_duplicate_deliveries_run_once(platform, database_url, tmp_path):
+    """Scenario 6: every accepted request's message published a second time, under load."""
+    from sluice.queues import publish_request
+
+    application, client, redis_url = platform
+    svc = services(application)
+    worker = WorkerProcess(database_url, redis_url, tmp_path)
+    try:
+        with Load(client, every_s=0.05) as load:
+            sent_twice: set[str] = set()
+            deadline = time.monotonic() + 6.0
+            while time.monotonic() < deadline:
+                for request_id in [i for i in load.accepted if i not in sent_twice]:
+                    publish_request(svc.broker, uuid.UUID(request_id), "realtime.small")
+                    sent_twice.add(request_id)
+                time.sleep(0.1)
+            fault_at = time.monotonic()
+        assert sent_twice
+        check_ledger(application, client, load, [worker.log_path], "duplicate delivery of every message", fault_at)
+    finally:
+        worker.stop()
+
+
+def test_beat_and_monitor_away_admission_goes_on_and_recovery_resumes(platform, database_url, redis_dbs,
+                                                                      new_client, tmp_path):
+    """Scenario 5: with beat (and so the sweep) stopped, admission keeps answering 202 (there is no
+    load monitor either: a level that stopped being refreshed is ignored); a worker killed then
+    leaves its requests running until beat returns, and the sweep requeues them."""
+    from web import create_app
+
+    redis_url = redis_dbs()  # no beat on this one until the test starts it
+    application = create_app(make_settings(database_url, redis_url))
+    client = new_client(application)
+    first = WorkerProcess(database_url, redis_url, tmp_path, extra_env={"SLUICE_SIM_SPEED": "0.2"})
+    second = beat = None
+    try:
+        with Load(client, every_s=0.05) as load:
+            time.sleep(3.0)
+            first.kill()
+            second = WorkerProcess(database_url, redis_url, tmp_path)
+            time.sleep(3.0)
+        assert load.accepted and not load.refused, load.refused
+        dead_worker = first.worker_key.split(":", 2)[2]
+        with services(application).db.session() as session:
+            stranded = [str(i) for i in session.scalars(select(InferenceRequest.id).where(
+                InferenceRequest.worker == dead_worker, InferenceRequest.status == "running"))]
+        assert stranded, "the kill left nothing running: nothing to recover"
+        time.sleep(5.0)  # far past the dead worker's heartbeat: only the sweep can requeue them
+        assert all(s == "running" for s in _statuses(application, stranded).values())
+        beat = BeatProcess(database_url, redis_url, tmp_path, interval_s=1.0)
+        fault_at = time.monotonic()
+        check_ledger(application, client, load, [first.log_path, second.log_path],
+                     "beat and monitor stopped, then back", fault_at)
+    finally:
+        for proc in (second, beat):
+            if proc is not None:
+                proc.stop()
+        services(application).db.dispose()
+        redis_dbs.release(redis_url)
+
+
+def test_postgres_restarted_under_load(redis_dbs, tmp_path):
+    """Scenario 3: Postgres stops for a few seconds under load. Submits meanwhile get 503 with
+    Retry-After; results computed meanwhile are written when it returns (or recomputed once)."""
+    from conftest import ApiClient
+
+    from launcher.database import create_key, upgrade_database
+    from launcher.embedded import start_postgres
+    from web import create_app
+
+    postgres = start_postgres(tmp_path / "pg")
+    redis_url = redis_dbs()
+    worker = beat = None
+    try:
+        url = Settings(database_url=postgres.url).sqlalchemy_url
+        upgrade_database(url)
+        application = create_app(make_settings(postgres.url, redis_url))
+        client = ApiClient(application, create_key(url, "fault-postgres"))
+        worker = WorkerProcess(postgres.url, redis_url, tmp_path, extra_env={"SLUICE_SIM_SPEED": "0.2"})
+        beat = BeatProcess(postgres.url, redis_url, tmp_path, interval_s=1.0)
+        with Load(client, every_s=0.05) as load:
+            time.sleep(3.0)
+            postgres.stop()
+            time.sleep(4.0)
+            postgres = start_postgres(tmp_path / "pg")
+            fault_at = time.monotonic()
+            time.sleep(3.0)
+        assert load.refused.get(503), f"no 503 while Postgres was down: {load.refused}"
+        assert set(load.refused) <= {503} and load.without_retry_after == 0, load.refused
+        check_ledger(application, client, load, [worker.log_path], "Postgres restarted (4 s down)", fault_at)
+        services(application).db.dispose()
+    finally:
+        for proc in (worker, beat):
+            if proc is not None:
+                proc.stop()
+        postgres.stop()
+        redis_dbs.release(redis_url)

@@ -92,6 +92,14 @@ class Settings:
         "SLUICE_VLLM_KV_CACHE_BYTES", None, "Fixed KV cache size in bytes (CPU hosts); default: from utilization.")
     sim_speed: float = _field(
         "SLUICE_SIM_SPEED", 1.0, "Simulated engine speed; 1.0 = one H200's real step times.")
+    sim_wedge_after_s: float | None = _field(
+        "SLUICE_SIM_WEDGE_AFTER_S", None,
+        "Fault injection: the simulated engine's loop blocks for good this long after start (a hung "
+        "GPU call), so the watchdog's exit and the restart can be tested. Unset: never.")
+    worker_watchdog_s: float = _field(
+        "SLUICE_WORKER_WATCHDOG_S", 30.0,
+        "A worker whose engine loop does not answer, or makes no progress with work in flight, this "
+        "long exits (status 70) to be restarted; its requests are requeued.")
     worker_concurrency: int | None = _field(
         "SLUICE_WORKER_CONCURRENCY", None,
         "Tasks one worker keeps in flight, all feeding its single engine (thread pool). Unset: "
@@ -234,7 +242,7 @@ class Settings:
                     "time_limit_s", "large_threshold_tokens", "sim_speed", "worker_concurrency",
                     "worker_heartbeat_s", "worker_dead_after_s", "max_attempts", "sweep_interval_s",
                     "publish_grace_s", "lost_message_grace_s", "worker_stop_grace_s", "cancel_poll_s",
-                    "web_workers", "load_level_max_age_s",
+                    "worker_watchdog_s", "web_workers", "load_level_max_age_s",
                     "idempotency_window_s", "redis_timeout_s", "local_floor_tokens_per_minute",
                     "shorter_output_tokens", "cache_max_entries", "cache_max_answer_bytes"]
         for name in positive:

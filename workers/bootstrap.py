@@ -99,7 +99,7 @@ def start_runtime(app: Flask, hostname: str, queues: list[str], threads: int | N
     runtime = EngineRuntime(load_engine(settings, model), svc.redis, worker_id,
                             heartbeat_s=settings.worker_heartbeat_s,
                             dead_after_s=settings.worker_dead_after_s,
-                            cancel_poll_s=settings.cancel_poll_s, info=info)
+                            cancel_poll_s=settings.cancel_poll_s, watchdog_s=settings.worker_watchdog_s, info=info)
     runtime.start()
     WORKER.batch = batch_slots(settings, info["threads"], queues)
     WORKER.runtime = runtime

@@ -361,3 +361,28 @@ def test_postgres_restarted_under_load(redis_dbs, tmp_path):
                 proc.stop()
         postgres.stop()
         redis_dbs.release(redis_url)
+
+
+def test_hung_request_and_wedged_engine(platform, database_url, tmp_path):
+    """Scenario 4: a request that would run far past its time limit is aborted and frees its slot;
+    an engine whose loop blocks for good makes the worker exit (watchdog, status 70), and once a
+    process manager restarts it the sweep requeues what it was running."""
+    application, client, redis_url = platform
+    starts = iter([{"SLUICE_SIM_WEDGE_AFTER_S": "5", "SLUICE_WORKER_WATCHDOG_S": "3"}])
+    keeper = Keeper(lambda: WorkerProcess(database_url, redis_url, tmp_path, extra_env=next(starts, {})))
+    try:
+        hung = client.submit(prompt="runs far past its limit", max_tokens=4000, ignore_eos=True,
+                             time_limit_s=1).get_json()["id"]
+        with Load(client, every_s=0.05) as load:
+            load.accepted.append(hung)
+            for _ in range(20):  # the wedge comes 5 s after the engine started
+                keeper.tick()
+                time.sleep(0.5)
+            fault_at = time.monotonic()
+        assert keeper.restarts >= 1, "the wedged worker did not exit"
+        assert keeper.workers[0].proc.returncode == 70
+        check_ledger(application, client, load, [], "hung request + wedged engine", fault_at, keeper=keeper)
+        view = client.get(hung).get_json()
+        assert view["status"] in ("timed_out", "succeeded"), view  # succeeded only if it ran again in time
+    finally:
+        keeper.stop()

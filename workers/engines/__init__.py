@@ -15,7 +15,8 @@ def load_engine(settings: Settings, model: ModelSpec) -> Engine:
     if settings.engine == "simulated":
         from .simulated import SimulatedConfig, SimulatedEngine
 
-        return SimulatedEngine(SimulatedConfig(model_name=model.name, speed=settings.sim_speed))
+        return SimulatedEngine(SimulatedConfig(model_name=model.name, speed=settings.sim_speed,
+                                               wedge_after_s=settings.sim_wedge_after_s))
     if settings.engine == "vllm":
         if not model.path:
             raise ValueError(f"model {model.name!r} has no path: set SLUICE_MODEL_PATH or its registry path")

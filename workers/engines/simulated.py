@@ -16,6 +16,7 @@ import itertools
 import logging
 import math
 import random
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -54,6 +55,9 @@ class SimulatedConfig:
     # Scheduling, sampling and Python work per step, absent from the ideal CUDA-graph calibration.
     step_overhead_s: float = 0.3e-3
     speed: float = 1.0  # 1.0 = real H200 time, 2.0 = twice as fast
+    # Fault injection (the fault suite): this long after start, a step blocks the event loop for
+    # good, as a CUDA call that never returns would. None: never.
+    wedge_after_s: float | None = None
     stream_every: int = 0  # also yield every N tokens; 0 = first token and final output only
 
     @property
@@ -134,6 +138,7 @@ class SimulatedEngine(Engine):
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._closed = False
+        self._wedge_at: float | None = None
         self._steps = self._max_batch = self._generated = self._prompt = self._aborted = 0
         self._preemptions = 0
         self._last_batch, self._last_step_ms, self._sim_time_s = 0, 0.0, 0.0
@@ -144,6 +149,8 @@ class SimulatedEngine(Engine):
             raise RuntimeError("engine is shut down")
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="simulated-engine")
+            wedge = self.config.wedge_after_s
+            self._wedge_at = None if wedge is None else time.monotonic() + wedge
             log.info("simulated engine started: model=%s kv_capacity_tokens=%d",
                      self.config.model_name, self._num_blocks * self.config.block_size)
 
@@ -229,6 +236,10 @@ class SimulatedEngine(Engine):
                     await self._wake.wait()
                     continue
                 cost = self._cost(batch)
+                if self._wedge_at is not None and time.monotonic() >= self._wedge_at:
+                    log.error("simulated engine wedged (SLUICE_SIM_WEDGE_AFTER_S): the loop blocks now")
+                    while True:
+                        time.sleep(3600)  # blocks the event loop itself, not just this task
                 await asyncio.sleep(cost / self.config.speed)
                 self._update(batch, cost)
         except Exception:  # fan the failure out so no consumer hangs

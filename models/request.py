@@ -58,6 +58,9 @@ class InferenceRequest(Base):
         Index("ix_requests_status_created_at", "status", "created_at"),
         Index("ix_requests_tenant_id_created_at", "tenant_id", "created_at"),
         Index("ix_requests_follows_id", "follows_id", postgresql_where=text("follows_id IS NOT NULL")),
+        # The retention sweep's work list: finished rows whose text is still kept.
+        Index("ix_requests_unredacted_finished_at", "finished_at",
+              postgresql_where=text("redacted_at IS NULL AND finished_at IS NOT NULL")),
     )
     # created_at and deadline_at are computed by the database at INSERT: read them back with
     # RETURNING, so a committed row says when it was created without another query.
@@ -123,6 +126,9 @@ class InferenceRequest(Base):
     cancel_requested_at: Mapped[datetime | None]
     # Not started by then → dropped as `expired` instead of computing an answer nobody reads.
     deadline_at: Mapped[datetime | None]
+    # Its prompt and output were deleted by the retention sweep (SLUICE_RETENTION_DAYS); the
+    # rest of the row (tokens, timings, outcome) stays.
+    redacted_at: Mapped[datetime | None]
 
     @property
     def target_model(self) -> str:

@@ -34,6 +34,13 @@ class Settings:
     database_url: str | None = _field(
         "DATABASE_URL", None,
         "PostgreSQL URL (postgresql+psycopg://…). Unset: `sluice up` starts an embedded server.")
+    db_pool_size: int = _field(
+        "SLUICE_DB_POOL_SIZE", 5,
+        "Postgres connections each Sluice process keeps open. Every process (each gunicorn worker, "
+        "each Celery worker, beat, the monitor, Flower) may hold pool + overflow at once: keep their "
+        "sum under the server's max_connections.")
+    db_max_overflow: int = _field(
+        "SLUICE_DB_MAX_OVERFLOW", 10, "Extra Postgres connections a process may open in a burst.")
     redis_url: str | None = _field(
         "REDIS_URL", None,
         "Redis URL for broker, limits and cancel flags. Unset: `sluice up` starts an embedded one.")
@@ -123,6 +130,10 @@ class Settings:
         "A stopping worker (SIGTERM) takes no new request and lets those in flight finish this "
         "long; what is left is requeued, not failed. A second SIGTERM requeues at once. Unset: "
         "SLUICE_TIME_LIMIT_S. Whatever stops workers must wait longer (`sluice up` does).")
+    retention_days: float | None = _field(
+        "SLUICE_RETENTION_DAYS", None,
+        "Prompts and outputs of requests finished this many days ago are deleted by the sweep; the "
+        "rest of the row (tenant, tokens, timings, outcome) stays. Unset: kept for good.")
     max_attempts: int = _field(
         "SLUICE_MAX_ATTEMPTS", 3, "Deliveries a request may use before it fails as worker_lost.")
     sweep_interval_s: float = _field(
@@ -242,7 +253,7 @@ class Settings:
                     "time_limit_s", "large_threshold_tokens", "sim_speed", "worker_concurrency",
                     "worker_heartbeat_s", "worker_dead_after_s", "max_attempts", "sweep_interval_s",
                     "publish_grace_s", "lost_message_grace_s", "worker_stop_grace_s", "cancel_poll_s",
-                    "worker_watchdog_s", "web_workers", "load_level_max_age_s",
+                    "worker_watchdog_s", "web_workers", "db_pool_size", "retention_days", "load_level_max_age_s",
                     "idempotency_window_s", "redis_timeout_s", "local_floor_tokens_per_minute",
                     "shorter_output_tokens", "cache_max_entries", "cache_max_answer_bytes"]
         for name in positive:

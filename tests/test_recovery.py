@@ -223,3 +223,31 @@ def test_messages_lost_with_the_brokers_data_are_published_again_at_once(isolate
         assert {r.attempts for r in rows(application, ids).values()} == {1}
     finally:
         worker.stop()
+
+
+def test_retention_deletes_old_prompts_and_outputs_and_keeps_the_accounting(isolated, database_url):
+    from datetime import timedelta
+
+    from models import utcnow
+
+    application, client, redis_url = isolated
+    settings = services(application).settings.replace(retention_days=30)
+    svc = services(application)
+    tenant_id = client_tenant(application, client)
+    old = request_row(tenant_id, status=Status.SUCCEEDED, output_text="an old answer", output_tokens=3,
+                      finished_at=utcnow() - timedelta(days=31), input={"prompt": "an old secret"})
+    recent = request_row(tenant_id, status=Status.SUCCEEDED, output_text="a recent answer", output_tokens=3,
+                         finished_at=utcnow() - timedelta(days=29), input={"prompt": "a recent secret"})
+    with svc.db.session() as session:
+        session.add_all([old, recent])
+    from workers.sweep import _redact_old
+
+    assert _redact_old(svc.db, settings) >= 1
+
+    kept = rows(application, [str(old.id), str(recent.id)])
+    assert kept[str(old.id)].input == {"redacted": True} and kept[str(old.id)].output_text is None
+    assert kept[str(old.id)].output_tokens == 3 and kept[str(old.id)].status == Status.SUCCEEDED
+    assert kept[str(recent.id)].output_text == "a recent answer" and kept[str(recent.id)].redacted_at is None
+    view = client.get(str(old.id)).get_json()
+    assert view["output"] is None and view["redacted_at"] is not None and view["usage"]["output_tokens"] == 3
+    assert services(application).settings.retention_days is None  # off unless configured

@@ -34,3 +34,26 @@ def test_ladder_steps_are_chosen_one_by_one_or_all_switched_off():
     assert Settings.from_env({"SLUICE_LADDER_STEPS": "shed, reject_batch"}).ladder == ("shed", "reject_batch")
     with pytest.raises(SettingsError, match="unknown steps gpu"):
         Settings.from_env({"SLUICE_LADDER_STEPS": "gpu"})
+
+
+def test_the_compose_deployment_stays_under_postgres_max_connections():
+    """Every process holds up to pool + overflow connections; compose's sum must fit its server."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    compose = yaml.safe_load((Path(__file__).resolve().parent.parent / "docker-compose.yml").read_text())
+    services = compose["services"]
+    command = " ".join(services["postgres"]["command"])
+    max_connections = int(re.search(r"max_connections=(\d+)", command).group(1))
+    settings = Settings.from_env({})
+    per_process = settings.db_pool_size + settings.db_max_overflow
+    processes = 0
+    for service in services.values():
+        argv = service.get("command") or []
+        if argv[:1] != ["sluice"] or argv[1] == "migrate":  # migrate holds one connection, then exits
+            continue
+        processes += settings.web_workers if argv[1] == "web" else 1
+    reserved = 3  # PostgreSQL's superuser_reserved_connections
+    assert processes >= 7 and processes * per_process + 1 <= max_connections - reserved, (processes, per_process)

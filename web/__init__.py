@@ -66,7 +66,7 @@ def create_app(settings: Settings | None = None) -> Flask:
 
 def build_services(settings: Settings) -> Services:
     db = Database()
-    db.configure(settings.sqlalchemy_url)
+    db.configure(settings.sqlalchemy_url, pool_size=settings.db_pool_size, max_overflow=settings.db_max_overflow)
     admission = Admission(settings)
     lifecycle = Lifecycle(db)
     # Whoever ends a request (a worker, a cancel, the sweep) gives back its unused reservation.

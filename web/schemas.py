@@ -168,6 +168,8 @@ class RequestViewSchema(Schema):
     error = fields.Nested(RequestErrorSchema, allow_none=True)
     cancel_requested = fields.Boolean()
     cache_hit = fields.Boolean(metadata={"description": "Answered from the hot answer cache: no engine ran."})
+    redacted_at = fields.DateTime(allow_none=True, metadata={
+        "description": "When its prompt and output were deleted (SLUICE_RETENTION_DAYS); null: kept."})
     attempts = fields.Integer()
     worker = SafeString(allow_none=True, metadata={
         "description": "An opaque tag of the worker process that ran it (the same tag: the same "
@@ -180,7 +182,7 @@ class RequestViewSchema(Schema):
         """The request row in this schema's shape: the one place a row becomes its API view."""
         ttft = ((row.first_token_at - row.started_at).total_seconds()
                 if row.first_token_at and row.started_at else None)
-        done = row.status == "succeeded" or row.output_text is not None
+        done = (row.status == "succeeded" or row.output_text is not None) and row.redacted_at is None
         return {
             "id": row.id, "status": row.status.value, "priority": row.priority.value,
             "size_class": row.size_class.value, "queue": public_queue(row.queue), "model": row.model_requested,
@@ -196,6 +198,7 @@ class RequestViewSchema(Schema):
                         "time_to_first_token_s": ttft},
             "error": {"code": row.error_code, "message": row.error_message} if row.error_code else None,
             "cancel_requested": row.cancel_requested_at is not None, "cache_hit": row.cache_hit,
+            "redacted_at": row.redacted_at,
             "attempts": row.attempts,
             "worker": worker_tag(row.worker), "metadata": row.meta, "conversation_id": row.conversation_id,
         }

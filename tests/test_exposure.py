@@ -107,7 +107,7 @@ def test_embedded_postgres_asks_for_its_password(tmp_path):
         password_file = tmp_path / "postgres.password"
         assert oct(password_file.stat().st_mode & 0o777) == "0o600"
         password = password_file.read_text().strip()
-        assert f":{password}@" in server.url
+        assert f":{password}@" in server.url and password not in server.shown_url
         with psycopg.connect(server.url, connect_timeout=5) as conn:
             assert conn.execute("SELECT current_database()").fetchone()[0] == "sluice"
         with pytest.raises(psycopg.OperationalError, match="password"):

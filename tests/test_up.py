@@ -76,6 +76,8 @@ def test_up_runs_the_demo_on_embedded_servers_and_reuses_its_data(tmp_path: Path
     assert "Postgres: embedded" in first.stdout and "Redis: embedded" in first.stdout
     assert (data_dir / "demo-key").read_text().strip() == key
     assert (data_dir / "demo-key").stat().st_mode & 0o777 == 0o600
+    for secret in ("postgres.password", "redis/password"):  # never printed
+        assert (data_dir / secret).read_text().strip() not in first.stdout
     assert _processes_of(data_dir) == []
 
     second = _sluice_up(data_dir)

@@ -304,12 +304,7 @@ def lua_fixes_missing(version: tuple[int, ...]) -> bool:
 
 def redis_password(directory: Path) -> str:
     """This data directory's Redis password, created on first use (0600)."""
-    path = directory / "password"
-    if not path.exists():
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(secrets.token_urlsafe(32))
-    return path.read_text().strip()
+    return _secret(directory / "password")
 
 
 def write_redis_conf(directory: Path, port: int) -> Path:

@@ -140,7 +140,9 @@ def start_postgres(data_dir: Path) -> EmbeddedPostgres:
         _ensure_database(admin_url, "sluice")
     except Exception as exc:
         postgres.stop()
-        raise EmbeddedServerError(f"embedded PostgreSQL: cannot secure it or create database sluice ({exc})") from None
+        raise EmbeddedServerError(
+            f"embedded PostgreSQL: cannot secure it or create database sluice ({exc}); if "
+            f"{pgdata.parent / 'postgres.password'} was replaced or lost, restore it") from None
     socket_dir = parse_qs(urlsplit(postgres.url).query).get("host", [""])[0]
     if socket_dir and Path(socket_dir).resolve() != pgdata:
         logging.getLogger(__name__).warning(

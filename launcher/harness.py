@@ -98,7 +98,9 @@ class WorkerProcess:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            # The worker itself, as `sluice up` does: vLLM's engine core shares its group and
+            # would abort every request on a SIGTERM of its own.
+            os.kill(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:

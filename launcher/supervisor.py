@@ -48,6 +48,10 @@ say = functools.partial(print, flush=True)
 
 
 MAX_WORKER_RESTARTS = 5
+# A worker that exits within this long of its start failed to start (bad model, no memory): no
+# restart. One that ran this long since its last restart starts its restart count afresh.
+STARTUP_FAILURE_S = 30.0
+HEALTHY_RUN_S = 600.0
 # Each `sluice up` starts a log past this size afresh, keeping the previous LOG_KEEP.
 LOG_ROTATE_BYTES = 50 * 1024 * 1024
 LOG_KEEP = 3
@@ -61,6 +65,7 @@ class Child:
     argv: list[str]
     env: dict[str, str]
     restarts: int = 0
+    started_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -95,14 +100,17 @@ class Platform:
     def dead(self) -> str | None:
         """A line saying which piece stopped on its own, with its log tail; None if all run."""
         for child in self.children:
-            if child.name == "worker" and child.proc.poll() is not None and child.restarts < MAX_WORKER_RESTARTS:
-                # Its watchdog found the engine stuck (exit 70), or Celery gave up (kombu's Redis
-                # transport can die on a broker restart): restart it; the sweep requeues what it ran.
+            if child.name == "worker" and child.proc.poll() is not None and _restartable(child):
+                # Its watchdog found the engine stuck (exit 70), or Celery gave up after running a
+                # while (kombu's Redis transport can die on a broker restart): restart it; the sweep
+                # requeues what it ran. A worker that fails as it starts is reported instead.
+                if time.monotonic() - child.started_at > HEALTHY_RUN_S:
+                    child.restarts = 0  # a long healthy run: an old crash does not count against it
                 child.restarts += 1
                 why = "by its watchdog" if child.proc.returncode == EngineRuntime.WATCHDOG_EXIT_CODE else \
                     f"with code {child.proc.returncode}"
                 say(f"worker exited {why}; restarting it ({child.restarts}/{MAX_WORKER_RESTARTS})")
-                child.proc = self._start(child.name, child.argv, child.env)
+                child.proc, child.started_at = self._start(child.name, child.argv, child.env), time.monotonic()
                 continue
             if child.proc.poll() is not None:
                 return _report(f"{child.name} exited unexpectedly (code {child.proc.returncode})", child.log)
@@ -119,7 +127,7 @@ class Platform:
         if order:
             say(f"stopping {', '.join(c.name for c in order)} ...")
         for child in order:
-            _signal_group(child.proc.pid, signal.SIGTERM)
+            _terminate(child)
         began, hurried = time.monotonic(), False
         for child in order:
             grace = worker_grace_s if child.name == "worker" else STOP_GRACE_S
@@ -130,7 +138,7 @@ class Platform:
                 if self.hurry and not hurried:
                     hurried = True
                     for worker in (c for c in order if c.name == "worker" and c.proc.poll() is None):
-                        _signal_group(worker.proc.pid, signal.SIGTERM)  # the second one: requeue now
+                        _terminate(worker)  # the second one: requeue now
                 time.sleep(0.1)
             if child.proc.poll() is None:
                 say(f"{child.name} did not stop within {grace:.0f}s; killing it")
@@ -234,6 +242,23 @@ def rotate_logs(directory: Path, max_bytes: int = LOG_ROTATE_BYTES, keep: int = 
             if older.exists():
                 older.replace(log.with_name(f"{log.name}.{n + 1}"))
         log.replace(log.with_name(f"{log.name}.1"))
+
+
+def _restartable(child: Child) -> bool:
+    code = child.proc.returncode
+    ran_s = time.monotonic() - child.started_at
+    return child.restarts < MAX_WORKER_RESTARTS and (
+        code == EngineRuntime.WATCHDOG_EXIT_CODE or (code != 0 and ran_s > STARTUP_FAILURE_S))
+
+
+def _terminate(child: Child) -> None:
+    """SIGTERM a child: a worker's own process only (vLLM's engine core, a child in its group,
+    would abort every request at once; it follows its parent out), anything else its group."""
+    if child.name == "worker":
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.proc.pid, signal.SIGTERM)
+    else:
+        _signal_group(child.proc.pid, signal.SIGTERM)
 
 
 def child_env(settings: Settings) -> dict[str, str]:

@@ -17,6 +17,8 @@ RESERVED_KEY = "sluice:reserved"
 PAUSED_KEY = "sluice:reserve:paused"
 # Set (with a TTL) by the sweep that last read every queued message looking for lost ones.
 LOST_CHECK_KEY = "sluice:sweep:lost_check"
+# The broker epoch the sweep's last complete pass over older epochs saw (sluice/queues.py).
+EPOCH_SEEN_KEY = "sluice:sweep:epoch_seen"
 # Hash {at, took_ms}: when the sweep last finished, shown by /readyz.
 SWEEP_LAST_KEY = "sluice:sweep:last"
 

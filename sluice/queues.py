@@ -83,11 +83,13 @@ def publish_committed(lifecycle: Lifecycle, celery: Celery, rows, epoch: BrokerE
 
 
 # Which life of the broker's data a message was published into. Redis that restarts without its
-# data, fails over to a replica that had not caught up, or evicts keys loses queued messages
-# without telling anyone; the epoch key goes with them, so the next process to look writes a new
-# one, and the sweep re-publishes every queued row stamped with an older epoch. An epoch starts
-# with the Redis database number (``<db>.<random>``): deployments that share one Postgres but
-# not one Redis database (the test suite's) only ever re-publish their own rows.
+# data (or is flushed) loses queued messages without telling anyone; the epoch key goes with them,
+# so the next process to look writes a new one, and the sweep re-publishes every queued row
+# stamped with an older epoch. Losses that keep the key (a list deleted or evicted, a failover to
+# a replica a little behind) are found message by message instead (``messages_present``). An
+# epoch starts with the Redis database number (``<db>.<random>``), so processes that share one
+# Postgres but use different databases of one Redis (the test suite's) re-publish only their own
+# rows; separate Redis servers sharing one Postgres are not supported.
 EPOCH_KEY = "sluice:broker:epoch"
 
 
@@ -140,7 +142,7 @@ def messages_present(client: redis.Redis, queues: set[str]) -> set[str]:
     """
     present: set[str] = set()
     for queue in queues:
-        for key in (queue, *(f"{queue}{_PRIORITY_SEP}{step}" for step in PRIORITY_STEPS if step)):
+        for key in _lists(queue):
             start = 0
             while True:
                 chunk = client.lrange(key, start, start + _SCAN_CHUNK - 1)
@@ -150,6 +152,23 @@ def messages_present(client: redis.Redis, queues: set[str]) -> set[str]:
                 start += _SCAN_CHUNK
     present.update(_ids(client.hvals(_UNACKED)))
     return present
+
+
+def queue_length(client: redis.Redis, queue: str) -> int:
+    """Messages waiting in ``queue`` (all its priority lists)."""
+    with client.pipeline(transaction=False) as pipe:
+        for key in _lists(queue):
+            pipe.llen(key)
+        return sum(pipe.execute())
+
+
+def messages_held(client: redis.Redis) -> int:
+    """Messages consumers took and have not acked yet (of every queue)."""
+    return client.hlen(_UNACKED)
+
+
+def _lists(queue: str) -> tuple[str, ...]:
+    return (queue, *(f"{queue}{_PRIORITY_SEP}{step}" for step in PRIORITY_STEPS if step))
 
 
 def _ids(values) -> set[str]:

@@ -22,7 +22,7 @@ SLOW = {"SLUICE_SIM_SPEED": "0.05"}
 
 
 def _sigterm(worker: WorkerProcess) -> None:
-    os.killpg(worker.proc.pid, signal.SIGTERM)
+    os.kill(worker.proc.pid, signal.SIGTERM)  # the worker, not its group: see launcher/supervisor.py
 
 
 def _exit_code(worker: WorkerProcess, timeout: float) -> int:

@@ -42,13 +42,14 @@ def readyz() -> tuple[Response, int]:
     settings = services().settings
     try:
         workers = warm_workers(services().redis)
+        sweep = _last_sweep(services().redis)
     except Exception:
         return jsonify(ready=False, reason="redis unreachable", workers=[], models={}), 503
     models = {m.name: 0 for m in settings.registry.models}
     for w in workers:
         models[w.get("model", "?")] = models.get(w.get("model", "?"), 0) + 1
     ready = models.get(settings.registry.default.name, 0) > 0
-    return jsonify(ready=ready, models=models, workers=workers, sweep=_last_sweep(services().redis),
+    return jsonify(ready=ready, models=models, workers=workers, sweep=sweep,
                    redis_eviction_policy=eviction_policy(services().redis)), 200 if ready else 503
 
 

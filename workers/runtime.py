@@ -252,6 +252,11 @@ class EngineRuntime:
         while not self._stop.wait(self._cancel_poll_s):
             with self._lock:
                 ids = list(self._in_flight)
+                handed_back = list(self._handed_back)
+            # A hand-back's abort, like a cancel's, is a no-op if the request had not reached the
+            # engine yet: repeat it on every poll until the request is gone.
+            for rid in handed_back:
+                asyncio.run_coroutine_threadsafe(self.engine.abort(rid), self._loop)
             if not ids:
                 continue
             try:

@@ -32,21 +32,31 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
 
 import redis
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import case, func, or_, select, update
 
-from models import InferenceRequest, Status
+from models import InferenceRequest, Priority, Status
 from models.idempotency import expire_keys
 from models.lifecycle import Lifecycle
 from models.session import Database
-from sluice.keys import LOST_CHECK_KEY, RESERVED_KEY, node_key, raise_cancel_flag, worker_key
+from sluice.keys import EPOCH_SEEN_KEY, LOST_CHECK_KEY, RESERVED_KEY, node_key, raise_cancel_flag, worker_key
 from sluice.limiter import limiter_for, reconcile_in_flight
-from sluice.queues import DIRECT_PREFIX, BrokerEpoch, direct_queue, messages_present, publish_committed, queue_name
+from sluice.queues import (
+    DIRECT_PREFIX,
+    BrokerEpoch,
+    direct_queue,
+    messages_held,
+    messages_present,
+    publish_committed,
+    queue_length,
+    queue_name,
+)
 from sluice.settings import Settings
 from sluice.twins import Twins
 from web.services import Services
@@ -56,6 +66,8 @@ log = logging.getLogger(__name__)
 BATCH = 500
 # Published rows checked for a lost message per sweep (ids and queue names only).
 LOST_SCAN_ROWS = 20_000
+# After a broker loss, one sweep re-publishes for at most this long; the next goes on.
+LOST_BUDGET_S = 5.0
 _t = InferenceRequest
 # Rows (anything with ``id`` and ``queue``) committed as queued → published and stamped.
 Publish = Callable[[Sequence[Any]], None]
@@ -98,34 +110,76 @@ def _publish_unpublished(db: Database, publish: Publish, settings: Settings) -> 
 def _republish_lost(db: Database, publish: Publish, redis_client: redis.Redis, epoch: BrokerEpoch,
                     settings: Settings) -> dict[str, int]:
     """Queued rows whose message the broker no longer has: published into an older epoch of its
-    data, or (past the grace, checked message by message) in no queue and held by no worker."""
-    current = epoch.current()
-    if current is None:  # Redis is away: nothing can be published now anyway
+    data, or (past the grace, checked message by message) in no queue and held by no worker.
+    A Redis error skips this step, not the sweep."""
+    try:
+        current = epoch.current()
+        if current is None:  # Redis was never reached: nothing can be published now anyway
+            return {"lost_epoch": 0, "lost_missing": 0}
+        older = _republish_older_epochs(db, publish, redis_client, epoch, current)
+        missing = _republish_missing(db, publish, redis_client, current, settings)
+    except redis.RedisError as exc:
+        log.warning("lost-message check skipped: Redis unreachable (%s)", type(exc).__name__)
         return {"lost_epoch": 0, "lost_missing": 0}
-    published = (_t.status == Status.QUEUED, _t.enqueued_at.is_not(None), _t.follows_id.is_(None))
-    with db.session() as session:
-        stale = or_(_t.broker_epoch.is_(None),  # published before epochs were recorded
-                    _t.broker_epoch.startswith(epoch.prefix, autoescape=True) & (_t.broker_epoch != current))
-        older = session.execute(select(_t.id, _t.queue).where(*published, stale)
-                                .order_by(_t.enqueued_at).limit(BATCH)).all()
-    publish(older)
-    missing: list[Any] = []
-    # Reading every message is as long as the queues: at most a few times per grace.
-    if redis_client.set(LOST_CHECK_KEY, 1, nx=True, ex=max(1, int(settings.lost_message_grace_s / 4))):
-        with db.session() as session:
-            suspects = session.execute(
-                select(_t.id, _t.queue).where(*published, _t.broker_epoch == current,
-                                              _t.enqueued_at < _ago(settings.lost_message_grace_s))
-                .order_by(_t.enqueued_at).limit(LOST_SCAN_ROWS)).all()
-        if suspects:
-            present = messages_present(redis_client, {r.queue for r in suspects})
-            present.update(redis_client.hkeys(RESERVED_KEY))
-            missing = [r for r in suspects if str(r.id) not in present][:BATCH]
-            publish(missing)
     if older or missing:
         log.warning("re-published queued requests whose message was lost: %d from an older broker epoch, "
-                    "%d missing from their queue", len(older), len(missing))
-    return {"lost_epoch": len(older), "lost_missing": len(missing)}
+                    "%d missing from their queue", older, missing)
+    return {"lost_epoch": older, "lost_missing": missing}
+
+
+_PUBLISHED = (_t.status == Status.QUEUED, _t.enqueued_at.is_not(None), _t.follows_id.is_(None))
+_REALTIME_FIRST = case((_t.priority == Priority.REALTIME, 0), else_=1)
+
+
+def _republish_older_epochs(db: Database, publish: Publish, redis_client: redis.Redis, epoch: BrokerEpoch,
+                            current: str) -> int:
+    """Every queued row of an older epoch of this Redis database, realtime first, for up to
+    LOST_BUDGET_S per sweep. Looked for only when the epoch differs from the one the last
+    complete pass saw: a loss takes that record with it, so normally this is one GET."""
+    if redis_client.get(EPOCH_SEEN_KEY) == current:
+        return 0
+    stale = or_(_t.broker_epoch.is_(None),  # published before epochs were recorded
+                _t.broker_epoch.startswith(epoch.prefix, autoescape=True) & (_t.broker_epoch != current))
+    began, done = time.monotonic(), 0
+    while True:
+        with db.session() as session:
+            rows = session.execute(select(_t.id, _t.queue).where(*_PUBLISHED, stale)
+                                   .order_by(_REALTIME_FIRST, _t.enqueued_at).limit(BATCH)).all()
+        publish(rows)  # stamps them with the current epoch: the next round finds the rest
+        done += len(rows)
+        if len(rows) < BATCH:
+            redis_client.set(EPOCH_SEEN_KEY, current)
+            return done
+        if time.monotonic() - began > LOST_BUDGET_S:
+            return done  # the next sweep goes on
+
+
+def _republish_missing(db: Database, publish: Publish, redis_client: redis.Redis, current: str,
+                       settings: Settings) -> int:
+    """Rows queued past the grace whose message is in no queue list and held by no consumer.
+    A queue is read message by message only when Redis holds fewer messages for it than it has
+    published queued rows (a duplicate can hide a loss until it is consumed), and at most a few
+    times per grace."""
+    if not redis_client.set(LOST_CHECK_KEY, 1, nx=True, ex=max(1, int(settings.lost_message_grace_s / 4))):
+        return 0
+    with db.session() as session:
+        suspects = session.execute(
+            select(_t.id, _t.queue).where(*_PUBLISHED, _t.broker_epoch == current,
+                                          _t.enqueued_at < _ago(settings.lost_message_grace_s))
+            .order_by(_REALTIME_FIRST, _t.enqueued_at).limit(LOST_SCAN_ROWS)).all()
+        queues = {r.queue for r in suspects}
+        counts = dict(session.execute(
+            select(_t.queue, func.count()).where(*_PUBLISHED, _t.broker_epoch == current, _t.queue.in_(queues))
+            .group_by(_t.queue)).all()) if queues else {}
+    held = messages_held(redis_client) + redis_client.hlen(RESERVED_KEY)
+    short = {q for q in queues if queue_length(redis_client, q) + held < counts.get(q, 0)}
+    if not short:
+        return 0
+    present = messages_present(redis_client, short)
+    present.update(redis_client.hkeys(RESERVED_KEY))
+    missing = [r for r in suspects if r.queue in short and str(r.id) not in present][:BATCH]
+    publish(missing)
+    return len(missing)
 
 
 def _settle_twins(db: Database, twins: Twins) -> int:

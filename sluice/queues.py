@@ -86,7 +86,7 @@ def publish_committed(lifecycle: Lifecycle, celery: Celery, rows, epoch: BrokerE
 # data (or is flushed) loses queued messages without telling anyone; the epoch key goes with them,
 # so the next process to look writes a new one, and the sweep re-publishes every queued row
 # stamped with an older epoch. Losses that keep the key (a list deleted or evicted, a failover to
-# a replica a little behind) are found message by message instead (``messages_present``). An
+# a replica a little behind) are found message by message instead (``messages_queued``). An
 # epoch starts with the Redis database number (``<db>.<random>``), so processes that share one
 # Postgres but use different databases of one Redis (the test suite's) re-publish only their own
 # rows; separate Redis servers sharing one Postgres are not supported.
@@ -125,33 +125,32 @@ class BrokerEpoch:
 
 
 # Kombu's Redis transport keeps a queue's messages in lists named after it (one per priority
-# step, ``<queue>\x06\x16<step>``) and a message a consumer took but has not acked in the
-# ``unacked`` hash until it is acked or restored.
+# step, ``<queue>\x06\x16<step>``). A message a consumer took sits in its ``unacked`` hash
+# until acked, or until the visibility timeout puts it back; a Sluice worker records the request
+# ids it took (sluice/keys.py: RESERVED_KEY) as it receives them.
 _PRIORITY_SEP = "\x06\x16"
-_UNACKED = "unacked"
 _UUID = re.compile(rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 _SCAN_CHUNK = 5_000
 
 
-def messages_present(client: redis.Redis, queues: set[str]) -> set[str]:
-    """Ids of the requests whose message sits in one of ``queues`` or is held by a consumer.
+def messages_queued(client: redis.Redis, queues: set[str]) -> set[str]:
+    """Ids of the requests whose message waits in one of ``queues``.
 
-    Reads every message (a task message carries its row's id), so it is as long as the queues; a
-    message in flight between the list and the unacked hash at that instant is missed, which at
-    worst costs a duplicate message.
+    Reads every message (a task message carries its row's id), so it is as long as the queues.
+    Messages consumers hold are not counted: one a worker took without recording it (killed in
+    that instant) waits in ``unacked`` for the visibility timeout, which is as good as lost.
     """
-    present: set[str] = set()
+    queued: set[str] = set()
     for queue in queues:
         for key in _lists(queue):
             start = 0
             while True:
                 chunk = client.lrange(key, start, start + _SCAN_CHUNK - 1)
-                present.update(_ids(chunk))
+                queued.update(_ids(chunk))
                 if len(chunk) < _SCAN_CHUNK:
                     break
                 start += _SCAN_CHUNK
-    present.update(_ids(client.hvals(_UNACKED)))
-    return present
+    return queued
 
 
 def queue_length(client: redis.Redis, queue: str) -> int:
@@ -160,11 +159,6 @@ def queue_length(client: redis.Redis, queue: str) -> int:
         for key in _lists(queue):
             pipe.llen(key)
         return sum(pipe.execute())
-
-
-def messages_held(client: redis.Redis) -> int:
-    """Messages consumers took and have not acked yet (of every queue)."""
-    return client.hlen(_UNACKED)
 
 
 def _lists(queue: str) -> tuple[str, ...]:

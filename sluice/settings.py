@@ -143,8 +143,9 @@ class Settings:
         "A queued row never published after this long is re-published by the sweep.")
     lost_message_grace_s: float = _field(
         "SLUICE_LOST_MESSAGE_GRACE_S", 60.0,
-        "A row queued this long whose message is in no queue and held by no worker (deleted, "
-        "evicted, lost in a failover) is re-published by the sweep.")
+        "A row queued this long whose message is in no queue and was taken by no worker that "
+        "recorded it (deleted, evicted, lost in a failover, taken by a worker killed at once) is "
+        "re-published by the sweep.")
     cancel_poll_s: float = _field(
         "SLUICE_CANCEL_POLL_S", 0.5, "How often a worker checks for cancelled in-flight requests.")
 

@@ -178,7 +178,7 @@ def test_messages_lost_with_their_queue_are_published_again(isolated, database_u
     """The issue's reproduction: batch requests queued, their queue list deleted in Redis (what an
     eviction or a failover does). The sweep finds rows queued past the grace whose message is in
     no list and held by no worker, and publishes them again; a row whose message is there is left."""
-    from sluice.queues import messages_present
+    from sluice.queues import messages_queued
 
     application, client, redis_url = isolated
     redis_client = services(application).redis
@@ -189,7 +189,7 @@ def test_messages_lost_with_their_queue_are_published_again(isolated, database_u
 
     report = run_sweep(application)
     assert report["lost_missing"] >= 3 and report["lost_epoch"] == 0
-    assert set(lost) <= messages_present(redis_client, {"batch.small"})
+    assert set(lost) <= messages_queued(redis_client, {"batch.small"})
     assert redis_client.llen("realtime.small") == 1  # not published twice
     worker = WorkerProcess(database_url, redis_url, tmp_path)
     try:

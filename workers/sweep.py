@@ -6,8 +6,9 @@ on rows locked with SKIP LOCKED, so overlapping sweeps never act on one row twic
 1. Unpublished: `queued`, never published, older than the publish grace (the web process
    died or the broker refused between commit and publish) → publish.
    Lost: `queued` and published, but the message is gone — published into an older epoch of the
-   broker's data (Redis restarted empty, failed over, flushed), or, past the lost-message
-   grace, in no queue list and held by no consumer (a list deleted or evicted) → publish again.
+   broker's data (Redis restarted empty or flushed), or, past the lost-message grace, in no
+   queue list and taken by no worker that recorded it (a list deleted or evicted, a replica
+   behind, a worker killed as it took the message) → publish again.
 2. Orphaned: `running` on a worker whose heartbeat expired (SIGKILL, OOM, lost host) →
    back to `queued` and republished, or `failed` with `worker_lost` once it used all its
    attempts, or `cancelled` if the client had asked for that.
@@ -51,8 +52,7 @@ from sluice.queues import (
     DIRECT_PREFIX,
     BrokerEpoch,
     direct_queue,
-    messages_held,
-    messages_present,
+    messages_queued,
     publish_committed,
     queue_length,
     queue_name,
@@ -110,7 +110,7 @@ def _publish_unpublished(db: Database, publish: Publish, settings: Settings) -> 
 def _republish_lost(db: Database, publish: Publish, redis_client: redis.Redis, epoch: BrokerEpoch,
                     settings: Settings) -> dict[str, int]:
     """Queued rows whose message the broker no longer has: published into an older epoch of its
-    data, or (past the grace, checked message by message) in no queue and held by no worker.
+    data, or (past the grace, checked message by message) in no queue and taken by no worker.
     A Redis error skips this step, not the sweep."""
     try:
         current = epoch.current()
@@ -156,10 +156,11 @@ def _republish_older_epochs(db: Database, publish: Publish, redis_client: redis.
 
 def _republish_missing(db: Database, publish: Publish, redis_client: redis.Redis, current: str,
                        settings: Settings) -> int:
-    """Rows queued past the grace whose message is in no queue list and held by no consumer.
-    A queue is read message by message only when Redis holds fewer messages for it than it has
-    published queued rows (a duplicate can hide a loss until it is consumed), and at most a few
-    times per grace."""
+    """Rows queued past the grace whose message is in no queue list and that no worker recorded
+    taking (a message a worker took unrecorded, killed in that instant, would wait for the
+    visibility timeout). A queue is read message by message only when it and the workers'
+    records together hold fewer messages than it has published queued rows (a duplicate can
+    hide a loss until it is consumed), and at most a few times per grace."""
     if not redis_client.set(LOST_CHECK_KEY, 1, nx=True, ex=max(1, int(settings.lost_message_grace_s / 4))):
         return 0
     with db.session() as session:
@@ -171,11 +172,11 @@ def _republish_missing(db: Database, publish: Publish, redis_client: redis.Redis
         counts = dict(session.execute(
             select(_t.queue, func.count()).where(*_PUBLISHED, _t.broker_epoch == current, _t.queue.in_(queues))
             .group_by(_t.queue)).all()) if queues else {}
-    held = messages_held(redis_client) + redis_client.hlen(RESERVED_KEY)
-    short = {q for q in queues if queue_length(redis_client, q) + held < counts.get(q, 0)}
+    taken = redis_client.hlen(RESERVED_KEY)
+    short = {q for q in queues if queue_length(redis_client, q) + taken < counts.get(q, 0)}
     if not short:
         return 0
-    present = messages_present(redis_client, short)
+    present = messages_queued(redis_client, short)
     present.update(redis_client.hkeys(RESERVED_KEY))
     missing = [r for r in suspects if r.queue in short and str(r.id) not in present][:BATCH]
     publish(missing)

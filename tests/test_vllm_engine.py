@@ -166,3 +166,33 @@ def test_realtime_overtakes_queued_batch_work(api, engine):
     assert {v["status"] for v in views.values()} == {"succeeded"}
     first_token = {i: v["timings"]["first_token_at"] for i, v in views.items()}
     assert all(first_token[realtime] < first_token[i] for i in queued_batch), first_token
+
+
+def test_a_stopping_vllm_worker_hands_back_what_it_cannot_finish(database_url, redis_dbs, vllm_env, new_client,
+                                                                  tmp_path):
+    """SIGTERM reaches the worker, not vLLM's engine core (a child in its process group, which
+    would abort every request on its own): the drain hands the request back instead of failing it."""
+    import os
+    import signal
+
+    from web import create_app
+
+    redis_url = redis_dbs()
+    application = create_app(make_settings(database_url, redis_url, vllm_env))
+    client = new_client(application)
+    worker = WorkerProcess(database_url, redis_url, tmp_path, ready_timeout=300,
+                           extra_env={**vllm_env, "SLUICE_WORKER_STOP_GRACE_S": "0.5"})
+    try:
+        request_id = client.submit(prompt="go on and on", max_tokens=1800, ignore_eos=True).get_json()["id"]
+        client.wait(request_id, statuses={"running", *TERMINAL}, timeout=60)
+        os.kill(worker.proc.pid, signal.SIGTERM)
+        worker.proc.wait(60)
+        view = client.get(request_id).get_json()
+        assert view["status"] in ("queued", "succeeded"), view  # succeeded: it finished within the grace
+        if view["status"] == "queued":
+            assert view["attempts"] == 0 and view["error"] is None
+    finally:
+        worker.stop()
+        client.cancel(request_id)
+        services(application).db.dispose()
+        redis_dbs.release(redis_url)

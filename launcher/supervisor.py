@@ -197,10 +197,9 @@ def run_platform(settings: Settings, role: str = "all", flower: bool = True, smo
                 say(f"warning: Flower listens on {settings.flower_host} with no login, and it lists every "
                     "tenant's requests; set SLUICE_FLOWER_BASIC_AUTH=user:password")
             platform.spawn("flower", flower_argv(settings), {**env, **flower_env(settings)})
-        host = "127.0.0.1" if settings.web_host in ("0.0.0.0", "") else settings.web_host
+        host = _reachable(settings.web_host)
         api = f"http://{host}:{settings.web_port}"
-        flower_host = "127.0.0.1" if settings.flower_host in ("0.0.0.0", "") else settings.flower_host
-        flower_url = f"http://{flower_host}:{settings.flower_port}" if flower else None
+        flower_url = f"http://{_reachable(settings.flower_host)}:{settings.flower_port}" if flower else None
         problem = _wait_ready(platform, settings, api, flower_url, known_workers)
         if problem:
             say(problem)
@@ -242,6 +241,11 @@ def rotate_logs(directory: Path, max_bytes: int = LOG_ROTATE_BYTES, keep: int = 
             if older.exists():
                 older.replace(log.with_name(f"{log.name}.{n + 1}"))
         log.replace(log.with_name(f"{log.name}.1"))
+
+
+def _reachable(bind_host: str) -> str:
+    """Where this machine reaches a server bound to ``bind_host`` (every interface: loopback)."""
+    return "127.0.0.1" if bind_host in ("0.0.0.0", "") else bind_host
 
 
 def _restartable(child: Child) -> bool:

@@ -84,6 +84,11 @@ class Plan:
             degradation_step=",".join(self.degradation) or None)
 
 
+def input_chars(body: dict[str, Any]) -> int:
+    """Characters of a validated submit body's input: its prompt, or its messages' contents."""
+    return sum(len(m["content"]) for m in body["messages"]) if "messages" in body else len(body["prompt"])
+
+
 class Planner:
     def __init__(self, settings: Settings, counters: TokenCounters, redis_client: redis.Redis,
                  redis_healthy: Callable[[], bool]) -> None:
@@ -148,7 +153,7 @@ class Planner:
         if model is None:
             served = ", ".join(m.name for m in registry.models)
             problems["model"] = [f"Unknown model {body['model']!r}; this platform serves: {served}."]
-        chars = sum(len(m["content"]) for m in body["messages"]) if "messages" in body else len(body["prompt"])
+        chars = input_chars(body)
         if chars > settings.max_prompt_chars:
             problems["prompt" if "prompt" in body else "messages"] = [
                 f"Input is {chars} characters; at most {settings.max_prompt_chars} are accepted."]

@@ -38,7 +38,7 @@ from . import idempotency, metrics
 from .admission import Admission, Ticket
 from .errors import Conflict, NotFound
 from .ladder import Ladder
-from .plan import Plan, Planner
+from .plan import Plan, Planner, input_chars
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +55,6 @@ class Accepted:
 
 # Inputs longer than this are run past the tenant gate before they are tokenized.
 CHEAP_GATE_CHARS = 16_000
-
-
-def _input_chars(body: dict[str, Any]) -> int:
-    if "messages" in body:
-        return sum(len(m.get("content", "")) for m in body["messages"])
-    return len(body.get("prompt", ""))
 
 
 class RequestService:
@@ -80,7 +74,7 @@ class RequestService:
         """The request's plan with the ladder's steps for the current level applied. A long input
         from a tenant over its limits whatever the request is refused first: planning tokenizes
         it, which costs more than the one Redis call that tells (short inputs skip the call)."""
-        if _input_chars(body) > CHEAP_GATE_CHARS:
+        if input_chars(body) > CHEAP_GATE_CHARS:
             self.admission.refuse_over_limits(tenant)
         plan = self.ladder.apply(self.planner.plan(tenant.id, body), model_named="model" in body)
         bind_request(str(plan.request_id))

@@ -125,18 +125,29 @@ def sweep() -> None:
 
 @main.command()
 def monitor() -> None:
-    """Run the load monitor: queue waits and the degradation level, every second."""
+    """Run the load monitor (queue waits and the degradation level, every second) and the bulk
+    job feeder beside it; each leads through a lease of its own, so spare copies stand by."""
     import signal
     import threading
 
     from web import create_app, services
+    from workers.feeder import Feeder
     from workers.monitor import Monitor
 
-    svc = services(create_app(service_settings()))
+    app = create_app(service_settings())
+    svc = services(app)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
+
+    def feed() -> None:
+        with app.app_context():
+            Feeder(svc).run(stop)
+
+    feeder = threading.Thread(target=feed, name="feeder", daemon=True)
+    feeder.start()
     Monitor(svc.settings, svc.redis, svc.db, broker=svc.broker).run(stop)
+    feeder.join(timeout=10)
 
 
 @main.command()

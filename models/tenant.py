@@ -32,12 +32,16 @@ class Tenant(Base):
     max_request_tokens: Mapped[int | None]
     # Set: every key of the tenant is refused (403 tenant_disabled) until it is cleared.
     disabled_at: Mapped[datetime | None]
+    # Its share of batch capacity for bulk jobs, against the other tenants with jobs running
+    # (counted in tokens, workers/feeder.py): 2 gets twice what 1 gets.
+    batch_weight: Mapped[float] = mapped_column(default=1.0, server_default="1")
 
     keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant")
 
     __table_args__ = tuple(
         CheckConstraint(f"{column} > 0", name=f"{column}_positive")
-        for column in ("tokens_per_minute", "requests_per_minute", "max_concurrent", "max_request_tokens"))
+        for column in ("tokens_per_minute", "requests_per_minute", "max_concurrent", "max_request_tokens",
+                       "batch_weight"))
 
 
 class ApiKey(Base):

@@ -149,6 +149,29 @@ class Settings:
     cancel_poll_s: float = _field(
         "SLUICE_CANCEL_POLL_S", 0.5, "How often a worker checks for cancelled in-flight requests.")
 
+    # Bulk jobs
+    job_max_bytes: int = _field(
+        "SLUICE_JOB_MAX_BYTES", 2_147_483_648,
+        "Largest job file accepted (POST /v1/jobs); larger gets 413 before the upload is read.")
+    job_max_items: int = _field("SLUICE_JOB_MAX_ITEMS", 5_000_000, "Most lines one job file may hold.")
+    job_max_line_bytes: int = _field(
+        "SLUICE_JOB_MAX_LINE_BYTES", 16_777_216, "Longest line (one document) a job file may hold.")
+    job_summary_tokens: int = _field(
+        "SLUICE_JOB_SUMMARY_TOKENS", 256, "Summary length (tokens) of a job that does not say.")
+    job_instruction: str = _field(
+        "SLUICE_JOB_INSTRUCTION", "Summarise the following document in a few sentences.",
+        "Instruction put before each document of a job that does not give its own.")
+    job_window_s: float = _field(
+        "SLUICE_JOB_WINDOW_S", 86400.0, "Completion window of a job that does not say: unfinished items expire then.")
+    job_max_window_s: float = _field(
+        "SLUICE_JOB_MAX_WINDOW_S", 604800.0, "Longest completion window a job may ask for.")
+    job_inflight_per_worker: int = _field(
+        "SLUICE_JOB_INFLIGHT_PER_WORKER", 64,
+        "The feeder keeps at most this many job requests queued or running per warm worker serving "
+        "the job's model and priority: all the queue ever holds of a job, whatever its size.")
+    feeder_interval_s: float = _field(
+        "SLUICE_FEEDER_INTERVAL_S", 0.5, "How often the bulk job feeder looks for finished items and free capacity.")
+
     # Admission (tokens = estimated input + max_tokens)
     tiers_spec: str = _field(
         "SLUICE_TIERS", "free=40000/20/4/4096,standard=2000000/1200/512/8192,enterprise=5000000/6000/4096/32768",
@@ -256,7 +279,9 @@ class Settings:
                     "publish_grace_s", "lost_message_grace_s", "worker_stop_grace_s", "cancel_poll_s",
                     "worker_watchdog_s", "web_workers", "db_pool_size", "retention_days", "load_level_max_age_s",
                     "idempotency_window_s", "redis_timeout_s", "local_floor_tokens_per_minute",
-                    "shorter_output_tokens", "cache_max_entries", "cache_max_answer_bytes"]
+                    "shorter_output_tokens", "cache_max_entries", "cache_max_answer_bytes", "job_max_bytes",
+                    "job_max_items", "job_max_line_bytes", "job_summary_tokens", "job_window_s",
+                    "job_max_window_s", "job_inflight_per_worker", "feeder_interval_s"]
         for name in positive:
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise SettingsError(f"{_env(name)} must be > 0, got {getattr(self, name)!r}")

@@ -20,9 +20,10 @@ from sluice.queues import BrokerEpoch
 from sluice.settings import Settings
 from sluice.twins import Twins
 
-from . import admin, api, errors, health, metrics
+from . import admin, api, errors, health, jobs_api, metrics
 from .admission import Admission
 from .auth import RecentKeys
+from .jobs import JobService
 from .ladder import Ladder, LoadReader
 from .plan import Planner
 from .service import RequestService
@@ -44,6 +45,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     errors.register_error_handlers(app)
     _bind_call_ids(app)
     app.register_blueprint(api.bp)
+    app.register_blueprint(jobs_api.bp)
     app.register_blueprint(health.bp)
     app.register_blueprint(metrics.bp)
     if settings.admin_key:
@@ -84,12 +86,11 @@ def build_services(settings: Settings) -> Services:
     lifecycle.on_end(twins.leader_ended)
     answers = AnswerCache(admission.redis, ttl_s=settings.cache_ttl_s, max_entries=settings.cache_max_entries,
                           max_bytes=settings.cache_max_answer_bytes, healthy=lambda: admission.redis_healthy)
+    requests = RequestService(db, planner, ladder, admission, publisher, epoch, lifecycle, answers, twins)
     return Services(settings=settings, db=db, redis=redis_client(settings.redis_url),
                     publisher=publisher, broker=celery_publisher(settings, fail_fast=False), admission=admission,
-                    answers=answers, lifecycle=lifecycle, twins=twins, epoch=epoch,
-                    requests=RequestService(db, planner, ladder, admission, publisher, epoch, lifecycle, answers,
-                                            twins),
-                    recent_keys=RecentKeys(settings.auth_cache_s))
+                    answers=answers, lifecycle=lifecycle, twins=twins, epoch=epoch, requests=requests,
+                    jobs=JobService(settings, db, requests), recent_keys=RecentKeys(settings.auth_cache_s))
 
 
 def _check_eviction_policy(client) -> None:

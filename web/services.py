@@ -22,6 +22,7 @@ from sluice.twins import Twins
 
 from .admission import Admission
 from .auth import RecentKeys
+from .jobs import JobService
 from .service import RequestService
 
 EXTENSION = "sluice"
@@ -42,6 +43,7 @@ class Services:
     epoch: BrokerEpoch
     lifecycle: Lifecycle
     requests: RequestService
+    jobs: JobService
     # Keys that authenticated here a moment ago: only for refusing early (web/auth.py).
     recent_keys: RecentKeys
 

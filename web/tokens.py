@@ -106,6 +106,18 @@ class TokenCounter:
         # The rendered template already holds its special tokens, as the engine tokenizes it.
         return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
+    def split(self, text: str, max_tokens: int) -> list[str]:
+        """``text`` cut into consecutive pieces of at most ``max_tokens`` tokens each, on token
+        boundaries of this model's tokenizer (without one, on the estimate's byte budget, backing
+        off to a space when one is near). Joined, the pieces are ``text`` again."""
+        if self.tokenizer is None:
+            return _split_estimated(text, max_tokens)
+        offsets = self.tokenizer.encode(text, add_special_tokens=False).offsets
+        if len(offsets) <= max_tokens:
+            return [text]
+        cuts = [offsets[i][0] for i in range(max_tokens, len(offsets), max_tokens)]
+        return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
 
 def _raise(message: str) -> None:
     raise _TemplateRefusal(message)
@@ -125,3 +137,19 @@ class TokenCounters:
                 counter = self._counters[model.name] = TokenCounter(model.path)
                 log.info("token counting for %s: %s", model.name, "tokenizer" if counter.exact else "estimate")
             return counter
+
+
+def _split_estimated(text: str, max_tokens: int) -> list[str]:
+    budget = max_tokens * BYTES_PER_TOKEN
+    pieces: list[str] = []
+    start = 0
+    while start < len(text):
+        end = min(len(text), start + budget)
+        while len(text[start:end].encode()) > budget:  # multi-byte characters: fewer of them fit
+            end = start + max(1, (end - start) * budget // len(text[start:end].encode()))
+        if end < len(text):
+            space = text.rfind(" ", start + (end - start) * 9 // 10, end)
+            end = space + 1 if space > start else end
+        pieces.append(text[start:end])
+        start = end
+    return pieces

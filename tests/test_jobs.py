@@ -1,0 +1,305 @@
+"""Bulk jobs end to end: a real upload into Postgres, the real feeder, a real worker (simulated
+engine) on a Redis database of the module's own, results read back through the API.
+
+The model's context is 512 tokens here, so a 12 KB document is summarised by map-reduce.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import pytest
+import redis as redis_lib
+from conftest import BeatProcess, WorkerProcess, make_settings
+from sqlalchemy import text
+
+from sluice.load import LoadLevel, write_level
+from sluice.queues import queue_length
+from web import create_app
+from web.services import services
+from workers.feeder import Feeder
+
+ENV = {"SLUICE_MAX_CONTEXT_TOKENS": "512", "SLUICE_SIM_SPEED": "4", "SLUICE_JOB_INFLIGHT_PER_WORKER": "16",
+       "SLUICE_FEEDER_INTERVAL_S": "0.2"}
+JSONL = {"Content-Type": "application/jsonl"}
+WORDS = ("harbour", "lantern", "meadow", "copper", "violet", "granite", "orchard", "thunder", "saffron", "willow")
+
+
+def doc(i: int, words: int) -> str:
+    """A document of its own: no two are alike, so none is answered from another's summary."""
+    return f"document {i}: " + " ".join(WORDS[(i * 7 + k * 3) % len(WORDS)] + str(k % 13) for k in range(words))
+
+
+def jsonl(lines: list) -> bytes:
+    return ("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n").encode()
+
+
+@dataclass
+class Bulk:
+    app: object
+    redis_url: str
+    database_url: str
+    tmp: object
+    workers: list = field(default_factory=list)
+
+    @property
+    def svc(self):
+        return services(self.app)
+
+    def submit(self, client, body: bytes, **params):
+        query = "&".join(f"{k}={v}" for k, v in params.items())
+        return client.http.post(f"/v1/jobs?{query}", data=body, headers={**client.headers, **JSONL})
+
+    def job(self, client, job_id: str) -> dict:
+        return client.http.get(f"/v1/jobs/{job_id}", headers=client.headers).get_json()
+
+    def wait(self, client, job_id: str, statuses, timeout: float = 240) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            view = self.job(client, job_id)
+            if view["status"] in statuses:
+                return view
+            assert time.monotonic() < deadline, f"job still {view['status']}: {view['counts']}"
+            time.sleep(0.3)
+
+    def lines(self, client, job_id: str, kind: str = "results") -> list[dict]:
+        response = client.http.get(f"/v1/jobs/{job_id}/{kind}", headers=client.headers)
+        assert response.status_code == 200 and response.mimetype == "application/jsonl"
+        return [json.loads(line) for line in response.get_data(as_text=True).splitlines()]
+
+    def sql(self, statement: str, **params):
+        with self.svc.db.session() as session:
+            result = session.execute(text(statement), params)
+            return result.all() if result.returns_rows else []
+
+
+@pytest.fixture(scope="module")
+def bulk(database_url, redis_dbs, tmp_path_factory):
+    redis_url = redis_dbs()
+    tmp = tmp_path_factory.mktemp("jobs")
+    app = create_app(make_settings(database_url, redis_url, ENV))
+    state = Bulk(app, redis_url, database_url, tmp)
+    state.workers.append(WorkerProcess(database_url, redis_url, tmp, extra_env=ENV, concurrency=32))
+    stop = threading.Event()
+
+    def feed():
+        with app.app_context():
+            Feeder(services(app)).run(stop)
+
+    thread = threading.Thread(target=feed, daemon=True)
+    thread.start()
+    yield state
+    stop.set()
+    thread.join(10)
+    for worker in state.workers:
+        worker.stop()
+    # No job of this module is left for another test's feeder (the database is shared).
+    state.sql("UPDATE jobs SET status = 'cancelled' WHERE status IN ('in_progress', 'finalizing', 'cancelling')")
+    services(app).db.dispose()
+    redis_dbs.release(redis_url)
+
+
+def test_a_job_with_long_documents_and_bad_lines_completes_in_input_order(bulk, new_client):
+    client = new_client(bulk.app)
+    lines: list = [{"custom_id": f"doc-{i}", "text": doc(i, 30)} for i in range(1000)]
+    lines[10] = {"custom_id": "long-1", "text": doc(10, 1500)}  # ~3 chunks, one reduce
+    lines[500] = {"custom_id": "long-2", "text": doc(500, 3500)}  # enough chunks for two rounds
+    lines[990] = {"custom_id": "long-3", "text": doc(990, 1500)}
+    expected = [line["custom_id"] for line in lines]
+    lines.insert(100, "{not json")
+    lines.insert(200, {"custom_id": "no-text"})
+    lines.insert(300, {"custom_id": "doc-7", "text": "a second doc-7"})
+    response = bulk.submit(client, jsonl(lines), summary_tokens=24, on_invalid="skip")
+    assert response.status_code == 201, response.get_json()
+    job = response.get_json()
+    assert job["counts"]["total"] == 1000 and job["counts"]["invalid"] == 3
+    done = bulk.wait(client, job["id"], {"completed", "failed"})
+    assert done["status"] == "completed", done
+    assert done["counts"]["succeeded"] == 1000 and done["done"] == 1000
+    assert done["tokens"]["output"] > 0 and done["tokens"]["input"] > 0
+
+    results = bulk.lines(client, job["id"])
+    assert [r["custom_id"] for r in results] == expected
+    assert [r["line"] for r in results] == sorted(r["line"] for r in results)
+    assert all(r["outcome"] == "succeeded" and r["output"] for r in results)
+    by_id = {r["custom_id"]: r for r in results}
+    assert by_id["doc-0"]["chunks"] == 1 and by_id["doc-0"]["depth"] == 0
+    assert by_id["long-1"]["chunks"] > 1 and by_id["long-1"]["depth"] == 1
+    assert by_id["long-2"]["depth"] >= 2 and by_id["long-2"]["usage"]["requests"] > by_id["long-2"]["chunks"]
+
+    errors = bulk.lines(client, job["id"], "errors")
+    assert [(e["line"], e["error"]["code"]) for e in errors] == [
+        (101, "malformed_json"), (201, "invalid_text"), (301, "duplicate_custom_id")]
+    # Every request the job made ran once: as many requests as the items say, none twice.
+    made = bulk.sql("SELECT count(*), count(*) FILTER (WHERE status = 'succeeded'), max(attempts) FROM requests "
+                    "WHERE metadata->>'job_id' = :job", job=job["id"])[0]
+    assert made[0] == made[1] == sum(r["usage"]["requests"] for r in results)
+    assert made[2] == 1
+
+
+def test_bad_uploads_are_refused_with_reasons_and_leave_nothing_behind(bulk, new_client, database_url, redis_dbs):
+    client = new_client(bulk.app)
+    good = jsonl([{"custom_id": "a", "text": "one"}, {"custom_id": "b", "text": "two"}])
+
+    wrong_type = client.http.post("/v1/jobs", data=good, headers={**client.headers, "Content-Type": "text/csv"})
+    assert wrong_type.status_code == 415 and wrong_type.get_json()["error"]["code"] == "unsupported_media_type"
+    empty = bulk.submit(client, b"\n\n")
+    assert empty.status_code == 422 and empty.get_json()["error"]["code"] == "empty_file"
+    nothing_valid = bulk.submit(client, jsonl(["[1]", {"custom_id": "x"}]))
+    assert nothing_valid.status_code == 422 and nothing_valid.get_json()["error"]["code"] == "no_valid_lines"
+    bad_lines = bulk.submit(client, jsonl([{"custom_id": "a", "text": "one"}, "nope", {"custom_id": "a", "text": "2"}]))
+    body = bad_lines.get_json()["error"]
+    assert bad_lines.status_code == 422 and body["code"] == "invalid_lines"
+    assert [(e["line"], e["code"]) for e in body["details"]["lines"]] == [(2, "malformed_json"),
+                                                                          (3, "duplicate_custom_id")]
+    params = bulk.submit(client, good, modle="x", summary_tokens="lots", completion_window="3 weeks")
+    assert params.status_code == 422 and set(params.get_json()["error"]["details"]) == {
+        "modle", "summary_tokens", "completion_window"}
+    openai = bulk.submit(client, jsonl([{"custom_id": "o", "method": "POST", "url": "/v1/embeddings", "body": {}}]))
+    assert openai.status_code == 422 and openai.get_json()["error"]["details"]["lines"][0]["code"] == "invalid_url"
+
+    # Over the tenant's token budget for its window: refused at submit, with the numbers.
+    bulk.sql("UPDATE tenants SET tokens_per_minute = 100 WHERE id = (SELECT tenant_id FROM api_keys "
+             "WHERE key_hash = encode(sha256(convert_to(:key, 'UTF8')), 'hex'))", key=client.key)
+    many = jsonl([{"custom_id": str(i), "text": doc(i, 50)} for i in range(200)])
+    over = bulk.submit(client, many, completion_window="1h")
+    error = over.get_json()["error"]
+    assert over.status_code == 422 and error["code"] == "job_over_token_budget"
+    assert error["details"]["budget_tokens"] == 6000 and error["details"]["estimated_tokens"] > 6000
+
+    # A file over the size limit: 413 from its Content-Length, before the body is read; and one
+    # sent without a length is cut off once it passes the limit.
+    small = create_app(make_settings(database_url, bulk.redis_url, {**ENV, "SLUICE_JOB_MAX_BYTES": "1000"}))
+    try:
+        tight = small.test_client()
+        big = jsonl([{"custom_id": str(i), "text": doc(i, 20)} for i in range(50)])
+        sized = tight.post("/v1/jobs", data=big, headers={**client.headers, **JSONL})
+        assert sized.status_code == 413 and "1000" in sized.get_json()["error"]["message"]
+        streamed = tight.post("/v1/jobs", input_stream=io.BytesIO(big), headers={**client.headers, **JSONL},
+                              environ_overrides={"wsgi.input_terminated": True})
+        assert streamed.status_code == 413
+    finally:
+        services(small).db.dispose()
+
+    left = bulk.sql("SELECT count(*) FROM jobs WHERE tenant_id = (SELECT tenant_id FROM api_keys "
+                    "WHERE key_hash = encode(sha256(convert_to(:key, 'UTF8')), 'hex'))", key=client.key)
+    assert left[0][0] == 0
+    # Another tenant's job is not there for this one.
+    mine = bulk.submit(new_client(bulk.app), good)
+    assert mine.status_code == 201
+    other = client.http.get(f"/v1/jobs/{mine.get_json()['id']}", headers=client.headers)
+    assert other.status_code == 404 and other.get_json()["error"]["code"] == "not_found"
+    assert client.http.post(f"/v1/jobs/{mine.get_json()['id']}/cancel", headers=client.headers).status_code == 404
+
+
+def test_cancel_keeps_finished_results_and_stops_the_rest(bulk, new_client):
+    client = new_client(bulk.app)
+    lines = [{"custom_id": f"c{i}", "text": doc(i, 40)} for i in range(600)]
+    job = bulk.submit(client, jsonl(lines), summary_tokens=48).get_json()
+    deadline = time.monotonic() + 60
+    while bulk.job(client, job["id"])["counts"]["succeeded"] < 20:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    cancelled = client.http.post(f"/v1/jobs/{job['id']}/cancel", headers=client.headers).get_json()
+    assert cancelled["status"] in ("cancelling", "cancelled")
+    final = bulk.wait(client, job["id"], {"cancelled"}, timeout=60)
+    counts = final["counts"]
+    assert counts["succeeded"] >= 20 and counts["cancelled"] > 0 and counts["pending"] == counts["running"] == 0
+    assert counts["succeeded"] + counts["cancelled"] + counts["failed"] == 600
+    results = bulk.lines(client, job["id"])
+    kept = [r for r in results if r["outcome"] == "succeeded"]
+    assert len(kept) == counts["succeeded"] and all(r["output"] for r in kept)
+    live = bulk.sql("SELECT count(*) FROM requests WHERE metadata->>'job_id' = :job AND status IN "
+                    "('queued', 'running')", job=job["id"])
+    assert live[0][0] == 0
+    again = client.http.post(f"/v1/jobs/{job['id']}/cancel", headers=client.headers)
+    assert again.status_code == 409 and again.get_json()["error"]["code"] == "not_cancellable"
+
+
+def test_tenants_share_batch_capacity_by_weight_counted_in_tokens(bulk, new_client):
+    heavy, light = new_client(bulk.app), new_client(bulk.app)
+    for client, weight in ((heavy, 3), (light, 1)):
+        bulk.sql("UPDATE tenants SET batch_weight = :w WHERE id = (SELECT tenant_id FROM api_keys "
+                 "WHERE key_hash = encode(sha256(convert_to(:key, 'UTF8')), 'hex'))", w=weight, key=client.key)
+    # The light tenant's documents are four times longer: counted in items it would get more.
+    short = bulk.submit(heavy, jsonl([{"custom_id": str(i), "text": doc(i, 60)} for i in range(2000)]),
+                        summary_tokens=16).get_json()
+    long = bulk.submit(light, jsonl([{"custom_id": str(i), "text": doc(i, 240)} for i in range(500)]),
+                       summary_tokens=16).get_json()
+    time.sleep(12)
+    shares = dict(bulk.sql("SELECT metadata->>'job_id', sum(reserved_tokens) FROM requests "
+                           "WHERE metadata->>'job_id' IN (:a, :b) GROUP BY 1", a=short["id"], b=long["id"]))
+    # Both were still backlogged when the shares were read: the feeder had a choice all along.
+    assert all(bulk.job(client, job["id"])["counts"]["pending"] > 0 for client, job in ((heavy, short), (light, long)))
+    for client, job in ((heavy, short), (light, long)):
+        client.http.post(f"/v1/jobs/{job['id']}/cancel", headers=client.headers)
+    ratio = shares[short["id"]] / shares[long["id"]]
+    assert 2.0 <= ratio <= 4.5, shares
+
+
+def test_the_feeder_keeps_the_queue_bounded_and_pauses_while_degraded(bulk, new_client):
+    client = new_client(bulk.app)
+    job = bulk.submit(client, jsonl([{"custom_id": str(i), "text": doc(i, 30)} for i in range(1500)]),
+                      summary_tokens=64).get_json()
+    r = redis_lib.Redis.from_url(bulk.redis_url)
+    try:
+        # In flight (queued or running, so on a queue or held by the worker) and the messages Redis
+        # holds stay within one worker × SLUICE_JOB_INFLIGHT_PER_WORKER, whatever the job's size.
+        peak_rows = peak_messages = 0
+        for _ in range(30):
+            peak_rows = max(peak_rows, bulk.sql("SELECT count(*) FROM requests WHERE metadata->>'job_id' = :j "
+                                                "AND status IN ('queued', 'running')", j=job["id"])[0][0])
+            peak_messages = max(peak_messages, queue_length(r, "batch.small") + queue_length(r, "batch.large")
+                                + r.hlen("unacked"))
+            time.sleep(0.1)
+        assert 0 < peak_rows <= 16 and peak_messages <= 16 + 2  # (+ the sweep's own message, if any)
+
+        write_level(r, LoadLevel.LIGHT_MODEL)
+        time.sleep(1.0)  # what was fed before the pause may still be created
+        made = bulk.sql("SELECT count(*) FROM requests WHERE metadata->>'job_id' = :j", j=job["id"])[0][0]
+        time.sleep(2.0)
+        assert bulk.sql("SELECT count(*) FROM requests WHERE metadata->>'job_id' = :j", j=job["id"])[0][0] == made
+        state = r.hgetall("sluice:feeder:state")
+        assert state[b"paused"] == b"degradation level 1"
+
+        write_level(r, LoadLevel.NORMAL)
+        deadline = time.monotonic() + 10
+        while bulk.sql("SELECT count(*) FROM requests WHERE metadata->>'job_id' = :j", j=job["id"])[0][0] == made:
+            assert time.monotonic() < deadline, "the feeder did not resume"
+            time.sleep(0.2)
+    finally:
+        write_level(r, LoadLevel.NORMAL)
+        r.close()
+        client.http.post(f"/v1/jobs/{job['id']}/cancel", headers=client.headers)
+        bulk.wait(client, job["id"], {"cancelled"}, timeout=60)
+
+
+def test_a_worker_killed_mid_job_loses_nothing(bulk, new_client):
+    client = new_client(bulk.app)
+    job = bulk.submit(client, jsonl([{"custom_id": f"k{i}", "text": doc(i, 30)} for i in range(300)]),
+                      summary_tokens=96).get_json()
+    beat = BeatProcess(bulk.database_url, bulk.redis_url, bulk.tmp)
+    try:
+        deadline = time.monotonic() + 60
+        while bulk.job(client, job["id"])["counts"]["succeeded"] < 30:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        bulk.workers.pop(0).kill()
+        bulk.workers.append(WorkerProcess(bulk.database_url, bulk.redis_url, bulk.tmp, extra_env=ENV,
+                                          concurrency=32))
+        done = bulk.wait(client, job["id"], {"completed", "failed"}, timeout=180)
+    finally:
+        beat.stop()
+    assert done["status"] == "completed" and done["counts"]["succeeded"] == 300, done["counts"]
+    results = bulk.lines(client, job["id"])
+    assert [r["custom_id"] for r in results] == [f"k{i}" for i in range(300)]
+    ran = bulk.sql("SELECT count(*) FILTER (WHERE status = 'succeeded'), count(*), max(attempts) FROM requests "
+                   "WHERE metadata->>'job_id' = :j", j=job["id"])[0]
+    assert ran[0] == ran[1] == 300  # one request per item, each succeeded once
+    assert ran[2] >= 1
+    assert uuid.UUID(job["id"])

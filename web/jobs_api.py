@@ -1,0 +1,85 @@
+"""The bulk jobs API: thin handlers over ``web/jobs.py``.
+
+    POST /v1/jobs?model=&summary_tokens=&instruction=&priority=&completion_window=&on_invalid=&metadata=
+         body: the JSONL file itself (Content-Type: application/jsonl), streamed
+    GET  /v1/jobs                    the tenant's jobs, newest first (?limit=, ?before=<job id>)
+    GET  /v1/jobs/<id>               status, counts per item status, tokens, rate, ETA
+    GET  /v1/jobs/<id>/results       JSONL of finished items in input order (partial while it runs)
+    GET  /v1/jobs/<id>/errors        JSONL of invalid lines and failed items
+    POST /v1/jobs/<id>/cancel        stop feeding, cancel what runs, keep what finished
+"""
+
+from __future__ import annotations
+
+from flask import Blueprint, Response, jsonify, request, stream_with_context
+
+from .auth import authenticate
+from .errors import ApiError
+from .ingest import TooLarge as TooLargeWhileReading
+from .jobs import JSONL_TYPES
+from .services import services
+
+bp = Blueprint("jobs", __name__, url_prefix="/v1")
+
+
+@bp.post("/jobs")
+def submit_job() -> tuple[Response, int, dict[str, str]]:
+    svc = services()
+    tenant = authenticate(svc.db, svc.recent_keys)
+    limit = svc.settings.job_max_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise ApiError(f"The file is {request.content_length} bytes; a job takes at most {limit} "
+                       "(SLUICE_JOB_MAX_BYTES). Split it into several jobs.", code="file_too_large", status=413)
+    if request.mimetype not in JSONL_TYPES:
+        raise ApiError(f"Send the file itself as the body with Content-Type: application/jsonl (one JSON object "
+                       f"per line); got {request.mimetype or 'none'}.", code="unsupported_media_type", status=415)
+    params = svc.jobs.params(request.args.to_dict(), tenant)
+    request.max_content_length = limit
+    try:
+        job = svc.jobs.submit(tenant, params, request.stream)
+    except TooLargeWhileReading as exc:
+        raise ApiError(f"The file is larger than {limit} bytes, the most a job takes (SLUICE_JOB_MAX_BYTES). "
+                       "Split it into several jobs.", code="file_too_large", status=413) from exc
+    return jsonify(job), 201, {"Location": f"/v1/jobs/{job['id']}"}
+
+
+@bp.get("/jobs")
+def list_jobs() -> Response:
+    svc = services()
+    tenant = authenticate(svc.db, svc.recent_keys)
+    try:
+        limit = min(100, max(1, int(request.args.get("limit", "20"))))
+    except ValueError:
+        limit = 20
+    return jsonify({"object": "list", "data": svc.jobs.list(tenant.id, limit, request.args.get("before"))})
+
+
+@bp.get("/jobs/<job_id>")
+def get_job(job_id: str) -> Response:
+    svc = services()
+    tenant = authenticate(svc.db, svc.recent_keys)
+    return jsonify(svc.jobs.get(tenant.id, job_id))
+
+
+@bp.get("/jobs/<job_id>/results")
+def job_results(job_id: str) -> Response:
+    return _jsonl(job_id, errors=False)
+
+
+@bp.get("/jobs/<job_id>/errors")
+def job_errors(job_id: str) -> Response:
+    return _jsonl(job_id, errors=True)
+
+
+@bp.post("/jobs/<job_id>/cancel")
+def cancel_job(job_id: str) -> Response:
+    svc = services()
+    tenant = authenticate(svc.db, svc.recent_keys)
+    return jsonify(svc.jobs.cancel(tenant.id, job_id))
+
+
+def _jsonl(job_id: str, errors: bool) -> Response:
+    svc = services()
+    tenant = authenticate(svc.db, svc.recent_keys)
+    lines = svc.jobs.items(tenant.id, job_id, errors)
+    return Response(stream_with_context(lines), mimetype="application/jsonl")

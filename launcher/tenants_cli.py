@@ -51,6 +51,9 @@ def _limit_options(command: Callable) -> Callable:
     for name in reversed(LIMIT_FIELDS):
         command = click.option(f"--{name.replace('_', '-')}", name, type=_LimitValue(), default=None,
                                help=f"Override the tier's {name.replace('_', ' ')} ('tier' removes it).")(command)
+    command = click.option("--batch-weight", "batch_weight", type=click.FloatRange(0, 1000, min_open=True),
+                           default=None, help="Share of batch capacity for bulk jobs against other tenants' "
+                           "(tokens; default 1).")(command)
     return click.option("--tier", default=None, help="Tier name from SLUICE_TIERS ('default': the default tier).")(
         command)
 
@@ -106,7 +109,8 @@ def _summary(view: dict[str, Any]) -> str:
             f"tokens/min={limits['tokens_per_minute']}{marks['tokens_per_minute']}  "
             f"requests/min={limits['requests_per_minute']}{marks['requests_per_minute']}  "
             f"concurrent={limits['max_concurrent']}{marks['max_concurrent']}  "
-            f"max_request_tokens={limits['max_request_tokens']}{marks['max_request_tokens']}")
+            f"max_request_tokens={limits['max_request_tokens']}{marks['max_request_tokens']}  "
+            f"batch_weight={view['batch_weight']:g}")
 
 
 @click.group()

@@ -126,6 +126,7 @@ def tenant_view(tenant: Tenant, settings: Settings, active_keys: int | None = No
         "overrides": {f: getattr(tenant, f) for f in LIMIT_FIELDS if getattr(tenant, f) is not None},
         "limits": effective_limits(settings.tiers, settings.default_tier, tenant).as_dict(),
         "created_at": _iso(tenant.created_at),
+        "batch_weight": tenant.batch_weight if tenant.batch_weight is not None else 1.0,
         "disabled": tenant.disabled_at is not None,
         "disabled_at": _iso(tenant.disabled_at),
     }
@@ -139,7 +140,7 @@ def _iso(moment: datetime | None) -> str | None:
 
 
 def _apply(tenant: Tenant, settings: Settings, changes: dict[str, Any]) -> None:
-    unknown = set(changes) - {"tier", *LIMIT_FIELDS}
+    unknown = set(changes) - {"tier", "batch_weight", *LIMIT_FIELDS}
     if unknown:
         raise TenantError(f"Unknown fields: {', '.join(sorted(unknown))}.", "invalid_request")
     if "tier" in changes:
@@ -147,6 +148,13 @@ def _apply(tenant: Tenant, settings: Settings, changes: dict[str, Any]) -> None:
         if tier is not None and tier not in settings.tiers:
             raise TenantError(f"Unknown tier {tier!r}; the tiers are {', '.join(settings.tiers)}.", "unknown_tier")
         tenant.tier = tier
+    if "batch_weight" in changes:
+        weight = changes["batch_weight"]
+        if weight is None:
+            weight = 1.0
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight <= 1000:
+            raise TenantError("batch_weight must be a number > 0 and ≤ 1000 (null: 1).", "invalid_request")
+        tenant.batch_weight = float(weight)
     for name in LIMIT_FIELDS:
         if name in changes:
             value = changes[name]

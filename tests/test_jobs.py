@@ -303,3 +303,20 @@ def test_a_worker_killed_mid_job_loses_nothing(bulk, new_client):
     assert ran[0] == ran[1] == 300  # one request per item, each succeeded once
     assert ran[2] >= 1
     assert uuid.UUID(job["id"])
+
+
+def test_openai_batch_lines_run_as_they_are(bulk, new_client):
+    client = new_client(bulk.app)
+    lines = [{"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "developer", "content": "Be brief."},
+                                    {"role": "user", "content": "Name a river."}], "max_tokens": 5}},
+             {"custom_id": "completion", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "Once upon a time", "max_completion_tokens": 7, "temperature": 0}},
+             {"custom_id": "doc", "text": "A document line beside them."}]
+    job = bulk.submit(client, jsonl(lines), summary_tokens=8).get_json()
+    done = bulk.wait(client, job["id"], {"completed", "failed"}, timeout=60)
+    assert done["status"] == "completed"
+    results = {r["custom_id"]: r for r in bulk.lines(client, job["id"])}
+    assert [r["outcome"] for r in results.values()] == ["succeeded"] * 3
+    assert results["chat"]["usage"]["output_tokens"] == 5 and results["completion"]["usage"]["output_tokens"] == 7
+    assert results["doc"]["usage"]["output_tokens"] == 8

@@ -73,6 +73,10 @@ def test_patch_changes_limits_for_the_next_submit(admin_app):
     assert_envelope(admin(admin_app, "PATCH", f"/admin/tenants/{name}", {"max_concurrent": 0}), 422,
                     "invalid_request")
     assert_envelope(admin(admin_app, "PATCH", "/admin/tenants/nobody-here", {"tier": "free"}), 404, "not_found")
+    weighted = admin(admin_app, "PATCH", f"/admin/tenants/{name}", {"batch_weight": 2.5})
+    assert weighted.status_code == 200 and weighted.get_json()["batch_weight"] == 2.5
+    assert_envelope(admin(admin_app, "PATCH", f"/admin/tenants/{name}", {"batch_weight": 0}), 422, "invalid_request")
+    assert admin(admin_app, "PATCH", f"/admin/tenants/{name}", {"batch_weight": None}).get_json()["batch_weight"] == 1
 
 
 def test_list_and_new_keys(admin_app):
@@ -93,9 +97,10 @@ def test_cli_creates_updates_and_lists_tenants(database_url, redis_url):
     assert created.exit_code == 0, created.output
     assert created.stdout.strip().startswith("sk-sluice-")
     updated = runner.invoke(main, ["tenants", "update", name, "--max-concurrent", "3",
-                                   "--requests-per-minute", "tier"], env=env)
+                                   "--requests-per-minute", "tier", "--batch-weight", "4"], env=env)
     assert updated.exit_code == 0, updated.output
     assert "concurrent=3*" in updated.output and "requests/min=20 " in updated.output
+    assert "batch_weight=4" in updated.output
     listed = runner.invoke(main, ["tenants", "list", "--json"], env=env)
     view = next(t for t in json.loads(listed.stdout) if t["name"] == name)
     assert view["tier"] == "free" and view["overrides"] == {"max_concurrent": 3} and view["active_keys"] == 1

@@ -52,7 +52,7 @@ from sluice.tenants import (
 
 from .bodies import json_object, validated
 from .errors import ApiError, NotFound, Unauthorized
-from .schemas import SafeString, StrictBoolean, StrictInteger
+from .schemas import SafeString, StrictBoolean, StrictFloat, StrictInteger
 from .services import services
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,9 @@ class TenantLimitsSchema(Schema):
     requests_per_minute = StrictInteger(allow_none=True, validate=validate.Range(min=1, max=INT32_MAX))
     max_concurrent = StrictInteger(allow_none=True, validate=validate.Range(min=1, max=INT32_MAX))
     max_request_tokens = StrictInteger(allow_none=True, validate=validate.Range(min=1, max=INT32_MAX))
+    batch_weight = StrictFloat(allow_none=True, validate=validate.Range(min=0, max=1000, min_inclusive=False),
+                               metadata={"description": "Share of batch capacity for bulk jobs against other "
+                                                        "tenants', counted in tokens (default 1; null resets)."})
     disabled = StrictBoolean(metadata={"description": "true: every key of the tenant gets 403 tenant_disabled "
                                                       "until false again."})
 

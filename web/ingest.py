@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from psycopg.types.json import Jsonb
+
 from models.job import ItemStatus
 from models.request import storable
 
@@ -118,7 +120,7 @@ def parse(raw: bytes, served: set[str]) -> tuple[str, str | None, dict[str, Any]
         return custom_id, None, body, tokens
     unknown = set(obj) - {"custom_id", "text"}
     if unknown:
-        raise LineError("unknown_fields", f"Unknown fields {', '.join(sorted(unknown))}: a document line has "
+        raise LineError("unknown_fields", f"Unknown fields {_names(unknown)}: a document line has "
                         "custom_id and text (or use the OpenAI Batch format: custom_id, method, url, body).")
     text = obj.get("text")
     if not isinstance(text, str) or not text.strip():
@@ -131,7 +133,7 @@ def parse(raw: bytes, served: set[str]) -> tuple[str, str | None, dict[str, Any]
 def _openai_line(obj: dict[str, Any], served: set[str]) -> tuple[dict[str, Any], int]:
     unknown = set(obj) - {"custom_id", "method", "url", "body"}
     if unknown:
-        raise LineError("unknown_fields", f"Unknown fields {', '.join(sorted(unknown))} in an OpenAI Batch line.")
+        raise LineError("unknown_fields", f"Unknown fields {_names(unknown)} in an OpenAI Batch line.")
     if obj.get("method") != "POST":
         raise LineError("invalid_method", "method must be POST.")
     url = obj.get("url")
@@ -142,11 +144,11 @@ def _openai_line(obj: dict[str, Any], served: set[str]) -> tuple[dict[str, Any],
         raise LineError("invalid_body", "body must be a JSON object.")
     unknown = set(body) - OPENAI_BODY_FIELDS
     if unknown:
-        raise LineError("unsupported_fields", f"body fields not supported: {', '.join(sorted(unknown))}.")
+        raise LineError("unsupported_fields", f"body fields not supported: {_names(unknown)}.")
     if body.get("n", 1) != 1 or body.get("stream", False) is not False:
         raise LineError("unsupported_fields", "n must be 1 and stream false in a batch line.")
     if "model" in body and body["model"] not in served:
-        raise LineError("unknown_model", f"Unknown model {body['model']!r}; this platform serves: "
+        raise LineError("unknown_model", f"Unknown model {_names([body['model']])}; this platform serves: "
                         f"{', '.join(sorted(served))}.")
     for name in ("max_tokens", "max_completion_tokens", "seed"):
         if name in body and (not isinstance(body[name], int) or isinstance(body[name], bool) or body[name] < 0):
@@ -170,6 +172,13 @@ def _openai_line(obj: dict[str, Any], served: set[str]) -> tuple[dict[str, Any],
     return {**body, "url": url}, tokens
 
 
+def _names(values) -> str:
+    """Names from the line itself, for a message Postgres stores: JSON-escaped (no NUL, no lone
+    surrogate reaches the column) and cut short."""
+    shown = ", ".join(json.dumps(v)[:60] for v in sorted(values, key=str)[:5])
+    return shown + (", …" if len(values) > 5 else "")
+
+
 def item_tokens(input_tokens: int, overhead: int, output: int, budget: int) -> int:
     """Tokens an item will cost (inputs + outputs of every request), map-reduce included, given the
     per-request input ``budget``: a document over it is summarised in chunks, whose summaries are
@@ -184,5 +193,5 @@ def item_tokens(input_tokens: int, overhead: int, output: int, budget: int) -> i
 
 def copy_row(job_id, line: int, custom_id: str | None, status: ItemStatus, text: str | None,
              body: dict[str, Any] | None, tokens: int, code: str | None = None, message: str | None = None) -> tuple:
-    return (job_id, line, custom_id, status.value, text, None if body is None else json.dumps(body), tokens, 0, 0,
+    return (job_id, line, custom_id, status.value, text, None if body is None else Jsonb(body), tokens, 0, 0,
             False, [], 0, 0, 0, code, message)

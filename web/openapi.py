@@ -74,9 +74,11 @@ def build_spec(version: str, settings: Settings | None = None) -> dict:
                          ("TenantView", schemas.TenantViewSchema), ("TenantCreate", TenantCreateSchema),
                          ("TenantLimits", TenantLimitsSchema), ("KeyView", schemas.KeyViewSchema),
                          ("ReservationView", schemas.ReservationViewSchema),
-                         ("LoadView", schemas.LoadViewSchema), ("ReservationCreate", ReservationSchema)):
+                         ("LoadView", schemas.LoadViewSchema), ("ReservationCreate", ReservationSchema),
+                         ("JobView", schemas.JobViewSchema), ("JobList", schemas.JobListSchema)):
         spec.components.schema(name, schema=schema)
     _request_paths(spec)
+    _job_paths(spec, settings)
     _service_paths(spec)
     _admin_paths(spec)
     document = spec.to_dict()
@@ -137,6 +139,88 @@ def _request_paths(spec: APISpec) -> None:
                       "404": _error("No such request for this key."),
                       "409": _error("Already finished.")},
     }})
+
+
+# A job file, one array element per line (sent as JSON Lines, never as one array): a document
+# to summarise, or a line in the OpenAI Batch input format. custom_ids are unique in a file.
+_CUSTOM_ID = {"type": "string", "minLength": 1, "maxLength": 512, "pattern": NO_NUL}
+JOB_FILE = {"type": "array", "minItems": 1, "items": {"oneOf": [
+    {"type": "object", "title": "Document", "additionalProperties": False, "required": ["custom_id", "text"],
+     "properties": {"custom_id": _CUSTOM_ID, "text": {"type": "string", "pattern": "^[^\\u0000]*\\S[^\\u0000]*$"}}},
+    {"type": "object", "title": "OpenAI Batch line", "additionalProperties": False,
+     "required": ["custom_id", "method", "url", "body"],
+     "properties": {"custom_id": _CUSTOM_ID, "method": {"const": "POST"},
+                    "url": {"enum": ["/v1/chat/completions", "/v1/completions"]},
+                    "body": {"type": "object", "description": "The OpenAI request body: messages (chat) or prompt, "
+                                                              "max_tokens, temperature, top_p, stop, seed."}}},
+]}}
+
+
+def _job_paths(spec: APISpec, settings: Settings | None) -> None:
+    auth_errors = {"401": _error("Missing, malformed, invalid or revoked API key."),
+                   "403": _error("The key's tenant is disabled (tenant_disabled).")}
+    job = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string", "format": "uuid"}}
+    missing = {"404": _error("No such job for this key.")}
+    models = [m.name for m in settings.registry.models] if settings is not None else None
+    jsonl = {"description": "One JSON object per line, in input order.",
+             "content": {"application/jsonl": {"schema": {"type": "string"}}}}
+    query = [
+        {"name": "model", "in": "query", "schema": {"type": "string", **({"enum": models} if models else {})},
+         "description": "Model to summarise with; default: the main model."},
+        {"name": "summary_tokens", "in": "query", "schema": {"type": "integer", "minimum": 1},
+         "description": "Summary length; default SLUICE_JOB_SUMMARY_TOKENS, shortened to what the context allows."},
+        {"name": "instruction", "in": "query", "schema": {"type": "string", "minLength": 1, "maxLength": 4000},
+         "description": "Put before each document (and each map-reduce round)."},
+        {"name": "priority", "in": "query", "schema": {"type": "string", "enum": ["batch", "realtime"]}},
+        {"name": "completion_window", "in": "query", "schema": {"type": "string"},
+         "description": "24h, 90m, 3600 (seconds): unfinished items expire after it. Default SLUICE_JOB_WINDOW_S."},
+        {"name": "on_invalid", "in": "query", "schema": {"type": "string", "enum": ["reject", "skip"]},
+         "description": "reject (default): any bad line refuses the file, each listed by line number; skip: "
+                        "run the valid lines, list the rest at errors_url."},
+        {"name": "metadata", "in": "query", "schema": {"type": "string"},
+         "description": "A JSON object of at most 16 string values, kept on the job."},
+    ]
+    spec.path(path="/v1/jobs", operations={
+        "post": {
+            "summary": "Submit a bulk summarisation job: the JSONL file is the body, streamed",
+            "description": "Each line is `{\"custom_id\", \"text\"}` (a document to summarise) or an OpenAI "
+                           "Batch line (`custom_id`, `method`, `url`, `body`). Items are run as batch capacity "
+                           "frees up; documents longer than the context are summarised by map-reduce.",
+            "security": [{"bearer": []}], "parameters": query,
+            "requestBody": {"required": True, "content": {"application/jsonl": {"schema": JOB_FILE}}},
+            "responses": {"201": _json("JobView", "Accepted: its items are queued for the feeder."), **auth_errors,
+                          "400": _error("The body could not be read."),
+                          "413": _error("The file is over SLUICE_JOB_MAX_BYTES or SLUICE_JOB_MAX_ITEMS lines."),
+                          "415": _error("The body is not sent as application/jsonl."),
+                          "422": _error("Unknown or invalid parameters; an empty file (empty_file); bad lines "
+                                        "(invalid_lines, no_valid_lines: `details.lines` lists them by line "
+                                        "number); over the tenant's token budget for the window "
+                                        "(job_over_token_budget, with the numbers).")}},
+        "get": {
+            "summary": "The tenant's jobs, newest first", "security": [{"bearer": []}],
+            "parameters": [{"name": "limit", "in": "query", "schema": {"type": "string"}},
+                           {"name": "before", "in": "query", "schema": {"type": "string"},
+                            "description": "A job id: list the jobs created before it."}],
+            "responses": {"200": _json("JobList", "The jobs."), **auth_errors,
+                          "404": _error("`before` names no job of this key.")}},
+    })
+    spec.path(path="/v1/jobs/{job_id}", operations={"get": {
+        "summary": "A job's status, counts per item status, tokens, rate and ETA",
+        "security": [{"bearer": []}], "parameters": [job],
+        "responses": {"200": _json("JobView", "The job."), **auth_errors, **missing}}})
+    spec.path(path="/v1/jobs/{job_id}/results", operations={"get": {
+        "summary": "Finished items in input order (partial while the job runs), with their outcome",
+        "security": [{"bearer": []}], "parameters": [job],
+        "responses": {"200": jsonl, **auth_errors, **missing}}})
+    spec.path(path="/v1/jobs/{job_id}/errors", operations={"get": {
+        "summary": "Invalid lines and failed items, with their reasons",
+        "security": [{"bearer": []}], "parameters": [job],
+        "responses": {"200": jsonl, **auth_errors, **missing}}})
+    spec.path(path="/v1/jobs/{job_id}/cancel", operations={"post": {
+        "summary": "Stop feeding the job, cancel its requests in flight, keep finished results",
+        "security": [{"bearer": []}], "parameters": [job],
+        "responses": {"200": _json("JobView", "The job after the cancel (cancelling until nothing runs)."),
+                      **auth_errors, **missing, "409": _error("Already finished (not_cancellable).")}}})
 
 
 def _service_paths(spec: APISpec) -> None:

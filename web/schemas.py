@@ -204,6 +204,60 @@ class RequestViewSchema(Schema):
         }
 
 
+class JobCountsSchema(Schema):
+    total = fields.Integer(metadata={"description": "Valid lines: the job's items."})
+    pending = fields.Integer()
+    running = fields.Integer()
+    succeeded = fields.Integer()
+    failed = fields.Integer()
+    cancelled = fields.Integer()
+    expired = fields.Integer()
+    invalid = fields.Integer(metadata={"description": "Lines refused at upload (listed at errors_url)."})
+
+
+class JobTokensSchema(Schema):
+    input = fields.Integer()
+    output = fields.Integer()
+
+
+class JobViewSchema(Schema):
+    """A bulk job as ``GET /v1/jobs/<id>`` shows it (``web/jobs.py: view``)."""
+
+    id = fields.UUID()
+    object = SafeString(metadata={"enum": ["job"]})
+    status = SafeString(metadata={"enum": ["validating", "in_progress", "finalizing", "completed", "failed",
+                                           "cancelling", "cancelled", "expired"]})
+    model = SafeString()
+    priority = SafeString()
+    instruction = SafeString()
+    summary_tokens = fields.Integer()
+    completion_window_s = fields.Integer()
+    metadata = fields.Dict(keys=fields.String(), values=fields.String())
+    counts = fields.Nested(JobCountsSchema, metadata={"description": "Items per status."})
+    done = fields.Integer(metadata={"description": "Items finished, whatever their outcome."})
+    progress = fields.Float(metadata={"description": "done ÷ total."})
+    tokens = fields.Nested(JobTokensSchema, metadata={"description": "Engine tokens spent so far, map-reduce "
+                                                                     "rounds included."})
+    estimated_tokens = fields.Integer(metadata={"description": "What the submit priced the job at."})
+    input_bytes = fields.Integer()
+    rate_items_per_s = fields.Float(metadata={"description": "Items finished per second over the last minute."})
+    eta_s = fields.Float(allow_none=True, metadata={"description": "Seconds to finish at that rate; null when "
+                                                                   "unknown or not running."})
+    created_at = fields.DateTime()
+    started_at = fields.DateTime(allow_none=True)
+    expires_at = fields.DateTime(allow_none=True)
+    cancel_requested_at = fields.DateTime(allow_none=True)
+    finished_at = fields.DateTime(allow_none=True)
+    error = fields.Nested(RequestErrorSchema, allow_none=True)
+    results_url = SafeString()
+    errors_url = SafeString()
+
+
+class JobListSchema(Schema):
+    object = SafeString(metadata={"enum": ["list"]})
+    data = fields.List(fields.Nested(JobViewSchema))
+
+
 class AcceptedSchema(Schema):
     id = fields.UUID()
     status = SafeString()
@@ -244,6 +298,7 @@ class TenantViewSchema(Schema):
                             metadata={"description": "The limits this tenant sets itself, over its tier's."})
     limits = fields.Nested(LimitsSchema, metadata={"description": "Effective limits: tier plus overrides."})
     created_at = fields.DateTime(allow_none=True)
+    batch_weight = fields.Float(metadata={"description": "Share of batch capacity for bulk jobs (tokens)."})
     disabled = fields.Boolean(metadata={"description": "Every key of the tenant gets 403 tenant_disabled."})
     disabled_at = fields.DateTime(allow_none=True)
     active_keys = fields.Integer()

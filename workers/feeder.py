@@ -138,9 +138,10 @@ class Feeder:
                 in_flight[(job.model, job.priority)] += len(open_)
                 missing = [rid for rid, row in zip(item.requests, rows, strict=True) if row is None]
                 if missing:
-                    self._create_missing(item, job, tenants.get(job.tenant_id), missing)
+                    self._guarded(item.job_id, item.line, self._create_missing, item, job,
+                                  tenants.get(job.tenant_id), missing)
                 continue
-            self._advance(item, job, tenants.get(job.tenant_id), rows)
+            self._guarded(item.job_id, item.line, self._advance, item, job, tenants.get(job.tenant_id), rows)
             advanced += 1
             if not self._item_done(item):
                 running_jobs.add(job.id)
@@ -438,6 +439,21 @@ class Feeder:
             current_request_id.set("-")  # the feeder's own lines are about no one request
         return None
 
+    def _guarded(self, job_id: uuid.UUID, line: int, step, *args, **kwargs):
+        """Run one item's step; an unexpected error fails that item (logged), never the whole tick:
+        a tick that failed on the same item every time would stop every job."""
+        try:
+            return step(*args, **kwargs)
+        except Exception:
+            log.exception("job item %s:%d failed in the feeder", job_id, line)
+            with self.db.session() as session:
+                session.execute(update(JobItem).where(
+                    JobItem.job_id == job_id, JobItem.line == line,
+                    JobItem.status.in_((ItemStatus.PENDING, ItemStatus.RUNNING))).values(
+                    status=ItemStatus.FAILED, finished_at=func.now(), error_code="internal_error",
+                    error_message="Sluice could not run this item; the error was logged."))
+            return None
+
     # ------------------------------------------------------------------ feeding
 
     def _feed(self, jobs: list[Job], tenants: dict[uuid.UUID, Tenant], capacity: dict[tuple[str, str], int],
@@ -469,8 +485,8 @@ class Feeder:
                 exhausted.add(job.id)
                 continue
             line, custom_id, text_, body = item
-            outcome, tokens, made = self._start(job.id, line, job, tenants[tenant_id], text_, body, 0, [],
-                                                custom_id=custom_id)
+            outcome, tokens, made = self._guarded(job.id, line, self._start, job.id, line, job, tenants[tenant_id],
+                                                  text_, body, 0, [], custom_id=custom_id) or ("failed", 0, 1)
             free[(job.model, job.priority)] -= max(made, 1)
             weight = max(float(tenants[tenant_id].batch_weight or 1.0), 1e-6)
             self.tenant_used[tenant_id] += max(tokens, 1) / weight

@@ -279,6 +279,24 @@ def test_the_feeder_keeps_the_queue_bounded_and_pauses_while_degraded(bulk, new_
         bulk.wait(client, job["id"], {"cancelled"}, timeout=60)
 
 
+def test_the_feeder_pauses_while_a_peak_reservation_is_in_force(bulk):
+    from datetime import UTC, datetime, timedelta
+
+    from models.reservation import book, cancel
+
+    feeder = Feeder(bulk.svc)
+    assert feeder._paused() is None
+    with bulk.svc.db.session() as session:
+        now = datetime.now(UTC)
+        booked = book(session, now - timedelta(seconds=5), now + timedelta(minutes=5), None, "jobs test", ("all",))
+    try:
+        assert Feeder(bulk.svc)._paused() == "peak reservation in force"
+    finally:
+        with bulk.svc.db.session() as session:
+            cancel(session, booked.id)
+    assert Feeder(bulk.svc)._paused() is None
+
+
 def test_a_worker_killed_mid_job_loses_nothing(bulk, new_client):
     client = new_client(bulk.app)
     job = bulk.submit(client, jsonl([{"custom_id": f"k{i}", "text": doc(i, 30)} for i in range(300)]),

@@ -95,6 +95,9 @@ class Job(Base):
     expires_at: Mapped[datetime | None]
     cancel_requested_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
+    # Its documents and results were deleted by the retention sweep (SLUICE_RETENTION_DAYS); the
+    # counts, tokens and outcomes stay.
+    redacted_at: Mapped[datetime | None]
 
 
 class JobItem(Base):

@@ -21,6 +21,9 @@ LOST_CHECK_KEY = "sluice:sweep:lost_check"
 EPOCH_SEEN_KEY = "sluice:sweep:epoch_seen"
 # Hash {at, took_ms}: when the sweep last finished, shown by /readyz.
 SWEEP_LAST_KEY = "sluice:sweep:last"
+# Hash {at, paused, in_flight, capacity, fed, advanced}: what the job feeder last did
+# (workers/feeder.py), shown on every job (web/jobs.py).
+FEEDER_STATE_KEY = "sluice:feeder:state"
 
 
 def cancel_key(request_id: str) -> str:

@@ -132,8 +132,8 @@ class Settings:
         "SLUICE_TIME_LIMIT_S. Whatever stops workers must wait longer (`sluice up` does).")
     retention_days: float | None = _field(
         "SLUICE_RETENTION_DAYS", None,
-        "Prompts and outputs of requests finished this many days ago are deleted by the sweep; the "
-        "rest of the row (tenant, tokens, timings, outcome) stays. Unset: kept for good.")
+        "Prompts and outputs of requests (and documents and results of jobs) finished this many days "
+        "ago are deleted by the sweep; the rest (tenant, tokens, timings, outcome) stays. Unset: kept for good.")
     max_attempts: int = _field(
         "SLUICE_MAX_ATTEMPTS", 3, "Deliveries a request may use before it fails as worker_lost.")
     sweep_interval_s: float = _field(

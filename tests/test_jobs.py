@@ -264,8 +264,7 @@ def test_the_feeder_keeps_the_queue_bounded_and_pauses_while_degraded(bulk, new_
         made = bulk.sql("SELECT count(*) FROM requests WHERE metadata->>'job_id' = :j", j=job["id"])[0][0]
         time.sleep(2.0)
         assert bulk.sql("SELECT count(*) FROM requests WHERE metadata->>'job_id' = :j", j=job["id"])[0][0] == made
-        state = r.hgetall("sluice:feeder:state")
-        assert state[b"paused"] == b"degradation level 1"
+        assert bulk.job(client, job["id"])["feeder"]["paused"] == "degradation level 1"
 
         write_level(r, LoadLevel.NORMAL)
         deadline = time.monotonic() + 10

@@ -251,3 +251,36 @@ def test_retention_deletes_old_prompts_and_outputs_and_keeps_the_accounting(isol
     view = client.get(str(old.id)).get_json()
     assert view["output"] is None and view["redacted_at"] is not None and view["usage"]["output_tokens"] == 3
     assert services(application).settings.retention_days is None  # off unless configured
+
+
+def test_retention_deletes_old_job_documents_and_results(isolated):
+    from datetime import timedelta
+
+    from models import Job, JobItem, JobStatus, utcnow
+    from models.job import ItemStatus
+    from workers.sweep import _redact_old_jobs
+
+    application, client, _ = isolated
+    svc = services(application)
+    settings = svc.settings.replace(retention_days=30)
+    tenant_id = client_tenant(application, client)
+    jobs = {}
+    for name, days in (("old", 31), ("recent", 29)):
+        job = Job(tenant_id=tenant_id, status=JobStatus.COMPLETED, model="m", priority="batch", instruction="i",
+                  summary_tokens=8, completion_window_s=3600, meta={}, total_items=1, invalid_lines=0,
+                  input_bytes=10, estimated_tokens=10, finished_at=utcnow() - timedelta(days=days))
+        with svc.db.session() as session:
+            session.add(job)
+            session.flush()
+            session.add(JobItem(job_id=job.id, line=1, custom_id="a", status=ItemStatus.SUCCEEDED, text="a secret",
+                                result="its summary", output_tokens=4, estimated_tokens=3, chunks=1, depth=0,
+                                final=True, requests=[], request_count=1, input_tokens=3))
+        jobs[name] = job.id
+    assert _redact_old_jobs(svc.db, settings) >= 1
+    with svc.db.session() as session:
+        items = {name: session.get(JobItem, (job_id, 1)) for name, job_id in jobs.items()}
+        assert items["old"].text is None and items["old"].result is None and items["old"].output_tokens == 4
+        assert items["recent"].result == "its summary"
+        assert session.get(Job, jobs["old"]).redacted_at is not None
+    view = client.http.get(f"/v1/jobs/{jobs['old']}", headers=client.headers).get_json()
+    assert view["redacted_at"] is not None and view["counts"]["succeeded"] == 1

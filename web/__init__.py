@@ -90,7 +90,8 @@ def build_services(settings: Settings) -> Services:
     return Services(settings=settings, db=db, redis=redis_client(settings.redis_url),
                     publisher=publisher, broker=celery_publisher(settings, fail_fast=False), admission=admission,
                     answers=answers, lifecycle=lifecycle, twins=twins, epoch=epoch, requests=requests,
-                    jobs=JobService(settings, db, requests), recent_keys=RecentKeys(settings.auth_cache_s))
+                    jobs=JobService(settings, db, requests, admission.redis),
+                    recent_keys=RecentKeys(settings.auth_cache_s))
 
 
 def _check_eviction_policy(client) -> None:

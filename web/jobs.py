@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from models import Tenant
 from models.job import ItemStatus, Job, JobItem, JobStatus
 from models.lifecycle import TransitionRefused
 from models.session import Database
+from sluice.keys import FEEDER_STATE_KEY
 from sluice.logs import bind_request
 from sluice.settings import Settings
 from sluice.tiers import effective_limits
@@ -47,6 +49,8 @@ PROMPT_MARGIN_TOKENS = 16
 STALE_UPLOAD_S = 3600
 _WINDOW = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhd]?)$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+# The feeder writes its state every SLUICE_FEEDER_INTERVAL_S; older than this, it is not running.
+FEEDER_STALE_S = 10.0
 PARAMS = ("model", "summary_tokens", "instruction", "priority", "completion_window", "on_invalid", "metadata")
 
 
@@ -68,10 +72,11 @@ def chunk_budget(context_tokens: int, max_request_tokens: int, instruction_token
 
 
 class JobService:
-    def __init__(self, settings: Settings, db: Database, requests: RequestService) -> None:
+    def __init__(self, settings: Settings, db: Database, requests: RequestService, redis_client) -> None:
         self.settings = settings
         self.db = db
         self.requests = requests
+        self.redis = redis_client
 
     # ------------------------------------------------------------------ submit
 
@@ -229,7 +234,18 @@ class JobService:
 
     def get(self, tenant_id: uuid.UUID, job_id: str) -> dict[str, Any]:
         job = self.job(tenant_id, job_id)
-        return view(job, self._progress(job.id))
+        return {**view(job, self._progress(job.id)), "feeder": self.feeder()}
+
+    def feeder(self) -> dict[str, Any]:
+        """What the feeder last did: whether it runs, and why it pauses (degradation, a reservation)."""
+        try:
+            state = self.redis.hgetall(FEEDER_STATE_KEY)
+        except Exception:
+            return {"running": None, "paused": None}
+        if not state or time.time() - float(state.get("at", 0)) > FEEDER_STALE_S:
+            return {"running": False, "paused": None}
+        return {"running": True, "paused": state.get("paused") or None,
+                "in_flight": int(state.get("in_flight", 0)), "capacity": int(state.get("capacity", 0))}
 
     def list(self, tenant_id: uuid.UUID, limit: int, before: str | None) -> list[dict[str, Any]]:
         query = select(Job).where(Job.tenant_id == tenant_id).order_by(Job.created_at.desc()).limit(limit)
@@ -348,6 +364,7 @@ def view(job: Job, progress: dict[str, Any]) -> dict[str, Any]:
         "rate_items_per_s": round(rate, 3), "eta_s": eta,
         "created_at": _iso(job.created_at), "started_at": _iso(job.started_at), "expires_at": _iso(job.expires_at),
         "cancel_requested_at": _iso(job.cancel_requested_at), "finished_at": _iso(job.finished_at),
+        "redacted_at": _iso(job.redacted_at),
         "error": None if job.error_code is None else {"code": job.error_code, "message": job.error_message},
         "results_url": f"/v1/jobs/{job.id}/results", "errors_url": f"/v1/jobs/{job.id}/errors",
     }

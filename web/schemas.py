@@ -220,6 +220,14 @@ class JobTokensSchema(Schema):
     output = fields.Integer()
 
 
+class FeederStateSchema(Schema):
+    running = fields.Boolean(allow_none=True, metadata={"description": "null: Redis could not say."})
+    paused = SafeString(allow_none=True, metadata={"description": "Why no item is fed now (degradation level, "
+                                                                  "a peak reservation); null: feeding."})
+    in_flight = fields.Integer(metadata={"description": "Job requests queued or running, all jobs."})
+    capacity = fields.Integer(metadata={"description": "The most the feeder keeps in flight now."})
+
+
 class JobViewSchema(Schema):
     """A bulk job as ``GET /v1/jobs/<id>`` shows it (``web/jobs.py: view``)."""
 
@@ -248,9 +256,12 @@ class JobViewSchema(Schema):
     expires_at = fields.DateTime(allow_none=True)
     cancel_requested_at = fields.DateTime(allow_none=True)
     finished_at = fields.DateTime(allow_none=True)
+    redacted_at = fields.DateTime(allow_none=True, metadata={
+        "description": "When its documents and results were deleted (SLUICE_RETENTION_DAYS); null: kept."})
     error = fields.Nested(RequestErrorSchema, allow_none=True)
     results_url = SafeString()
     errors_url = SafeString()
+    feeder = fields.Nested(FeederStateSchema, metadata={"description": "What the job feeder last did."})
 
 
 class JobListSchema(Schema):

@@ -41,19 +41,18 @@ from sqlalchemy import exists, func, select, text, update
 from models import InferenceRequest, Status, Tenant
 from models.job import LIVE_JOB, ItemStatus, Job, JobItem, JobStatus
 from models.reservation import active
-from sluice.keys import LOAD_LEVEL_KEY, PAUSED_KEY
+from sluice.keys import FEEDER_STATE_KEY, LOAD_LEVEL_KEY, PAUSED_KEY
 from sluice.logs import current_request_id
 from sluice.tiers import effective_limits
 from web.errors import ApiError
 from web.health import warm_workers
-from web.jobs import PROMPT_MARGIN_TOKENS, STALE_UPLOAD_S, cancel_requests, chunk_budget
+from web.jobs import STALE_UPLOAD_S, cancel_requests, chunk_budget
 from web.services import Services
 from web.tokens import estimate_text_tokens
 
 log = logging.getLogger(__name__)
 
 LEADER_KEY = "sluice:feeder:leader"
-STATE_KEY = "sluice:feeder:state"  # hash: what the leader last did (paused, in flight, capacity)
 READ_RESERVATIONS_S = 5.0
 STALE_CHECK_S = 60.0
 FETCH = 32  # pending items read per job at a time
@@ -156,8 +155,8 @@ class Feeder:
         report = {"at": time.time(), "paused": paused or "", "in_flight": sum(in_flight.values()),
                   "capacity": sum(capacity.values()), "fed": fed, "advanced": advanced}
         try:
-            self.redis.hset(STATE_KEY, mapping=report)
-            self.redis.expire(STATE_KEY, 60)
+            self.redis.hset(FEEDER_STATE_KEY, mapping=report)
+            self.redis.expire(FEEDER_STATE_KEY, 60)
         except Exception:
             log.debug("feeder state not written", exc_info=True)
         return report
@@ -593,4 +592,4 @@ def _prompt(job: Job, text_: str) -> str:
     return f"{job.instruction}\n\n{text_}"
 
 
-__all__ = ["Feeder", "LEADER_KEY", "PROMPT_MARGIN_TOKENS", "STATE_KEY"]
+__all__ = ["Feeder", "LEADER_KEY"]

@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import redis
 from sqlalchemy import case, func, or_, select, update
 
-from models import InferenceRequest, Priority, Status
+from models import InferenceRequest, Job, JobItem, Priority, Status
 from models.idempotency import expire_keys
 from models.lifecycle import Lifecycle
 from models.session import Database
@@ -64,6 +64,7 @@ from web.services import Services
 log = logging.getLogger(__name__)
 
 BATCH = 500
+JOB_BATCH = 5  # jobs whose items are redacted per sweep (a job may hold millions)
 # Published rows checked for a lost message per sweep (ids and queue names only).
 LOST_SCAN_ROWS = 20_000
 # After a broker loss, one sweep re-publishes for at most this long; the next goes on.
@@ -86,6 +87,7 @@ def sweep(svc: Services) -> dict[str, int]:
         "expired": svc.lifecycle.expire_late(),
         "cancel_flags": _reraise_cancel_flags(db, redis_client),
         "redacted": _redact_old(db, settings),
+        "jobs_redacted": _redact_old_jobs(db, settings),
         # Last, so requests the steps above just ended are released in this same run.
         "released": reconcile_in_flight(db, limiter_for(redis_client)),
         "idempotency_keys_expired": expire_keys(db, settings.idempotency_window_s),
@@ -282,6 +284,20 @@ def _redact_old(db: Database, settings: Settings) -> int:
         done = session.execute(update(_t).where(_t.id.in_(old)).values(
             input=REDACTED_INPUT, output_text=None, redacted_at=func.now()))
         return done.rowcount
+
+
+def _redact_old_jobs(db: Database, settings: Settings) -> int:
+    """Documents and results of jobs finished SLUICE_RETENTION_DAYS ago (a few jobs per sweep)."""
+    if settings.retention_days is None:
+        return 0
+    with db.session() as session:
+        old = session.scalars(select(Job.id).where(Job.redacted_at.is_(None), Job.finished_at.is_not(None),
+                                                   Job.finished_at < _ago(settings.retention_days * 86400))
+                              .limit(JOB_BATCH).with_for_update(skip_locked=True)).all()
+        if old:
+            session.execute(update(JobItem).where(JobItem.job_id.in_(old)).values(text=None, body=None, result=None))
+            session.execute(update(Job).where(Job.id.in_(old)).values(redacted_at=func.now()))
+    return len(old)
 
 
 def _reraise_cancel_flags(db: Database, redis_client: redis.Redis) -> int:

@@ -45,6 +45,7 @@ def upgrade() -> None:
         sa.Column('expires_at', sa.DateTime(timezone=True), nullable=True),
         sa.Column('cancel_requested_at', sa.DateTime(timezone=True), nullable=True),
         sa.Column('finished_at', sa.DateTime(timezone=True), nullable=True),
+        sa.Column('redacted_at', sa.DateTime(timezone=True), nullable=True),
         sa.ForeignKeyConstraint(['tenant_id'], ['tenants.id'], name=op.f('fk_jobs_tenant_id_tenants'),
                                 ondelete='CASCADE'),
         sa.PrimaryKeyConstraint('id', name=op.f('pk_jobs')),

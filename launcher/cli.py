@@ -13,6 +13,7 @@ from sluice.settings import Settings
 
 from .argv import beat_argv, flower_argv, flower_env, flower_exposed, web_argv, worker_argv
 from .database import upgrade_database
+from .jobs_cli import jobs
 from .keys_cli import keys
 from .options import load_settings, service_settings
 from .reserve_cli import reserve
@@ -34,6 +35,7 @@ def main() -> None:
 main.add_command(tenants)
 main.add_command(keys)
 main.add_command(reserve)
+main.add_command(jobs)
 
 
 @main.command()

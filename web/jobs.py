@@ -271,7 +271,7 @@ class JobService:
             counts[status] = n
             tokens_in += int(tin)
             tokens_out += int(tout)
-            if status != ItemStatus.INVALID.value:
+            if status in (ItemStatus.SUCCEEDED.value, ItemStatus.FAILED.value):  # computed, not called off
                 recent += last_minute
                 span = max(span, float(since or 0))
         return {"counts": counts, "tokens": {"input": tokens_in, "output": tokens_out},

@@ -14,7 +14,7 @@ from __future__ import annotations
 from flask import Blueprint, Response, jsonify, request, stream_with_context
 
 from .auth import authenticate
-from .errors import ApiError
+from .errors import ApiError, InvalidRequest
 from .ingest import TooLarge as TooLargeWhileReading
 from .jobs import JSONL_TYPES
 from .services import services
@@ -47,11 +47,13 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
 def list_jobs() -> Response:
     svc = services()
     tenant = authenticate(svc.db, svc.recent_keys)
-    try:
-        limit = min(100, max(1, int(request.args.get("limit", "20"))))
-    except ValueError:
-        limit = 20
-    return jsonify({"object": "list", "data": svc.jobs.list(tenant.id, limit, request.args.get("before"))})
+    raw = request.args.get("limit", "20")
+    if not raw.isdigit() or not 1 <= int(raw) <= 100:
+        raise InvalidRequest("limit must be a whole number from 1 to 100.", details={"limit": ["1 to 100."]})
+    limit = int(raw)
+    jobs = svc.jobs.list(tenant.id, limit + 1, request.args.get("before"))
+    return jsonify({"object": "list", "data": jobs[:limit], "has_more": len(jobs) > limit,
+                    "next_before": jobs[limit - 1]["id"] if len(jobs) > limit else None})
 
 
 @bp.get("/jobs/<job_id>")

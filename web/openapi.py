@@ -198,11 +198,13 @@ def _job_paths(spec: APISpec, settings: Settings | None) -> None:
                                         "(job_over_token_budget, with the numbers).")}},
         "get": {
             "summary": "The tenant's jobs, newest first", "security": [{"bearer": []}],
-            "parameters": [{"name": "limit", "in": "query", "schema": {"type": "string"}},
+            "parameters": [{"name": "limit", "in": "query",
+                            "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
                            {"name": "before", "in": "query", "schema": {"type": "string"},
                             "description": "A job id: list the jobs created before it."}],
             "responses": {"200": _json("JobList", "The jobs."), **auth_errors,
-                          "404": _error("`before` names no job of this key.")}},
+                          "404": _error("`before` names no job of this key."),
+                          "422": _error("limit is not a whole number from 1 to 100.")}},
     })
     spec.path(path="/v1/jobs/{job_id}", operations={"get": {
         "summary": "A job's status, counts per item status, tokens, rate and ETA",

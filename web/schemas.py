@@ -267,6 +267,8 @@ class JobViewSchema(Schema):
 class JobListSchema(Schema):
     object = SafeString(metadata={"enum": ["list"]})
     data = fields.List(fields.Nested(JobViewSchema))
+    has_more = fields.Boolean(metadata={"description": "More jobs are older than these: ask with before=next_before."})
+    next_before = SafeString(allow_none=True)
 
 
 class AcceptedSchema(Schema):

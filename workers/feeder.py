@@ -140,11 +140,12 @@ class Feeder:
                     self._guarded(item.job_id, item.line, self._create_missing, item, job,
                                   tenants.get(job.tenant_id), missing)
                 continue
-            self._guarded(item.job_id, item.line, self._advance, item, job, tenants.get(job.tenant_id), rows)
+            next_stage = self._guarded(item.job_id, item.line, self._advance, item, job, tenants.get(job.tenant_id),
+                                       rows)
             advanced += 1
-            if not self._item_done(item):
+            if next_stage:
                 running_jobs.add(job.id)
-                in_flight[(job.model, job.priority)] += len(self._item_requests(item))
+                in_flight[(job.model, job.priority)] += next_stage
         self._settle(jobs, running_jobs)
         paused = self._paused()
         capacity = self._capacity()
@@ -234,19 +235,9 @@ class Feeder:
 
     # ------------------------------------------------------------------ items in flight
 
-    def _item_requests(self, item: _Running) -> list[uuid.UUID]:
-        with self.db.session() as session:
-            return list(session.scalar(select(JobItem.requests).where(
-                JobItem.job_id == item.job_id, JobItem.line == item.line)) or [])
-
-    def _item_done(self, item: _Running) -> bool:
-        with self.db.session() as session:
-            status = session.scalar(select(JobItem.status).where(JobItem.job_id == item.job_id,
-                                                                 JobItem.line == item.line))
-        return status is None or status.terminal
-
-    def _advance(self, item: _Running, job: Job, tenant: Tenant | None, rows: list[Any]) -> None:
-        """Every request of the item's stage ended: record the outcome, or start the next stage."""
+    def _advance(self, item: _Running, job: Job, tenant: Tenant | None, rows: list[Any]) -> int:
+        """Every request of the item's stage ended: record the outcome, or start the next stage
+        (how many requests that stage has in flight; 0 when the item ended)."""
         spent_in = sum(r.input_tokens or 0 for r in rows)
         spent_out = sum(r.output_tokens or 0 for r in rows)
         failed = next((r for r in rows if r.status != Status.SUCCEEDED), None)
@@ -261,18 +252,19 @@ class Feeder:
             for other in rows:  # the rest of its stage is of no use now
                 if not other.status.terminal:
                     cancel_requests(self.svc.requests, job.tenant_id, [other.id])
-            return
+            return 0
         if item.final:
             self._end(item, ItemStatus.SUCCEEDED, spent_in, spent_out, result=rows[0].output_text,
                       finish_reason=rows[0].finish_reason)
-            return
+            return 0
         if stopping is not None or tenant is None:
             self._end(item, stopping or ItemStatus.CANCELLED, spent_in, spent_out, code="cancelled",
                       message="The job stopped before this item's summary was complete.")
-            return
+            return 0
         joined = "\n\n".join(r.output_text or "" for r in rows)
-        self._start(item.job_id, item.line, job, tenant, joined, None, item.depth + 1, item.requests,
-                    spent=(spent_in, spent_out), custom_id=item.custom_id)
+        outcome, _, made = self._start(item.job_id, item.line, job, tenant, joined, None, item.depth + 1,
+                                       item.requests, spent=(spent_in, spent_out), custom_id=item.custom_id)
+        return 0 if outcome in ("failed", "gone") else made
 
     def _stopping(self, job: Job) -> ItemStatus | None:
         if job.status in (JobStatus.CANCELLING, JobStatus.CANCELLED):
@@ -308,7 +300,7 @@ class Feeder:
         with self.db.session() as session:
             source = session.execute(select(JobItem.text, JobItem.body, JobItem.result).where(
                 JobItem.job_id == item.job_id, JobItem.line == item.line)).one()
-        bodies = self._stage_bodies(job, item, source)
+        bodies = self._stage_bodies(job, tenant, item, source)
         for rid, body in zip(item.requests, bodies, strict=False):
             if rid in missing:
                 outcome = self._submit(tenant, rid, body)
@@ -319,31 +311,27 @@ class Feeder:
                 if outcome == "retry":
                     return
 
-    def _stage_bodies(self, job: Job, item: _Running, source) -> list[dict[str, Any]]:
+    def _stage_bodies(self, job: Job, tenant: Tenant, item: _Running, source) -> list[dict[str, Any]]:
         """The request bodies of the item's current stage, rebuilt from what the item keeps: its
         document at depth 0, else the joined summaries the stage was planned from (``result``
         holds them while the item runs)."""
         if item.body is not None:
             return [self._openai_body(job, item.body)]
         text_ = source.text if item.depth == 0 else (source.result or "")
-        _, prompts = self._plan(job, self._limits_tokens(job), text_)
+        _, prompts = self._plan(job, tenant, text_)
         return [self._document_body(job, item.line, item.custom_id, p, item.depth, i, len(prompts))
                 for i, p in enumerate(prompts)]
 
     # ------------------------------------------------------------------ starting a stage
 
-    def _limits_tokens(self, job: Job) -> int:
-        tenant = self._tenants({job.tenant_id}).get(job.tenant_id)
-        limits = effective_limits(self.settings.tiers, self.settings.default_tier, tenant)
-        return limits.max_request_tokens
-
-    def _plan(self, job: Job, max_request_tokens: int, text_: str) -> tuple[bool, list[str]]:
+    def _plan(self, job: Job, tenant: Tenant, text_: str) -> tuple[bool, list[str]]:
         """(final, prompts) for summarising ``text_``: one prompt when it fits a request with the
         instruction and the summary, else one per chunk, cut on the model's token boundaries."""
         model = self.settings.registry.get(job.model) or self.settings.registry.default
         counter = self.svc.requests.planner.counters.for_model(model)
         instruction_tokens = counter.count({"prompt": job.instruction})
-        budget = chunk_budget(model.context_tokens, max_request_tokens, instruction_tokens, job.summary_tokens)
+        limits = effective_limits(self.settings.tiers, self.settings.default_tier, tenant)
+        budget = chunk_budget(model.context_tokens, limits.max_request_tokens, instruction_tokens, job.summary_tokens)
         if counter.count({"prompt": text_}) <= budget:
             return True, [_prompt(job, text_)]
         return False, [_prompt(job, piece) for piece in counter.split(text_, budget)]
@@ -389,7 +377,7 @@ class Feeder:
         if body is not None:
             final, bodies = True, [self._openai_body(job, body)]
         else:
-            final, prompts = self._plan(job, self._limits_tokens(job), text_ or "")
+            final, prompts = self._plan(job, tenant, text_ or "")
             bodies = [self._document_body(job, line, custom_id, p, depth, i, len(prompts))
                       for i, p in enumerate(prompts)]
         ids = [uuid.uuid4() for _ in bodies]

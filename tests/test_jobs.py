@@ -337,3 +337,26 @@ def test_openai_batch_lines_run_as_they_are(bulk, new_client):
     assert [r["outcome"] for r in results.values()] == ["succeeded"] * 3
     assert results["chat"]["usage"]["output_tokens"] == 5 and results["completion"]["usage"]["output_tokens"] == 7
     assert results["doc"]["usage"]["output_tokens"] == 8
+
+
+def test_a_feeder_that_died_between_naming_and_creating_requests_loses_nothing(bulk, new_client):
+    """A feeder writes an item's request ids before it creates the requests; one killed in
+    between leaves ids with no rows. The next leader creates them with those very ids, once.
+    Only one feeder leads at a time."""
+    assert Feeder(bulk.svc).lead() is False  # the module's feeder holds the lease
+    client = new_client(bulk.app)
+    r = redis_lib.Redis.from_url(bulk.redis_url)
+    write_level(r, LoadLevel.LIGHT_MODEL)  # nothing is fed while the item is set up
+    try:
+        job = bulk.submit(client, jsonl([{"custom_id": "only", "text": doc(7, 40)}]), summary_tokens=16).get_json()
+        named = uuid.uuid4()
+        bulk.sql("UPDATE job_items SET status = 'running', requests = ARRAY[CAST(:r AS uuid)], request_count = 1, "
+                 "chunks = 1, final = true WHERE job_id = :j", r=str(named), j=job["id"])
+    finally:
+        write_level(r, LoadLevel.NORMAL)
+        r.close()
+    done = bulk.wait(client, job["id"], {"completed", "failed"}, timeout=60)
+    assert done["status"] == "completed"
+    made = bulk.sql("SELECT id, status FROM requests WHERE metadata->>'job_id' = :j", j=job["id"])
+    assert [(str(row[0]), row[1]) for row in made] == [(str(named), "succeeded")]
+    assert bulk.lines(client, job["id"])[0]["output"]

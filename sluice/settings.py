@@ -116,6 +116,11 @@ class Settings:
         "On a worker that serves realtime and batch queues, threads batch work may never hold, so a "
         "realtime request never waits for a thread batch work took. Unset: a quarter of the threads "
         "(at least one); 0: none kept.")
+    worker_batch_beside_realtime: int | None = _field(
+        "SLUICE_WORKER_BATCH_BESIDE_REALTIME", None,
+        "While a realtime request runs on a worker that serves both, a new batch request starts there only "
+        "while fewer batch requests than this run (those running go on): a batch prefill, and a fuller "
+        "batch, slow every step realtime decodes in. Unset: an eighth of the batch slots (at least 1).")
     worker_role: str = _field(
         "SLUICE_WORKER_ROLE", "all", "Set by `sluice worker --role`: the worker's role, shown in /readyz.")
     worker_model: str | None = _field(
@@ -292,6 +297,8 @@ class Settings:
             raise SettingsError("SLUICE_AUTH_CACHE_S must be >= 0 (0 = every refusal asks Postgres)")
         if self.cache_ttl_s < 0:
             raise SettingsError("SLUICE_CACHE_TTL_S must be >= 0 (0 = no hot answer cache)")
+        if self.worker_batch_beside_realtime is not None and self.worker_batch_beside_realtime < 1:
+            raise SettingsError("SLUICE_WORKER_BATCH_BESIDE_REALTIME must be >= 1")
         if self.worker_realtime_threads is not None and self.worker_realtime_threads < 0:
             raise SettingsError("SLUICE_WORKER_REALTIME_THREADS must be >= 0")
         if self.default_max_tokens > self.max_output_tokens:

@@ -85,3 +85,24 @@ def test_batch_work_never_holds_the_threads_kept_for_realtime(database_url, scra
         worker.stop()
         services(application).redis.flushdb()
         services(application).db.dispose()
+
+
+def test_fewer_batch_requests_start_while_realtime_runs():
+    """Batch slots shrink to `beside` while a realtime request runs; those held already go on."""
+    from workers.bootstrap import BatchSlots, batch_slots
+
+    busy = False
+    slots = BatchSlots(4, beside=1, realtime_busy=lambda: busy)
+    assert slots.try_take() and slots.try_take()  # no realtime: up to the limit
+    busy = True
+    assert not slots.try_take()  # two run already, beside allows one
+    slots.give_back()
+    slots.give_back()
+    assert slots.try_take() and not slots.try_take()
+    busy = False
+    assert slots.try_take() and slots.try_take() and slots.try_take() and not slots.try_take()
+
+    settings = make_settings("postgresql://x@127.0.0.1/x", "redis://127.0.0.1:6379/0")
+    shared = batch_slots(settings, 64, ["realtime.small", "batch.small"])
+    assert (shared.limit, shared.beside) == (48, 6)
+    assert batch_slots(settings, 64, ["batch.small"]).beside == 64  # a batch-only worker: no realtime to yield to

@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from celery.signals import task_received, worker_init, worker_shutdown, worker_shutting_down
@@ -36,17 +37,23 @@ class BatchSlots:
     """How many of this worker's threads batch requests may hold at once.
 
     A thread that takes a batch message while every batch slot is taken hands it back to the
-    queue, so the threads left over only ever run realtime work.
+    queue, so the threads left over only ever run realtime work. While realtime requests run
+    (``realtime_busy``), fewer batch requests may start (``beside``): each one's prefill, and each
+    sequence it adds to the batch, lengthens the engine steps realtime decodes in, so batch work
+    takes what realtime leaves instead of slowing it down.
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, beside: int | None = None,
+                 realtime_busy: Callable[[], bool] = lambda: False) -> None:
         self.limit = limit
+        self.beside = limit if beside is None else min(limit, beside)
+        self.realtime_busy = realtime_busy
         self._held = 0
         self._lock = threading.Lock()
 
     def try_take(self) -> bool:
         with self._lock:
-            if self._held >= self.limit:
+            if self._held >= self.limit or (self._held >= self.beside and self.realtime_busy()):
                 return False
             self._held += 1
             return True
@@ -56,14 +63,18 @@ class BatchSlots:
             self._held -= 1
 
 
-def batch_slots(settings: Settings, threads: int, queues: list[str]) -> BatchSlots:
-    """Slots for batch work: every thread, unless this worker also serves realtime queues."""
+def batch_slots(settings: Settings, threads: int, queues: list[str],
+                realtime_busy: Callable[[], bool] = lambda: False) -> BatchSlots:
+    """Slots for batch work: every thread, unless this worker also serves realtime queues; then
+    fewer, and fewer still to start while realtime requests run."""
     both = any(q.startswith("realtime.") for q in queues) and any(q.startswith("batch.") for q in queues)
     if not both:
         return BatchSlots(threads)
     keep = settings.worker_realtime_threads
     keep = max(1, threads // 4) if keep is None else keep
-    return BatchSlots(max(1, threads - keep))
+    limit = max(1, threads - keep)
+    beside = settings.worker_batch_beside_realtime
+    return BatchSlots(limit, max(1, limit // 8) if beside is None else beside, realtime_busy)
 
 
 @dataclass
@@ -101,9 +112,10 @@ def start_runtime(app: Flask, hostname: str, queues: list[str], threads: int | N
                             dead_after_s=settings.worker_dead_after_s,
                             cancel_poll_s=settings.cancel_poll_s, watchdog_s=settings.worker_watchdog_s, info=info)
     runtime.start()
-    WORKER.batch = batch_slots(settings, info["threads"], queues)
+    WORKER.batch = batch_slots(settings, info["threads"], queues, lambda: runtime.realtime_in_flight() > 0)
     WORKER.runtime = runtime
-    log.info("%d of %d threads may hold batch work", WORKER.batch.limit, info["threads"])
+    log.info("%d of %d threads may hold batch work (%d may start while realtime runs)", WORKER.batch.limit,
+             info["threads"], WORKER.batch.beside)
     return runtime
 
 

@@ -160,6 +160,11 @@ class EngineRuntime:
                 self._cancelled.discard(rid)
                 self._handed_back.discard(rid)
 
+    def realtime_in_flight(self) -> int:
+        """Requests of realtime priority this worker runs now (claimed, not finished)."""
+        with self._lock:
+            return len(self._in_flight) - len(self._batch_in_flight)
+
     def drain(self, grace_s: float) -> None:
         """Stop: take nothing new, let what runs finish for ``grace_s``, then hand the rest back.
         Called again (a second SIGTERM), it hands back what runs at once."""

@@ -9,9 +9,11 @@ shared by the whole session can keep running between tests.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -259,3 +261,23 @@ def restart_redis(server):
     again = EmbeddedRedis(url=server.url, process=proc, log_path=server.log_path)
     assert _wait_pong(again, 20), "redis-server did not come back"
     return again
+
+
+@contextlib.contextmanager
+def feeder_running(app) -> Iterator[None]:
+    """The bulk job feeder (workers/feeder.py) of ``app``, in a thread, as `sluice monitor` runs it."""
+    from workers.feeder import Feeder
+
+    stop = threading.Event()
+
+    def feed() -> None:
+        with app.app_context():
+            Feeder(services(app)).run(stop)
+
+    thread = threading.Thread(target=feed, name="feeder", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(10)

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import io
 import json
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 
 import pytest
 import redis as redis_lib
-from conftest import BeatProcess, WorkerProcess, make_settings
+from conftest import BeatProcess, WorkerProcess, feeder_running, make_settings
 from sqlalchemy import text
 
 from sluice.load import LoadLevel, write_level
@@ -85,17 +84,8 @@ def bulk(database_url, redis_dbs, tmp_path_factory):
     app = create_app(make_settings(database_url, redis_url, ENV))
     state = Bulk(app, redis_url, database_url, tmp)
     state.workers.append(WorkerProcess(database_url, redis_url, tmp, extra_env=ENV, concurrency=32))
-    stop = threading.Event()
-
-    def feed():
-        with app.app_context():
-            Feeder(services(app)).run(stop)
-
-    thread = threading.Thread(target=feed, daemon=True)
-    thread.start()
-    yield state
-    stop.set()
-    thread.join(10)
+    with feeder_running(app):
+        yield state
     for worker in state.workers:
         worker.stop()
     # No job of this module is left for another test's feeder (the database is shared).

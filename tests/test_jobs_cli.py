@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import WorkerProcess, make_settings
+from conftest import WorkerProcess, feeder_running, make_settings
 from sqlalchemy import text
 from werkzeug.serving import make_server
 
@@ -26,7 +26,6 @@ from models.tenant import hash_key
 from sluice.settings import Settings
 from web import create_app
 from web.services import services
-from workers.feeder import Feeder
 
 ENV = {"SLUICE_MAX_CONTEXT_TOKENS": "512", "SLUICE_SIM_SPEED": "4", "SLUICE_JOB_INFLIGHT_PER_WORKER": "16",
        "SLUICE_FEEDER_INTERVAL_S": "0.2"}
@@ -87,27 +86,18 @@ def sluice(database_url, redis_dbs, tmp_path_factory):
     server = make_server("127.0.0.1", 0, app, threaded=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     worker = WorkerProcess(database_url, redis_url, tmp, extra_env=ENV, concurrency=32)
-    stop = threading.Event()
-
-    def feed():
-        with app.app_context():
-            Feeder(services(app)).run(stop)
-
-    feeder = threading.Thread(target=feed, daemon=True)
-    feeder.start()
     state = Sluice(f"http://127.0.0.1:{server.server_port}", app, database_url, tmp)
-    yield state
-    # No job of this module is left running for another module's feeder (the database is shared):
-    # cancelled through the API, so their requests in flight are cancelled too, and settled by the feeder.
-    for key in state.keys:
-        for view in json.loads(state.jobs(key, "list", "--json").stdout or "[]"):
-            if view["status"] in LIVE:
-                state.jobs(key, "cancel", view["id"])
-    deadline = time.monotonic() + 30
-    while state.live_jobs() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    stop.set()
-    feeder.join(10)
+    with feeder_running(app):
+        yield state
+        # No job of this module is left running for another module's feeder (the database is shared):
+        # cancelled through the API, so their requests in flight are cancelled too, and settled by the feeder.
+        for key in state.keys:
+            for view in json.loads(state.jobs(key, "list", "--json").stdout or "[]"):
+                if view["status"] in LIVE:
+                    state.jobs(key, "cancel", view["id"])
+        deadline = time.monotonic() + 30
+        while state.live_jobs() and time.monotonic() < deadline:
+            time.sleep(0.2)
     server.shutdown()
     worker.stop()
     assert not state.live_jobs()

@@ -42,6 +42,7 @@ from models import InferenceRequest, Status, Tenant
 from models.job import LIVE_JOB, ItemStatus, Job, JobItem, JobStatus
 from models.reservation import active
 from sluice.keys import FEEDER_STATE_KEY, LOAD_LEVEL_KEY, PAUSED_KEY
+from sluice.lease import Lease, run_leading
 from sluice.logs import current_request_id
 from sluice.tiers import effective_limits
 from web.errors import ApiError
@@ -56,10 +57,6 @@ LEADER_KEY = "sluice:feeder:leader"
 READ_RESERVATIONS_S = 5.0
 STALE_CHECK_S = 60.0
 FETCH = 32  # pending items read per job at a time
-_RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) and 1 or 0
-"""
 _REQUEST_COLUMNS = (InferenceRequest.id, InferenceRequest.status, InferenceRequest.output_text,
                     InferenceRequest.finish_reason, InferenceRequest.error_code, InferenceRequest.error_message,
                     InferenceRequest.input_tokens, InferenceRequest.output_tokens)
@@ -83,8 +80,7 @@ class Feeder:
         self.db = svc.db
         self.redis = svc.redis
         self.clock = clock
-        self.identity = uuid.uuid4().hex
-        self._renew = svc.redis.register_script(_RENEW)
+        self.lease = Lease(svc.redis, LEADER_KEY, max(3.0, 6 * self.settings.feeder_interval_s))
         self.tenant_used: dict[uuid.UUID, float] = {}  # tokens fed ÷ weight, while the tenant has work
         self.job_used: dict[uuid.UUID, float] = {}
         self._pending: dict[uuid.UUID, deque] = {}  # job → lines read ahead
@@ -95,24 +91,11 @@ class Feeder:
     # ------------------------------------------------------------------ the loop
 
     def lead(self) -> bool:
-        ttl_ms = int(max(3.0, 6 * self.settings.feeder_interval_s) * 1000)
-        return bool(self._renew(keys=[LEADER_KEY], args=[self.identity, ttl_ms]))
+        return self.lease.hold()
 
     def run(self, stop: threading.Event) -> None:
-        leading = False
-        while not stop.is_set():
-            began = self.clock()
-            try:
-                now_leading = self.lead()
-                if now_leading != leading:
-                    log.info("job feeder %s", "leading" if now_leading else "standing by")
-                    leading = now_leading
-                    self._pending.clear()
-                if leading:
-                    self.tick()
-            except Exception:
-                log.warning("job feeder tick failed", exc_info=True)
-            stop.wait(max(0.0, self.settings.feeder_interval_s - (self.clock() - began)))
+        run_leading("job feeder", self.lease, self.tick, self.settings.feeder_interval_s, stop, self.clock,
+                    on_change=lambda _: self._pending.clear())  # read-ahead lines may be stale by then
 
     def tick(self) -> dict[str, Any]:
         if self.clock() - self._stale_checked >= STALE_CHECK_S:

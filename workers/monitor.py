@@ -34,7 +34,6 @@ import logging
 import statistics
 import threading
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -44,6 +43,7 @@ from sqlalchemy import func, select
 
 from models import InferenceRequest, Priority, Status
 from models.session import Database
+from sluice.lease import Lease, run_leading
 from sluice.load import COUNTERS_PREFIX, ClassLoad, LoadLevel, class_name, counters_key, write_level
 from sluice.settings import Settings
 from web.health import warm_workers
@@ -69,12 +69,6 @@ RECOUNT_S = 30.0
 UP_THRESHOLDS = (0.25, 0.4, 0.55, 0.7, 0.85, 2.0)
 DOWN_FACTOR = 0.6
 HOLD_S = 10.0
-
-_RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) and 1 or 0
-"""
-
 
 @dataclass
 class LevelPolicy:
@@ -122,10 +116,9 @@ class Monitor:
         self.db = db
         self.clock = clock
         self.policy = policy or LevelPolicy()
-        self.identity = uuid.uuid4().hex
+        self.lease = Lease(client, LEADER_KEY, 3 * TICK_S)
         self._classes: dict[str, _ClassState] = {}
         self._steps: dict[str, tuple[float, int]] = {}  # worker → (t, engine steps)
-        self._renew = client.register_script(_RENEW)
         self._last_recount = float("-inf")
 
     # ------------------------------------------------------------------ one tick
@@ -252,7 +245,7 @@ class Monitor:
 
     def lead(self) -> bool:
         """Take or keep the lease; False while another monitor holds it."""
-        return bool(self._renew(keys=[LEADER_KEY], args=[self.identity, int(3 * TICK_S * 1000)]))
+        return self.lease.hold()
 
     def recount(self) -> None:
         """Set every class's queued counters to what Postgres says is queued."""
@@ -273,20 +266,12 @@ class Monitor:
             pipe.execute()
 
     def run(self, stop: threading.Event) -> None:
-        """Tick every second while leading; stand by otherwise. Survives Redis and Postgres outages."""
-        leading = False
-        while not stop.is_set():
-            began = self.clock()
-            try:
-                now_leading = self.lead()
-                if now_leading != leading:
-                    log.info("load monitor %s", "leading" if now_leading else "standing by")
-                    leading = now_leading
-                if leading:
-                    if began - self._last_recount >= RECOUNT_S:
-                        self.recount()
-                        self._last_recount = began
-                    self.tick()
-            except Exception:  # keep going: a stale snapshot only sends admission to its local rules
-                log.warning("load monitor tick failed", exc_info=True)
-            stop.wait(max(0.0, TICK_S - (self.clock() - began)))
+        """Tick every second while leading; stand by otherwise. Survives Redis and Postgres outages
+        (a stale snapshot only sends admission to its local rules)."""
+        run_leading("load monitor", self.lease, self._round, TICK_S, stop, self.clock)
+
+    def _round(self) -> None:
+        if self.clock() - self._last_recount >= RECOUNT_S:
+            self.recount()
+            self._last_recount = self.clock()
+        self.tick()

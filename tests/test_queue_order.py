@@ -104,5 +104,5 @@ def test_fewer_batch_requests_start_while_realtime_runs():
 
     settings = make_settings("postgresql://x@127.0.0.1/x", "redis://127.0.0.1:6379/0")
     shared = batch_slots(settings, 64, ["realtime.small", "batch.small"])
-    assert (shared.limit, shared.beside) == (48, 6)
+    assert (shared.limit, shared.beside) == (48, 24)
     assert batch_slots(settings, 64, ["batch.small"]).beside == 64  # a batch-only worker: no realtime to yield to

@@ -74,7 +74,7 @@ def batch_slots(settings: Settings, threads: int, queues: list[str],
     keep = max(1, threads // 4) if keep is None else keep
     limit = max(1, threads - keep)
     beside = settings.worker_batch_beside_realtime
-    return BatchSlots(limit, max(1, limit // 8) if beside is None else beside, realtime_busy)
+    return BatchSlots(limit, max(1, limit // 2) if beside is None else beside, realtime_busy)
 
 
 @dataclass
@@ -110,7 +110,8 @@ def start_runtime(app: Flask, hostname: str, queues: list[str], threads: int | N
     runtime = EngineRuntime(load_engine(settings, model), svc.redis, worker_id,
                             heartbeat_s=settings.worker_heartbeat_s,
                             dead_after_s=settings.worker_dead_after_s,
-                            cancel_poll_s=settings.cancel_poll_s, watchdog_s=settings.worker_watchdog_s, info=info)
+                            cancel_poll_s=settings.cancel_poll_s, watchdog_s=settings.worker_watchdog_s, info=info,
+                            batch_prefill_per_step=settings.worker_batch_prefill_per_step)
     runtime.start()
     WORKER.batch = batch_slots(settings, info["threads"], queues, lambda: runtime.realtime_in_flight() > 0)
     WORKER.runtime = runtime

@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 # How long past its time limit an aborted request's stream may take to end before we stop
 # waiting for the engine's final output.
 ABORT_GRACE_S = 10.0
+# How often a batch request waiting for prefill credit beside realtime looks again.
+PREFILL_WAIT_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ class EngineRuntime:
 
     def __init__(self, engine: Engine, redis_client: redis.Redis, worker_id: str, *,
                  heartbeat_s: float, dead_after_s: float, cancel_poll_s: float,
-                 watchdog_s: float = 30.0, info: dict | None = None) -> None:
+                 watchdog_s: float = 30.0, info: dict | None = None, batch_prefill_per_step: int | None = None) -> None:
         self.engine = engine
         self.worker_id = worker_id
         self._redis = redis_client
@@ -85,6 +87,10 @@ class EngineRuntime:
         self._threads: list[threading.Thread] = []
         self.cold_start_s: float | None = None
         self.seq_tps: float | None = None  # decode tokens per second one sequence gets, smoothed
+        # Batch prefill beside realtime: credit in prompt tokens, earned per engine step (None: no limit).
+        self._prefill_per_step = batch_prefill_per_step
+        self._prefill_credit = 0.0
+        self._credit_steps: int | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -140,6 +146,8 @@ class EngineRuntime:
             if request.priority > 0:
                 self._batch_in_flight.add(rid)
         try:
+            if request.priority > 0 and self._prefill_per_step:
+                self._await_prefill_credit(rid, request.prompt_tokens or 1)
             # The engine ends every stream by limit + ABORT_GRACE_S; past that the loop itself
             # is stuck and the watchdog is about to restart this worker.
             try:
@@ -159,6 +167,28 @@ class EngineRuntime:
                 self._batch_in_flight.discard(rid)
                 self._cancelled.discard(rid)
                 self._handed_back.discard(rid)
+
+    def _await_prefill_credit(self, rid: str, prompt_tokens: int) -> None:
+        """A batch request enters the engine while no realtime request runs here, or once the
+        engine has stepped enough since the last batch prefill: each step earns
+        ``batch_prefill_per_step`` tokens of credit (at most 64 steps' worth banked), and a prefill
+        spends its prompt's tokens (a long prompt runs the credit negative: the next waits longer).
+        A cancel or a stop ends the wait; the run then ends at once in the engine."""
+        burst = 64 * self._prefill_per_step
+        while True:
+            steps = self.engine.stats().steps
+            with self._lock:
+                if self._credit_steps is not None:
+                    self._prefill_credit = min(burst, self._prefill_credit
+                                               + (steps - self._credit_steps) * self._prefill_per_step)
+                self._credit_steps = steps
+                if (rid in self._cancelled or self._handing_back or self._prefill_credit > 0
+                        or len(self._in_flight) == len(self._batch_in_flight)):
+                    # A debt is bounded: a burst admitted while realtime was idle stalls batch work
+                    # beside the next realtime request for at most 64 steps.
+                    self._prefill_credit = max(-burst, self._prefill_credit - prompt_tokens)
+                    return
+            time.sleep(PREFILL_WAIT_S)
 
     def realtime_in_flight(self) -> int:
         """Requests of realtime priority this worker runs now (claimed, not finished)."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from models import Database, Status, tenant_for_key
+from models import Database, JobStatus, Status, tenant_for_key
 from sluice.keys import WORKER_PREFIX, redis_client
 from sluice.settings import Settings
 from workers.runtime import EngineRuntime
@@ -41,6 +41,7 @@ STOP_GRACE_S = 15.0
 # Past its stop grace a worker still aborts, requeues and closes its engine: allow for that.
 WORKER_STOP_MARGIN_S = 30.0
 TERMINAL = {s.value for s in Status if s.terminal}
+JOB_TERMINAL = {s.value for s in JobStatus if s.terminal}
 LOG_MARKER = "=== sluice up: starting"
 DEMO_BODY = {"prompt": "In one sentence: why put a job queue in front of GPUs?", "max_tokens": 64}
 
@@ -404,17 +405,13 @@ def _demo_job(platform: Platform, api: str, key: str) -> bool:
     say("Demo job: summarising three documents ...")
     body = "".join(json.dumps({"custom_id": f"demo-{i}", "text": text}) + "\n"
                    for i, text in enumerate(DEMO_DOCUMENTS, start=1)).encode()
-    request = urllib.request.Request(f"{api}/v1/jobs?summary_tokens=32", data=body, method="POST", headers={
-        "Authorization": f"Bearer {key}", "Content-Type": "application/jsonl"})
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            job = json.loads(response.read())
-    except (OSError, ValueError) as exc:
-        say(f"Demo job refused: {exc}")
+    status, job = _http(f"{api}/v1/jobs?summary_tokens=32", key, body, timeout_s=10.0,
+                        content_type="application/jsonl")
+    if status != 201:
+        say(f"Demo job refused: HTTP {status} {json.dumps(job.get('error', job))}")
         return False
     deadline = time.monotonic() + DEMO_TIMEOUT_S
-    while job.get("status") not in ("completed", "failed", "cancelled", "expired") \
-            and time.monotonic() < deadline and platform.stop_signal is None:
+    while job.get("status") not in JOB_TERMINAL and time.monotonic() < deadline and platform.stop_signal is None:
         platform.sleep(0.5)
         status, polled = _http(f"{api}/v1/jobs/{job['id']}", key)
         if status == 200:
@@ -428,10 +425,12 @@ def _demo_job(platform: Platform, api: str, key: str) -> bool:
     return ok
 
 
-def _http(url: str, key: str | None = None, body: dict | None = None, timeout_s: float = 5.0) -> tuple[int, dict]:
-    """(HTTP status, JSON body or {}) — status 0 when the server could not be reached."""
-    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"} if key else {}
-    data = json.dumps(body).encode() if body is not None else None
+def _http(url: str, key: str | None = None, body: dict | bytes | None = None, timeout_s: float = 5.0,
+          content_type: str = "application/json") -> tuple[int, dict]:
+    """(HTTP status, JSON body or {}) — status 0 when the server could not be reached. A dict
+    body is sent as JSON; bytes as they are, with ``content_type``."""
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": content_type} if key else {}
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
     request = urllib.request.Request(url, data=data, headers=headers, method="POST" if data else "GET")
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:

@@ -61,6 +61,12 @@ def _last_sweep(redis) -> dict | None:
     return {"age_s": round(time.time() - float(last["at"]), 1), "took_ms": int(last["took_ms"])}
 
 
+def live_workers(redis, heartbeat_s: float) -> list[dict]:
+    """Warm workers whose last heartbeat is recent: a silent one leaves capacity at once,
+    before its heartbeat key expires."""
+    return [w for w in warm_workers(redis) if w.get("heartbeat_age_s", 0) <= 2.5 * heartbeat_s]
+
+
 def warm_workers(redis) -> list[dict]:
     """Heartbeats of live workers. A worker writes one only after its engine warmed up."""
     keys = sorted(redis.scan_iter(match=WORKER_PREFIX + "*", count=200))

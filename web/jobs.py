@@ -234,7 +234,7 @@ class JobService:
 
     def get(self, tenant_id: uuid.UUID, job_id: str) -> dict[str, Any]:
         job = self.job(tenant_id, job_id)
-        return {**view(job, self._progress(job.id)), "feeder": self.feeder()}
+        return {**view(job, self._progress([job.id])[job.id]), "feeder": self.feeder()}
 
     def feeder(self) -> dict[str, Any]:
         """What the feeder last did: whether it runs, and why it pauses (degradation, a reservation)."""
@@ -254,28 +254,29 @@ class JobService:
             query = query.where(Job.created_at < anchor.created_at)
         with self.db.session() as session:
             jobs = session.scalars(query).all()
-        return [view(job, self._progress(job.id)) for job in jobs]
+        progress = self._progress([job.id for job in jobs])
+        return [view(job, progress[job.id]) for job in jobs]
 
-    def _progress(self, job_id: uuid.UUID) -> dict[str, Any]:
+    def _progress(self, job_ids: list[uuid.UUID]) -> dict[uuid.UUID, dict[str, Any]]:
+        """Counts per item status, tokens and the last minute's finishes of each job, in one query."""
         with self.db.session() as session:
             rows = session.execute(text("""
-                SELECT status, count(*), coalesce(sum(input_tokens), 0), coalesce(sum(output_tokens), 0),
+                SELECT job_id, status, count(*), coalesce(sum(input_tokens), 0), coalesce(sum(output_tokens), 0),
                        count(*) FILTER (WHERE finished_at > now() - interval '60 seconds'),
                        extract(epoch FROM now() - min(finished_at)
                                FILTER (WHERE finished_at > now() - interval '60 seconds'))
-                FROM job_items WHERE job_id = :job GROUP BY status"""), {"job": job_id}).all()
-        counts = {s.value: 0 for s in ItemStatus}
-        tokens_in = tokens_out = recent = 0
-        span = 0.0
-        for status, n, tin, tout, last_minute, since in rows:
-            counts[status] = n
-            tokens_in += int(tin)
-            tokens_out += int(tout)
+                FROM job_items WHERE job_id = ANY(:jobs) GROUP BY job_id, status"""), {"jobs": job_ids}).all()
+        progress = {job_id: {"counts": {s.value: 0 for s in ItemStatus}, "tokens": {"input": 0, "output": 0},
+                             "recent": 0, "span": 0.0} for job_id in job_ids}
+        for job_id, status, n, tokens_in, tokens_out, last_minute, since in rows:
+            one = progress[job_id]
+            one["counts"][status] = n
+            one["tokens"]["input"] += int(tokens_in)
+            one["tokens"]["output"] += int(tokens_out)
             if status in (ItemStatus.SUCCEEDED.value, ItemStatus.FAILED.value):  # computed, not called off
-                recent += last_minute
-                span = max(span, float(since or 0))
-        return {"counts": counts, "tokens": {"input": tokens_in, "output": tokens_out},
-                "recent": recent, "span": span}
+                one["recent"] += last_minute
+                one["span"] = max(one["span"], float(since or 0))
+        return progress
 
     def items(self, tenant_id: uuid.UUID, job_id: str, errors: bool) -> Iterator[bytes]:
         """JSONL of the job's finished items in input order (``errors``: invalid and failed lines),
@@ -316,14 +317,20 @@ class JobService:
             in_flight: list[uuid.UUID] = []
             if job.status != JobStatus.CANCELLING:
                 job.status, job.cancel_requested_at = JobStatus.CANCELLING, func.now()
-                session.execute(update(JobItem).where(JobItem.job_id == jid, JobItem.status == ItemStatus.PENDING)
-                                .values(status=ItemStatus.CANCELLED, finished_at=func.now(),
-                                        error_code="cancelled", error_message="The job was cancelled before it ran."))
-                in_flight = list(session.scalars(select(func.unnest(JobItem.requests)).where(
-                    JobItem.job_id == jid, JobItem.status == ItemStatus.RUNNING)))
+                in_flight = stop_items(session, jid, ItemStatus.CANCELLED, "cancelled",
+                                       "The job was cancelled before it ran.")
         cancel_requests(self.requests, tenant_id, in_flight)
         log.info("job cancel requested: %d requests in flight cancelled", len(in_flight))
         return self.get(tenant_id, job_id)
+
+
+def stop_items(session, job_id: uuid.UUID, status: ItemStatus, code: str, message: str) -> list[uuid.UUID]:
+    """End a stopping job's pending items as ``status``; the ids of the requests its running items
+    have in flight, for the caller to cancel once this commits (their items end as the feeder sees them)."""
+    session.execute(update(JobItem).where(JobItem.job_id == job_id, JobItem.status == ItemStatus.PENDING)
+                    .values(status=status, finished_at=func.now(), error_code=code, error_message=message))
+    return list(session.scalars(select(func.unnest(JobItem.requests)).where(
+        JobItem.job_id == job_id, JobItem.status == ItemStatus.RUNNING)))
 
 
 def cancel_requests(requests: RequestService, tenant_id: uuid.UUID, ids: list[uuid.UUID]) -> None:

@@ -28,8 +28,7 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
     tenant = authenticate(svc.db, svc.recent_keys)
     limit = svc.settings.job_max_bytes
     if request.content_length is not None and request.content_length > limit:
-        raise ApiError(f"The file is {request.content_length} bytes; a job takes at most {limit} "
-                       "(SLUICE_JOB_MAX_BYTES). Split it into several jobs.", code="file_too_large", status=413)
+        raise _too_large(f"The file is {request.content_length} bytes", limit)
     if request.mimetype not in JSONL_TYPES:
         raise ApiError(f"Send the file itself as the body with Content-Type: application/jsonl (one JSON object "
                        f"per line); got {request.mimetype or 'none'}.", code="unsupported_media_type", status=415)
@@ -38,9 +37,13 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
     try:
         job = svc.jobs.submit(tenant, params, request.stream)
     except TooLargeWhileReading as exc:
-        raise ApiError(f"The file is larger than {limit} bytes, the most a job takes (SLUICE_JOB_MAX_BYTES). "
-                       "Split it into several jobs.", code="file_too_large", status=413) from exc
+        raise _too_large(f"The file is larger than {limit} bytes", limit) from exc
     return jsonify(job), 201, {"Location": f"/v1/jobs/{job['id']}"}
+
+
+def _too_large(what: str, limit: int) -> ApiError:
+    return ApiError(f"{what}; a job takes at most {limit} (SLUICE_JOB_MAX_BYTES). Split it into several jobs.",
+                    code="file_too_large", status=413)
 
 
 @bp.get("/jobs")

@@ -41,13 +41,13 @@ from sqlalchemy import exists, func, select, text, update
 from models import InferenceRequest, Status, Tenant
 from models.job import LIVE_JOB, ItemStatus, Job, JobItem, JobStatus
 from models.reservation import active
-from sluice.keys import FEEDER_STATE_KEY, LOAD_LEVEL_KEY, PAUSED_KEY
+from sluice.keys import FEEDER_STATE_KEY, PAUSED_KEY
 from sluice.lease import Lease, run_leading
 from sluice.logs import current_request_id
 from sluice.tiers import effective_limits
 from web.errors import ApiError
-from web.health import warm_workers
-from web.jobs import STALE_UPLOAD_S, cancel_requests, chunk_budget
+from web.health import live_workers
+from web.jobs import STALE_UPLOAD_S, cancel_requests, chunk_budget, stop_items
 from web.services import Services
 from web.tokens import estimate_text_tokens
 
@@ -181,15 +181,9 @@ class Feeder:
 
     def _paused(self) -> str | None:
         """Why feeding stops now: the platform is degraded, or a peak reservation is in force."""
-        try:
-            raw = self.redis.hgetall(LOAD_LEVEL_KEY)
-            if raw and int(raw.get("level", 0)) > 0:
-                seconds, micros = self.redis.time()
-                age_s = (seconds * 1000 + micros // 1000 - int(raw.get("updated_at_ms", 0))) / 1000
-                if age_s <= self.settings.load_level_max_age_s:
-                    return f"degradation level {int(raw['level'])}"
-        except Exception:
-            return "Redis unreachable"
+        level, _ = self.svc.requests.ladder.reader.current()  # the level admission applies (a stale one: 0)
+        if level > 0:
+            return f"degradation level {int(level)}"
         read_at, in_force = self._reservations
         if self.clock() - read_at >= READ_RESERVATIONS_S:
             try:
@@ -204,11 +198,8 @@ class Feeder:
         """Requests the feeder may keep in flight per (model, priority): a bound per warm worker
         serving that model's queues of that priority (one paused for a reservation serves no batch)."""
         paused = set(self.redis.hkeys(PAUSED_KEY))
-        limit = 2.5 * self.settings.worker_heartbeat_s
         capacity: dict[tuple[str, str], int] = defaultdict(int)
-        for worker in warm_workers(self.redis):
-            if worker.get("heartbeat_age_s", 0) > limit:
-                continue
+        for worker in live_workers(self.redis, self.settings.worker_heartbeat_s):
             for priority in ("realtime", "batch"):
                 if priority == "batch" and worker.get("worker") in paused:
                     continue
@@ -281,9 +272,12 @@ class Feeder:
                           message="The job stopped before this item ran.")
             return
         with self.db.session() as session:
-            source = session.execute(select(JobItem.text, JobItem.body, JobItem.result).where(
+            source = session.execute(select(JobItem.text, JobItem.result).where(
                 JobItem.job_id == item.job_id, JobItem.line == item.line)).one()
-        bodies = self._stage_bodies(job, tenant, item, source)
+        # Rebuilt from what the item keeps: its document at depth 0, else the joined summaries the
+        # stage was planned from (``result`` holds them while the item runs).
+        text_ = source.text if item.depth == 0 else source.result
+        _, bodies = self._stage(job, tenant, item.line, item.custom_id, text_, item.body, item.depth)
         for rid, body in zip(item.requests, bodies, strict=False):
             if rid in missing:
                 outcome = self._submit(tenant, rid, body)
@@ -294,16 +288,15 @@ class Feeder:
                 if outcome == "retry":
                     return
 
-    def _stage_bodies(self, job: Job, tenant: Tenant, item: _Running, source) -> list[dict[str, Any]]:
-        """The request bodies of the item's current stage, rebuilt from what the item keeps: its
-        document at depth 0, else the joined summaries the stage was planned from (``result``
-        holds them while the item runs)."""
-        if item.body is not None:
-            return [self._openai_body(job, item.body)]
-        text_ = source.text if item.depth == 0 else (source.result or "")
-        _, prompts = self._plan(job, tenant, text_)
-        return [self._document_body(job, item.line, item.custom_id, p, item.depth, i, len(prompts))
-                for i, p in enumerate(prompts)]
+    def _stage(self, job: Job, tenant: Tenant, line: int, custom_id: str | None, text_: str | None,
+               body: dict[str, Any] | None, depth: int) -> tuple[bool, list[dict[str, Any]]]:
+        """(final, request bodies) of an item's stage: an OpenAI line's one request as it is, or the
+        summaries of ``text_`` (the document, or the joined summaries of the stage before)."""
+        if body is not None:
+            return True, [self._openai_body(job, body)]
+        final, prompts = self._plan(job, tenant, text_ or "")
+        return final, [self._document_body(job, line, custom_id, p, depth, i, len(prompts))
+                       for i, p in enumerate(prompts)]
 
     # ------------------------------------------------------------------ starting a stage
 
@@ -357,12 +350,7 @@ class Feeder:
         Returns (outcome, tokens reserved, requests made): outcome None when all were created,
         ``retry`` when admission paced them (they are created at a later tick), ``overloaded``
         when the platform refused, else the item failed."""
-        if body is not None:
-            final, bodies = True, [self._openai_body(job, body)]
-        else:
-            final, prompts = self._plan(job, tenant, text_ or "")
-            bodies = [self._document_body(job, line, custom_id, p, depth, i, len(prompts))
-                      for i, p in enumerate(prompts)]
+        final, bodies = self._stage(job, tenant, line, custom_id, text_, body, depth)
         ids = [uuid.uuid4() for _ in bodies]
         source_state = ItemStatus.PENDING if depth == 0 and not previous else ItemStatus.RUNNING
         values: dict[str, Any] = {"status": ItemStatus.RUNNING, "requests": ids, "depth": depth, "final": final,
@@ -540,11 +528,8 @@ class Feeder:
                 error_message="The completion window passed; unfinished items expired.")).rowcount
             if not done:
                 return
-            session.execute(update(JobItem).where(JobItem.job_id == job.id, JobItem.status == ItemStatus.PENDING)
-                            .values(status=ItemStatus.EXPIRED, finished_at=func.now(), error_code="expired",
-                                    error_message="The job's completion window passed before this item ran."))
-            in_flight = list(session.scalars(select(func.unnest(JobItem.requests)).where(
-                JobItem.job_id == job.id, JobItem.status == ItemStatus.RUNNING)))
+            in_flight = stop_items(session, job.id, ItemStatus.EXPIRED, "expired",
+                                   "The job's completion window passed before this item ran.")
         job.status = JobStatus.EXPIRED
         self._pending.pop(job.id, None)
         cancel_requests(self.svc.requests, job.tenant_id, in_flight)

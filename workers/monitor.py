@@ -46,7 +46,7 @@ from models.session import Database
 from sluice.lease import Lease, run_leading
 from sluice.load import COUNTERS_PREFIX, ClassLoad, LoadLevel, class_name, counters_key, write_level
 from sluice.settings import Settings
-from web.health import warm_workers
+from web.health import live_workers
 
 from .reservations import BatchPause
 
@@ -149,10 +149,7 @@ class Monitor:
         return loads
 
     def _live_workers(self) -> list[dict]:
-        """Warm workers whose last heartbeat is recent: a silent one leaves capacity at once,
-        before its heartbeat key expires."""
-        limit = 2.5 * self.settings.worker_heartbeat_s
-        return [w for w in warm_workers(self.redis) if w.get("heartbeat_age_s", 0) <= limit]
+        return live_workers(self.redis, self.settings.worker_heartbeat_s)
 
     def _sequence_speeds(self, workers: list[dict], now: float) -> dict[str, float]:
         """The speed one sequence gets, per model (median over its workers): each worker's own

@@ -430,4 +430,4 @@ def _parse_id(job_id: str) -> uuid.UUID:
     try:
         return uuid.UUID(job_id)
     except ValueError:
-        raise NotFound(f"No job {job_id}: job ids are UUIDs.") from None
+        raise NotFound("No such job: job ids are UUIDs.") from None  # not echoed: it may hold a NUL

@@ -215,6 +215,6 @@ def _parse_id(request_id: str) -> uuid.UUID:
     try:
         rid = uuid.UUID(request_id)
     except ValueError:
-        raise NotFound(f"No request {request_id}: request ids are UUIDs.") from None
+        raise NotFound("No such request: request ids are UUIDs.") from None  # not echoed: it may hold a NUL
     bind_request(str(rid))
     return rid

@@ -40,8 +40,15 @@ def beat_argv(settings: Settings) -> list[str]:
 
 
 def web_argv(settings: Settings) -> list[str]:
+    # gevent: a request held open by `Prefer: wait` or a token stream costs a greenlet (kilobytes)
+    # instead of a thread, so a thousand waiting clients fit in one process (README, Delivery).
+    # psycopg 3 and redis-py cooperate with its patched sockets; the CPU work of a submit
+    # (tokenizing) still runs one at a time per process, as under threads with the GIL.
+    concurrency = (["--worker-class", "gevent", "--worker-connections", str(settings.web_worker_connections)]
+                   if settings.web_worker_class == "gevent" else
+                   ["--worker-class", "gthread", "--threads", str(settings.web_threads)])
     return [sys.executable, "-m", "gunicorn", "--bind", f"{settings.web_host}:{settings.web_port}",
-            "--workers", str(settings.web_workers), "--threads", "8", "--timeout", "60",
+            "--workers", str(settings.web_workers), *concurrency, "--timeout", "60",
             "--access-logfile", "-", "web:create_app()"]
 
 

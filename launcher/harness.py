@@ -1,6 +1,6 @@
-"""Real Sluice processes for tests and benchmarks: a worker, beat, a scratch Redis database.
+"""Real Sluice processes for tests and benchmarks: a worker, the web tier, beat, a scratch Redis database.
 
-Each starts the process the way an operator would (`sluice worker`, `sluice beat`), in its own
+Each starts the process the way an operator would (`sluice worker`, `sluice web`, `sluice beat`), in its own
 process group, logging to a file, so it can be killed like a crashed node.
 """
 
@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -109,6 +111,47 @@ class WorkerProcess:
         if not self._log.closed:
             self._log.close()
             self.redis.close()
+
+
+class WebProcess:
+    """A real `sluice web` (gunicorn, the worker class the settings choose) on a free port;
+    construction returns once it answers /healthz."""
+
+    def __init__(self, env: dict[str, str], tmp: Path, ready_timeout: float = 60) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / f"web-{uuid.uuid4().hex[:6]}.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [*SLUICE, "web"], cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **env, "SLUICE_WEB_HOST": "127.0.0.1",
+                 "SLUICE_WEB_PORT": str(self.port), "SLUICE_WEB_WORKERS": env.get("SLUICE_WEB_WORKERS", "1")})
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"web exited early:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/healthz", timeout=2):
+                    return
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"web not answering after {ready_timeout}s") from None
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        if not self._log.closed:
+            self._log.close()
 
 
 class BeatProcess:

@@ -99,3 +99,9 @@ def bump_auth_epoch(client: redis.Redis) -> bool:
     except redis.RedisError:
         return False
     return True
+
+
+# Requests whose polling client declared `abandon_after_s`: member "<request id> <tenant id>",
+# score the epoch second by which the next poll must come (web/waits.py; the sweep cancels the
+# overdue).
+ABANDON_KEY = "sluice:abandon"

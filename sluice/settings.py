@@ -234,6 +234,26 @@ class Settings:
         "env": "SLUICE_ADMIN_KEY",
         "help": "Bearer key of the /admin API (at least 16 characters); unset: the admin API is off."})
 
+    # Delivery: waits, streams, abandonment
+    wait_max_s: float = _field(
+        "SLUICE_WAIT_MAX_S", 60.0,
+        "Longest `Prefer: wait=N` honoured; a larger N is clamped to this and says so in Preference-Applied.")
+    stream_idle_ping_s: float = _field(
+        "SLUICE_STREAM_IDLE_PING_S", 2.0,
+        "A stream with nothing new for this long sends an SSE comment: it keeps proxies from closing the "
+        "connection and finds a client that left while its request waits in the queue.")
+    stream_max_s: float = _field(
+        "SLUICE_STREAM_MAX_S", 3600.0,
+        "Longest a token stream stays open; past it the stream ends with the request's current state.")
+    web_worker_class: str = _field(
+        "SLUICE_WEB_WORKER_CLASS", "gevent",
+        "gunicorn worker class of `sluice web`: `gevent` (default: a wait or a stream costs a greenlet, "
+        "not a thread) or `gthread` (one thread per open connection; SLUICE_WEB_THREADS of them).")
+    web_worker_connections: int = _field(
+        "SLUICE_WEB_WORKER_CONNECTIONS", 2000,
+        "gevent worker class: connections one web process holds open at once (waits and streams included).")
+    web_threads: int = _field("SLUICE_WEB_THREADS", 8, "gthread worker class: threads per web process.")
+
     # Serving
     web_host: str = _field("SLUICE_WEB_HOST", "127.0.0.1", "`sluice up`: web bind address.")
     web_port: int = _field("SLUICE_WEB_PORT", 8000, "`sluice up`: web port.")
@@ -292,7 +312,8 @@ class Settings:
                     "shorter_output_tokens", "cache_max_entries", "cache_max_answer_bytes", "job_max_bytes",
                     "job_max_items", "job_max_line_bytes", "job_summary_tokens", "job_window_s",
                     "job_max_window_s", "job_inflight_per_worker", "feeder_interval_s",
-                    "worker_batch_prefill_per_step"]
+                    "worker_batch_prefill_per_step", "wait_max_s", "stream_idle_ping_s", "stream_max_s",
+                    "web_worker_connections", "web_threads"]
         for name in positive:
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise SettingsError(f"{_env(name)} must be > 0, got {getattr(self, name)!r}")
@@ -313,6 +334,8 @@ class Settings:
             raise SettingsError("SLUICE_WORKER_DEAD_AFTER_S must exceed twice SLUICE_WORKER_HEARTBEAT_S")
         if self.engine not in ("simulated", "vllm"):
             raise SettingsError(f"SLUICE_ENGINE must be simulated or vllm, got {self.engine!r}")
+        if self.web_worker_class not in ("gevent", "gthread"):
+            raise SettingsError(f"SLUICE_WEB_WORKER_CLASS must be gevent or gthread, got {self.web_worker_class!r}")
         if self.database_url and not self.database_url.startswith("postgresql"):
             raise SettingsError("DATABASE_URL must be a postgresql:// URL (Sluice runs on PostgreSQL only)")
         try:

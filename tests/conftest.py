@@ -10,6 +10,7 @@ shared by the whole session can keep running between tests.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -178,6 +179,19 @@ def app(database_url, redis_url):
     application = create_app(make_settings(database_url, redis_url))
     yield application
     services(application).db.dispose()
+
+
+def sse_events(chunks) -> list[tuple[str, dict]]:
+    """Parse a Server-Sent Events byte stream into (event, data) pairs, comments dropped."""
+    events, buffer = [], b""
+    for chunk in chunks:
+        buffer += chunk
+        while b"\n\n" in buffer:
+            block, buffer = buffer.split(b"\n\n", 1)
+            fields = dict(line.split(": ", 1) for line in block.decode().splitlines() if not line.startswith(":"))
+            if fields:
+                events.append((fields["event"], json.loads(fields["data"])))
+    return events
 
 
 class ApiClient:

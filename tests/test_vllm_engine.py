@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TERMINAL, WorkerProcess, make_settings
+from conftest import ROOT, TERMINAL, WorkerProcess, make_settings, sse_events
 
 from web.services import services
 
@@ -165,7 +165,37 @@ def test_realtime_overtakes_queued_batch_work(api, engine):
     views = {i: api.wait(i, timeout=180) for i in [*fill, *queued_batch, realtime]}
     assert {v["status"] for v in views.values()} == {"succeeded"}
     first_token = {i: v["timings"]["first_token_at"] for i, v in views.items()}
-    assert all(first_token[realtime] < first_token[i] for i in queued_batch), first_token
+    order = sorted([*(("filler", i) for i in fill), *(("queued batch", i) for i in queued_batch),
+                    ("realtime", realtime)], key=lambda named: first_token[named[1]])
+    assert all(first_token[realtime] < first_token[i] for i in queued_batch), "; ".join(
+        f"{name}: started {views[i]['timings']['started_at'][11:23]} first token {first_token[i][11:23]} "
+        f"finished {views[i]['timings']['finished_at'][11:23]}" for name, i in order)
+
+
+def test_a_stream_relays_vllm_tokens_and_leaving_it_aborts_the_request(api, engine):
+    response = api.http.post("/v1/requests", json={"prompt": "stream from vLLM", "max_tokens": 24, "temperature": 0,
+                                                   "ignore_eos": True, "stream": True},
+                             headers=api.headers, buffered=False)
+    events = sse_events(response.response)
+    response.close()
+    tokens = [data for name, data in events if name == "token"]
+    (done,) = [data for name, data in events if name == "done"]
+    assert [name for name, _ in events][:2] == ["accepted", "started"] and len(tokens) >= 2
+    assert [t["output_tokens"] for t in tokens] == sorted(t["output_tokens"] for t in tokens)
+    assert done["status"] == "succeeded" and done["usage"]["output_tokens"] == 24
+    assert "".join(t["text"] for t in tokens) == done["output"]["text"]
+    # A client that leaves mid-stream: vLLM aborts the sequence and frees its KV.
+    response = api.http.post("/v1/requests", json={"prompt": "nobody reads this", "max_tokens": 1900,
+                                                   "ignore_eos": True, "stream": True},
+                             headers=api.headers, buffered=False)
+    chunks, seen = iter(response.response), b""
+    while b"event: token" not in seen:
+        seen += next(chunks)
+    response.close()
+    view = api.wait(sse_events([seen])[0][1]["id"], timeout=60)
+    assert view["status"] == "cancelled" and view["usage"]["output_tokens"] < 1900
+    stats = engine.wait_stats(lambda s: s["kv_used_tokens"] == 0 and s["running"] == 0)
+    assert stats["kv_used_tokens"] == 0 and stats["running"] == 0
 
 
 def test_a_stopping_vllm_worker_hands_back_what_it_cannot_finish(database_url, redis_dbs, vllm_env, new_client,

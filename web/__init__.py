@@ -16,6 +16,7 @@ from sluice.broker import publisher as celery_publisher
 from sluice.keys import eviction_policy, redis_client
 from sluice.load import QueueCounters
 from sluice.logs import configure_logging, current_call_id, current_request_id
+from sluice.notify import MovePublisher, Waiters
 from sluice.queues import BrokerEpoch
 from sluice.settings import Settings
 from sluice.twins import Twins
@@ -75,6 +76,8 @@ def build_services(settings: Settings) -> Services:
     lifecycle.on_end(admission.release)
     # Every move changes its class's queue counters, which the load monitor and the promise read.
     lifecycle.on_move(QueueCounters(admission.redis, healthy=lambda: admission.redis_healthy))
+    # Starts and ends are announced, waking the clients that wait or stream (sluice/notify.py).
+    lifecycle.on_move(MovePublisher(admission.redis, healthy=lambda: admission.redis_healthy))
     # Web requests publish through a fail-fast app; workers and the sweep keep the patient one.
     publisher = celery_publisher(settings, fail_fast=True)
     planner = Planner(settings, TokenCounters(), admission.redis, lambda: admission.redis_healthy)
@@ -91,7 +94,7 @@ def build_services(settings: Settings) -> Services:
                     publisher=publisher, broker=celery_publisher(settings, fail_fast=False), admission=admission,
                     answers=answers, lifecycle=lifecycle, twins=twins, epoch=epoch, requests=requests,
                     jobs=JobService(settings, db, requests, admission.redis),
-                    recent_keys=RecentKeys(settings.auth_cache_s))
+                    recent_keys=RecentKeys(settings.auth_cache_s), waiters=Waiters(settings.redis_url))
 
 
 def _check_eviction_policy(client) -> None:

@@ -8,7 +8,7 @@ from flask import Blueprint, Response, jsonify, request, url_for
 
 from models import InferenceRequest
 
-from . import idempotency, ladder
+from . import idempotency, ladder, prefer, sse, waits
 from .auth import authenticate, bearer_key
 from .bodies import json_object, validated
 from .errors import ApiError
@@ -25,7 +25,7 @@ _view_schema = RequestViewSchema()
 
 
 @bp.post("/requests")
-def submit_request() -> tuple[Response, int, dict[str, str]]:
+def submit_request() -> Response | tuple[Response, int, dict[str, str]]:
     svc = services()
     # A key seen a moment ago may be refused by the global gate without asking Postgres (a
     # spike's commonest answer; web/auth.py); anything accepted is authenticated afresh below.
@@ -73,14 +73,39 @@ def submit_request() -> tuple[Response, int, dict[str, str]]:
     body = _accepted_schema.dump({"id": row.id, "status": row.status.value, "status_url": status_url,
                                   "priority": row.priority.value, "size_class": row.size_class.value,
                                   "estimated_wait_s": accepted.estimated_wait_s})
+    if row.params.get("stream"):
+        return sse.response(svc, row, body, headers)
+    waits.remember_poller(svc, row)
+    wait_s = _preferred_wait(headers)
+    if wait_s:
+        row = waits.until_ended(svc, tenant.id, row, wait_s)
+        if row.status.terminal:
+            return jsonify(_view_schema.dump(row)), 200, headers
     return jsonify(body), 202, headers
 
 
 @bp.get("/requests/<request_id>")
-def get_request(request_id: str) -> Response:
+def get_request(request_id: str) -> tuple[Response, int, dict[str, str]]:
     svc = services()
     tenant = authenticate(svc.db, svc.recent_keys)
-    return jsonify(_view_schema.dump(svc.requests.get(tenant.id, request_id)))
+    row = svc.requests.get(tenant.id, request_id)
+    waits.polled(svc, row)
+    headers: dict[str, str] = {}
+    wait_s = _preferred_wait(headers)
+    if wait_s:
+        row = waits.until_ended(svc, tenant.id, row, wait_s)
+    return jsonify(_view_schema.dump(row)), 200, headers
+
+
+def _preferred_wait(headers: dict[str, str]) -> int:
+    """Seconds this call may hold the connection (``Prefer: wait``, clamped to the maximum);
+    0 without that preference. What was applied goes into ``headers``."""
+    asked = prefer.wait_seconds(request.headers.getlist("Prefer"))
+    if asked is None:
+        return 0
+    wait_s = min(asked, int(services().settings.wait_max_s))
+    headers.update(prefer.applied(wait_s))
+    return wait_s
 
 
 @bp.post("/requests/<request_id>/cancel")

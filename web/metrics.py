@@ -17,6 +17,9 @@ REJECTIONS = Counter("sluice_admission_rejections_total", "Requests rejected at 
 IDEMPOTENT_REPLAYS = Counter("sluice_idempotent_replays_total",
                              "Submits answered with the request an earlier submit with the same key created.")
 CACHE_HITS = Counter("sluice_cache_hits_total", "Submits answered from the hot answer cache, no GPU used.")
+ABANDONED = Counter("sluice_requests_abandoned_total",
+                    "Requests cancelled because their client left: closed a wait or a stream, or stopped polling.",
+                    ["how"])
 LOCAL_FLOOR = Gauge("sluice_admission_local_floor", "1 while this process admits on its local floor (Redis away).")
 
 bp = Blueprint("metrics", __name__)

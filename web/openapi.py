@@ -51,6 +51,12 @@ def _exact_bounds(self, field: fields.Field, ret: dict[str, Any], **kwargs: Any)
 NO_NUL = "^[^\\u0000]*$"
 
 
+# One Server-Sent Event of a token stream (web/sse.py); `data` is JSON.
+SSE_EVENT = {"type": "object", "required": ["event", "data"],
+             "properties": {"event": {"enum": ["accepted", "started", "token", "requeued", "done"]},
+                            "data": {"type": "string", "contentMediaType": "application/json"}}}
+
+
 def _error(description: str) -> dict:
     return {"description": description, "content": {"application/json": {"schema": "Error"}}}
 
@@ -102,6 +108,11 @@ def _request_paths(spec: APISpec) -> None:
     limit_headers = {f"x-ratelimit-{kind}-{unit}": {"schema": {"type": "string"}}
                      for kind in ("limit", "remaining", "reset") for unit in ("tokens", "requests")}
     retry_headers = {**limit_headers, "Retry-After": {"schema": {"type": "integer"}}}
+    prefer = {"name": "Prefer", "in": "header", "required": False, "schema": {"type": "string"},
+              "description": "`wait=N` (RFC 7240): hold the connection up to N seconds (at most SLUICE_WAIT_MAX_S) "
+                             "for the request to end. Other or malformed preferences are ignored."}
+    applied = {"Preference-Applied": {"schema": {"type": "string"},
+                                      "description": "`wait=N`: the wait used (clamped to the maximum)."}}
     spec.path(path="/v1/requests", operations={"post": {
         "summary": "Submit a generation request",
         "description": "Priced in tokens (input + max_tokens) and admitted by three gates: global, "
@@ -110,9 +121,16 @@ def _request_paths(spec: APISpec) -> None:
         "parameters": [{"name": "Idempotency-Key", "in": "header", "required": False,
                         "schema": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[!-~]+$"},
                         "description": "A retry with the same key and body returns the original request "
-                                       "(Idempotent-Replayed: true); another body is 422."}],
+                                       "(Idempotent-Replayed: true); another body is 422."}, prefer],
         "requestBody": {"required": True, "content": {"application/json": {"schema": "SubmitRequest"}}},
-        "responses": {"202": {**_json("Accepted", "Accepted; poll status_url."), "headers": limit_headers},
+        "responses": {"200": {"description": "With `Prefer: wait`: the request ended within the wait (its view). "
+                                             "With `stream: true`: Server-Sent Events (accepted, started, token…, "
+                                             "done).",
+                              "content": {"application/json": {"schema": "RequestView"},
+                                          "text/event-stream": {"schema": SSE_EVENT}},
+                              "headers": {**limit_headers, **applied}},
+                      "202": {**_json("Accepted", "Accepted; poll status_url (or it did not end within the "
+                                                  "wait asked for)."), "headers": {**limit_headers, **applied}},
                       **auth_errors,
                       "400": _error("Body is not valid JSON."),
                       "413": _error("Body too large (body_too_large), or input + max_tokens over the context "
@@ -126,8 +144,9 @@ def _request_paths(spec: APISpec) -> None:
     }})
     spec.path(path="/v1/requests/{request_id}", operations={"get": {
         "summary": "Status, output, usage and timings of a request",
-        "security": [{"bearer": []}], "parameters": [id_param],
-        "responses": {"200": _json("RequestView", "The request."), **auth_errors,
+        "description": "`Prefer: wait=N` holds the answer until the request ends or N seconds pass.",
+        "security": [{"bearer": []}], "parameters": [id_param, prefer],
+        "responses": {"200": {**_json("RequestView", "The request."), "headers": applied}, **auth_errors,
                       "404": _error("No such request for this key.")},
     }})
     spec.path(path="/v1/requests/{request_id}/cancel", operations={"post": {

@@ -34,6 +34,9 @@ from .tokens import ChatTemplateError, TokenCounters
 log = logging.getLogger(__name__)
 
 SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "ignore_eos")
+# How the client takes the answer; kept with the sampling parameters (the worker streams when
+# `stream` is set; `detach` and `abandon_after_s` are read by the web tier, web/waits.py).
+DELIVERY_FIELDS = ("stream", "detach", "abandon_after_s")
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,9 @@ class Planner:
             request_id=uuid.uuid4(), tenant_id=tenant_id, priority=priority, size_class=size_class, queue=queue,
             model_requested=requested.name, model_routed=model.name if route_reason else None,
             route_reason=route_reason, input=request_input,
-            params={k: body[k] for k in SAMPLING_FIELDS if k in body}, meta=body.get("metadata", {}),
+            params={k: body[k] for k in SAMPLING_FIELDS if k in body} | {k: body[k] for k in DELIVERY_FIELDS
+                                                                       if body.get(k)},
+            meta=body.get("metadata", {}),
             conversation_id=conversation_id, max_tokens=max_tokens, time_limit_s=float(time_limit),
             input_tokens=input_tokens, deadline_s=body.get("deadline_s", default_deadline))
 

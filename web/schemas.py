@@ -92,6 +92,15 @@ class SubmitRequestSchema(Schema):
         validate=validate.Length(min=1, max=128),
         metadata={"description": "Turns sharing this id run on the worker that served the previous turn, "
                                  "reusing its prefix cache, while that worker is alive."})
+    stream = StrictBoolean(metadata={
+        "description": "Answer with Server-Sent Events (`text/event-stream`): `accepted`, `started` (with its "
+                       "queue wait), `token` events as the engine produces them, then `done` with the request's "
+                       "view. Leaving the stream cancels the request unless `detach` is true."})
+    detach = StrictBoolean(metadata={
+        "description": "Keep computing when the client leaves a wait or a stream (default: leaving cancels)."})
+    abandon_after_s = StrictFloat(validate=validate.Range(min=1, max=86400), metadata={
+        "description": "Polling clients: with no GET of this request for this many seconds, the client is "
+                       "taken to have left and the request is cancelled (unless it already ended)."})
 
     # What `_one_input` enforces, as /openapi.json states it.
     OPENAPI_ONE_OF = [{"required": ["prompt"]}, {"required": ["messages"]}]

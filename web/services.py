@@ -16,6 +16,7 @@ from flask import Flask, current_app
 from models import Database
 from models.lifecycle import Lifecycle
 from sluice.answers import AnswerCache
+from sluice.notify import Waiters
 from sluice.queues import BrokerEpoch
 from sluice.settings import Settings
 from sluice.twins import Twins
@@ -46,6 +47,8 @@ class Services:
     jobs: JobService
     # Keys that authenticated here a moment ago: only for refusing early (web/auth.py).
     recent_keys: RecentKeys
+    # This process's subscription to request moves: what wakes `Prefer: wait` and streams.
+    waiters: Waiters
 
 
 def services(app: Flask | None = None) -> Services:

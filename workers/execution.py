@@ -132,7 +132,8 @@ def generation_request(claimed: Claimed) -> GenerationRequest:
                               top_p=params.get("top_p", 1.0), seed=params.get("seed"),
                               stop=tuple(params.get("stop", ())), ignore_eos=params.get("ignore_eos", False)),
         priority=ENGINE_PRIORITY[claimed.priority], prompt_tokens=claimed.input_tokens,
-        messages=tuple(claimed.input["messages"]) if "messages" in claimed.input else None)
+        messages=tuple(claimed.input["messages"]) if "messages" in claimed.input else None,
+        stream=bool(params.get("stream")))
 
 
 def render_prompt(request_input: dict[str, Any]) -> str:

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 import redis
 
 from sluice.keys import cancel_key, node_key, worker_key
+from sluice.streams import TokenSink
 
 from .engines import Engine, GenerationOutput, GenerationRequest, SamplingParams
 from .engines.base import EngineDead
@@ -91,6 +92,7 @@ class EngineRuntime:
         self._prefill_per_step = batch_prefill_per_step
         self._prefill_credit = 0.0
         self._credit_steps: int | None = None
+        self._sink: TokenSink | None = None  # token increments of streaming requests, to Redis
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -160,6 +162,8 @@ class EngineRuntime:
                 # Aborted, but nobody cancelled it: the engine is shutting down.
                 result = RunResult(result.output, result.first_token_mono, "engine_abort")
             self._learn_speed(result)
+            if request.stream:
+                self._token_sink().end(rid, result.ended_by)
             return result
         finally:
             with self._lock:
@@ -189,6 +193,12 @@ class EngineRuntime:
                     self._prefill_credit = max(-burst, self._prefill_credit - prompt_tokens)
                     return
             time.sleep(PREFILL_WAIT_S)
+
+    def _token_sink(self) -> TokenSink:
+        with self._lock:
+            if self._sink is None:
+                self._sink = TokenSink(self._redis)
+            return self._sink
 
     def realtime_in_flight(self) -> int:
         """Requests of realtime priority this worker runs now (claimed, not finished)."""
@@ -240,6 +250,7 @@ class EngineRuntime:
         timer = asyncio.get_running_loop().call_later(time_limit_s, over_limit)
         last: GenerationOutput | None = None
         first_token_mono: float | None = None
+        sink, sent = (self._token_sink() if request.stream else None), 0  # chars of text streamed
         try:
             # Backstop for an engine that never ends an aborted stream. aclosing: leaving early
             # must close the engine's generator now (aborting the sequence), not at GC time.
@@ -250,6 +261,9 @@ class EngineRuntime:
                             first_token_mono = time.monotonic()
                             if out.first_token_time:  # the engine's own (wall-clock) stamp is earlier
                                 first_token_mono -= max(0.0, time.time() - out.first_token_time)
+                        if sink is not None and len(out.text) > sent:
+                            sink.push(rid, out.text[sent:], out.output_tokens)  # queued: never blocks
+                            sent = len(out.text)
                         last = out
         except TimeoutError:
             await self.engine.abort(rid)

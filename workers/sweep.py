@@ -21,7 +21,9 @@ on rows locked with SKIP LOCKED, so overlapping sweeps never act on one row twic
    without settling them take its answer or are un-parked and published.
 6. Cancel flags: `running` with a cancel request → make sure the flag is in Redis (it may
    have been lost with a Redis restart, or never written).
-7. Retention: prompts and outputs of requests finished more than SLUICE_RETENTION_DAYS ago
+7. Abandoned: a request whose polling client declared ``abandon_after_s`` and has not polled
+   for that long → cancelled (web/waits.py): nobody will read its answer.
+8. Retention: prompts and outputs of requests finished more than SLUICE_RETENTION_DAYS ago
    are deleted (``redacted_at`` stamped); the row's accounting stays.
 
 Then admission housekeeping: release the token reservation and concurrency slot of every request
@@ -60,6 +62,7 @@ from sluice.queues import (
 from sluice.settings import Settings
 from sluice.twins import Twins
 from web.services import Services
+from web.waits import abandon_idle_pollers
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +89,7 @@ def sweep(svc: Services) -> dict[str, int]:
         "rerouted": _reroute_direct(db, redis_client, publish, settings),
         "expired": svc.lifecycle.expire_late(),
         "cancel_flags": _reraise_cancel_flags(db, redis_client),
+        "abandoned": abandon_idle_pollers(svc),
         "redacted": _redact_old(db, settings),
         "jobs_redacted": _redact_old_jobs(db, settings),
         # Last, so requests the steps above just ended are released in this same run.

@@ -53,6 +53,9 @@ class GenerationRequest:
     # Chat requests carry their messages too: an engine with a chat template renders them
     # itself; others use `prompt`, a plain flattening of the same messages.
     messages: tuple[dict[str, str], ...] | None = None
+    # A client reads its tokens as they come: the engine yields an output (cumulative text) per
+    # token instead of only the first and the last.
+    stream: bool = False
 
     def __repr__(self) -> str:  # never put prompt text in logs or reprs
         return (f"GenerationRequest(request_id={self.request_id!r}, prompt=<{len(self.prompt)} chars>, "

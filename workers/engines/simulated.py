@@ -155,7 +155,8 @@ class SimulatedEngine(Engine):
                      self.config.model_name, self._num_blocks * self.config.block_size)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
-        """Yield the first-token output, every ``stream_every`` tokens, and the final output.
+        """Yield the first-token output, every ``stream_every`` tokens (every token for a
+        streaming request), and the final output.
 
         Raises ValueError (on first iteration) for a duplicate in-flight id, ``max_tokens < 1``, or a request that
         could not fit in the KV cache even alone. If the consumer stops iterating (close,
@@ -331,8 +332,8 @@ class SimulatedEngine(Engine):
             self._finish(seq, "stop")
         elif seq.num_output >= seq.request.params.max_tokens:
             self._finish(seq, "length")
-        elif seq.num_output == 1 or (self.config.stream_every
-                                     and seq.num_output % self.config.stream_every == 0):
+        elif seq.num_output == 1 or seq.request.stream or (self.config.stream_every
+                                                           and seq.num_output % self.config.stream_every == 0):
             self._emit(seq, None)
 
     def _finish(self, seq: _Seq, reason: str) -> None:

@@ -126,17 +126,20 @@ class VllmEngine(Engine):
                                         seed=p.seed, stop=list(p.stop), ignore_eos=p.ignore_eos,
                                         # Stop strings need text every step; without them the
                                         # text is decoded once at the end (less frontend CPU).
-                                        detokenize=bool(p.stop),
+                                        detokenize=bool(p.stop) or request.stream,
                                         # One output per request, not one per step: the caller
-                                        # needs only the result and the first-token time.
-                                        output_kind=RequestOutputKind.FINAL_ONLY)
+                                        # needs only the result and the first-token time; a
+                                        # streaming client needs the text after every step.
+                                        output_kind=(RequestOutputKind.CUMULATIVE if request.stream
+                                                     else RequestOutputKind.FINAL_ONLY))
             prompt = await self._prompt(request)
             (engine_input,) = await llm.renderer.render_cmpl_async([parse_model_prompt(llm.model_config, prompt)])
             try:
                 stream = llm.generate(engine_input, params, request_id=rid, priority=request.priority)
                 async for out in stream:
                     completion = out.outputs[0]
-                    text = completion.text if p.stop else await self._decode(completion.token_ids)
+                    text = (completion.text if p.stop or request.stream
+                            else await self._decode(completion.token_ids))
                     yield GenerationOutput(
                         request_id=rid, text=text, prompt_tokens=len(out.prompt_token_ids or ()),
                         output_tokens=len(completion.token_ids), finished=out.finished,

@@ -1,0 +1,112 @@
+"""Token streaming over Server-Sent Events (``"stream": true`` on a submit).
+
+Events, in order: ``accepted`` (the id and status link, at once), ``started`` (when a worker
+claims it, with its queue wait), ``token`` (each text increment the engine produced, with the
+output token count so far), then ``done`` with the request's full view (usage, timings, the
+whole output). ``requeued`` says the request is starting over on another worker (its worker
+stopped or died): discard the text received so far. Comments (``: ping``) keep an idle
+connection open and find out whether the client is still there.
+
+The worker writes increments to a Redis stream (``sluice/streams.py``); this reads them, so
+the engine never waits for a slow client. Whatever the increments missed (a cache hit, an
+identical request computed once for both, a Redis hiccup) is sent as one last ``token``
+before ``done``, from the row. A client that leaves before ``done`` has abandoned its request:
+it is cancelled unless it detached (``web/waits.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from flask import Response, stream_with_context
+
+from models import InferenceRequest
+from models.request import Status
+from sluice import streams
+
+from .schemas import RequestViewSchema, worker_tag
+from .services import Services
+from .waits import abandon, client_gone
+
+log = logging.getLogger(__name__)
+READ_BLOCK_MS = 500  # one wait for increments; between waits the connection and the row are checked
+END_GRACE_S = 3.0  # after the row ended, how long the last increments may take to arrive
+_view = RequestViewSchema()
+
+
+def response(svc: Services, row: InferenceRequest, accepted: dict[str, Any], headers: dict[str, str]) -> Response:
+    headers = {**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return Response(stream_with_context(_events(svc, row, accepted)), 200, headers,
+                    mimetype="text/event-stream")
+
+
+def _event(name: str, data: dict[str, Any]) -> str:
+    return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'), default=str)}\n\n"
+
+
+def _events(svc: Services, row: InferenceRequest, accepted: dict[str, Any]) -> Iterator[str]:
+    settings = svc.settings
+    rid, source = str(row.id), str(row.follows_id or row.id)  # a twin reads its leader's tokens
+    began = last_sent = time.monotonic()
+    streamed, count, cursor = "", 0, "0"
+    started = finished = False
+    ended_at: float | None = None
+    yield _event("accepted", accepted)
+    try:
+        with svc.waiters.watch(rid) as watch:
+            row = svc.requests.get(row.tenant_id, rid)
+            while time.monotonic() - began < settings.stream_max_s:
+                if not started and row.started_at is not None:
+                    started = True
+                    yield _event("started", {"queue_wait_s": row.queue_wait_s, "worker": worker_tag(row.worker)})
+                if row.status.terminal:
+                    ended_at = ended_at or time.monotonic()
+                    if finished or row.started_at is None or time.monotonic() - ended_at > END_GRACE_S:
+                        break
+                if row.status == Status.QUEUED:
+                    moved = svc.waiters.wait(watch, min(settings.stream_idle_ping_s, 1.0))
+                else:
+                    for entry_id, fields in _read(svc, source, cursor):
+                        cursor = entry_id
+                        if "end" in fields:
+                            finished = fields["end"] != "shutdown"
+                            if not finished:
+                                streamed, count = "", 0
+                                yield _event("requeued", {"reason": "its worker stopped; it starts over"})
+                            continue
+                        if int(fields["n"]) < count:  # a second run after a lost worker
+                            streamed = ""
+                            yield _event("requeued", {"reason": "its worker was lost; it starts over"})
+                        streamed, count = streamed + fields["t"], int(fields["n"])
+                        last_sent = time.monotonic()
+                        yield _event("token", {"text": fields["t"], "output_tokens": count})
+                    moved = svc.waiters.wait(watch, 0)
+                if client_gone():
+                    abandon(svc, row, "stream")
+                    return
+                if moved:
+                    row = svc.requests.get(row.tenant_id, rid)
+                if time.monotonic() - last_sent >= settings.stream_idle_ping_s:
+                    last_sent = time.monotonic()
+                    yield ": ping\n\n"
+            row = svc.requests.get(row.tenant_id, rid)
+        text = row.output_text or ""
+        if text.startswith(streamed) and len(text) > len(streamed):
+            yield _event("token", {"text": text[len(streamed):], "output_tokens": row.output_tokens or 0})
+        yield _event("done", _view.dump(row))
+    except GeneratorExit:  # the client closed the stream before `done`
+        abandon(svc, row, "stream")
+        raise
+
+
+def _read(svc: Services, request_id: str, cursor: str) -> list[tuple[str, dict[str, str]]]:
+    try:
+        return streams.read(svc.redis, request_id, cursor, READ_BLOCK_MS)
+    except Exception:  # Redis away: no increments; the row's final text still comes with `done`
+        log.warning("token stream unreadable; the text will come with the final event", exc_info=True)
+        time.sleep(READ_BLOCK_MS / 1000)
+        return []

@@ -74,7 +74,7 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from overload import interrupt, say, start  # noqa: E402
+from overload import interrupt, listening_pids, rss_bytes, say, start  # noqa: E402
 from users import TERMINAL, Attempt, Http, SluiceFront, question_prompt  # noqa: E402
 
 from sluice.settings import Settings  # noqa: E402
@@ -173,35 +173,13 @@ class Meters:
         return out
 
     def web_rss(self) -> int:
-        """Bytes resident, summed over the gunicorn master and workers of this run (gunicorn
-        retitles its processes, so they are found as the holders of the listening socket)."""
+        """Bytes resident, summed over the gunicorn master and workers of this run."""
         if time.monotonic() - self._found_at > 10:
-            self._web_pids, self._found_at = self._listeners(), time.monotonic()
-        total = 0
-        for pid in self._web_pids:
-            try:
-                status = Path(f"/proc/{pid}/status").read_text()
-            except OSError:
-                self._found_at = float("-inf")  # one exited (a worker restarted): look again next time
-                continue
-            total += next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:"))
+            self._web_pids, self._found_at = listening_pids(int(self.port)), time.monotonic()
+        total, gone = rss_bytes(self._web_pids)
+        if gone:
+            self._found_at = float("-inf")  # one exited (a worker restarted): look again next time
         return total
-
-    def _listeners(self) -> list[int]:
-        port = f"{int(self.port):04X}"
-        inodes = set()
-        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-            with contextlib.suppress(OSError):
-                for row in Path(table).read_text().splitlines()[1:]:
-                    fields = row.split()
-                    if fields[1].endswith(":" + port) and fields[3] == "0A":  # 0A: LISTEN
-                        inodes.add(f"socket:[{fields[9]}]")
-        pids = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            with contextlib.suppress(OSError):
-                if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd")):
-                    pids.append(int(pid))
-        return pids
 
     def peak(self, phase: str, name: str) -> int | None:
         return max((s[name] for s in self.samples if s["phase"] == phase and name in s), default=None)

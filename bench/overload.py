@@ -237,6 +237,38 @@ def flush_redis(url: str) -> None:
     client.close()
 
 
+def listening_pids(port: int) -> list[int]:
+    """Processes holding the listening socket of ``port``: a gunicorn master and its workers
+    (gunicorn retitles its processes, so they are found by the socket they share)."""
+    hex_port = f"{port:04X}"
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for row in Path(table).read_text().splitlines()[1:]:
+                fields = row.split()
+                if fields[1].endswith(":" + hex_port) and fields[3] == "0A":  # 0A: LISTEN
+                    inodes.add(f"socket:[{fields[9]}]")
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd")):
+                pids.append(int(pid))
+    return pids
+
+
+def rss_bytes(pids: list[int]) -> tuple[int, bool]:
+    """Resident bytes summed over ``pids``, and whether any of them has exited."""
+    total, gone = 0, False
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            gone = True
+            continue
+        total += next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:"))
+    return total, gone
+
+
 # ------------------------------------------------------------------------ the load
 
 

@@ -6,7 +6,7 @@ import socket
 import sys
 from pathlib import Path
 
-from sluice.queues import queues_for_role
+from sluice.queues import WEBHOOKS_QUEUE, WEBHOOKS_ROLE, queues_for_role
 from sluice.settings import Settings
 
 
@@ -29,6 +29,15 @@ def worker_argv(settings: Settings, role: str, concurrency: int | None = None, n
             sys.executable, "-m", "celery", "-A", "workers.entry", "worker",
             "--pool", "threads", "--concurrency", str(concurrency or settings.worker_threads),
             "--queues", ",".join(queues), "--hostname", node,
+            "--loglevel", settings.log_level, "--without-mingle", "--without-gossip"]
+
+
+def webhooks_worker_argv(settings: Settings, concurrency: int | None = None, name: str | None = None) -> list[str]:
+    """argv of a webhooks worker: a thread pool sending deliveries from the webhooks queue only,
+    with no engine (workers/entry.py skips it for this role), so receivers never hold a GPU."""
+    return ["env", f"SLUICE_WORKER_ROLE={WEBHOOKS_ROLE}", sys.executable, "-m", "celery", "-A", "workers.entry",
+            "worker", "--pool", "threads", "--concurrency", str(concurrency or settings.webhook_concurrency),
+            "--queues", WEBHOOKS_QUEUE, "--hostname", name or f"{WEBHOOKS_ROLE}@{socket.gethostname()}",
             "--loglevel", settings.log_level, "--without-mingle", "--without-gossip"]
 
 

@@ -11,7 +11,7 @@ import click
 
 from sluice.settings import Settings
 
-from .argv import beat_argv, flower_argv, flower_env, flower_exposed, web_argv, worker_argv
+from .argv import beat_argv, flower_argv, flower_env, flower_exposed, web_argv, webhooks_worker_argv, worker_argv
 from .database import upgrade_database
 from .jobs_cli import jobs
 from .keys_cli import keys
@@ -19,6 +19,7 @@ from .options import load_settings, service_settings
 from .reserve_cli import reserve
 from .supervisor import run_platform
 from .tenants_cli import tenants
+from .webhooks_cli import webhooks
 
 
 def _exec(argv: list[str]) -> None:
@@ -36,6 +37,7 @@ main.add_command(tenants)
 main.add_command(keys)
 main.add_command(reserve)
 main.add_command(jobs)
+main.add_command(webhooks)
 
 
 @main.command()
@@ -67,15 +69,17 @@ def migrate() -> None:
 
 
 @main.command()
-@click.option("--role", type=click.Choice(["realtime", "batch", "large", "all"]), default="all",
-              show_default=True, help="Fixes the queues this worker consumes.")
+@click.option("--role", type=click.Choice(["realtime", "batch", "large", "all", "webhooks"]), default="all",
+              show_default=True, help="Fixes the queues this worker consumes; webhooks: sends webhook deliveries, "
+              "with no engine.")
 @click.option("--model", default=None, help="Registry name of the model to serve (default: the main model).")
 @click.option("--gpus", default=None, help="Devices this worker owns, e.g. 0 or 0,1 (sets CUDA_VISIBLE_DEVICES).")
 @click.option("--concurrency", type=int, default=None,
               help="Requests in flight (default: SLUICE_WORKER_CONCURRENCY, else the engine batch size).")
 @click.option("--name", default=None, help="Node name (default ROLE@HOST); also names its direct queue.")
 def worker(role: str, model: str | None, gpus: str | None, concurrency: int | None, name: str | None) -> None:
-    """Run one GPU worker: one engine, many requests in flight feeding it."""
+    """Run one GPU worker: one engine, many requests in flight feeding it (--role webhooks: a webhook
+    sender instead, with no engine)."""
     settings = service_settings()
     if gpus is not None:
         # Before anything can touch CUDA: the engine is imported only after exec.
@@ -83,7 +87,8 @@ def worker(role: str, model: str | None, gpus: str | None, concurrency: int | No
         # Several devices for one worker means one model split across them.
         os.environ.setdefault("SLUICE_VLLM_TENSOR_PARALLEL_SIZE", str(len([g for g in gpus.split(",") if g.strip()])))
     try:
-        argv = worker_argv(settings, role, concurrency, name, model)
+        argv = webhooks_worker_argv(settings, concurrency, name) if role == "webhooks" else \
+            worker_argv(settings, role, concurrency, name, model)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     _exec(argv)

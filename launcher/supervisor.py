@@ -2,10 +2,10 @@
 
 Contract of :func:`run_platform`: Postgres and Redis come from ``DATABASE_URL`` / ``REDIS_URL``
 or are started embedded under the data directory; the schema is migrated; a demo API key is kept
-in ``<data_dir>/demo-key``; web, worker, beat, the load monitor and (optionally) Flower run as
-child processes, each in its own process group, logging to ``<data_dir>/logs/<name>.log``. Once
-every piece answers, one demo request goes through the real path. On return nothing this call
-started is still running.
+in ``<data_dir>/demo-key``; web, worker, webhooks (the webhook sender), beat, the load monitor and
+(optionally) Flower run as child processes, each in its own process group, logging to
+``<data_dir>/logs/<name>.log``. Once every piece answers, one demo request goes through the real
+path. On return nothing this call started is still running.
 """
 
 from __future__ import annotations
@@ -31,7 +31,16 @@ from sluice.settings import Settings
 from workers.runtime import EngineRuntime
 
 from . import embedded
-from .argv import beat_argv, flower_argv, flower_env, flower_exposed, monitor_argv, web_argv, worker_argv
+from .argv import (
+    beat_argv,
+    flower_argv,
+    flower_env,
+    flower_exposed,
+    monitor_argv,
+    web_argv,
+    webhooks_worker_argv,
+    worker_argv,
+)
 from .database import create_key, upgrade_database
 
 # A vLLM worker loads and warms a real model before its first heartbeat; that can take minutes.
@@ -124,7 +133,8 @@ class Platform:
         """SIGTERM every child group (web first) and wait: the worker as long as its requests may
         take to finish (``worker_grace_s``; a second Ctrl-C makes it requeue them at once), the
         others STOP_GRACE_S. SIGKILL what is left, then stop the servers."""
-        order = sorted(self.children, key=lambda c: ["web", "flower", "monitor", "beat", "worker"].index(c.name))
+        order = sorted(self.children,
+                       key=lambda c: ["web", "flower", "monitor", "beat", "webhooks", "worker"].index(c.name))
         if order:
             say(f"stopping {', '.join(c.name for c in order)} ...")
         for child in order:
@@ -191,6 +201,7 @@ def run_platform(settings: Settings, role: str = "all", flower: bool = True, smo
         known_workers = _worker_ids(settings.redis_url)
         platform.spawn("web", web_argv(settings), env)
         platform.spawn("worker", worker_argv(settings, role), env)
+        platform.spawn("webhooks", webhooks_worker_argv(settings), env)
         platform.spawn("beat", beat_argv(settings), env)
         platform.spawn("monitor", monitor_argv(settings), env)
         if flower:

@@ -1,6 +1,7 @@
 """SQLAlchemy models and the session factory."""
 
 from .base import Base, utcnow
+from .delivery import Delivery, DeliveryStatus
 from .idempotency import IdempotencyKey
 from .job import ItemStatus, Job, JobItem, JobStatus
 from .request import InferenceRequest, Priority, SizeClass, Status
@@ -8,6 +9,6 @@ from .reservation import Reservation
 from .session import Database
 from .tenant import ApiKey, Tenant, hash_key, new_key, tenant_for_key
 
-__all__ = ["ApiKey", "Base", "Database", "IdempotencyKey", "InferenceRequest", "ItemStatus", "Job", "JobItem",
-           "JobStatus", "Priority", "Reservation", "SizeClass", "Status", "Tenant", "hash_key", "new_key",
-           "tenant_for_key", "utcnow"]
+__all__ = ["ApiKey", "Base", "Database", "Delivery", "DeliveryStatus", "IdempotencyKey", "InferenceRequest",
+           "ItemStatus", "Job", "JobItem", "JobStatus", "Priority", "Reservation", "SizeClass", "Status", "Tenant",
+           "hash_key", "new_key", "tenant_for_key", "utcnow"]

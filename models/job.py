@@ -81,6 +81,9 @@ class Job(Base):
     summary_tokens: Mapped[int]
     completion_window_s: Mapped[int]
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSONB, default=dict)
+    # Where its events are POSTed (the sweep sends them, workers/webhooks.py): started, progress, completed.
+    webhook_url: Mapped[str | None] = mapped_column(Text)
+    webhook_events: Mapped[list[str] | None] = mapped_column(ARRAY(String(16)))
 
     total_items: Mapped[int] = mapped_column(default=0)  # valid lines
     invalid_lines: Mapped[int] = mapped_column(default=0)

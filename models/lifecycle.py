@@ -105,6 +105,7 @@ class Moved:
     started_at: datetime | None
     follows: uuid.UUID | None = None  # a parked twin: off every queue, its leader's id
     deadline_s: float | None = None  # from its creation to its deadline
+    webhook: bool = False  # it has a webhook URL: the webhook hook reads the row, every other row costs nothing
 
 
 Ended = Moved  # what on_end hooks receive: a Moved whose status is terminal
@@ -144,7 +145,8 @@ class Requeued(NamedTuple):
 _t = InferenceRequest
 _MOVED_COLUMNS = (_t.id, _t.tenant_id, _t.status, _t.error_code, _t.priority, func.coalesce(_t.model_routed,
                   _t.model_requested), _t.reserved_tokens, _t.input_tokens, _t.output_tokens, _t.started_at,
-                  _t.follows_id, cast(func.extract("epoch", _t.deadline_at - _t.created_at), Float))
+                  _t.follows_id, cast(func.extract("epoch", _t.deadline_at - _t.created_at), Float),
+                  _t.webhook_url.is_not(None))
 
 
 def _moved(source: Status | None, row: Any) -> Moved:
@@ -152,7 +154,8 @@ def _moved(source: Status | None, row: Any) -> Moved:
     if isinstance(row, InferenceRequest):
         deadline = (row.deadline_at - row.created_at).total_seconds() if row.deadline_at and row.created_at else None
         row = (row.id, row.tenant_id, row.status, row.error_code, row.priority, row.target_model,
-               row.reserved_tokens, row.input_tokens, row.output_tokens, row.started_at, row.follows_id, deadline)
+               row.reserved_tokens, row.input_tokens, row.output_tokens, row.started_at, row.follows_id, deadline,
+               row.webhook_url is not None)
     return Moved(row[0], row[1], source, *row[2:])
 
 

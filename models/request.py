@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Enum, ForeignKey, Index, String, Text, func, text
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
 from .base import Base
@@ -86,6 +86,9 @@ class InferenceRequest(Base):
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSONB, default=dict)
     # Turns of one conversation go to the worker that served the last one (prefix cache reuse).
     conversation_id: Mapped[str | None] = mapped_column(String(128))
+    # Where its lifecycle events are POSTed (web/webhooks.py), and which: started, completed.
+    webhook_url: Mapped[str | None] = mapped_column(Text)
+    webhook_events: Mapped[list[str] | None] = mapped_column(ARRAY(String(16)))
 
     # Resource quota granted at admission.
     max_tokens: Mapped[int]

@@ -35,6 +35,11 @@ class Tenant(Base):
     # Its share of batch capacity for bulk jobs, against the other tenants with jobs running
     # (counted in tokens, workers/feeder.py): 2 gets twice what 1 gets.
     batch_weight: Mapped[float] = mapped_column(default=1.0, server_default="1")
+    # Signs its webhooks (Standard Webhooks, ``whsec_…``); shown once, when made. After a rotation
+    # the previous secret signs too, until previous_until, so receivers can switch without a gap.
+    webhook_secret: Mapped[str | None] = mapped_column(String(64))
+    webhook_previous_secret: Mapped[str | None] = mapped_column(String(64))
+    webhook_previous_until: Mapped[datetime | None]
 
     keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant")
 

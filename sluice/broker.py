@@ -11,7 +11,7 @@ from datetime import timedelta
 from celery import Celery
 from kombu import Queue
 
-from .queues import ALL_REQUEST_QUEUES, MAINTENANCE_QUEUE, SWEEP_TASK
+from .queues import ALL_REQUEST_QUEUES, MAINTENANCE_QUEUE, SWEEP_TASK, WEBHOOKS_QUEUE
 from .settings import Settings
 
 
@@ -37,7 +37,8 @@ def celery_config(settings: Settings) -> dict:
         "task_reject_on_worker_lost": True,
         # Each thread takes one message at a time: a worker never hoards work it cannot start.
         "worker_prefetch_multiplier": 1,
-        "task_queues": [Queue(name, routing_key=name) for name in (*ALL_REQUEST_QUEUES, MAINTENANCE_QUEUE)],
+        "task_queues": [Queue(name, routing_key=name)
+                        for name in (*ALL_REQUEST_QUEUES, MAINTENANCE_QUEUE, WEBHOOKS_QUEUE)],
         "task_default_queue": MAINTENANCE_QUEUE,
         # Flower shows tasks from these events.
         "worker_send_task_events": True,
@@ -50,7 +51,7 @@ def celery_config(settings: Settings) -> dict:
                 "options": {"queue": MAINTENANCE_QUEUE, "expires": settings.sweep_interval_s},
             },
         },
-        "include": ["workers.tasks"],
+        "include": ["workers.tasks", "workers.webhooks"],
     }
 
 

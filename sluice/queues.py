@@ -24,6 +24,11 @@ from models.lifecycle import Lifecycle
 RUN_TASK = "sluice.run_request"
 SWEEP_TASK = "sluice.sweep"
 MAINTENANCE_QUEUE = "maintenance"
+# Webhook deliveries: their own queue and workers (`sluice worker --role webhooks`, no engine), so
+# a slow or dead receiver never holds a GPU worker's thread.
+DELIVER_TASK = "sluice.deliver_webhook"
+WEBHOOKS_QUEUE = "webhooks"
+WEBHOOKS_ROLE = "webhooks"
 
 
 DIRECT_PREFIX = "direct."

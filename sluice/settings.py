@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .registry import Registry, RegistryError, parse_registry
+from .ssrf import AllowList
 from .tiers import Limits, TierError, parse_tiers
 
 # The degradation ladder's steps that exist, by the level (sluice/load.py) that turns each on.
@@ -182,6 +183,31 @@ class Settings:
     feeder_interval_s: float = _field(
         "SLUICE_FEEDER_INTERVAL_S", 0.5, "How often the bulk job feeder looks for finished items and free capacity.")
 
+    # Webhooks (web/webhooks.py, workers/webhooks.py)
+    webhook_allow: str | None = _field(
+        "SLUICE_WEBHOOK_ALLOW", None,
+        "Webhook receivers allowed inside the deployment, comma-separated host names and addresses or CIDRs "
+        "(10.2.0.0/16): these may be private or loopback and use plain http. Unset: public https receivers only.")
+    webhook_timeout_s: float = _field(
+        "SLUICE_WEBHOOK_TIMEOUT_S", 5.0, "Timeout of each webhook attempt's connect, send and answer (each hop).")
+    webhook_retry_for_s: float = _field(
+        "SLUICE_WEBHOOK_RETRY_FOR_S", 86400.0,
+        "A webhook not answered with a 2xx is retried with backoff for this long after its event (or its "
+        "redelivery); then it is failed.")
+    webhook_backoff_s: float = _field(
+        "SLUICE_WEBHOOK_BACKOFF_S", 5.0,
+        "First retry delay of a webhook; later ones follow the table in workers/webhooks.py (×6, ×24, ×120, "
+        "×360, then ×720: 5 s, 30 s, 2 min, 10 min, 30 min, then hourly).")
+    webhook_progress_s: float = _field(
+        "SLUICE_WEBHOOK_PROGRESS_S", 60.0,
+        "A job's `progress` webhook is sent at most this often, and only when items finished since the last.")
+    webhook_rotation_grace_s: float = _field(
+        "SLUICE_WEBHOOK_ROTATION_GRACE_S", 86400.0,
+        "After a webhook secret is rotated, the previous one also signs for this long (a second signature), so "
+        "receivers can switch without rejecting a delivery.")
+    webhook_concurrency: int = _field(
+        "SLUICE_WEBHOOK_CONCURRENCY", 16, "Deliveries a `sluice worker --role webhooks` process sends at once.")
+
     # Admission (tokens = estimated input + max_tokens)
     tiers_spec: str = _field(
         "SLUICE_TIERS", "free=40000/20/4/4096,standard=2000000/1200/512/8192,enterprise=5000000/6000/4096/32768",
@@ -345,6 +371,24 @@ class Settings:
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise SettingsError("REDIS_URL must be a redis://, rediss:// or unix:// URL")
         self._validate_admission()
+        self._validate_webhooks()
+
+    def _validate_webhooks(self) -> None:
+        for name in ("webhook_timeout_s", "webhook_retry_for_s", "webhook_backoff_s", "webhook_progress_s",
+                     "webhook_concurrency"):
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"{_env(name)} must be > 0, got {getattr(self, name)!r}")
+        if self.webhook_rotation_grace_s < 0:
+            raise SettingsError("SLUICE_WEBHOOK_ROTATION_GRACE_S must be >= 0 (0 = the old secret stops at once)")
+        try:
+            self.webhook_allow_list  # noqa: B018 - parse once, now, so a bad entry fails at start
+        except ValueError as exc:
+            raise SettingsError(f"SLUICE_WEBHOOK_ALLOW: {exc}") from None
+
+    @functools.cached_property
+    def webhook_allow_list(self) -> AllowList:
+        """SLUICE_WEBHOOK_ALLOW parsed: the receivers the SSRF guard lets through (sluice/ssrf.py)."""
+        return AllowList.parse(self.webhook_allow)
 
     def _validate_admission(self) -> None:
         if self.platform_tokens_per_minute < 0:

@@ -16,12 +16,13 @@ import schemathesis
 from conftest import WorkerProcess, make_settings
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 from schemathesis.config import SchemathesisConfig
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 from sqlalchemy import delete, func, select, update
 
 from launcher.database import create_key
-from models import ApiKey, InferenceRequest, Job, JobStatus, Status, hash_key
+from models import ApiKey, Delivery, DeliveryStatus, InferenceRequest, Job, JobStatus, Status, hash_key
 from models.job import LIVE_JOB
 from models.reservation import Reservation
 from sluice.settings import Settings
@@ -43,6 +44,11 @@ expected-statuses = ["2xx", "3xx", "401", "403", "404", "409", "413", "429"]
 CROSS_FIELD_RULES = {"POST /v1/admin/reservations", "POST /v1/jobs"}
 
 
+# Webhook URLs must resolve to a receiver the SSRF guard lets through: the fuzz app allows
+# 127.0.0.2, where nothing listens (a refused URL is a rule of DNS no document can state).
+schemathesis.openapi.format("uri", st.sampled_from(["http://127.0.0.2:9/hook", "http://127.0.0.2:9/a?b=c"]))
+
+
 @schemathesis.serializer("application/jsonl")
 def _json_lines(ctx, value) -> bytes:
     """A job file as the document describes it: an array, one element per line."""
@@ -57,10 +63,13 @@ def fuzz_app(database_url, scratch_redis_url, tmp_path):
     are cancelled and its reservations (global: they would pause batch work) deleted."""
     from web import create_app
 
-    application = create_app(make_settings(database_url, scratch_redis_url, admin_key=ADMIN_KEY))
+    application = create_app(make_settings(database_url, scratch_redis_url, {"SLUICE_WEBHOOK_ALLOW": "127.0.0.2"},
+                                           admin_key=ADMIN_KEY))
     tenant = f"fuzz-{uuid.uuid4().hex[:8]}"
     key = create_key(Settings(database_url=database_url).sqlalchemy_url, tenant)
     application.config["fuzz_key"] = key
+    # A webhook needs its tenant's signing secret (else 422 webhook_secret_missing, a rule of state).
+    application.test_client().post("/v1/webhooks/secret/rotate", headers={"Authorization": f"Bearer {key}"})
     db = services(application).db
     with db.session() as session:
         began = session.scalar(select(func.now()))
@@ -81,6 +90,11 @@ def fuzz_app(database_url, scratch_redis_url, tmp_path):
         for request_id in open_ids:
             http.post(f"/v1/requests/{request_id}/cancel", headers={"Authorization": f"Bearer {key}"})
         worker.stop()
+        # Nor webhook deliveries (nobody receives them) for another module's sweep to send again.
+        with db.session() as session:
+            session.execute(update(Delivery).where(Delivery.tenant_id == ours,
+                                                   Delivery.status == DeliveryStatus.PENDING)
+                            .values(status=DeliveryStatus.FAILED))
         db.dispose()
 
 

@@ -21,7 +21,7 @@ from sluice.queues import BrokerEpoch
 from sluice.settings import Settings
 from sluice.twins import Twins
 
-from . import admin, api, errors, health, jobs_api, metrics
+from . import admin, api, errors, health, jobs_api, metrics, webhooks_api
 from .admission import Admission
 from .auth import RecentKeys
 from .jobs import JobService
@@ -30,6 +30,7 @@ from .plan import Planner
 from .service import RequestService
 from .services import EXTENSION, Services, services
 from .tokens import TokenCounters
+from .webhooks import Webhooks
 
 
 def create_app(settings: Settings | None = None) -> Flask:
@@ -47,6 +48,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     _bind_call_ids(app)
     app.register_blueprint(api.bp)
     app.register_blueprint(jobs_api.bp)
+    app.register_blueprint(webhooks_api.bp)
     app.register_blueprint(health.bp)
     app.register_blueprint(metrics.bp)
     if settings.admin_key:
@@ -80,6 +82,8 @@ def build_services(settings: Settings) -> Services:
     lifecycle.on_move(MovePublisher(admission.redis, healthy=lambda: admission.redis_healthy))
     # Web requests publish through a fail-fast app; workers and the sweep keep the patient one.
     publisher = celery_publisher(settings, fail_fast=True)
+    # A request with a webhook: its start and its end become signed deliveries (web/webhooks.py).
+    lifecycle.on_move(Webhooks(settings, db, publisher).moved)
     planner = Planner(settings, TokenCounters(), admission.redis, lambda: admission.redis_healthy)
     ladder = Ladder(settings, planner, LoadReader(settings, admission))
     # A request that ends settles the identical twins parked on it (sluice/twins.py).

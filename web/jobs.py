@@ -34,7 +34,7 @@ from sluice.logs import bind_request
 from sluice.settings import Settings
 from sluice.tiers import effective_limits
 
-from . import ingest
+from . import ingest, webhooks
 from .errors import ApiError, Conflict, InvalidRequest, NotFound
 from .service import RequestService
 from .tokens import estimate_text_tokens
@@ -51,7 +51,8 @@ _WINDOW = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhd]?)$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 # The feeder writes its state every SLUICE_FEEDER_INTERVAL_S; older than this, it is not running.
 FEEDER_STALE_S = 10.0
-PARAMS = ("model", "summary_tokens", "instruction", "priority", "completion_window", "on_invalid", "metadata")
+PARAMS = ("model", "summary_tokens", "instruction", "priority", "completion_window", "on_invalid", "metadata",
+          "webhook_url", "webhook_events")
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ class JobParams:
     completion_window_s: int
     on_invalid: str  # reject: any bad line refuses the file; skip: bad lines are listed, the rest run
     metadata: dict[str, str]
+    webhook_url: str | None = None  # its events (webhook_events) are sent by the sweep: workers/webhooks.py
+    webhook_events: tuple[str, ...] = ()
 
 
 def chunk_budget(context_tokens: int, max_request_tokens: int, instruction_tokens: int, summary_tokens: int) -> int:
@@ -121,14 +124,20 @@ class JobService:
                 problems["summary_tokens"] = [
                     f"Too long for {model.name}: a request holds {holds} tokens, which must fit the instruction "
                     "and at least twice the summary."]
+        events = _events(args, problems)
         if problems:
             raise InvalidRequest("The job has invalid parameters; see details.", details=problems)
-        return JobParams(model.name, summary, instruction, priority, window, on_invalid, metadata)
+        if "webhook_url" in args:
+            webhooks.check_url(args["webhook_url"], settings.webhook_allow_list)
+            webhooks.require_secret(tenant)
+        return JobParams(model.name, summary, instruction, priority, window, on_invalid, metadata,
+                         args.get("webhook_url"), events)
 
     def submit(self, tenant: Tenant, params: JobParams, stream: IO[bytes]) -> Job:
         job = Job(id=uuid.uuid4(), tenant_id=tenant.id, status=JobStatus.VALIDATING, model=params.model,
                   priority=params.priority, instruction=params.instruction, summary_tokens=params.summary_tokens,
-                  completion_window_s=params.completion_window_s, meta=params.metadata)
+                  completion_window_s=params.completion_window_s, meta=params.metadata,
+                  webhook_url=params.webhook_url, webhook_events=list(params.webhook_events) or None)
         with self.db.session() as session:
             session.add(job)
         bind_request(str(job.id))
@@ -374,6 +383,7 @@ def view(job: Job, progress: dict[str, Any]) -> dict[str, Any]:
         "redacted_at": _iso(job.redacted_at),
         "error": None if job.error_code is None else {"code": job.error_code, "message": job.error_message},
         "results_url": f"/v1/jobs/{job.id}/results", "errors_url": f"/v1/jobs/{job.id}/errors",
+        "webhook_url": job.webhook_url, "webhook_events": job.webhook_events,
     }
 
 
@@ -387,6 +397,20 @@ def _duplicates(session, job_id: uuid.UUID) -> list[tuple[int, str, int]]:
                error_code = 'duplicate_custom_id', error_message = 'custom_id first appears on line ' || seen.first
         FROM seen WHERE i.job_id = :job AND i.line = seen.line AND seen.line <> seen.first
         RETURNING i.line, i.custom_id, seen.first"""), {"job": job_id})]
+
+
+def _events(args: dict[str, str], problems: dict[str, list[str]]) -> tuple[str, ...]:
+    """webhook_events: comma-separated, of started, progress, completed (default: completed)."""
+    if "webhook_url" not in args:
+        if "webhook_events" in args:
+            problems["webhook_events"] = ["Events are sent to a webhook_url; give one."]
+        return ()
+    if len(args["webhook_url"]) > 2048:
+        problems["webhook_url"] = ["At most 2048 characters."]
+    events = tuple(dict.fromkeys(e.strip() for e in args.get("webhook_events", "completed").split(",")))
+    if not events or not set(events) <= set(webhooks.JOB_EVENTS):
+        problems["webhook_events"] = [f"Comma-separated, of {', '.join(webhooks.JOB_EVENTS)}."]
+    return events
 
 
 def _integer(args: dict[str, str], name: str, default: int, problems: dict[str, list[str]], low: int, high: int) -> int:

@@ -18,6 +18,7 @@ from sluice.settings import Settings
 
 from . import schemas
 from .admin import ReservationSchema, TenantCreateSchema, TenantLimitsSchema
+from .webhooks_api import DeliveryListSchema, DeliveryViewSchema, SecretSchema
 
 
 def _exact_bounds(self, field: fields.Field, ret: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
@@ -81,14 +82,18 @@ def build_spec(version: str, settings: Settings | None = None) -> dict:
                          ("TenantLimits", TenantLimitsSchema), ("KeyView", schemas.KeyViewSchema),
                          ("ReservationView", schemas.ReservationViewSchema),
                          ("LoadView", schemas.LoadViewSchema), ("ReservationCreate", ReservationSchema),
-                         ("JobView", schemas.JobViewSchema), ("JobList", schemas.JobListSchema)):
+                         ("JobView", schemas.JobViewSchema), ("JobList", schemas.JobListSchema),
+                         ("DeliveryView", DeliveryViewSchema), ("DeliveryList", DeliveryListSchema),
+                         ("WebhookSecret", SecretSchema)):
         spec.components.schema(name, schema=schema)
     _request_paths(spec)
     _job_paths(spec, settings)
+    _webhook_paths(spec)
     _service_paths(spec)
     _admin_paths(spec)
     document = spec.to_dict()
     document["components"]["schemas"]["SubmitRequest"]["oneOf"] = schemas.SubmitRequestSchema.OPENAPI_ONE_OF
+    document["components"]["schemas"]["SubmitRequest"]["dependentRequired"] = {"webhook_events": ["webhook_url"]}
     if settings is not None:
         submit = document["components"]["schemas"]["SubmitRequest"]["properties"]
         submit["time_limit_s"]["maximum"] = settings.time_limit_s
@@ -136,7 +141,9 @@ def _request_paths(spec: APISpec) -> None:
                       "413": _error("Body too large (body_too_large), or input + max_tokens over the context "
                                     "length or the tenant's per-request maximum (request_too_large)."),
                       "415": _error("Body is not JSON."),
-                      "422": _error("Invalid fields; `details` names each. Or idempotency_key_reused."),
+                      "422": _error("Invalid fields; `details` names each. Or idempotency_key_reused; "
+                                    "webhook_url_refused (the SSRF guard's reason: not https, too long, "
+                                    "loopback, private, metadata, unresolvable, …); webhook_secret_missing."),
                       "429": {**_error("rate_limited or tenant_concurrency_limit; retry after Retry-After."),
                               "headers": retry_headers},
                       "503": {**_error("overloaded: the platform sheds load or pauses batch work."),
@@ -198,6 +205,12 @@ def _job_paths(spec: APISpec, settings: Settings | None) -> None:
                         "run the valid lines, list the rest at errors_url."},
         {"name": "metadata", "in": "query", "schema": {"type": "string"},
          "description": "A JSON object of at most 16 string values, kept on the job."},
+        {"name": "webhook_url", "in": "query", "schema": {"type": "string", "format": "uri", "maxLength": 2048},
+         "description": "POST the job's events here, signed (Standard Webhooks); https and public addresses only "
+                        "(422 webhook_url_refused names the reason; webhook_secret_missing: create the secret first)."},
+        {"name": "webhook_events", "in": "query", "schema": {"type": "string"},
+         "description": "Comma-separated, of started, progress (at most every SLUICE_WEBHOOK_PROGRESS_S), "
+                        "completed (any final status). Default: completed."},
     ]
     spec.path(path="/v1/jobs", operations={
         "post": {
@@ -242,6 +255,41 @@ def _job_paths(spec: APISpec, settings: Settings | None) -> None:
         "security": [{"bearer": []}], "parameters": [job],
         "responses": {"200": _json("JobView", "The job after the cancel (cancelling until nothing runs)."),
                       **auth_errors, **missing, "409": _error("Already finished (not_cancellable).")}}})
+
+
+def _webhook_paths(spec: APISpec) -> None:
+    auth_errors = {"401": _error("Missing, malformed, invalid or revoked API key."),
+                   "403": _error("The key's tenant is disabled (tenant_disabled).")}
+    delivery = {"name": "delivery_id", "in": "path", "required": True, "schema": {"type": "string", "format": "uuid"}}
+    missing = {"404": _error("No such delivery for this key.")}
+    uuid_query = {"type": "string", "format": "uuid"}
+    spec.path(path="/v1/webhooks/deliveries", operations={"get": {
+        "summary": "Webhook deliveries of the tenant's requests and jobs, newest first",
+        "security": [{"bearer": []}],
+        "parameters": [{"name": "request_id", "in": "query", "schema": uuid_query},
+                       {"name": "job_id", "in": "query", "schema": uuid_query},
+                       {"name": "status", "in": "query",
+                        "schema": {"type": "string", "enum": ["pending", "succeeded", "failed"]}},
+                       {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+                       {"name": "before", "in": "query", "schema": uuid_query,
+                        "description": "A delivery id: list the ones created before it."}],
+        "responses": {"200": _json("DeliveryList", "The deliveries."), **auth_errors,
+                      "404": _error("`before` names no delivery of this key."),
+                      "422": _error("A query parameter is not what it should be; `details` names it.")}}})
+    spec.path(path="/v1/webhooks/deliveries/{delivery_id}", operations={"get": {
+        "summary": "One delivery: its attempts, the receiver's last answer, the next attempt",
+        "security": [{"bearer": []}], "parameters": [delivery],
+        "responses": {"200": _json("DeliveryView", "The delivery."), **auth_errors, **missing}}})
+    spec.path(path="/v1/webhooks/deliveries/{delivery_id}/redeliver", operations={"post": {
+        "summary": "Send a delivery again now, with the same webhook-id and body and a new retry window",
+        "security": [{"bearer": []}], "parameters": [delivery],
+        "responses": {"202": _json("DeliveryView", "Queued for an attempt."), **auth_errors, **missing}}})
+    spec.path(path="/v1/webhooks/secret/rotate", operations={"post": {
+        "summary": "A new webhook signing secret (the first, or the next), shown only in this answer",
+        "description": "Deliveries are signed with it from now on; after a rotation the previous secret adds a "
+                       "second signature for SLUICE_WEBHOOK_ROTATION_GRACE_S, so receivers can switch.",
+        "security": [{"bearer": []}],
+        "responses": {"201": _json("WebhookSecret", "The new secret."), **auth_errors}}})
 
 
 def _service_paths(spec: APISpec) -> None:

@@ -30,6 +30,7 @@ from sluice.settings import Settings
 
 from .errors import InvalidRequest
 from .tokens import ChatTemplateError, TokenCounters
+from .webhooks import DEFAULT_EVENTS, check_url
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ class Plan:
     input_tokens: int
     deadline_s: float
     degradation: tuple[str, ...] = ()  # ladder steps that changed it (web/ladder.py)
+    webhook_url: str | None = None  # checked by the SSRF guard (web/webhooks.py)
+    webhook_events: tuple[str, ...] = ()
 
     @property
     def reserved_tokens(self) -> int:
@@ -84,7 +87,8 @@ class Plan:
             conversation_id=self.conversation_id, max_tokens=self.max_tokens, time_limit_s=self.time_limit_s,
             reserved_tokens=self.reserved_tokens, input_tokens=self.input_tokens, attempts=0,
             deadline_at=func.now() + timedelta(seconds=self.deadline_s),
-            degradation_step=",".join(self.degradation) or None)
+            degradation_step=",".join(self.degradation) or None, webhook_url=self.webhook_url,
+            webhook_events=list(self.webhook_events) if self.webhook_url else None)
 
 
 def input_chars(body: dict[str, Any]) -> int:
@@ -106,6 +110,8 @@ class Planner:
         max_tokens = body.get("max_tokens", settings.default_max_tokens)
         time_limit = body.get("time_limit_s", settings.time_limit_s)
         model = self._check(body, max_tokens, time_limit)
+        if "webhook_url" in body:
+            check_url(body["webhook_url"], settings.webhook_allow_list)
         request_input = {"messages": body["messages"]} if "messages" in body else {"prompt": body["prompt"]}
         input_tokens = self._count(model, request_input)
         requested, route_reason = model, None
@@ -126,7 +132,9 @@ class Planner:
                                                                        if body.get(k)},
             meta=body.get("metadata", {}),
             conversation_id=conversation_id, max_tokens=max_tokens, time_limit_s=float(time_limit),
-            input_tokens=input_tokens, deadline_s=body.get("deadline_s", default_deadline))
+            input_tokens=input_tokens, deadline_s=body.get("deadline_s", default_deadline),
+            webhook_url=body.get("webhook_url"),
+            webhook_events=tuple(body.get("webhook_events", DEFAULT_EVENTS)) if "webhook_url" in body else ())
 
     def reroute(self, plan: Plan, model: ModelSpec, reason: str) -> Plan | None:
         """``plan`` sent to ``model`` instead (counted with its tokenizer, on its queues), or None

@@ -102,6 +102,16 @@ class SubmitRequestSchema(Schema):
         "description": "Polling clients: with no GET of this request for this many seconds, the client is "
                        "taken to have left and the request is cancelled (unless it already ended)."})
 
+    webhook_url = SafeString(validate=validate.Length(min=1, max=2048), metadata={
+        "format": "uri",
+        "description": "POST the request's events here, signed per Standard Webhooks with the tenant's secret "
+                       "(POST /v1/webhooks/secret/rotate creates it). https only; public addresses only, checked "
+                       "after DNS resolution and on every redirect (422 webhook_url_refused names the reason)."})
+    webhook_events = fields.List(SafeString(validate=validate.OneOf(["started", "completed"])),
+                                 validate=validate.Length(min=1, max=2), metadata={
+        "description": "Which events to send (default: completed): started (a worker took it), completed "
+                       "(any final status)."})
+
     # What `_one_input` enforces, as /openapi.json states it.
     OPENAPI_ONE_OF = [{"required": ["prompt"]}, {"required": ["messages"]}]
 
@@ -109,6 +119,8 @@ class SubmitRequestSchema(Schema):
     def _one_input(self, data, **kwargs):
         if ("prompt" in data) == ("messages" in data):
             raise ValidationError("Give exactly one of `prompt` or `messages`.", "_schema")
+        if "webhook_events" in data and "webhook_url" not in data:
+            raise ValidationError("Events are sent to a webhook_url; give one.", "webhook_events")
 
 
 class UsageSchema(Schema):
@@ -185,6 +197,8 @@ class RequestViewSchema(Schema):
                        "process); never its host name."})
     metadata = fields.Dict()
     conversation_id = SafeString(allow_none=True)
+    webhook_url = SafeString(allow_none=True)
+    webhook_events = fields.List(SafeString(), allow_none=True)
 
     @pre_dump
     def _from_row(self, row, **kwargs) -> dict:
@@ -210,6 +224,7 @@ class RequestViewSchema(Schema):
             "redacted_at": row.redacted_at,
             "attempts": row.attempts,
             "worker": worker_tag(row.worker), "metadata": row.meta, "conversation_id": row.conversation_id,
+            "webhook_url": row.webhook_url, "webhook_events": row.webhook_events,
         }
 
 
@@ -271,6 +286,8 @@ class JobViewSchema(Schema):
     results_url = SafeString()
     errors_url = SafeString()
     feeder = fields.Nested(FeederStateSchema, metadata={"description": "What the job feeder last did."})
+    webhook_url = SafeString(allow_none=True)
+    webhook_events = fields.List(SafeString(), allow_none=True)
 
 
 class JobListSchema(Schema):

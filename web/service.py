@@ -34,7 +34,7 @@ from sluice.logs import bind_request
 from sluice.queues import BrokerEpoch, publish_committed
 from sluice.twins import Twins
 
-from . import idempotency, metrics
+from . import idempotency, metrics, webhooks
 from .admission import Admission, Ticket
 from .errors import Conflict, NotFound
 from .ladder import Ladder
@@ -97,6 +97,8 @@ class RequestService:
         that refused."""
         original = idempotency.find(self.db, key) if key else None
         if original is None:
+            if "webhook_url" in body:
+                webhooks.require_secret(tenant)
             plan = plan or self.prepare(tenant, body)
             try:
                 answered = self.from_cache(plan, tenant, key) or self.follow(plan, tenant, key)

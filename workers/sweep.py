@@ -25,6 +25,8 @@ on rows locked with SKIP LOCKED, so overlapping sweeps never act on one row twic
    for that long → cancelled (web/waits.py): nobody will read its answer.
 8. Retention: prompts and outputs of requests finished more than SLUICE_RETENTION_DAYS ago
    are deleted (``redacted_at`` stamped); the row's accounting stays.
+9. Webhooks (workers/webhooks.py): jobs' events recorded and published; deliveries overdue (a
+   lost message, a dead webhooks worker) published again; finished ones past retention deleted.
 
 Then admission housekeeping: release the token reservation and concurrency slot of every request
 that ended without its own release (the terminal paths above, a worker killed between its final
@@ -64,6 +66,8 @@ from sluice.twins import Twins
 from web.services import Services
 from web.waits import abandon_idle_pollers
 
+from . import webhooks
+
 log = logging.getLogger(__name__)
 
 BATCH = 500
@@ -92,6 +96,7 @@ def sweep(svc: Services) -> dict[str, int]:
         "abandoned": abandon_idle_pollers(svc),
         "redacted": _redact_old(db, settings),
         "jobs_redacted": _redact_old_jobs(db, settings),
+        **webhooks.sweep(svc),
         # Last, so requests the steps above just ended are released in this same run.
         "released": reconcile_in_flight(db, limiter_for(redis_client)),
         "idempotency_keys_expired": expire_keys(db, settings.idempotency_window_s),

@@ -56,7 +56,8 @@ def test_a_window_pauses_batch_on_shared_workers_and_resumes_after_a_scheduler_r
     application, client, book = reserving
     worker = WorkerProcess(database_url, scratch_redis_url, tmp_path, concurrency=2)  # role all: both classes
     try:
-        window = book(**{"from": iso(-1), "until": iso(8), "note": "launch"})
+        # Long enough that a loaded machine still checks the batch request inside the window.
+        window = book(**{"from": iso(-1), "until": iso(20), "note": "launch"})
         assert window["state"] == "active" and window["role"] is None
         monitor(application).tick()
         view = load(application)

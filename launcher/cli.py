@@ -60,12 +60,28 @@ def up(engine: str | None, role: str, no_flower: bool, model_path: str | None, s
     sys.exit(run_platform(settings, role=role, flower=not no_flower, smoke=smoke))
 
 
-@main.command()
-def migrate() -> None:
-    """Upgrade the database schema to the latest revision."""
+@main.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
+@click.option("--then", "program", metavar="COMMAND", default=None,
+              help="Once the schema is at head, become COMMAND (with the arguments after it), e.g. "
+              "`sluice migrate --then sluice web`.")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def migrate(program: str | None, args: tuple[str, ...]) -> None:
+    """Upgrade the database schema to the latest revision, then (--then) run a command.
+
+    Each Procfile entry starts this way: honcho stops everything when any process exits, so a
+    one-shot migrate entry cannot run beside the others. Processes that start together take
+    turns on a lock; the first migrates, the rest find the schema done.
+    """
+    if args and program is None:
+        raise click.UsageError("arguments after migrate need --then: sluice migrate --then COMMAND [ARGS]...")
     settings = service_settings()
     upgrade_database(settings.sqlalchemy_url)
     click.echo("database is at the latest revision")
+    if program is not None:
+        try:
+            _exec([program, *args])
+        except FileNotFoundError:
+            raise click.UsageError(f"--then: no command {program!r} on PATH") from None
 
 
 @main.command()
@@ -73,20 +89,19 @@ def migrate() -> None:
               show_default=True, help="Fixes the queues this worker consumes; webhooks: sends webhook deliveries, "
               "with no engine.")
 @click.option("--model", default=None, help="Registry name of the model to serve (default: the main model).")
-@click.option("--gpus", default=None, help="Devices this worker owns, e.g. 0 or 0,1 (sets CUDA_VISIBLE_DEVICES).")
+@click.option("--gpus", default=None, help="Devices this worker owns, e.g. 0 or 0,1 (sets CUDA_VISIBLE_DEVICES); "
+              "none in a container, which uses the device reserved for it.")
 @click.option("--concurrency", type=int, default=None,
               help="Requests in flight (default: SLUICE_WORKER_CONCURRENCY, else the engine batch size).")
 @click.option("--name", default=None, help="Node name (default ROLE@HOST); also names its direct queue.")
 def worker(role: str, model: str | None, gpus: str | None, concurrency: int | None, name: str | None) -> None:
     """Run one GPU worker: one engine, many requests in flight feeding it (--role webhooks: a webhook
     sender instead, with no engine)."""
+    from workers.bootstrap import device_env
+
     settings = service_settings()
-    if gpus is not None:
-        # Before anything can touch CUDA: the engine is imported only after exec.
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpus
-        # Several devices for one worker means one model split across them.
-        os.environ.setdefault("SLUICE_VLLM_TENSOR_PARALLEL_SIZE", str(len([g for g in gpus.split(",") if g.strip()])))
     try:
+        os.environ.update(device_env(gpus))  # before anything can touch CUDA: the engine loads after exec
         argv = webhooks_worker_argv(settings, concurrency, name) if role == "webhooks" else \
             worker_argv(settings, role, concurrency, name, model)
     except ValueError as exc:

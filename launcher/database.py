@@ -4,23 +4,43 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import create_engine, pool, select, text
 
 from models import Database, Tenant
 from sluice.tenants import add_key
 
 ROOT = Path(__file__).resolve().parent.parent
+# The key of the Postgres advisory lock (one per database) every migrating process takes: the
+# bytes of "sluice:m" as a 64-bit integer, unlikely to be a key another program picked.
+MIGRATION_LOCK = 0x736C756963653A6D
 
 
 def upgrade_database(url: str) -> None:
-    """Migrate the database at ``url`` to the latest Alembic revision."""
+    """Migrate the database at ``url`` to the latest Alembic revision.
+
+    Safe when several processes start at once (each Procfile entry migrates before it starts;
+    see `sluice migrate --then`): they queue on a Postgres advisory lock, so one runs Alembic
+    while the others wait, then find the schema at head and change nothing. Two Alembic runs
+    side by side on a fresh database would both try to create its tables, and one would fail.
+    The lock is held by its own connection and dies with it, so a migrator that is killed never
+    leaves it taken.
+    """
     from alembic import command
     from alembic.config import Config
 
     config = Config(str(ROOT / "alembic.ini"))
     config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     config.attributes["configure_logging"] = False
-    command.upgrade(config, "head")
+    engine = create_engine(url, poolclass=pool.NullPool, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as lock:
+            lock.execute(text("SELECT pg_advisory_lock(:key)"), {"key": MIGRATION_LOCK})
+            try:
+                command.upgrade(config, "head")
+            finally:
+                lock.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": MIGRATION_LOCK})
+    finally:
+        engine.dispose()
 
 
 def create_key(url: str, tenant_name: str) -> str:

@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from celery.signals import task_received, worker_init, worker_shutdown, worker_shutting_down
@@ -93,11 +93,60 @@ class WorkerState:
 WORKER = WorkerState()
 
 
-def device_label(settings: Settings) -> str:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+def container_devices(environ: Mapping[str, str] = os.environ) -> list[str] | None:
+    """The host devices an NVIDIA container runtime gave this container, in the order CUDA numbers
+    them inside it (from 0); [] for none; None outside such a container or when it was given all.
+
+    Docker writes NVIDIA_VISIBLE_DEVICES (host indices or UUIDs) from a compose device reservation
+    or `docker run --gpus`.
+    """
+    given = environ.get("NVIDIA_VISIBLE_DEVICES", "").strip()
+    if given in ("", "all"):
+        return None
+    if given in ("none", "void"):
+        return []
+    return [d.strip() for d in given.split(",") if d.strip()]
+
+
+def device_env(gpus: str | None, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The variables `sluice worker --gpus` sets before anything touches CUDA; ValueError when
+    ``gpus`` names a device this process cannot have.
+
+    ``gpus`` names devices as this process sees them: on a bare host, the host's indices; in a
+    container, the container's own, numbered from 0 whichever host devices it was given. So a
+    container worker takes no --gpus (it uses what its reservation gave it): a host index there
+    names a device the container does not have, and CUDA would find none. Several devices for one
+    worker, by --gpus or by the container, mean one model split across them.
+    """
+    given = container_devices(environ)
+    if gpus is None:
+        env, devices = {}, given or []
+    else:
+        devices = [g.strip() for g in gpus.split(",") if g.strip()]
+        if given is not None and any(d.isdigit() and int(d) >= len(given) for d in devices):
+            raise ValueError(
+                f"--gpus {gpus}: this container was given {len(given)} device(s) (NVIDIA_VISIBLE_DEVICES="
+                f"{environ['NVIDIA_VISIBLE_DEVICES']}), numbered from 0 inside it; leave --gpus out and the "
+                "worker uses what its reservation gave it")
+        env = {"CUDA_VISIBLE_DEVICES": gpus}
+    if len(devices) > 1 and "SLUICE_VLLM_TENSOR_PARALLEL_SIZE" not in environ:
+        env["SLUICE_VLLM_TENSOR_PARALLEL_SIZE"] = str(len(devices))
+    return env
+
+
+def device_label(settings: Settings, environ: Mapping[str, str] = os.environ) -> str:
+    """The devices this worker runs on, as the host names them (a row's ``device``, /readyz): in a
+    container given host device 1, CUDA calls it 0, and the label says cuda:1."""
     if settings.engine == "simulated":
         return "simulated-h200"
-    return f"cuda:{visible}" if visible else "cpu"
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    given = container_devices(environ)
+    if not given:
+        return f"cuda:{visible}" if visible else "cpu"
+    if not visible:
+        return "cuda:" + ",".join(given)
+    inside = [v.strip() for v in visible.split(",")]
+    return "cuda:" + ",".join(given[int(v)] if v.isdigit() and int(v) < len(given) else v for v in inside)
 
 
 def start_runtime(app: Flask, hostname: str, queues: list[str], threads: int | None = None) -> EngineRuntime:

@@ -26,7 +26,7 @@ def worker_argv(settings: Settings, role: str, concurrency: int | None = None, n
     queues = queues_for_role(role, registry.queue_suffix(spec), node)
     # `env` carries the role and model into the worker process without touching our own env.
     return ["env", f"SLUICE_WORKER_ROLE={role}", f"SLUICE_WORKER_MODEL={spec.name}",
-            sys.executable, "-m", "celery", "-A", "workers.entry", "worker",
+            sys.executable, "-m", "celery", "-A", "workers.entry", *_banner(settings), "worker",
             "--pool", "threads", "--concurrency", str(concurrency or settings.worker_threads),
             "--queues", ",".join(queues), "--hostname", node,
             "--loglevel", settings.log_level, "--without-mingle", "--without-gossip"]
@@ -36,16 +36,23 @@ def webhooks_worker_argv(settings: Settings, concurrency: int | None = None, nam
     """argv of a webhooks worker: a thread pool sending deliveries from the webhooks queue only,
     with no engine (workers/entry.py skips it for this role), so receivers never hold a GPU."""
     return ["env", f"SLUICE_WORKER_ROLE={WEBHOOKS_ROLE}", sys.executable, "-m", "celery", "-A", "workers.entry",
-            "worker", "--pool", "threads", "--concurrency", str(concurrency or settings.webhook_concurrency),
+            *_banner(settings), "worker", "--pool", "threads",
+            "--concurrency", str(concurrency or settings.webhook_concurrency),
             "--queues", WEBHOOKS_QUEUE, "--hostname", name or f"{WEBHOOKS_ROLE}@{socket.gethostname()}",
             "--loglevel", settings.log_level, "--without-mingle", "--without-gossip"]
+
+
+def _banner(settings: Settings) -> list[str]:
+    """Celery prints its startup banner outside logging: with JSON logs it is left out, so every
+    line a worker writes is one JSON object."""
+    return ["--quiet"] if settings.log_format == "json" else []
 
 
 def beat_argv(settings: Settings) -> list[str]:
     schedule = Path(settings.data_dir) / "celerybeat-schedule"
     schedule.parent.mkdir(parents=True, exist_ok=True)
-    return [sys.executable, "-m", "celery", "-A", "workers.entry", "beat", "--schedule", str(schedule),
-            "--loglevel", settings.log_level]
+    return [sys.executable, "-m", "celery", "-A", "workers.entry", *_banner(settings), "beat",
+            "--schedule", str(schedule), "--loglevel", settings.log_level]
 
 
 def web_argv(settings: Settings) -> list[str]:
@@ -56,9 +63,13 @@ def web_argv(settings: Settings) -> list[str]:
     concurrency = (["--worker-class", "gevent", "--worker-connections", str(settings.web_worker_connections)]
                    if settings.web_worker_class == "gevent" else
                    ["--worker-class", "gthread", "--threads", str(settings.web_threads)])
+    # gunicorn's own lines (the master's, errors, the access log) in Sluice's format, with its ids.
+    logger = "sluice.logs.JsonGunicornLogger" if settings.log_format == "json" else "sluice.logs.GunicornLogger"
     return [sys.executable, "-m", "gunicorn", "--bind", f"{settings.web_host}:{settings.web_port}",
             "--workers", str(settings.web_workers), *concurrency, "--timeout", "60",
-            "--access-logfile", "-", "web:create_app()"]
+            "--config", "python:web.gunicorn_hooks",
+            "--access-logfile", "-", "--log-level", settings.log_level.lower(), "--logger-class", logger,
+            "web:create_app()"]
 
 
 def flower_argv(settings: Settings) -> list[str]:

@@ -13,6 +13,7 @@ from sluice.settings import Settings
 
 from .argv import beat_argv, flower_argv, flower_env, flower_exposed, web_argv, webhooks_worker_argv, worker_argv
 from .database import upgrade_database
+from .diagnose_cli import diagnose_command
 from .jobs_cli import jobs
 from .keys_cli import keys
 from .options import load_settings, service_settings
@@ -38,6 +39,7 @@ main.add_command(keys)
 main.add_command(reserve)
 main.add_command(jobs)
 main.add_command(webhooks)
+main.add_command(diagnose_command)
 
 
 @main.command()

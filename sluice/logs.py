@@ -6,14 +6,25 @@ Two ids, two names:
   an error envelope) or the Celery task that is running;
 * ``req=`` the request row: once a row exists, every line about it, on the web tier, the
   worker and the sweep, carries the row's id, so one grep follows a request through the system.
+
+Two formats (SLUICE_LOG_FORMAT): ``text`` for people, ``json`` for log pipelines, one object per
+line with the same ids (``call_id``, ``request_id``). Every line of a process goes through the
+one handler :func:`configure_logging` installs on the root logger: Celery's own loggers reach it
+because workers do not let Celery take the root logger over (``worker_hijack_root_logger``),
+gunicorn's through :class:`GunicornLogger`. No line carries a prompt or an output: code logs
+ids and lengths only.
 """
 
 from __future__ import annotations
 
 import contextvars
+import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
+
+from gunicorn import glogging
 
 current_call_id: contextvars.ContextVar[str] = contextvars.ContextVar("call_id", default="-")
 current_request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
@@ -24,10 +35,36 @@ _FORMAT = "%(asctime)s %(levelname)s [%(process)d] %(name)s call=%(call_id)s req
 class ContextFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.call_id = current_call_id.get()
+        # Celery's own lines about a task (received, succeeded, failed) are written outside its
+        # run, with the task in ``data``: they get the call id the task's own lines carry.
+        data = getattr(record, "data", None)
+        if record.call_id == "-" and isinstance(data, dict) and data.get("id"):
+            record.call_id = str(data["id"])
         # A line about one row of many (the sweep's) names it with extra={"request_id": ...}.
         if not hasattr(record, "request_id"):
             record.request_id = current_request_id.get()
         return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record, on one line: a newline in a message or a traceback stays
+    inside its string, so no message can forge or split a line. An id not bound is null."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+                 "level": record.levelname, "logger": record.name, "process": record.process,
+                 "message": record.getMessage(), "call_id": _id(record, "call_id"),
+                 "request_id": _id(record, "request_id")}
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            entry["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(entry, default=str)
+
+
+def _id(record: logging.LogRecord, name: str) -> str | None:
+    value = getattr(record, name, "-")
+    return None if value == "-" else str(value)
 
 
 def bind_request(request_id: str) -> None:
@@ -46,14 +83,42 @@ def log_context(*, call: str = "-", request: str = "-") -> Iterator[None]:
         current_request_id.reset(tokens[1])
 
 
-def configure_logging(level: str = "INFO") -> None:
-    """Idempotent: safe to call from every entry point."""
+def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
+    """Idempotent: safe to call from every entry point; a later call sets the level and format
+    of the one handler instead of adding another."""
     root = logging.getLogger()
-    if any(isinstance(f, ContextFilter) for h in root.handlers for f in h.filters):
-        root.setLevel(level.upper())
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(_FORMAT))
-    handler.addFilter(ContextFilter())
-    root.addHandler(handler)
+    handler = next((h for h in root.handlers if any(isinstance(f, ContextFilter) for f in h.filters)), None)
+    if handler is None:
+        handler = logging.StreamHandler()
+        handler.addFilter(ContextFilter())
+        root.addHandler(handler)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(_FORMAT))
+    # A library's warning is printed to stderr as several raw lines: in JSON it becomes a record
+    # (logger py.warnings) instead, so that every line parses.
+    logging.captureWarnings(fmt == "json")
     root.setLevel(level.upper())
+
+
+class GunicornLogger(glogging.Logger):
+    """gunicorn's own logs (the master's, each worker's error log, the access log) through the
+    root handler, so they share the format and the ids of the app's lines (``--logger-class``)."""
+
+    log_format = "text"
+
+    def setup(self, cfg) -> None:
+        super().setup(cfg)
+        configure_logging(cfg.loglevel, self.log_format)
+        for log in (self.error_log, self.access_log):
+            for handler in [h for h in log.handlers if getattr(h, "_gunicorn", False)]:
+                log.removeHandler(handler)
+            log.propagate = True
+
+    def access(self, resp, req, environ, request_time) -> None:
+        # gunicorn logs a call after the app unbound its ids: name it by the id it answered with.
+        call = next((value for name, value in resp.headers if name.lower() == "x-request-id"), "-")
+        with log_context(call=call):
+            super().access(resp, req, environ, request_time)
+
+
+class JsonGunicornLogger(GunicornLogger):
+    log_format = "json"

@@ -306,6 +306,11 @@ class Settings:
         "Host names (comma-separated, no port) that may appear in status links when "
         "SLUICE_PUBLIC_URL is unset; any other Host header is never reflected.")
     log_level: str = _field("SLUICE_LOG_LEVEL", "INFO", "Log level for every process.")
+    log_format: str = _field(
+        "SLUICE_LOG_FORMAT", "text",
+        "Log lines of every process: `text` (`time level [pid] logger call=… req=…: message`) or `json` "
+        "(one object per line: time, level, logger, process, message, call_id, request_id), gunicorn's "
+        "and Celery's own lines included. Neither ever holds a prompt or an output.")
 
     # ---------------------------------------------------------------- construction
 
@@ -360,6 +365,8 @@ class Settings:
             raise SettingsError("SLUICE_WORKER_DEAD_AFTER_S must exceed twice SLUICE_WORKER_HEARTBEAT_S")
         if self.engine not in ("simulated", "vllm"):
             raise SettingsError(f"SLUICE_ENGINE must be simulated or vllm, got {self.engine!r}")
+        if self.log_format not in ("text", "json"):
+            raise SettingsError(f"SLUICE_LOG_FORMAT must be text or json, got {self.log_format!r}")
         if self.web_worker_class not in ("gevent", "gthread"):
             raise SettingsError(f"SLUICE_WEB_WORKER_CLASS must be gevent or gthread, got {self.web_worker_class!r}")
         if self.database_url and not self.database_url.startswith("postgresql"):

@@ -36,7 +36,7 @@ from .webhooks import Webhooks
 def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or Settings.from_env()
     settings.require_services()
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format)
 
     app = Flask("sluice")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes

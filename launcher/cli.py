@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -121,7 +122,14 @@ def beat() -> None:
 @main.command()
 def web() -> None:
     """Run the REST API under gunicorn."""
-    _exec(web_argv(service_settings()))
+    settings = service_settings()
+    # One directory of metric files for this server's processes, emptied at each start: a scrape
+    # of any of them then shows the sum of all (sluice/metrics.py).
+    metrics_dir = Path(settings.data_dir) / "metrics" / f"web-{settings.web_port}"
+    shutil.rmtree(metrics_dir, ignore_errors=True)
+    metrics_dir.mkdir(parents=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+    _exec(web_argv(settings))
 
 
 @main.command()
@@ -155,6 +163,7 @@ def monitor() -> None:
     import threading
 
     from web import create_app, services
+    from workers.exporter import export_platform
     from workers.feeder import Feeder
     from workers.monitor import Monitor
 
@@ -170,6 +179,7 @@ def monitor() -> None:
 
     feeder = threading.Thread(target=feed, name="feeder", daemon=True)
     feeder.start()
+    export_platform(svc)
     Monitor(svc.settings, svc.redis, svc.db, broker=svc.broker).run(stop)
     feeder.join(timeout=10)
 

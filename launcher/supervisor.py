@@ -16,6 +16,7 @@ import fcntl
 import functools
 import json
 import os
+import secrets
 import signal
 import subprocess
 import time
@@ -195,6 +196,8 @@ def run_platform(settings: Settings, role: str = "all", flower: bool = True, smo
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         settings = _services(settings.replace(data_dir=str(data_dir)), platform)
+        if not settings.admin_key:  # the operator page and the admin API need one: keep it with the data
+            settings = settings.replace(admin_key=_saved_secret(data_dir / "admin-key"))
         upgrade_database(settings.sqlalchemy_url)
         key = _demo_key(settings.sqlalchemy_url, data_dir)
         env = child_env(settings)
@@ -305,6 +308,17 @@ def _services(settings: Settings, platform: Platform) -> Settings:
     return settings.replace(**urls)
 
 
+def _saved_secret(path: Path) -> str:
+    """The secret saved at ``path`` (0600), made up the first time."""
+    if path.exists() and path.read_text().strip():
+        return path.read_text().strip()
+    secret = secrets.token_urlsafe(24)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secret + "\n")
+    return secret
+
+
 def _demo_key(url: str, data_dir: Path) -> str:
     """The saved demo key if it still authenticates, else a new one for tenant ``demo``, saved 0600."""
 
@@ -368,6 +382,8 @@ def _banner(settings: Settings, api: str, flower_url: str | None, key: str, data
     say(f"\nSluice is up. Engine {engine}; model {settings.model}.\n"
         f"  API      {api}\n  OpenAPI  {api}/openapi.json\n"
         f"  Flower   {flower_url or '(not started)'}\n"
+        f"  Operator {api}/dashboard#key={settings.admin_key}   (admin key in {data_dir / 'admin-key'}, "
+        "unless SLUICE_ADMIN_KEY is set)\n"
         f"  API key  {key}   (tenant demo, saved in {data_dir / 'demo-key'})\n"
         f"  Logs     {data_dir / 'logs'}/\n\n"
         f"Submit a request:\n  curl -s {api}/v1/requests -H 'Authorization: Bearer {key}' \\\n"

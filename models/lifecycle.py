@@ -125,6 +125,7 @@ class Claimed:
     input_tokens: int
     conversation_id: str | None
     deadline_in_s: float | None  # seconds left until its deadline, on the database clock
+    queue_wait_s: float = 0.0  # from its creation to this claim, on the database clock
 
 
 class Orphan(NamedTuple):
@@ -226,20 +227,21 @@ class Lifecycle:
                             or_(_t.deadline_at.is_(None), _t.deadline_at > db_now()))
                 .values(started_at=db_now(), worker=worker, device=device, attempts=_t.attempts + 1)
                 .returning(_t.input, _t.params, _t.max_tokens, _t.time_limit_s, _t.conversation_id,
-                           func.extract("epoch", _t.deadline_at - db_now()), *_MOVED_COLUMNS)).one_or_none()
+                           func.extract("epoch", _t.deadline_at - db_now()),
+                           func.extract("epoch", db_now() - _t.created_at), *_MOVED_COLUMNS)).one_or_none()
             if row is None:
                 moved += _expire(session, _t.id == request_id)
                 if not moved:
                     status = session.scalar(select(_t.status).where(_t.id == request_id))
                     log.info("not running: row is %s", status.value if status else "missing")
                 return None
-            claim = _moved(Status.QUEUED, row[6:])
+            claim = _moved(Status.QUEUED, row[7:])
             moved.append(claim)
         log.info("running on %s", worker)
         deadline_in = row[5]
         return Claimed(claim.id, claim.tenant_id, row.input, row.params, claim.priority, row.max_tokens,
                        row.time_limit_s, claim.input_tokens, row.conversation_id,
-                       None if deadline_in is None else float(deadline_in))
+                       None if deadline_in is None else float(deadline_in), float(row[6]))
 
     def cancel(self, tenant_id: uuid.UUID, request_id: uuid.UUID) -> InferenceRequest | None:
         """A client's cancel: queued → cancelled at once; a running row is flagged for its worker.

@@ -280,6 +280,18 @@ class Settings:
         "gevent worker class: connections one web process holds open at once (waits and streams included).")
     web_threads: int = _field("SLUICE_WEB_THREADS", 8, "gthread worker class: threads per web process.")
 
+    # Metrics
+    metrics_host: str = _field(
+        "SLUICE_METRICS_HOST", "127.0.0.1",
+        "Address the worker's and the monitor's Prometheus endpoints listen on (0.0.0.0 for a "
+        "Prometheus on another host or container).")
+    worker_metrics_port: int = _field(
+        "SLUICE_WORKER_METRICS_PORT", 9101,
+        "A worker's Prometheus endpoint (/metrics); 0 turns it off. Several workers on one host: one port each.")
+    monitor_metrics_port: int = _field(
+        "SLUICE_MONITOR_METRICS_PORT", 9102,
+        "The monitor's Prometheus endpoint: queues in requests and tokens, level, job items, deliveries; 0: off.")
+
     # Serving
     web_host: str = _field("SLUICE_WEB_HOST", "127.0.0.1", "`sluice up`: web bind address.")
     web_port: int = _field("SLUICE_WEB_PORT", 8000, "`sluice up`: web port.")

@@ -50,6 +50,9 @@ TEST_ENV = {
     # Requests other tests leave queued share one database, and the sweep is global: with the
     # 30 s default they would expire under a later test's sweep and skew its counts.
     "SLUICE_REALTIME_DEADLINE_S": "300",
+    # Many workers and monitors run at once here: no metrics endpoints unless a test asks for one.
+    "SLUICE_WORKER_METRICS_PORT": "0",
+    "SLUICE_MONITOR_METRICS_PORT": "0",
 }
 
 

@@ -16,12 +16,13 @@ from sluice.broker import publisher as celery_publisher
 from sluice.keys import eviction_policy, redis_client
 from sluice.load import QueueCounters
 from sluice.logs import configure_logging, current_call_id, current_request_id
+from sluice.metrics import count_end
 from sluice.notify import MovePublisher, Waiters
 from sluice.queues import BrokerEpoch
 from sluice.settings import Settings
 from sluice.twins import Twins
 
-from . import admin, api, errors, health, jobs_api, metrics, webhooks_api
+from . import admin, api, dashboard, errors, health, jobs_api, metrics, webhooks_api
 from .admission import Admission
 from .auth import RecentKeys
 from .jobs import JobService
@@ -54,6 +55,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     if settings.admin_key:
         app.register_blueprint(admin.bp)
         app.register_blueprint(admin.load_bp)
+        app.register_blueprint(dashboard.page_bp)
+        app.register_blueprint(dashboard.data_bp)
 
     spec = None
 
@@ -76,6 +79,8 @@ def build_services(settings: Settings) -> Services:
     lifecycle = Lifecycle(db)
     # Whoever ends a request (a worker, a cancel, the sweep) gives back its unused reservation.
     lifecycle.on_end(admission.release)
+    # Every end is counted where it happens, with the tokens it cost (sluice/metrics.py).
+    lifecycle.on_end(count_end)
     # Every move changes its class's queue counters, which the load monitor and the promise read.
     lifecycle.on_move(QueueCounters(admission.redis, healthy=lambda: admission.redis_healthy))
     # Starts and ends are announced, waking the clients that wait or stream (sluice/notify.py).

@@ -8,7 +8,7 @@ from flask import Blueprint, Response, jsonify, request, url_for
 
 from models import InferenceRequest
 
-from . import idempotency, ladder, prefer, sse, waits
+from . import idempotency, ladder, metrics, prefer, sse, waits
 from .auth import authenticate, bearer_key
 from .bodies import json_object, validated
 from .errors import ApiError
@@ -68,6 +68,8 @@ def submit_request() -> Response | tuple[Response, int, dict[str, str]]:
         headers[ESTIMATED_WAIT_HEADER] = f"{accepted.estimated_wait_s:.3f}"
     if accepted.degradation:
         headers[ladder.HEADER] = ",".join(accepted.degradation)
+        for step in accepted.degradation:
+            metrics.DEGRADED.labels(step).inc()
     if accepted.cache_hit:
         headers[CACHE_HEADER] = "hit"
     body = _accepted_schema.dump({"id": row.id, "status": row.status.value, "status_url": status_url,

@@ -1,14 +1,16 @@
 """Prometheus metrics of the web tier and the /metrics endpoint that exposes them.
 
-Counters are per process: under gunicorn each worker answers /metrics with its own counts, so
-scrape every worker or sum over them. (Multi-process aggregation belongs to the observability
-issue.)
+Under gunicorn (``sluice web``) every web process writes its series into one multiprocess
+directory, so a scrape answered by any of them shows the sum of all (``sluice/metrics.py``);
+the series other processes export are listed there.
 """
 
 from __future__ import annotations
 
 from flask import Blueprint, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_latest
+
+from sluice.metrics import scrape_registry
 
 ADMITTED = Counter("sluice_admission_admitted_total", "Requests admitted, by the limiter that admitted them.",
                    ["limiter"])
@@ -20,11 +22,15 @@ CACHE_HITS = Counter("sluice_cache_hits_total", "Submits answered from the hot a
 ABANDONED = Counter("sluice_requests_abandoned_total",
                     "Requests cancelled because their client left: closed a wait or a stream, or stopped polling.",
                     ["how"])
-LOCAL_FLOOR = Gauge("sluice_admission_local_floor", "1 while this process admits on its local floor (Redis away).")
+DEGRADED = Counter("sluice_degradation_steps_total", "Requests a degradation step changed at admission, by step.",
+                   ["step"])
+# Under gunicorn: 1 while any web process admits on its local floor.
+LOCAL_FLOOR = Gauge("sluice_admission_local_floor", "1 while this process admits on its local floor (Redis away).",
+                    multiprocess_mode="max")
 
 bp = Blueprint("metrics", __name__)
 
 
 @bp.get("/metrics")
 def metrics() -> Response:
-    return Response(generate_latest(), content_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(scrape_registry()), content_type=CONTENT_TYPE_LATEST)

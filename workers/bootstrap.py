@@ -22,6 +22,7 @@ from sluice.registry import ModelSpec
 from sluice.settings import Settings
 from web.services import services
 
+from . import exporter
 from .engines import load_engine
 from .runtime import EngineRuntime
 
@@ -162,6 +163,7 @@ def start_runtime(app: Flask, hostname: str, queues: list[str], threads: int | N
                             cancel_poll_s=settings.cancel_poll_s, watchdog_s=settings.worker_watchdog_s, info=info,
                             batch_prefill_per_step=settings.worker_batch_prefill_per_step)
     runtime.start()
+    exporter.export(runtime, settings)
     WORKER.batch = batch_slots(settings, info["threads"], queues, lambda: runtime.realtime_in_flight() > 0)
     WORKER.runtime = runtime
     log.info("%d of %d threads may hold batch work (%d may start while realtime runs)", WORKER.batch.limit,

@@ -22,6 +22,7 @@ from models import Priority, Status
 from models import lifecycle as lc
 from models.lifecycle import Claimed, Ended, Lifecycle, Requeued
 from models.request import storable_text
+from sluice import metrics
 from sluice.answers import AnswerCache, answer_key
 from sluice.keys import conversation_key
 from sluice.twins import Twins
@@ -67,6 +68,7 @@ def execute(lifecycle: Lifecycle, redis_client: redis.Redis, runtime: EngineRunt
     claimed_mono = time.monotonic()  # started_at, on this host's clock (give or take the claim's return)
     if claimed is None:
         return
+    metrics.QUEUE_WAIT.labels(claimed.priority.value, runtime.info["model"]).observe(claimed.queue_wait_s)
     if claimed.conversation_id and runtime.node:
         try:
             redis_client.set(conversation_key(str(claimed.tenant_id), claimed.conversation_id), runtime.node,
@@ -91,6 +93,7 @@ def run(lifecycle: Lifecycle, runtime: EngineRuntime, claimed: Claimed, claimed_
         log.exception("engine error")
         with_db_retries(lambda: lifecycle.finish(request_id, runtime.worker_id, lc.ENGINE_ERROR))
         return
+    _observe(claimed, runtime.info["model"], result, claimed_mono)
     if result.ended_by == "shutdown":
         requeued = with_db_retries(lambda: lifecycle.hand_back(request_id, runtime.worker_id))
         if requeued is None:  # the client asked to cancel it meanwhile (or it is no longer ours)
@@ -114,6 +117,17 @@ def run(lifecycle: Lifecycle, runtime: EngineRuntime, claimed: Claimed, claimed_
         out = result.output
         answers.put(key, {"text": storable_text(out.text), "finish_reason": out.finish_reason,
                           "input_tokens": out.prompt_tokens, "output_tokens": out.output_tokens})
+
+
+def _observe(claimed: Claimed, model: str, result: RunResult, claimed_mono: float) -> None:
+    """One engine run into the worker's histograms (sluice/metrics.py)."""
+    labels = (claimed.priority.value, model)
+    metrics.INFERENCE.labels(*labels).observe(time.monotonic() - claimed_mono)
+    first = result.first_token_after(claimed_mono)
+    if first is not None:
+        metrics.FIRST_TOKEN.labels(*labels).observe(max(0.0, first))
+    if result.output is not None:
+        metrics.OUTPUT_TOKENS.labels(*labels).inc(result.output.output_tokens)
 
 
 def finish(lifecycle: Lifecycle, request_id: uuid.UUID, worker_id: str, model: str, result: RunResult,

@@ -200,6 +200,11 @@ class EngineRuntime:
                 self._sink = TokenSink(self._redis)
             return self._sink
 
+    def in_flight(self) -> int:
+        """Requests this worker runs now (claimed, not finished)."""
+        with self._lock:
+            return len(self._in_flight)
+
     def realtime_in_flight(self) -> int:
         """Requests of realtime priority this worker runs now (claimed, not finished)."""
         with self._lock:

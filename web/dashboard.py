@@ -1,0 +1,100 @@
+"""The operator page (``/dashboard``): the entry queue first, then what drains it.
+
+The page is static (``web/static/``: its HTML and a small chart script of our own, no build
+step, nothing from a CDN); it asks ``GET /v1/admin/dashboard`` every two seconds with the admin
+key, which the operator gives once (``/dashboard#key=…`` or the form) and the browser keeps for
+the tab only. The data endpoint answers from what the platform already keeps: the load
+monitor's class snapshots and the level (Redis), the workers' heartbeats (engine batch and KV),
+recent request timings, live jobs and reservations (Postgres), and this web tier's rejection
+counters (all its processes, ``sluice/metrics.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from flask import Blueprint, Response, jsonify, send_from_directory
+from sqlalchemy import Float, cast, func, select
+
+from models import InferenceRequest, Job, JobItem
+from models.reservation import current_views
+from sluice.load import load_view
+from sluice.metrics import scrape_registry
+
+from .admin import _require_admin_key
+from .health import live_workers
+from .services import services
+
+STATIC = Path(__file__).resolve().parent / "static"
+TIMING_WINDOW_S = 60  # the queue wait / inference figures cover requests that ended this recently
+page_bp = Blueprint("dashboard", __name__)
+data_bp = Blueprint("dashboard_data", __name__, url_prefix="/v1/admin")
+data_bp.before_request(_require_admin_key)
+_t = InferenceRequest
+
+
+@page_bp.get("/dashboard")
+def page() -> Response:
+    return send_from_directory(STATIC, "dashboard.html", max_age=0)
+
+
+@page_bp.get("/dashboard/static/<path:name>")
+def asset(name: str) -> Response:
+    return send_from_directory(STATIC, name, max_age=300)
+
+
+@data_bp.get("/dashboard")
+def data() -> Response:
+    svc = services()
+    with svc.db.session() as session:
+        reservations = current_views(session)
+        timings = _timings(session)
+        jobs = _jobs(session)
+    load = load_view(svc.redis, svc.settings.ladder, reservations)
+    workers = [{"worker": w.get("worker"), "model": w.get("model"), "device": w.get("device"),
+                "role": w.get("role"), "running": w.get("running", 0), "waiting": w.get("waiting", 0),
+                "max_batch_seen": w.get("max_batch_seen", 0), "threads": w.get("threads"),
+                "kv_used_tokens": w.get("kv_used_tokens", 0), "kv_capacity_tokens": w.get("kv_capacity_tokens", 0)}
+               for w in live_workers(svc.redis, svc.settings.worker_heartbeat_s)]
+    return jsonify({"level": load["level"], "steps": load["steps"], "monitor": load["monitor"],
+                    "classes": load["classes"], "reservations": reservations,
+                    "paused_for_reservations": load["paused_for_reservations"], "workers": workers,
+                    "timings": timings, "jobs": jobs, "rejections": _rejections()})
+
+
+def _timings(session) -> list[dict[str, Any]]:
+    """Median queue wait and inference time per priority, over requests that ended lately."""
+    wait = func.extract("epoch", _t.started_at - _t.created_at)
+    run = func.extract("epoch", _t.finished_at - _t.started_at)
+    rows = session.execute(
+        select(_t.priority, func.count(),
+               cast(func.percentile_cont(0.5).within_group(wait), Float),
+               cast(func.percentile_cont(0.5).within_group(run), Float))
+        .where(_t.finished_at > func.now() - func.make_interval(0, 0, 0, 0, 0, 0, TIMING_WINDOW_S),
+               _t.started_at.is_not(None))
+        .group_by(_t.priority)).all()
+    return [{"priority": p.value, "requests": n, "queue_wait_p50_s": w, "inference_p50_s": r} for p, n, w, r in rows]
+
+
+def _jobs(session) -> list[dict[str, Any]]:
+    live = select(Job.id).where(Job.status.in_(("in_progress", "finalizing", "cancelling"))).limit(20).subquery()
+    rows = session.execute(select(JobItem.job_id, JobItem.status, func.count())
+                           .where(JobItem.job_id.in_(select(live.c.id)))
+                           .group_by(JobItem.job_id, JobItem.status)).all()
+    jobs: dict[str, dict[str, int]] = {}
+    for job_id, status, count in rows:
+        jobs.setdefault(str(job_id), {})[status.value] = count
+    return [{"id": job_id, "items": counts} for job_id, counts in jobs.items()]
+
+
+def _rejections() -> dict[str, float]:
+    """Rejections since the web tier started, by gate and reason (the page shows the change)."""
+    totals: dict[str, float] = {}
+    for family in scrape_registry().collect():
+        if family.name == "sluice_admission_rejections":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    key = f"{sample.labels['gate']}: {sample.labels['reason']}"
+                    totals[key] = totals.get(key, 0.0) + sample.value
+    return totals

@@ -105,17 +105,19 @@ def test_a_worker_exports_its_requests_and_its_engine(database_url, scratch_redi
 
 
 def test_the_monitor_exports_queues_in_requests_and_tokens(database_url, scratch_redis_url, tmp_path, new_client):
+    app = create_app(make_settings(database_url, scratch_redis_url))
+    client = new_client(app)
+    # Queued before the monitor starts: nobody consumes this Redis database's queues, and once the
+    # monitor publishes that, admission refuses what no worker could ever finish.
+    for i in range(3):
+        assert client.submit(prompt=f"wait in line {i} " * 20, max_tokens=100, priority="batch").status_code == 202
     port = free_port()
     env = {**os.environ, **service_env(database_url, scratch_redis_url, {"SLUICE_MONITOR_METRICS_PORT": str(port)})}
     log = open(tmp_path / "monitor.log", "w")  # noqa: SIM115 - closed below
     monitor = subprocess.Popen([*SLUICE, "monitor"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                start_new_session=True)
-    app = create_app(make_settings(database_url, scratch_redis_url))
     try:
         wait_for_http(f"http://127.0.0.1:{port}/metrics", monitor, tmp_path / "monitor.log")
-        client = new_client(app)
-        for i in range(3):  # nobody consumes this Redis database's queues: they stay queued
-            assert client.submit(prompt=f"wait in line {i} " * 20, max_tokens=100, priority="batch").status_code == 202
 
         def queued() -> dict | None:
             samples = scrape(f"http://127.0.0.1:{port}/metrics")

@@ -342,6 +342,22 @@ def _admin_paths(spec: APISpec) -> None:
                   "responses": {"200": _json("TenantView", "The tenant after the change."), **denied,
                                 "404": _error("No such tenant."), "422": invalid}},
     })
+    spec.path(path="/dashboard", operations={"get": {
+        "tags": ["admin"], "summary": "The operator page (HTML; it asks for the admin key and reads "
+                                      "/v1/admin/dashboard)",
+        "responses": {"200": {"description": "The page.", "content": {"text/html": {"schema": {"type": "string"}}}}}}})
+    spec.path(path="/dashboard/static/{name}", operations={"get": {
+        "tags": ["admin"], "summary": "The page's script and chart library",
+        "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
+        "responses": {"200": {"description": "The file.",
+                              "content": {"text/javascript": {"schema": {"type": "string"}}}},
+                      "404": _error("No such file.")}}})
+    spec.path(path="/v1/admin/dashboard", operations={"get": {
+        **admin, "summary": "What the operator page draws: classes, level and steps, workers, timings, jobs, "
+                            "reservations, rejections",
+        "responses": {"200": {"description": "The figures.", "content": {"application/json": {"schema": {
+            "type": "object", "required": ["level", "steps", "classes", "workers", "timings", "jobs", "rejections"]}}}},
+            **denied}}})
     spec.path(path="/v1/admin/load", operations={"get": {
         **admin, "summary": "Load per class: queue in requests, tokens and work, drain, wait, level",
         "responses": {"200": _json("LoadView", "As the load monitor last published it."), **denied}}})

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from flask import Blueprint, Response, jsonify, send_from_directory
+from flask import Blueprint, Response, jsonify
 from sqlalchemy import Float, cast, func, select
 
 from models import InferenceRequest, Job, JobItem
@@ -23,10 +23,12 @@ from sluice.load import load_view
 from sluice.metrics import scrape_registry
 
 from .admin import _require_admin_key
+from .errors import NotFound
 from .health import live_workers
 from .services import services
 
 STATIC = Path(__file__).resolve().parent / "static"
+_TYPES = {".html": "text/html", ".js": "text/javascript"}
 TIMING_WINDOW_S = 60  # the queue wait / inference figures cover requests that ended this recently
 page_bp = Blueprint("dashboard", __name__)
 data_bp = Blueprint("dashboard_data", __name__, url_prefix="/v1/admin")
@@ -36,12 +38,20 @@ _t = InferenceRequest
 
 @page_bp.get("/dashboard")
 def page() -> Response:
-    return send_from_directory(STATIC, "dashboard.html", max_age=0)
+    return _static("dashboard.html", max_age=0)
 
 
 @page_bp.get("/dashboard/static/<path:name>")
 def asset(name: str) -> Response:
-    return send_from_directory(STATIC, name, max_age=300)
+    return _static(name, max_age=300)
+
+
+def _static(name: str, max_age: int) -> Response:
+    """One of the page's few small files, read whole (no open file handed to the server)."""
+    path = (STATIC / name).resolve()
+    if path.parent != STATIC or path.suffix not in _TYPES or not path.is_file():
+        raise NotFound("No such file of the operator page.")
+    return Response(path.read_bytes(), mimetype=_TYPES[path.suffix], headers={"Cache-Control": f"max-age={max_age}"})
 
 
 @data_bp.get("/dashboard")

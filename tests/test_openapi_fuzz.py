@@ -42,6 +42,11 @@ expected-statuses = ["2xx", "3xx", "401", "403", "404", "409", "413", "429"]
 # A job file is checked line by line (each a JSON object with custom_id and text, ids unique),
 # and its summary must fit the model's context with the instruction: a text body's rules.
 CROSS_FIELD_RULES = {"POST /v1/admin/reservations", "POST /v1/jobs"}
+# An OpenAI-style completion answers when its request ends, and the simulated engine writes all
+# of max_tokens: generated bodies keep their shape but ask for a short answer (a valid value,
+# added when they name none), or a case near the 8192 maximum would hold the fuzz for a minute.
+SHORT_ANSWERS = {"POST /v1/chat/completions", "POST /v1/completions"}
+SHORT = 16
 
 
 # Webhook URLs must resolve to a receiver the SSRF guard lets through: the fuzz app allows
@@ -120,6 +125,13 @@ def fuzz_operation(operation, tenant_key: str, cases: dict[str, int]) -> None:
         if "Idempotency-Key" in headers:
             # A generated key would repeat across cases with other bodies (a 422 by design).
             headers["Idempotency-Key"] = uuid.uuid4().hex
+        if label in SHORT_ANSWERS and isinstance(case.body, dict):
+            if not {"max_tokens", "max_completion_tokens"} & case.body.keys():
+                case.body["max_tokens"] = SHORT
+            for name in ("max_tokens", "max_completion_tokens"):
+                value = case.body.get(name)
+                if isinstance(value, int | float) and not isinstance(value, bool) and value > SHORT:
+                    case.body[name] = SHORT
         excluded = [positive_data_acceptance] if label in CROSS_FIELD_RULES else None
         case.call_and_validate(headers=headers, excluded_checks=excluded)
 

@@ -22,7 +22,7 @@ from sluice.queues import BrokerEpoch
 from sluice.settings import Settings
 from sluice.twins import Twins
 
-from . import admin, api, dashboard, errors, health, jobs_api, metrics, webhooks_api
+from . import admin, api, dashboard, errors, health, jobs_api, metrics, openai_api, openai_batches_api, webhooks_api
 from .admission import Admission
 from .auth import RecentKeys
 from .jobs import JobService
@@ -49,6 +49,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     _bind_call_ids(app)
     app.register_blueprint(api.bp)
     app.register_blueprint(jobs_api.bp)
+    app.register_blueprint(openai_api.bp)
+    app.register_blueprint(openai_batches_api.bp)
     app.register_blueprint(webhooks_api.bp)
     app.register_blueprint(health.bp)
     app.register_blueprint(metrics.bp)

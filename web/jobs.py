@@ -66,6 +66,8 @@ class JobParams:
     metadata: dict[str, str]
     webhook_url: str | None = None  # its events (webhook_events) are sent by the sweep: workers/webhooks.py
     webhook_events: tuple[str, ...] = ()
+    # An OpenAI batch's (web/openai_batches.py): every line must be an OpenAI request to this url.
+    endpoint: str | None = None
 
 
 def chunk_budget(context_tokens: int, max_request_tokens: int, instruction_tokens: int, summary_tokens: int) -> int:
@@ -177,7 +179,7 @@ class JobService:
                     else:
                         try:
                             custom_id, doc, body, tokens = ingest.parse(raw, served)
-                            error = None
+                            error = _off_endpoint(body, params.endpoint)
                         except ingest.LineError as exc:
                             error, custom_id = exc, None
                     if error is not None:
@@ -397,6 +399,13 @@ def _duplicates(session, job_id: uuid.UUID) -> list[tuple[int, str, int]]:
                error_code = 'duplicate_custom_id', error_message = 'custom_id first appears on line ' || seen.first
         FROM seen WHERE i.job_id = :job AND i.line = seen.line AND seen.line <> seen.first
         RETURNING i.line, i.custom_id, seen.first"""), {"job": job_id})]
+
+
+def _off_endpoint(body: dict[str, Any] | None, endpoint: str | None) -> ingest.LineError | None:
+    """A batch's line that is not a request to the batch's endpoint (OpenAI refuses those too)."""
+    if endpoint is None or (body is not None and body["url"] == endpoint):
+        return None
+    return ingest.LineError("invalid_url", f"Every line of this batch must be an OpenAI request to {endpoint}.")
 
 
 def _events(args: dict[str, str], problems: dict[str, list[str]]) -> tuple[str, ...]:

@@ -16,7 +16,7 @@ from marshmallow import fields, validate
 
 from sluice.settings import Settings
 
-from . import schemas
+from . import openai_batches_spec, openai_spec, schemas
 from .admin import ReservationSchema, TenantCreateSchema, TenantLimitsSchema
 from .webhooks_api import DeliveryListSchema, DeliveryViewSchema, SecretSchema
 
@@ -88,10 +88,13 @@ def build_spec(version: str, settings: Settings | None = None) -> dict:
         spec.components.schema(name, schema=schema)
     _request_paths(spec)
     _job_paths(spec, settings)
+    openai_batches_spec.add_paths(spec)
+    openai_spec.add_paths(spec)
     _webhook_paths(spec)
     _service_paths(spec)
     _admin_paths(spec)
     document = spec.to_dict()
+    openai_spec.finish(document, settings)
     document["components"]["schemas"]["SubmitRequest"]["oneOf"] = schemas.SubmitRequestSchema.OPENAPI_ONE_OF
     document["components"]["schemas"]["SubmitRequest"]["dependentRequired"] = {"webhook_events": ["webhook_url"]}
     if settings is not None:

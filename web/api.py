@@ -53,12 +53,7 @@ def submit_request() -> Response | tuple[Response, int, dict[str, str]]:
             # Refused on a remembered key, and keys may have been revoked since (the epoch moved, or
             # Redis did not say): a revoked key gets 401 instead, a disabled tenant 403, a live key this.
             tenant = authenticate(svc.db, svc.recent_keys)
-        # Every answer after authentication carries the tenant's quotas; a gate's refusal has them already.
-        if "x-ratelimit-limit-tokens" not in exc.headers:
-            try:
-                exc.headers.update(svc.admission.headers(tenant))
-            except Exception:  # the refusal matters more than the quota report
-                log.warning("could not compute rate limit headers", exc_info=True)
+        add_quotas(exc, tenant)
         raise
     row = accepted.row
     status_url = _status_url(row)
@@ -115,6 +110,15 @@ def cancel_request(request_id: str) -> Response:
     svc = services()
     tenant = authenticate(svc.db, svc.recent_keys)
     return jsonify(_view_schema.dump(svc.requests.cancel(tenant.id, request_id)))
+
+
+def add_quotas(exc: ApiError, tenant) -> None:
+    """Every answer after authentication carries the tenant's quotas; a gate's refusal has them already."""
+    if "x-ratelimit-limit-tokens" not in exc.headers:
+        try:
+            exc.headers.update(services().admission.headers(tenant))
+        except Exception:  # the refusal matters more than the quota report
+            log.warning("could not compute rate limit headers", exc_info=True)
 
 
 def _status_url(row: InferenceRequest) -> str:

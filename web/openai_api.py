@@ -33,6 +33,7 @@ from models import InferenceRequest, Status, Tenant
 
 from . import idempotency, ladder, metrics, waits
 from . import openai_shapes as shapes
+from .api import add_quotas
 from .auth import authenticate
 from .bodies import json_object, validated
 from .errors import ApiError
@@ -116,11 +117,7 @@ def _submit(svc: Services, tenant: Tenant, chat: bool) -> tuple[dict[str, Any], 
                                    svc.settings.idempotency_window_s)
         accepted = svc.requests.submit(tenant, data, key)
     except ApiError as exc:
-        if "x-ratelimit-limit-tokens" not in exc.headers:  # as on the native route: quotas on every answer
-            try:
-                exc.headers.update(svc.admission.headers(tenant))
-            except Exception:  # the refusal matters more than the quota report
-                log.warning("could not compute rate limit headers", exc_info=True)
+        add_quotas(exc, tenant)  # as on the native route: quotas on every answer
         raise
     row = accepted.row
     headers = {REQUEST_ID_HEADER: str(row.id), **accepted.headers}

@@ -228,7 +228,9 @@ class EngineRuntime:
             time.sleep(0.2)
         if self._in_flight:
             log.warning("stop grace over: handing back %d requests in flight", len(self._in_flight))
-            self.hand_back()
+        # Always: a request claimed as the stop began may reach run() only now; it must be handed
+        # back at once, not run to its end after the grace (it was not in flight to be waited for).
+        self.hand_back()
 
     def hand_back(self) -> None:
         """Abort every request in flight so its task requeues it (``ended_by="shutdown"``)."""

@@ -51,3 +51,11 @@ def validated(schema: Schema, body: dict[str, Any]) -> dict[str, Any]:
         return schema.load(body)
     except ValidationError as exc:
         raise InvalidRequest("The request has invalid fields; see details.", details=exc.messages) from None
+
+
+def page_limit(default: int = 20, most: int = 100) -> int:
+    """The ``limit`` query parameter of a list route: a whole number from 1 to ``most``."""
+    raw = request.args.get("limit", str(default))
+    if not raw.isdigit() or not 1 <= int(raw) <= most:
+        raise InvalidRequest(f"limit must be a whole number from 1 to {most}.", details={"limit": [f"1 to {most}."]})
+    return int(raw)

@@ -14,7 +14,8 @@ from __future__ import annotations
 from flask import Blueprint, Response, jsonify, request, stream_with_context
 
 from .auth import authenticate
-from .errors import ApiError, InvalidRequest
+from .bodies import page_limit
+from .errors import ApiError
 from .ingest import TooLarge as TooLargeWhileReading
 from .jobs import JSONL_TYPES
 from .services import services
@@ -50,10 +51,7 @@ def _too_large(what: str, limit: int) -> ApiError:
 def list_jobs() -> Response:
     svc = services()
     tenant = authenticate(svc.db, svc.recent_keys)
-    raw = request.args.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= 100:
-        raise InvalidRequest("limit must be a whole number from 1 to 100.", details={"limit": ["1 to 100."]})
-    limit = int(raw)
+    limit = page_limit()
     jobs = svc.jobs.list(tenant.id, limit + 1, request.args.get("before"))
     return jsonify({"object": "list", "data": jobs[:limit], "has_more": len(jobs) > limit,
                     "next_before": jobs[limit - 1]["id"] if len(jobs) > limit else None})

@@ -16,7 +16,8 @@ from flask import Blueprint, Response, jsonify, request, stream_with_context
 from werkzeug.exceptions import HTTPException
 
 from .auth import authenticate
-from .errors import ApiError, InvalidRequest
+from .bodies import page_limit
+from .errors import ApiError
 from .openai_batches import BatchService
 from .openai_files import FileStore, file_view, openai_error, parse_id, too_large
 from .services import services
@@ -94,10 +95,7 @@ def create_batch() -> Response:
 def list_batches() -> Response:
     svc = services()
     tenant = authenticate(svc.db, svc.recent_keys)
-    raw = request.args.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= 100:
-        raise InvalidRequest("limit must be a whole number from 1 to 100.", details={"limit": ["1 to 100."]})
-    limit = int(raw)
+    limit = page_limit()
     batches = _batches().list(tenant.id, limit + 1, request.args.get("after"))
     page = batches[:limit]
     return jsonify({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,

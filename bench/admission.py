@@ -45,10 +45,10 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]
 
+from core.settings import Settings  # noqa: E402
 from launcher.argv import web_argv  # noqa: E402
 from launcher.database import create_key, upgrade_database  # noqa: E402
 from launcher.harness import free_redis_db  # noqa: E402
-from sluice.settings import Settings  # noqa: E402
 
 NO_LIMIT = {"tokens_per_minute": 10**9, "requests_per_minute": 10**8, "max_concurrent": 10**8}
 
@@ -109,9 +109,9 @@ def time_gates(settings: Settings, key: str, n: int) -> dict:
     """The admission step alone, in this process: one Lua call for a tenant already loaded."""
     from sqlalchemy import select
 
+    from core.admission.gates import Admission
+    from core.submit.plan import Plan
     from models import ApiKey, Database, Priority, SizeClass, Tenant, hash_key
-    from web.admission import Admission
-    from web.plan import Plan
 
     db = Database()
     db.configure(settings.sqlalchemy_url, pool_size=2)
@@ -204,7 +204,7 @@ def main() -> int:
 def overload(settings: Settings, redis_url: str, seconds: float) -> None:
     """Publish what the load monitor would during an overload: the default realtime class has
     10^9 tokens of work queued and drains one per second, so every realtime submit is refused."""
-    from sluice.load import ClassLoad, counters_key
+    from core.admission.load import ClassLoad, counters_key
 
     client = redis.Redis.from_url(redis_url)
     model = settings.registry.default.name
@@ -216,8 +216,8 @@ def overload(settings: Settings, redis_url: str, seconds: float) -> None:
 
 
 def set_no_limits(settings: Settings) -> None:
+    from core.tenants.manage import find_tenant, update_tenant
     from models import Database
-    from sluice.tenants import find_tenant, update_tenant
 
     db = Database()
     db.configure(settings.sqlalchemy_url, pool_size=1)

@@ -104,9 +104,9 @@ def sluice_stack(args, model: Path):
     """Scratch database + Redis db + one vLLM worker; returns (app, tenant key, worker, cleanup)."""
     import psycopg
 
+    from core.settings import Settings
     from launcher.database import create_key, upgrade_database
     from launcher.harness import WorkerProcess, with_database
-    from sluice.settings import Settings
     from web import create_app, services
 
     name = f"sluice_bench_{uuid.uuid4().hex[:6]}"

@@ -77,7 +77,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 from overload import interrupt, listening_pids, rss_bytes, say, start  # noqa: E402
 from users import TERMINAL, Attempt, Http, SluiceFront, question_prompt  # noqa: E402
 
-from sluice.settings import Settings  # noqa: E402
+from core.settings import Settings  # noqa: E402
 
 # Mean text length per document (a sentence's overshoot, multibyte letters and the JSON around it
 # come on top): lines of ~2.5 KB and ~300 B.

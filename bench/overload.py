@@ -97,10 +97,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from users import Arrivals, Http, Question, SluiceFront, VllmFront, batch_job, realtime_user  # noqa: E402
 
+from core.settings import Settings  # noqa: E402
 from launcher.argv import monitor_argv, web_argv  # noqa: E402
 from launcher.database import upgrade_database  # noqa: E402
 from launcher.harness import BeatProcess, WorkerProcess, free_redis_db, with_database  # noqa: E402
-from sluice.settings import Settings  # noqa: E402
 
 SETUPS = ("sluice", "sluice-defaults", "sluice-ladder-off", "vllm-server")
 PHASES = (("warm", 0.8, 60.0), ("spike", 3.0, 120.0), ("after", 0.8, 60.0))

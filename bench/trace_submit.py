@@ -45,9 +45,9 @@ def main() -> int:
         command.upgrade(config, "head")
 
         import web
+        from core.settings import Settings
+        from core.tenants.manage import add_key
         from models import Database, Tenant
-        from sluice.settings import Settings
-        from sluice.tenants import add_key
 
         if not web.__file__.startswith(str(root)):
             raise SystemExit(f"imported web from {web.__file__}, not from {root}")

@@ -62,10 +62,10 @@ from overload import (  # noqa: E402
 )
 from users import Http  # noqa: E402
 
+from core.settings import Settings  # noqa: E402
 from launcher.argv import monitor_argv, web_argv  # noqa: E402
 from launcher.database import upgrade_database  # noqa: E402
 from launcher.harness import BeatProcess, WorkerProcess, free_redis_db, with_database  # noqa: E402
-from sluice.settings import Settings  # noqa: E402
 
 
 def start(args: argparse.Namespace, worker_class: str, exits: contextlib.ExitStack, tmp: Path) -> tuple[str, str]:

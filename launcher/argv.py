@@ -6,8 +6,8 @@ import socket
 import sys
 from pathlib import Path
 
-from sluice.queues import WEBHOOKS_QUEUE, WEBHOOKS_ROLE, queues_for_role
-from sluice.settings import Settings
+from core.broker.queues import WEBHOOKS_QUEUE, WEBHOOKS_ROLE, queues_for_role
+from core.settings import Settings
 
 
 def worker_argv(settings: Settings, role: str, concurrency: int | None = None, name: str | None = None,
@@ -64,7 +64,7 @@ def web_argv(settings: Settings) -> list[str]:
                    if settings.web_worker_class == "gevent" else
                    ["--worker-class", "gthread", "--threads", str(settings.web_threads)])
     # gunicorn's own lines (the master's, errors, the access log) in Sluice's format, with its ids.
-    logger = "sluice.logs.JsonGunicornLogger" if settings.log_format == "json" else "sluice.logs.GunicornLogger"
+    logger = "core.observe.logs." + ("JsonGunicornLogger" if settings.log_format == "json" else "GunicornLogger")
     return [sys.executable, "-m", "gunicorn", "--bind", f"{settings.web_host}:{settings.web_port}",
             "--workers", str(settings.web_workers), *concurrency, "--timeout", "60",
             "--config", "python:web.gunicorn_hooks",

@@ -10,18 +10,25 @@ from pathlib import Path
 
 import click
 
-from sluice.settings import Settings
-
-from .argv import beat_argv, flower_argv, flower_env, flower_exposed, web_argv, webhooks_worker_argv, worker_argv
-from .database import upgrade_database
-from .diagnose_cli import diagnose_command
-from .jobs_cli import jobs
-from .keys_cli import keys
-from .options import load_settings, service_settings
-from .reserve_cli import reserve
-from .supervisor import run_platform
-from .tenants_cli import tenants
-from .webhooks_cli import webhooks
+from core.settings import Settings
+from launcher.argv import (
+    beat_argv,
+    flower_argv,
+    flower_env,
+    flower_exposed,
+    web_argv,
+    webhooks_worker_argv,
+    worker_argv,
+)
+from launcher.database import upgrade_database
+from launcher.diagnose_cli import diagnose_command
+from launcher.jobs_cli import jobs
+from launcher.keys_cli import keys
+from launcher.options import load_settings, service_settings
+from launcher.reserve_cli import reserve
+from launcher.supervisor import run_platform
+from launcher.tenants_cli import tenants
+from launcher.webhooks_cli import webhooks
 
 
 def _exec(argv: list[str]) -> None:
@@ -124,7 +131,7 @@ def web() -> None:
     """Run the REST API under gunicorn."""
     settings = service_settings()
     # One directory of metric files for this server's processes, emptied at each start: a scrape
-    # of any of them then shows the sum of all (sluice/metrics.py).
+    # of any of them then shows the sum of all (core/observe/metrics.py).
     metrics_dir = Path(settings.data_dir) / "metrics" / f"web-{settings.web_port}"
     shutil.rmtree(metrics_dir, ignore_errors=True)
     metrics_dir.mkdir(parents=True)
@@ -146,12 +153,10 @@ def flower() -> None:
 @main.command()
 def sweep() -> None:
     """Run the stranded-request sweep once and print what it did."""
-    from web import create_app, services
+    from core.services import start_services
     from workers.sweep import sweep as run_sweep
 
-    app = create_app(service_settings())
-    with app.app_context():
-        report = run_sweep(services(app))
+    report = run_sweep(start_services(service_settings()))
     click.echo(json.dumps(report))
 
 
@@ -162,22 +167,17 @@ def monitor() -> None:
     import signal
     import threading
 
-    from web import create_app, services
+    from core.jobs.feeder import Feeder
+    from core.services import start_services
     from workers.exporter import export_platform
-    from workers.feeder import Feeder
     from workers.monitor import Monitor
 
-    app = create_app(service_settings())
-    svc = services(app)
+    svc = start_services(service_settings())
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
 
-    def feed() -> None:
-        with app.app_context():
-            Feeder(svc).run(stop)
-
-    feeder = threading.Thread(target=feed, name="feeder", daemon=True)
+    feeder = threading.Thread(target=Feeder(svc).run, args=(stop,), name="feeder", daemon=True)
     feeder.start()
     export_platform(svc)
     Monitor(svc.settings, svc.redis, svc.db, broker=svc.broker).run(stop)
@@ -188,10 +188,10 @@ def monitor() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def status(as_json: bool) -> None:
     """Show the load per class, as the monitor last published it."""
+    from core.admission.load import ClassLoad, load_view
+    from core.rediskeys import redis_client
     from models import Database
     from models.reservation import current_views
-    from sluice.keys import redis_client
-    from sluice.load import ClassLoad, load_view
 
     settings = load_settings()
     if not settings.redis_url:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from sqlalchemy import create_engine, pool, select, text
 
+from core.tenants.manage import add_key
 from models import Database, Tenant
-from sluice.tenants import add_key
 
 ROOT = Path(__file__).resolve().parent.parent
 # The key of the Postgres advisory lock (one per database) every migrating process takes: the

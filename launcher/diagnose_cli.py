@@ -1,8 +1,8 @@
 """``sluice diagnose``: the figures the platform already keeps, gathered, and the verdict printed.
 
-Redis holds the load monitor's per-class snapshots (``sluice/load.py``) and each warm worker's
+Redis holds the load monitor's per-class snapshots (``core/admission/load.py``) and each warm worker's
 heartbeat with its engine's stats (``workers/runtime.py``); Postgres holds the request rows, whose
-timestamps say how long recent requests queued and ran. The judging is ``sluice/diagnose.py``'s.
+timestamps say how long recent requests queued and ran. The judging is ``core/observe/diagnose.py``'s.
 """
 
 from __future__ import annotations
@@ -15,20 +15,19 @@ import click
 import redis
 from sqlalchemy import case, func, select
 
+from core.admission.load import ClassLoad
+from core.observe.diagnose import ClassFigures, EngineFigures, Figures, diagnose
+from core.rediskeys import redis_client
+from core.settings import Settings
+from launcher.options import service_settings
 from models import Database, InferenceRequest
-from sluice.diagnose import ClassFigures, EngineFigures, Figures, diagnose
-from sluice.keys import redis_client
-from sluice.load import ClassLoad
-from sluice.settings import Settings
-
-from .options import service_settings
 
 
 def gather(settings: Settings, client: redis.Redis, db: Database, window_s: float) -> Figures:
     """Every class the monitor published, with the rows of the last ``window_s`` seconds, and
     every live worker. The batch size of an engine is SLUICE_VLLM_MAX_NUM_SEQS as this process
     reads it: heartbeats do not carry it."""
-    from web.health import live_workers  # the web package is imported only by the commands that need it
+    from core.fleet.workers import live_workers
 
     recent = _recent(db, window_s)
     classes = []

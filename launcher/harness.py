@@ -21,7 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis as redis_lib
 
-from sluice.keys import WORKER_PREFIX
+from core.rediskeys import WORKER_PREFIX
 
 ROOT = Path(__file__).resolve().parent.parent
 SLUICE = [sys.executable, "-m", "launcher.cli"]

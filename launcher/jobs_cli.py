@@ -21,9 +21,8 @@ from urllib.parse import SplitResult, urlencode, urlsplit
 
 import click
 
+from launcher.options import load_settings
 from models.job import JobStatus
-
-from .options import load_settings
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TERMINAL = frozenset(status.value for status in JobStatus if status.terminal)

@@ -7,9 +7,8 @@ import json
 
 import click
 
-from sluice.tenants import add_key, key_view, list_keys, revoke_key
-
-from .tenants_cli import forget_keys, management_session, tenant_named
+from core.tenants.manage import add_key, key_view, list_keys, revoke_key
+from launcher.tenants_cli import forget_keys, management_session, tenant_named
 
 
 @click.group()

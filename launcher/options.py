@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from sluice.settings import Settings, SettingsError
+from core.settings import Settings, SettingsError
 
 
 def load_settings() -> Settings:

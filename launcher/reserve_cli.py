@@ -8,11 +8,10 @@ from datetime import UTC, datetime, timedelta
 
 import click
 
+from core.broker.queues import ROLES
+from launcher.options import service_settings
 from models import Database
 from models.reservation import ReservationError, book, cancel, current_views, now
-from sluice.queues import ROLES
-
-from .options import service_settings
 
 
 class _When(click.ParamType):

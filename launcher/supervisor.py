@@ -26,13 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from models import Database, JobStatus, Status, tenant_for_key
-from sluice.keys import WORKER_PREFIX, redis_client
-from sluice.settings import Settings
-from workers.runtime import EngineRuntime
-
-from . import embedded
-from .argv import (
+from core.rediskeys import WORKER_PREFIX, redis_client
+from core.settings import Settings
+from launcher import embedded
+from launcher.argv import (
     beat_argv,
     flower_argv,
     flower_env,
@@ -42,7 +39,9 @@ from .argv import (
     webhooks_worker_argv,
     worker_argv,
 )
-from .database import create_key, upgrade_database
+from launcher.database import create_key, upgrade_database
+from models import Database, JobStatus, Status, tenant_for_key
+from workers.runtime import EngineRuntime
 
 # A vLLM worker loads and warms a real model before its first heartbeat; that can take minutes.
 READY_TIMEOUT_S = {"simulated": 120.0, "vllm": 900.0}

@@ -10,10 +10,9 @@ from typing import Any
 
 import click
 
-from models import Database, Tenant
-from sluice.keys import bump_auth_epoch, redis_client
-from sluice.settings import Settings
-from sluice.tenants import (
+from core.rediskeys import bump_auth_epoch, redis_client
+from core.settings import Settings
+from core.tenants.manage import (
     TenantError,
     add_key,
     create_tenant,
@@ -23,9 +22,9 @@ from sluice.tenants import (
     tenant_view,
     update_tenant,
 )
-from sluice.tiers import LIMIT_FIELDS
-
-from .options import service_settings
+from core.tenants.tiers import LIMIT_FIELDS
+from launcher.options import service_settings
+from models import Database, Tenant
 
 
 class _LimitValue(click.ParamType):

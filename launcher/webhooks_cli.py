@@ -13,7 +13,7 @@ from urllib.parse import urlencode
 
 import click
 
-from .jobs_cli import Api, api_options
+from launcher.jobs_cli import Api, api_options
 
 STATUSES = ("pending", "succeeded", "failed")
 

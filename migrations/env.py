@@ -5,8 +5,8 @@ from logging.config import fileConfig
 from alembic import context
 from sqlalchemy import engine_from_config, pool
 
+from core.settings import Settings
 from models import Base
-from sluice.settings import Settings
 
 config = context.config
 if config.config_file_name is not None and config.attributes.get("configure_logging", True):

@@ -25,8 +25,8 @@ from sqlalchemy import CheckConstraint, ForeignKey, Index, String, Text, func, t
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
-from .base import Base
-from .request import _str_enum
+from models.base import Base
+from models.request import _str_enum
 
 
 class DeliveryStatus(enum.StrEnum):

@@ -17,7 +17,7 @@ from datetime import datetime
 from sqlalchemy import BigInteger, ForeignKey, Index, LargeBinary, String, Text, func
 from sqlalchemy.orm import Mapped, mapped_column
 
-from .base import Base
+from models.base import Base
 
 CHUNK_BYTES = 1 << 20
 

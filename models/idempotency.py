@@ -13,8 +13,8 @@ from datetime import datetime, timedelta
 from sqlalchemy import ForeignKey, String, delete, func, select, tuple_
 from sqlalchemy.orm import Mapped, mapped_column
 
-from .base import Base
-from .session import Database
+from models.base import Base
+from models.session import Database
 
 
 class IdempotencyKey(Base):

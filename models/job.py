@@ -1,7 +1,7 @@
 """Bulk jobs: a file of documents, one row per line, fed to the batch queues as capacity frees up.
 
 A job's items stay in Postgres: only the requests the feeder made for the items in flight are
-on a queue (``workers/feeder.py``). An item's work is one request, or, for a document longer
+on a queue (``core/jobs/feeder.py``). An item's work is one request, or, for a document longer
 than the model's context, a map-reduce: its chunks are summarised (the *map*, depth 0), those
 summaries joined and summarised again (depth 1, 2, …) until one request covers everything
 (the item's ``final`` stage). ``requests`` holds the ids of the current stage's requests in
@@ -26,8 +26,8 @@ from sqlalchemy import BigInteger, ForeignKey, Index, String, Text, func, text
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.orm import Mapped, mapped_column
 
-from .base import Base
-from .request import _str_enum
+from models.base import Base
+from models.request import _str_enum
 
 
 class JobStatus(enum.StrEnum):

@@ -37,8 +37,8 @@ from typing import Any, NamedTuple
 from sqlalchemy import ColumnElement, Float, cast, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from .request import InferenceRequest, Priority, Status, storable_text
-from .session import Database
+from models.request import InferenceRequest, Priority, Status, storable_text
+from models.session import Database
 
 log = logging.getLogger(__name__)
 

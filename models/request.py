@@ -16,7 +16,7 @@ from sqlalchemy import Enum, ForeignKey, Index, String, Text, func, text
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
-from .base import Base
+from models.base import Base
 
 
 class Status(enum.StrEnum):
@@ -86,7 +86,7 @@ class InferenceRequest(Base):
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSONB, default=dict)
     # Turns of one conversation go to the worker that served the last one (prefix cache reuse).
     conversation_id: Mapped[str | None] = mapped_column(String(128))
-    # Where its lifecycle events are POSTed (web/webhooks.py), and which: started, completed.
+    # Where its lifecycle events are POSTed (core/delivery/webhooks.py), and which: started, completed.
     webhook_url: Mapped[str | None] = mapped_column(Text)
     webhook_events: Mapped[list[str] | None] = mapped_column(ARRAY(String(16)))
 
@@ -103,12 +103,12 @@ class InferenceRequest(Base):
     finish_reason: Mapped[str | None] = mapped_column(String(16))
     error_code: Mapped[str | None] = mapped_column(String(64))
     error_message: Mapped[str | None] = mapped_column(String(500))
-    # Degradation steps that changed the request at admission (web/ladder.py), comma-separated.
+    # Degradation steps that changed the request at admission (core/submit/ladder.py), comma-separated.
     degradation_step: Mapped[str | None] = mapped_column(String(32))
-    # Answered without an engine run of its own: from the hot answer cache (sluice/answers.py),
+    # Answered without an engine run of its own: from the hot answer cache (core/submit/answers.py),
     # or from the identical request it followed (follows_id).
     cache_hit: Mapped[bool] = mapped_column(default=False)
-    # A twin parked on an identical request already in flight (sluice/twins.py): never published,
+    # A twin parked on an identical request already in flight (core/submit/twins.py): never published,
     # it takes that request's answer when it succeeds, or is published on its own when it does not.
     follows_id: Mapped[uuid.UUID | None]
 
@@ -120,7 +120,7 @@ class InferenceRequest(Base):
 
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
     enqueued_at: Mapped[datetime | None]
-    # The broker epoch (sluice/queues.py:BrokerEpoch) its latest message was published into: a
+    # The broker epoch (core/broker/queues.py:BrokerEpoch) its latest message was published into: a
     # queued row with an older one lost its message with the broker's data and is published again.
     broker_epoch: Mapped[str | None] = mapped_column(String(32))
     started_at: Mapped[datetime | None]

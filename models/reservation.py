@@ -13,7 +13,7 @@ from datetime import datetime
 from sqlalchemy import CheckConstraint, String, func, select
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
-from .base import Base
+from models.base import Base
 
 
 class Reservation(Base):

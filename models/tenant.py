@@ -10,7 +10,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import CheckConstraint, ForeignKey, String, func, or_, select, update
 from sqlalchemy.orm import Mapped, Session, mapped_column, relationship
 
-from .base import Base
+from models.base import Base
 
 KEY_PREFIX = "sk-sluice-"
 # A key's last_used_at is written at most this often, so authentication stays one read.
@@ -33,7 +33,7 @@ class Tenant(Base):
     # Set: every key of the tenant is refused (403 tenant_disabled) until it is cleared.
     disabled_at: Mapped[datetime | None]
     # Its share of batch capacity for bulk jobs, against the other tenants with jobs running
-    # (counted in tokens, workers/feeder.py): 2 gets twice what 1 gets.
+    # (counted in tokens, core/jobs/feeder.py): 2 gets twice what 1 gets.
     batch_weight: Mapped[float] = mapped_column(default=1.0, server_default="1")
     # Signs its webhooks (Standard Webhooks, ``whsec_…``); shown once, when made. After a rotation
     # the previous secret signs too, until previous_until, so receivers can switch without a gap.

@@ -10,8 +10,8 @@ import redis as redis_lib
 from conftest import ApiClient, make_settings
 from sqlalchemy import func, select
 
+from core.tenants.manage import update_tenant
 from models import ApiKey, IdempotencyKey, InferenceRequest, Tenant, hash_key
-from sluice.tenants import update_tenant
 from web.services import services
 
 

@@ -25,9 +25,9 @@ import psycopg
 import pytest
 import redis as redis_lib
 
+from core.settings import Settings
 from launcher import harness
 from launcher.database import create_key, upgrade_database
-from sluice.settings import Settings
 from web.services import services
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -282,8 +282,8 @@ def restart_redis(server):
 
 @contextlib.contextmanager
 def feeder_running(app) -> Iterator[None]:
-    """The bulk job feeder (workers/feeder.py) of ``app``, in a thread, as `sluice monitor` runs it."""
-    from workers.feeder import Feeder
+    """The bulk job feeder (core/jobs/feeder.py) of ``app``, in a thread, as `sluice monitor` runs it."""
+    from core.jobs.feeder import Feeder
 
     stop = threading.Event()
 

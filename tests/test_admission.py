@@ -13,9 +13,9 @@ from conftest import ApiClient
 from sqlalchemy import update
 from test_api_errors import assert_envelope
 
+from core.admission.load import LoadLevel, write_level
+from core.rediskeys import LOAD_LEVEL_KEY, inflight_key
 from models import InferenceRequest, Status, Tenant
-from sluice.keys import LOAD_LEVEL_KEY, inflight_key
-from sluice.load import LoadLevel, write_level
 from web.services import services
 from workers.sweep import sweep
 

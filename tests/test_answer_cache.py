@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from sluice.keys import LOAD_LEVEL_KEY
-from sluice.load import LoadLevel, write_level
+from core.admission.load import LoadLevel, write_level
+from core.rediskeys import LOAD_LEVEL_KEY
 from web.services import services
 
 pytestmark = pytest.mark.usefixtures("worker")

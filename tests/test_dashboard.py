@@ -19,9 +19,9 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from test_metrics import post, wait_for_http
 
+from core.settings import Settings
 from launcher.database import create_key
 from launcher.harness import SLUICE, WebProcess
-from sluice.settings import Settings
 from web import create_app
 from web.services import services
 

@@ -11,8 +11,8 @@ import time
 import pytest
 from conftest import TERMINAL, service_env, sse_events
 
+from core.delivery import waits
 from launcher.harness import WebProcess
-from web import waits
 from web.services import services
 
 LONG = {"max_tokens": 4000, "ignore_eos": True}  # ~20 s of simulated H200 decoding: still running when we look

@@ -31,10 +31,10 @@ from click.testing import CliRunner
 from conftest import ROOT, TERMINAL, service_env
 from test_up import _free_ports, _processes_of
 
+from core.settings import Settings
 from launcher.cli import main
 from launcher.database import MIGRATION_LOCK, create_key
 from launcher.harness import SLUICE, with_database
-from sluice.settings import Settings
 from workers.bootstrap import device_env, device_label
 
 BIN = Path(sys.executable).parent

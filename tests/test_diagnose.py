@@ -7,8 +7,8 @@ import json
 from click.testing import CliRunner
 from conftest import WorkerProcess, service_env
 
+from core.observe.diagnose import ClassFigures, EngineFigures, Figures, diagnose
 from launcher.cli import main
-from sluice.diagnose import ClassFigures, EngineFigures, Figures, diagnose
 from web.services import services
 from workers.monitor import Monitor
 

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from sluice.settings import Settings
+from core.settings import Settings
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 

@@ -40,8 +40,8 @@ def test_row_writes_wait_out_a_busy_connection_pool(database_url, monkeypatch):
     import threading
     from types import SimpleNamespace
 
+    from core.settings import Settings
     from models.session import Database
-    from sluice.settings import Settings
     from workers import execution
 
     db = Database()

@@ -12,8 +12,8 @@ import urllib.request
 import pytest
 from conftest import service_env
 
+from core.settings import Settings
 from launcher.argv import flower_argv, flower_env
-from sluice.settings import Settings
 
 
 def test_a_foreign_host_header_is_never_reflected_into_links(client):

@@ -17,11 +17,11 @@ import redis as redis_lib
 from conftest import BeatProcess, WorkerProcess, feeder_running, make_settings
 from sqlalchemy import text
 
-from sluice.load import LoadLevel, write_level
-from sluice.queues import queue_length
+from core.admission.load import LoadLevel, write_level
+from core.broker.queues import queue_length
+from core.jobs.feeder import Feeder
 from web import create_app
 from web.services import services
-from workers.feeder import Feeder
 
 ENV = {"SLUICE_MAX_CONTEXT_TOKENS": "512", "SLUICE_SIM_SPEED": "4", "SLUICE_JOB_INFLIGHT_PER_WORKER": "16",
        "SLUICE_FEEDER_INTERVAL_S": "0.2"}

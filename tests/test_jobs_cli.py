@@ -21,9 +21,9 @@ from conftest import WorkerProcess, feeder_running, make_settings
 from sqlalchemy import text
 from werkzeug.serving import make_server
 
+from core.settings import Settings
 from launcher.database import create_key
 from models.tenant import hash_key
-from sluice.settings import Settings
 from web import create_app
 from web.services import services
 

@@ -6,8 +6,8 @@ import json
 
 from admission_support import rows_of, tenant_id_of
 
+from core.admission.load import ClassLoad, LoadLevel, write_level
 from models import Priority
-from sluice.load import ClassLoad, LoadLevel, write_level
 from web.services import services
 
 MODELS = json.dumps([{"name": "simulated-llama-8b", "role": "main"}, {"name": "llama-light", "role": "light"}])

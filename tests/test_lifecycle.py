@@ -103,7 +103,7 @@ def test_300_concurrent_mixed_submissions_all_finish(client):
 def test_one_request_is_followed_by_its_id_through_web_log_worker_log_and_row(client, worker):
     import logging
 
-    from sluice.logs import _FORMAT, ContextFilter
+    from core.observe.logs import _FORMAT, ContextFilter
 
     lines: list[str] = []
     handler = logging.Handler()

@@ -16,11 +16,11 @@ import redis as redis_lib
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sluice.keys import PLATFORM_BUCKET_KEY
-from sluice.limiter import SharedLimiter, unused_tokens
-from sluice.tiers import Limits
-from web.admission import duration
-from web.local_floor import LocalFloor, RedisBreaker, TokenBucket
+from core.admission.gates import duration
+from core.admission.limiter import SharedLimiter, unused_tokens
+from core.admission.local_floor import LocalFloor, RedisBreaker, TokenBucket
+from core.rediskeys import PLATFORM_BUCKET_KEY
+from core.tenants.tiers import Limits
 
 T0 = 1_800_000_000_000  # ms; any fixed origin will do
 NO_CAP = 10**6

@@ -11,11 +11,11 @@ import uuid
 import pytest
 from conftest import WorkerProcess, service_env
 
+from core.observe.logs import _FORMAT, ContextFilter, JsonFormatter, configure_logging, log_context
+from core.settings import Settings, SettingsError
 from launcher.argv import web_argv, worker_argv
 from launcher.database import create_key
 from launcher.harness import WebProcess
-from sluice.logs import _FORMAT, ContextFilter, JsonFormatter, configure_logging, log_context
-from sluice.settings import Settings, SettingsError
 
 KEYS = {"time", "level", "logger", "process", "message", "call_id", "request_id"}
 
@@ -78,7 +78,7 @@ def test_the_format_is_a_setting_that_reaches_gunicorn_and_celery():
         Settings.from_env({"SLUICE_LOG_FORMAT": "xml"})
     json_settings = Settings.from_env({"SLUICE_LOG_FORMAT": "json", "SLUICE_LOG_LEVEL": "WARNING"})
     web = web_argv(json_settings)
-    assert web[web.index("--logger-class") + 1] == "sluice.logs.JsonGunicornLogger"
+    assert web[web.index("--logger-class") + 1] == "core.observe.logs.JsonGunicornLogger"
     assert web[web.index("--log-level") + 1] == "warning"
     worker = worker_argv(json_settings, "all")
     assert worker.index("--quiet") < worker.index("worker"), "Celery's banner is printed outside logging"

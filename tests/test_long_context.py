@@ -11,7 +11,7 @@ import json
 import pytest
 from conftest import WorkerProcess, make_settings
 
-from sluice.registry import RegistryError, parse_registry
+from core.registry import RegistryError, parse_registry
 from web.services import services
 
 MODELS = json.dumps([

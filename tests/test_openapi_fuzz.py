@@ -21,11 +21,11 @@ from schemathesis.config import SchemathesisConfig
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 from sqlalchemy import delete, func, select, update
 
+from core.settings import Settings
 from launcher.database import create_key
 from models import ApiKey, Delivery, DeliveryStatus, InferenceRequest, Job, JobStatus, Status, hash_key
 from models.job import LIVE_JOB
 from models.reservation import Reservation
-from sluice.settings import Settings
 from web.services import services
 
 ADMIN_KEY = "admin-" + "f" * 24

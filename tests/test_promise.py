@@ -11,10 +11,10 @@ import pytest
 from sqlalchemy import event, func, update
 from test_api_errors import assert_envelope as envelope
 
+from core.admission.load import ClassLoad, LoadLevel, counters_key, write_level
+from core.rediskeys import LOAD_LEVEL_KEY
 from models import ApiKey, Priority
 from models.tenant import hash_key
-from sluice.keys import LOAD_LEVEL_KEY
-from sluice.load import ClassLoad, LoadLevel, counters_key, write_level
 from web.services import services
 
 pytestmark = pytest.mark.usefixtures("worker")

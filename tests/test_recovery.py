@@ -95,7 +95,7 @@ def test_message_taken_by_a_worker_that_died_before_claiming_is_republished(isol
     Set up exactly what a SIGKILL in that gap leaves: a queued, published row whose message
     sits in the broker's unacked set (not in any queue), reserved by a worker with no heartbeat.
     """
-    from sluice.keys import RESERVED_KEY
+    from core.rediskeys import RESERVED_KEY
 
     application, client, redis_url = isolated
     tenant_id = client_tenant(application, client)
@@ -178,7 +178,7 @@ def test_messages_lost_with_their_queue_are_published_again(isolated, database_u
     """The issue's reproduction: batch requests queued, their queue list deleted in Redis (what an
     eviction or a failover does). The sweep finds rows queued past the grace whose message is in
     no list and held by no worker, and publishes them again; a row whose message is there is left."""
-    from sluice.queues import messages_queued
+    from core.broker.queues import messages_queued
 
     application, client, redis_url = isolated
     redis_client = services(application).redis

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from core.settings import LADDER_STEPS, Settings, SettingsError
 from launcher.argv import worker_argv
-from sluice.settings import LADDER_STEPS, Settings, SettingsError
 
 
 def concurrency_of(argv: list[str]) -> int:

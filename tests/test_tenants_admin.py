@@ -11,8 +11,8 @@ from conftest import TEST_ENV, ApiClient
 from test_admission import assert_ratelimit_headers
 from test_api_errors import assert_envelope
 
+from core.settings import Settings, SettingsError
 from launcher.cli import main
-from sluice.settings import Settings, SettingsError
 from web.services import services
 
 ADMIN_KEY = "admin-" + "k" * 20

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from core.submit.answers import answer_key
+from core.submit.twins import FOLLOWED_PREFIX, LEADER_PREFIX
 from models import InferenceRequest, Priority, SizeClass, Status
 from models.lifecycle import SUCCEEDED, Lifecycle
-from sluice.answers import answer_key
-from sluice.twins import FOLLOWED_PREFIX, LEADER_PREFIX
 from web.services import services
 from workers.sweep import sweep
 

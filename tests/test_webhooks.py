@@ -25,8 +25,8 @@ from sqlalchemy import func, update
 from standardwebhooks import Webhook, WebhookVerificationError
 from werkzeug.serving import make_server
 
+from core.rediskeys import SWEEP_LAST_KEY
 from models import Delivery, DeliveryStatus
-from sluice.keys import SWEEP_LAST_KEY
 from web import create_app
 from web.services import services
 

@@ -2,48 +2,28 @@
 
 from __future__ import annotations
 
-import logging
 import re
 import uuid
 from importlib.metadata import PackageNotFoundError, version
 
 from flask import Flask, Response, jsonify, request
 
-from models import Database
-from models.lifecycle import Lifecycle
-from sluice.answers import AnswerCache
-from sluice.broker import publisher as celery_publisher
-from sluice.keys import eviction_policy, redis_client
-from sluice.load import QueueCounters
-from sluice.logs import configure_logging, current_call_id, current_request_id
-from sluice.metrics import count_end
-from sluice.notify import MovePublisher, Waiters
-from sluice.queues import BrokerEpoch
-from sluice.settings import Settings
-from sluice.twins import Twins
-
-from . import admin, api, dashboard, errors, health, jobs_api, metrics, openai_api, openai_batches_api, webhooks_api
-from .admission import Admission
-from .auth import RecentKeys
-from .jobs import JobService
-from .ladder import Ladder, LoadReader
-from .plan import Planner
-from .service import RequestService
-from .services import EXTENSION, Services, services
-from .tokens import TokenCounters
-from .webhooks import Webhooks
+from core.observe.logs import current_call_id, current_request_id
+from core.services import start_services
+from core.settings import Settings
+from web import admin, api, dashboard, errors, health, jobs_api, metrics, webhooks_api
+from web.openai import batches_api as openai_batches_api
+from web.openai import chat as openai_api
+from web.services import EXTENSION, Services, services
 
 
 def create_app(settings: Settings | None = None) -> Flask:
-    settings = settings or Settings.from_env()
-    settings.require_services()
-    configure_logging(settings.log_level, settings.log_format)
-
+    svc = start_services(settings)
+    settings = svc.settings
     app = Flask("sluice")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False
-    app.extensions[EXTENSION] = build_services(settings)
-    _check_eviction_policy(services(app).redis)
+    app.extensions[EXTENSION] = svc
 
     errors.register_error_handlers(app)
     _bind_call_ids(app)
@@ -66,56 +46,12 @@ def create_app(settings: Settings | None = None) -> Flask:
     def openapi() -> Response:
         nonlocal spec
         if spec is None:
-            from .openapi import build_spec
+            from web.openapi import build_spec
 
             spec = build_spec(_version(), settings)
         return jsonify(spec)
 
     return app
-
-
-def build_services(settings: Settings) -> Services:
-    db = Database()
-    db.configure(settings.sqlalchemy_url, pool_size=settings.db_pool_size, max_overflow=settings.db_max_overflow)
-    admission = Admission(settings)
-    lifecycle = Lifecycle(db)
-    # Whoever ends a request (a worker, a cancel, the sweep) gives back its unused reservation.
-    lifecycle.on_end(admission.release)
-    # Every end is counted where it happens, with the tokens it cost (sluice/metrics.py).
-    lifecycle.on_end(count_end)
-    # Every move changes its class's queue counters, which the load monitor and the promise read.
-    lifecycle.on_move(QueueCounters(admission.redis, healthy=lambda: admission.redis_healthy))
-    # Starts and ends are announced, waking the clients that wait or stream (sluice/notify.py).
-    lifecycle.on_move(MovePublisher(admission.redis, healthy=lambda: admission.redis_healthy))
-    # Web requests publish through a fail-fast app; workers and the sweep keep the patient one.
-    publisher = celery_publisher(settings, fail_fast=True)
-    # A request with a webhook: its start and its end become signed deliveries (web/webhooks.py).
-    lifecycle.on_move(Webhooks(settings, db, publisher).moved)
-    planner = Planner(settings, TokenCounters(), admission.redis, lambda: admission.redis_healthy)
-    ladder = Ladder(settings, planner, LoadReader(settings, admission))
-    # A request that ends settles the identical twins parked on it (sluice/twins.py).
-    # Which life of the broker's data rows are published into (lost messages are found by it).
-    epoch = BrokerEpoch(admission.redis)
-    twins = Twins(admission.redis, lifecycle, publisher, epoch, healthy=lambda: admission.redis_healthy)
-    lifecycle.on_end(twins.leader_ended)
-    answers = AnswerCache(admission.redis, ttl_s=settings.cache_ttl_s, max_entries=settings.cache_max_entries,
-                          max_bytes=settings.cache_max_answer_bytes, healthy=lambda: admission.redis_healthy)
-    requests = RequestService(db, planner, ladder, admission, publisher, epoch, lifecycle, answers, twins)
-    return Services(settings=settings, db=db, redis=redis_client(settings.redis_url),
-                    publisher=publisher, broker=celery_publisher(settings, fail_fast=False), admission=admission,
-                    answers=answers, lifecycle=lifecycle, twins=twins, epoch=epoch, requests=requests,
-                    jobs=JobService(settings, db, requests, admission.redis),
-                    recent_keys=RecentKeys(settings.auth_cache_s), waiters=Waiters(settings.redis_url))
-
-
-def _check_eviction_policy(client) -> None:
-    """Redis that evicts keys under memory pressure loses queued messages, limits and cancel flags;
-    the sweep re-publishes lost messages, but the rest is gone. Say so at every start."""
-    policy = eviction_policy(client)
-    if policy not in (None, "noeviction"):
-        logging.getLogger(__name__).error(
-            "Redis runs with maxmemory-policy %s; Sluice needs noeviction (set it in redis.conf, or "
-            "CONFIG SET maxmemory-policy noeviction)", policy)
 
 
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._-]+")

@@ -30,13 +30,11 @@ from flask import Blueprint, Response, jsonify, request
 from marshmallow import Schema, fields, validate
 from sqlalchemy import func, select
 
-from models import ApiKey
-from models.request import storable
-from models.reservation import ReservationError, book, cancel, current_views, now
-from sluice.keys import bump_auth_epoch
-from sluice.load import load_view
-from sluice.queues import ROLES
-from sluice.tenants import (
+from core.admission.load import load_view
+from core.broker.queues import ROLES
+from core.rediskeys import bump_auth_epoch
+from core.submit.schemas import SafeString, StrictBoolean, StrictFloat, StrictInteger
+from core.tenants.manage import (
     TenantError,
     add_key,
     create_tenant,
@@ -49,11 +47,12 @@ from sluice.tenants import (
     tenant_view,
     update_tenant,
 )
-
-from .bodies import json_object, validated
-from .errors import ApiError, NotFound, Unauthorized
-from .schemas import SafeString, StrictBoolean, StrictFloat, StrictInteger
-from .services import services
+from models import ApiKey
+from models.request import storable
+from models.reservation import ReservationError, book, cancel, current_views, now
+from web.bodies import json_object, validated
+from web.errors import ApiError, NotFound, Unauthorized
+from web.services import services
 
 log = logging.getLogger(__name__)
 INT32_MAX = 2**31 - 1

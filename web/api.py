@@ -6,14 +6,14 @@ import logging
 
 from flask import Blueprint, Response, jsonify, request, url_for
 
+from core.submit import idempotency, ladder
 from models import InferenceRequest
-
-from . import idempotency, ladder, metrics, prefer, sse, waits
-from .auth import authenticate, bearer_key
-from .bodies import json_object, validated
-from .errors import ApiError
-from .schemas import AcceptedSchema, RequestViewSchema, SubmitRequestSchema
-from .services import services
+from web import metrics, prefer, sse, waits
+from web.auth import authenticate, bearer_key
+from web.bodies import json_object, validated
+from web.errors import ApiError
+from web.schemas import AcceptedSchema, RequestViewSchema, SubmitRequestSchema
+from web.services import services
 
 log = logging.getLogger(__name__)
 bp = Blueprint("api", __name__, url_prefix="/v1")

@@ -8,7 +8,7 @@ global gate would answer anyway (``RequestService.refuse_early``). ``RecentKeys`
 database round trip, which matters when a spike makes refusals the commonest answer.
 
 Revoking a key or disabling a tenant bumps a counter in Redis once it commits
-(``sluice.keys.AUTH_EPOCH_KEY``). A remembered key carries the value this process knew before
+(``core.rediskeys.AUTH_EPOCH_KEY``). A remembered key carries the value this process knew before
 the lookup that found it, and a refusal from memory first reads the counter (one GET): if it
 moved, Postgres is asked again (``RecentKeys.confirm``), so a revoked key gets its 401 at once.
 Only if that bump failed (Redis away while revoking) may it get refusals for the rest of the
@@ -17,19 +17,12 @@ window. It never gets a request accepted: accepting always asks Postgres.
 
 from __future__ import annotations
 
-import hashlib
-import threading
-import time
-from collections import OrderedDict
-
-import redis
 from flask import request
 
+from core.errors import Forbidden, Unauthorized
+from core.tenants.recent_keys import RecentKeys
 from models import Tenant, tenant_for_key
 from models.session import Database
-from sluice.keys import AUTH_EPOCH_KEY
-
-from .errors import Forbidden, Unauthorized
 
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="sluice"'}
 
@@ -66,68 +59,3 @@ def authenticate(db: Database, recent: RecentKeys | None = None) -> Tenant:
     if recent is not None:
         recent.remember(key, tenant, epoch)
     return tenant
-
-
-class RecentKeys:
-    """Tenants of keys that authenticated in this process within the last ``ttl_s`` seconds.
-
-    Bounded: the least recently remembered keys are dropped past ``max_entries``. Keys are held
-    by their SHA-256, never in clear. ``ttl_s`` 0 turns it off.
-    """
-
-    def __init__(self, ttl_s: float, max_entries: int = 10_000) -> None:
-        self.ttl_s = ttl_s
-        self.max_entries = max_entries
-        self._entries: OrderedDict[bytes, tuple[float, Tenant, str | None]] = OrderedDict()
-        self._lock = threading.Lock()
-        # The revocation epoch this process read last (None: never read, or never bumped).
-        self.epoch: str | None = None
-
-    def remember(self, key: str, tenant: Tenant, epoch: str | None) -> None:
-        """``epoch``: ``self.epoch`` as it was before the lookup that found ``tenant``."""
-        if self.ttl_s <= 0:
-            return
-        digest = _digest(key)
-        with self._lock:
-            self._entries[digest] = (time.monotonic() + self.ttl_s, tenant, epoch)
-            self._entries.move_to_end(digest)
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
-
-    def tenant(self, key: str) -> Tenant | None:
-        """The tenant this key authenticated as a moment ago, or None (unknown or too old)."""
-        if self.ttl_s <= 0:
-            return None
-        digest = _digest(key)
-        with self._lock:
-            entry = self._entries.get(digest)
-            if entry is None:
-                return None
-            if entry[0] < time.monotonic():
-                del self._entries[digest]
-                return None
-            return entry[1]
-
-    def confirm(self, key: str, client: redis.Redis) -> bool:
-        """Whether no key was revoked and no tenant disabled since ``key`` was remembered: one GET.
-
-        False drops the entry (also when Redis does not answer); the caller then authenticates afresh.
-        """
-        digest = _digest(key)
-        try:
-            epoch = client.get(AUTH_EPOCH_KEY)
-        except redis.RedisError:
-            with self._lock:
-                self._entries.pop(digest, None)
-            return False
-        with self._lock:
-            self.epoch = epoch
-            entry = self._entries.get(digest)
-            if entry is not None and entry[2] == epoch:
-                return True
-            self._entries.pop(digest, None)
-            return False
-
-
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode()).digest()

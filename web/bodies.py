@@ -7,7 +7,7 @@ from typing import Any
 from flask import request
 from marshmallow import Schema, ValidationError
 
-from .errors import ApiError, InvalidRequest
+from web.errors import ApiError, InvalidRequest
 
 # Nothing Sluice accepts nests deeper; a body that does is refused before anything recurses on it
 # (the JSON encoder of the idempotency hash, Postgres's JSONB, marshmallow).

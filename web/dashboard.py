@@ -6,7 +6,7 @@ key, which the operator gives once (``/dashboard#key=…`` or the form) and the 
 the tab only. The data endpoint answers from what the platform already keeps: the load
 monitor's class snapshots and the level (Redis), the workers' heartbeats (engine batch and KV),
 recent request timings, live jobs and reservations (Postgres), and this web tier's rejection
-counters (all its processes, ``sluice/metrics.py``).
+counters (all its processes, ``core/observe/metrics.py``).
 """
 
 from __future__ import annotations
@@ -17,15 +17,14 @@ from typing import Any
 from flask import Blueprint, Response, jsonify
 from sqlalchemy import Float, cast, func, select
 
+from core.admission.load import load_view
+from core.fleet.workers import live_workers
+from core.observe.metrics import scrape_registry
 from models import InferenceRequest, Job, JobItem
 from models.reservation import current_views
-from sluice.load import load_view
-from sluice.metrics import scrape_registry
-
-from .admin import _require_admin_key
-from .errors import NotFound
-from .health import live_workers
-from .services import services
+from web.admin import _require_admin_key
+from web.errors import NotFound
+from web.services import services
 
 STATIC = Path(__file__).resolve().parent / "static"
 _TYPES = {".html": "text/html", ".js": "text/javascript"}

@@ -1,9 +1,10 @@
-"""Domain errors and the single JSON error envelope every error response uses.
+"""The single JSON error envelope every native error response uses.
 
     {"error": {"code": "<stable_snake_case>", "message": "<what to do about it>", "details": {...}}}
 
-Handlers raise :class:`ApiError` subclasses; nothing else reaches the client. An unexpected
-exception becomes a generic 500 and its traceback goes to the log, never to the response.
+Handlers and the core raise :class:`~core.errors.ApiError` subclasses; nothing else reaches the
+client. An unexpected exception becomes a generic 500 and its traceback goes to the log, never
+to the response.
 """
 
 from __future__ import annotations
@@ -16,43 +17,13 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as SQLAlchemyTimeoutError
 from werkzeug.exceptions import HTTPException
 
-from sluice.logs import current_call_id
+from core.errors import ApiError, Conflict, Forbidden, InvalidRequest, NotFound, Unauthorized
+from core.observe.logs import current_call_id
+
+__all__ = ["ApiError", "Conflict", "Forbidden", "InvalidRequest", "NotFound", "Unauthorized",
+           "error_response", "register_error_handlers"]
 
 log = logging.getLogger(__name__)
-
-
-class ApiError(Exception):
-    status = 400
-    code = "bad_request"
-
-    def __init__(self, message: str, *, code: str | None = None, status: int | None = None,
-                 details: Any = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.code = code or self.code
-        self.status = status or self.status
-        self.details = details
-        self.headers = headers or {}
-
-
-class InvalidRequest(ApiError):
-    status, code = 422, "invalid_request"
-
-
-class Unauthorized(ApiError):
-    status, code = 401, "invalid_api_key"
-
-
-class Forbidden(ApiError):
-    status, code = 403, "forbidden"
-
-
-class NotFound(ApiError):
-    status, code = 404, "not_found"
-
-
-class Conflict(ApiError):
-    status, code = 409, "conflict"
 
 
 # Werkzeug's own errors (routing, body size, methods) mapped to stable codes and plain messages.

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 from flask import Blueprint, Response, jsonify
 from sqlalchemy import text
 
-from sluice.keys import SWEEP_LAST_KEY, WORKER_PREFIX, eviction_policy
-
-from .services import services
+from core.fleet.workers import warm_workers
+from core.rediskeys import SWEEP_LAST_KEY, eviction_policy
+from web.services import services
 
 bp = Blueprint("health", __name__)
 
@@ -59,22 +58,3 @@ def _last_sweep(redis) -> dict | None:
     if not last:
         return None
     return {"age_s": round(time.time() - float(last["at"]), 1), "took_ms": int(last["took_ms"])}
-
-
-def live_workers(redis, heartbeat_s: float) -> list[dict]:
-    """Warm workers whose last heartbeat is recent: a silent one leaves capacity at once,
-    before its heartbeat key expires."""
-    return [w for w in warm_workers(redis) if w.get("heartbeat_age_s", 0) <= 2.5 * heartbeat_s]
-
-
-def warm_workers(redis) -> list[dict]:
-    """Heartbeats of live workers. A worker writes one only after its engine warmed up."""
-    keys = sorted(redis.scan_iter(match=WORKER_PREFIX + "*", count=200))
-    now = time.time()
-    workers = []
-    for raw in redis.mget(keys) if keys else []:
-        if raw:
-            beat = json.loads(raw)
-            beat["heartbeat_age_s"] = round(now - beat.pop("at", now), 3)
-            workers.append(beat)
-    return workers

@@ -1,4 +1,4 @@
-"""The bulk jobs API: thin handlers over ``web/jobs.py``.
+"""The bulk jobs API: thin handlers over ``core/jobs/service.py``.
 
     POST /v1/jobs?model=&summary_tokens=&instruction=&priority=&completion_window=&on_invalid=&metadata=
          body: the JSONL file itself (Content-Type: application/jsonl), streamed
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from flask import Blueprint, Response, jsonify, request, stream_with_context
 
-from .auth import authenticate
-from .bodies import page_limit
-from .errors import ApiError
-from .ingest import TooLarge as TooLargeWhileReading
-from .jobs import JSONL_TYPES
-from .services import services
+from core.jobs.ingest import TooLarge as TooLargeWhileReading
+from core.jobs.service import JSONL_TYPES
+from web.auth import authenticate
+from web.bodies import page_limit
+from web.errors import ApiError
+from web.services import services
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1")
 

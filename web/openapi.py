@@ -14,11 +14,12 @@ from apispec import APISpec
 from apispec.ext.marshmallow import MarshmallowPlugin
 from marshmallow import fields, validate
 
-from sluice.settings import Settings
-
-from . import openai_batches_spec, openai_spec, schemas
-from .admin import ReservationSchema, TenantCreateSchema, TenantLimitsSchema
-from .webhooks_api import DeliveryListSchema, DeliveryViewSchema, SecretSchema
+from core.settings import Settings
+from web import schemas
+from web.admin import ReservationSchema, TenantCreateSchema, TenantLimitsSchema
+from web.openai import batches_spec as openai_batches_spec
+from web.openai import spec as openai_spec
+from web.webhooks_api import DeliveryListSchema, DeliveryViewSchema, SecretSchema
 
 
 def _exact_bounds(self, field: fields.Field, ret: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
@@ -48,7 +49,7 @@ def _exact_bounds(self, field: fields.Field, ret: dict[str, Any], **kwargs: Any)
     return extra
 
 
-# Text PostgreSQL can store (web/schemas.py: SafeString): JSON allows NUL, Postgres does not.
+# Text PostgreSQL can store (core/submit/schemas.py: SafeString): JSON allows NUL, Postgres does not.
 NO_NUL = "^[^\\u0000]*$"
 
 

@@ -7,7 +7,7 @@ whole output). ``requeued`` says the request is starting over on another worker 
 stopped or died): discard the text received so far. Comments (``: ping``) keep an idle
 connection open and find out whether the client is still there.
 
-The worker writes increments to a Redis stream (``sluice/streams.py``); this reads them, so
+The worker writes increments to a Redis stream (``core/delivery/streams.py``); this reads them, so
 the engine never waits for a slow client. Whatever the increments missed (a cache hit, an
 identical request computed once for both, a Redis hiccup) is sent as one last ``token``
 before ``done``, from the row. A client that leaves before ``done`` has abandoned its request:
@@ -24,13 +24,12 @@ from typing import Any
 
 from flask import Response, stream_with_context
 
+from core.delivery import streams
+from core.submit.schemas import RequestViewSchema, worker_tag
 from models import InferenceRequest
 from models.request import Status
-from sluice import streams
-
-from .schemas import RequestViewSchema, worker_tag
-from .services import Services
-from .waits import abandon, client_gone
+from web.services import Services
+from web.waits import abandon, client_gone
 
 log = logging.getLogger(__name__)
 READ_BLOCK_MS = 500  # one wait for increments; between waits the connection and the row are checked
@@ -72,7 +71,7 @@ def relay(svc: Services, row: InferenceRequest) -> Iterator[tuple[str, Any]]:
     row), ``token`` ((text, output tokens so far)), ``requeued`` (why: discard the text so far),
     ``ping`` (nothing new for a while), and last ``done`` (the ended row, or its state when the
     stream ran out of time). Every way of streaming (this module's events, the OpenAI chunks of
-    ``web/openai_api.py``) renders these.
+    ``web/openai/chat.py``) renders these.
 
     A client found gone, or one that closes this generator before ``done``, has abandoned its
     request (``web/waits.py``); the generator then ends without ``done``.

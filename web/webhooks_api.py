@@ -1,4 +1,4 @@
-"""The webhooks API: thin handlers over ``web/webhooks.py``. A tenant sees only its own.
+"""The webhooks API: thin handlers over ``core/delivery/webhooks.py``. A tenant sees only its own.
 
     GET  /v1/webhooks/deliveries                   newest first (?request_id=, ?job_id=, ?status=,
                                                    ?limit=, ?before=<delivery id>)
@@ -15,13 +15,12 @@ import uuid
 from flask import Blueprint, Response, jsonify, request
 from marshmallow import Schema, fields
 
+from core.delivery.webhooks import Webhooks
+from core.submit.schemas import SafeString
 from models import Delivery, DeliveryStatus
-
-from .auth import authenticate
-from .errors import InvalidRequest, NotFound
-from .schemas import SafeString
-from .services import services
-from .webhooks import Webhooks
+from web.auth import authenticate
+from web.errors import InvalidRequest, NotFound
+from web.services import services
 
 bp = Blueprint("webhooks", __name__, url_prefix="/v1/webhooks")
 

@@ -14,17 +14,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from celery.signals import task_received, worker_init, worker_shutdown, worker_shutting_down
-from flask import Flask
 
-from sluice.keys import RESERVED_KEY
-from sluice.queues import RUN_TASK
-from sluice.registry import ModelSpec
-from sluice.settings import Settings
-from web.services import services
-
-from . import exporter
-from .engines import load_engine
-from .runtime import EngineRuntime
+from core.broker.queues import RUN_TASK
+from core.rediskeys import RESERVED_KEY
+from core.registry import ModelSpec
+from core.services import Services
+from core.settings import Settings
+from workers import exporter
+from workers.engines import load_engine
+from workers.runtime import EngineRuntime
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +148,7 @@ def device_label(settings: Settings, environ: Mapping[str, str] = os.environ) ->
     return "cuda:" + ",".join(given[int(v)] if v.isdigit() and int(v) < len(given) else v for v in inside)
 
 
-def start_runtime(app: Flask, hostname: str, queues: list[str], threads: int | None = None) -> EngineRuntime:
-    svc = services(app)
+def start_runtime(svc: Services, hostname: str, queues: list[str], threads: int | None = None) -> EngineRuntime:
     settings = svc.settings
     worker_id = f"{hostname}/{os.getpid()}.{uuid.uuid4().hex[:6]}"
     model = served_model(settings)
@@ -179,14 +176,14 @@ def served_model(settings: Settings) -> ModelSpec:
     return spec
 
 
-def connect(app: Flask) -> None:
+def connect(svc: Services) -> None:
     """Hook engine start/stop into this process's Celery worker lifecycle."""
 
     @worker_init.connect(weak=False)
     def _on_init(sender, **kwargs) -> None:
         queues = sorted(sender.app.amqp.queues.consume_from) if sender.app.amqp.queues.consume_from else []
         try:
-            start_runtime(app, sender.hostname, queues, int(sender.concurrency or 0) or None)
+            start_runtime(svc, sender.hostname, queues, int(sender.concurrency or 0) or None)
         except Exception:
             # Celery logs and ignores exceptions from signal handlers; a worker without an
             # engine must not start consuming, so leave with a BaseException it does not catch.
@@ -199,7 +196,7 @@ def connect(app: Flask) -> None:
         if runtime is None or request.name != RUN_TASK:
             return
         try:
-            services(app).redis.hset(RESERVED_KEY, request.id, runtime.worker_id)
+            svc.redis.hset(RESERVED_KEY, request.id, runtime.worker_id)
         except Exception:
             log.warning("could not record reservation of %s; recovery falls back to the visibility timeout",
                         request.id)
@@ -210,7 +207,7 @@ def connect(app: Flask) -> None:
         # hands back what still runs at once. Celery itself stops taking messages.
         runtime = WORKER.runtime
         if runtime is not None:
-            runtime.drain(services(app).settings.stop_grace_s)
+            runtime.drain(svc.settings.stop_grace_s)
 
     @worker_shutdown.connect(weak=False)
     def _on_shutdown(**kwargs) -> None:

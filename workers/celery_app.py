@@ -1,36 +1,35 @@
-"""Celery wired the Flask way: one app per Flask app, every task run inside the app context."""
+"""Celery wired to the core: one app per process, carrying that process's services.
+
+A worker builds no web app: its tasks use the domain's services (``core/services.py``), which
+the app carries (``SluiceCelery.services``) and every task reaches as ``self.services``.
+"""
 
 from __future__ import annotations
 
 import functools
 import inspect
-from typing import ClassVar
 
 from celery import Celery, Task
-from flask import Flask
 
-from sluice.broker import celery_config
-from sluice.logs import log_context
-from web.services import Services, services
+from core.broker.config import celery_config
+from core.observe.logs import log_context
+from core.services import Services
 
 
 class SluiceTask(Task):
-    """Base of every Sluice task: runs in the Flask app context with its ids on every log line.
+    """Base of every Sluice task: its process's services, and its ids on every log line.
 
     ``call=`` is the task id; ``req=`` is the request row the task is about, for every task
     whose first parameter is ``request_id`` (the run task's id is that row's id too).
     """
 
-    flask_app: ClassVar[Flask]
-
     def __call__(self, *args: object, **kwargs: object) -> object:
-        with self.flask_app.app_context(), log_context(call=self.request.id or "-",
-                                                       request=self._request_id(args, kwargs)):
+        with log_context(call=self.request.id or "-", request=self._request_id(args, kwargs)):
             return self.run(*args, **kwargs)
 
     @property
     def services(self) -> Services:
-        return services(self.flask_app)
+        return self.app.services
 
     @functools.cached_property
     def _first_parameter(self) -> str | None:
@@ -43,9 +42,16 @@ class SluiceTask(Task):
         return str(args[0]) if self._first_parameter == "request_id" and args else "-"
 
 
-def celery_init_app(app: Flask) -> Celery:
-    task_cls = type("FlaskSluiceTask", (SluiceTask,), {"flask_app": app})
-    celery_app = Celery(app.name, task_cls=task_cls)
-    celery_app.config_from_object(celery_config(services(app).settings))
+class SluiceCelery(Celery):
+    """A Celery app that carries the services its tasks run with."""
+
+    def __init__(self, services: Services) -> None:
+        super().__init__("sluice", task_cls=SluiceTask)
+        self.services = services
+        self.config_from_object(celery_config(services.settings))
+
+
+def make_celery(services: Services) -> SluiceCelery:
+    celery_app = SluiceCelery(services)
     celery_app.set_default()
     return celery_app

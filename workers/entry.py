@@ -1,13 +1,15 @@
-"""Entry module for `celery -A workers.entry` (worker, beat, flower)."""
+"""Entry module for `celery -A workers.entry` (worker, beat, flower): settings → services → Celery.
 
-from sluice.queues import WEBHOOKS_ROLE
-from web import create_app, services
+No web app is built here: a worker's tasks run on the core's services alone.
+"""
 
-from .bootstrap import connect
-from .celery_app import celery_init_app
+from core.broker.queues import WEBHOOKS_ROLE
+from core.services import start_services
+from workers.bootstrap import connect
+from workers.celery_app import make_celery
 
-flask_app = create_app()
-celery_app = celery_init_app(flask_app)
+services = start_services()
+celery_app = make_celery(services)
 # A webhooks worker (`sluice worker --role webhooks`) only sends HTTP: it loads no engine.
-if services(flask_app).settings.worker_role != WEBHOOKS_ROLE:
-    connect(flask_app)
+if services.settings.worker_role != WEBHOOKS_ROLE:
+    connect(services)

@@ -18,17 +18,16 @@ import redis
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
+from core.observe import metrics
+from core.rediskeys import conversation_key
+from core.submit.answers import AnswerCache, answer_key
+from core.submit.twins import Twins
 from models import Priority, Status
 from models import lifecycle as lc
 from models.lifecycle import Claimed, Ended, Lifecycle, Requeued
 from models.request import storable_text
-from sluice import metrics
-from sluice.answers import AnswerCache, answer_key
-from sluice.keys import conversation_key
-from sluice.twins import Twins
-
-from .engines import GenerationRequest, SamplingParams
-from .runtime import EngineRuntime, RunResult
+from workers.engines import GenerationRequest, SamplingParams
+from workers.runtime import EngineRuntime, RunResult
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +119,7 @@ def run(lifecycle: Lifecycle, runtime: EngineRuntime, claimed: Claimed, claimed_
 
 
 def _observe(claimed: Claimed, model: str, result: RunResult, claimed_mono: float) -> None:
-    """One engine run into the worker's histograms (sluice/metrics.py)."""
+    """One engine run into the worker's histograms (core/observe/metrics.py)."""
     labels = (claimed.priority.value, model)
     metrics.INFERENCE.labels(*labels).observe(time.monotonic() - claimed_mono)
     first = result.first_token_after(claimed_mono)

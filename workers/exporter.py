@@ -1,7 +1,7 @@
 """Prometheus endpoints of a worker (its engine, its GPUs) and of the monitor (the platform).
 
 Read at scrape time (collectors), not copied on a timer: a scrape sees the engine's stats of
-that instant. The request histograms and counters (``sluice/metrics.py``) live in the same
+that instant. The request histograms and counters (``core/observe/metrics.py``) live in the same
 process registry and come out of the same endpoint.
 
 GPU series come from NVML (``nvidia-ml-py``) for the devices this process may use. Where there
@@ -19,13 +19,12 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import REGISTRY, Collector
 from sqlalchemy import func, select
 
+from core.admission.load import load_view
+from core.observe.metrics import serve
+from core.settings import Settings
 from models import Delivery, Job, JobItem, JobStatus
 from models.reservation import Reservation
-from sluice.load import load_view
-from sluice.metrics import serve
-from sluice.settings import Settings
-
-from .runtime import EngineRuntime
+from workers.runtime import EngineRuntime
 
 log = logging.getLogger(__name__)
 LIVE_JOBS = (JobStatus.VALIDATING, JobStatus.IN_PROGRESS, JobStatus.FINALIZING, JobStatus.CANCELLING)
@@ -100,7 +99,7 @@ class PlatformCollector(Collector):
     """What the monitor exports: the platform's state, shared by every process, as it is now.
 
     Queues and level come from Redis (the counters and snapshots the monitor itself maintains,
-    ``sluice/load.py``); jobs, deliveries and reservations from Postgres, a few small GROUP BYs a
+    ``core/admission/load.py``); jobs, deliveries and reservations from Postgres, a few small GROUP BYs a
     scrape (job items only of jobs still in progress)."""
 
     def __init__(self, svc) -> None:

@@ -3,7 +3,7 @@
 One monitor is active at a time (a Redis lease); others started beside it stand by and take
 over within a lease if it dies. Each tick it reads, without touching Postgres:
 
-* per class (priority × model) the live queue counters (``sluice/load.py``): requests, tokens
+* per class (priority × model) the live queue counters (``core/admission/load.py``): requests, tokens
   and work (``max_tokens``) queued, and the cumulative work claimed off the queue;
 * the heartbeats of warm workers: which classes each serves, and its engine's step count.
 
@@ -41,14 +41,13 @@ import redis
 from celery import Celery
 from sqlalchemy import func, select
 
+from core.admission.load import COUNTERS_PREFIX, ClassLoad, LoadLevel, class_name, counters_key, write_level
+from core.fleet.lease import Lease, run_leading
+from core.fleet.workers import live_workers
+from core.settings import Settings
 from models import InferenceRequest, Priority, Status
 from models.session import Database
-from sluice.lease import Lease, run_leading
-from sluice.load import COUNTERS_PREFIX, ClassLoad, LoadLevel, class_name, counters_key, write_level
-from sluice.settings import Settings
-from web.health import live_workers
-
-from .reservations import BatchPause
+from workers.reservations import BatchPause
 
 log = logging.getLogger(__name__)
 

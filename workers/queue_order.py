@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from sluice.queues import DIRECT_PREFIX, MAINTENANCE_QUEUE
+from core.broker.queues import DIRECT_PREFIX, MAINTENANCE_QUEUE
 
 _CLASSES = (MAINTENANCE_QUEUE, DIRECT_PREFIX, "realtime.", "batch.")
 

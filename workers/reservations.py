@@ -23,9 +23,9 @@ from collections.abc import Callable
 import redis
 from celery import Celery
 
+from core.rediskeys import PAUSED_KEY
 from models.reservation import active
 from models.session import Database
-from sluice.keys import PAUSED_KEY
 
 log = logging.getLogger(__name__)
 

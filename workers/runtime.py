@@ -33,11 +33,10 @@ from dataclasses import asdict, dataclass
 
 import redis
 
-from sluice.keys import cancel_key, node_key, worker_key
-from sluice.streams import TokenSink
-
-from .engines import Engine, GenerationOutput, GenerationRequest, SamplingParams
-from .engines.base import EngineDead
+from core.delivery.streams import TokenSink
+from core.rediskeys import cancel_key, node_key, worker_key
+from workers.engines import Engine, GenerationOutput, GenerationRequest, SamplingParams
+from workers.engines.base import EngineDead
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ on rows locked with SKIP LOCKED, so overlapping sweeps never act on one row twic
 4. Stranded conversation turns: `queued` on the direct queue of a worker that is gone →
    moved to the model's shared queue (they only lose their prefix cache hit).
 5. Expired: `queued` past its deadline → `expired` now, not when a worker finally dequeues it.
-   Parked twins (sluice/twins.py) are never published by rule 1; those whose leader ended
+   Parked twins (core/submit/twins.py) are never published by rule 1; those whose leader ended
    without settling them take its answer or are un-parked and published.
 6. Cancel flags: `running` with a cancel request → make sure the flag is in Redis (it may
    have been lost with a Redis restart, or never written).
@@ -46,13 +46,8 @@ from typing import Any, NamedTuple
 import redis
 from sqlalchemy import case, func, or_, select, update
 
-from models import InferenceRequest, Job, JobItem, Priority, Status
-from models.idempotency import expire_keys
-from models.lifecycle import Lifecycle
-from models.session import Database
-from sluice.keys import EPOCH_SEEN_KEY, LOST_CHECK_KEY, RESERVED_KEY, node_key, raise_cancel_flag, worker_key
-from sluice.limiter import limiter_for, reconcile_in_flight
-from sluice.queues import (
+from core.admission.limiter import limiter_for, reconcile_in_flight
+from core.broker.queues import (
     DIRECT_PREFIX,
     BrokerEpoch,
     direct_queue,
@@ -61,12 +56,16 @@ from sluice.queues import (
     queue_length,
     queue_name,
 )
-from sluice.settings import Settings
-from sluice.twins import Twins
-from web.services import Services
-from web.waits import abandon_idle_pollers
-
-from . import webhooks
+from core.delivery.waits import abandon_idle_pollers
+from core.rediskeys import EPOCH_SEEN_KEY, LOST_CHECK_KEY, RESERVED_KEY, node_key, raise_cancel_flag, worker_key
+from core.services import Services
+from core.settings import Settings
+from core.submit.twins import Twins
+from models import InferenceRequest, Job, JobItem, Priority, Status
+from models.idempotency import expire_keys
+from models.lifecycle import Lifecycle
+from models.session import Database
+from workers import webhooks
 
 log = logging.getLogger(__name__)
 

@@ -15,13 +15,12 @@ import redis
 from celery import shared_task
 from celery.exceptions import Reject
 
-from sluice.keys import RESERVED_KEY, SWEEP_LAST_KEY
-from sluice.queues import RUN_TASK, SWEEP_TASK, publish_committed
-
-from . import execution, sweep
-from .bootstrap import WORKER, EngineNotStarted
-from .celery_app import SluiceTask
-from .execution import DB_UNAVAILABLE
+from core.broker.queues import RUN_TASK, SWEEP_TASK, publish_committed
+from core.rediskeys import RESERVED_KEY, SWEEP_LAST_KEY
+from workers import execution, sweep
+from workers.bootstrap import WORKER, EngineNotStarted
+from workers.celery_app import SluiceTask
+from workers.execution import DB_UNAVAILABLE
 
 log = logging.getLogger(__name__)
 

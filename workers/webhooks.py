@@ -33,14 +33,13 @@ from celery import shared_task
 from sqlalchemy import case, delete, func, select, text, update
 from standardwebhooks import Webhook
 
+from core.broker.queues import DELIVER_TASK, WEBHOOKS_QUEUE, queue_length
+from core.delivery import ssrf
+from core.delivery.webhooks import Webhooks
+from core.services import Services
+from core.settings import Settings
 from models import Delivery, DeliveryStatus, JobStatus, Tenant
-from sluice import ssrf
-from sluice.queues import DELIVER_TASK, WEBHOOKS_QUEUE, queue_length
-from sluice.settings import Settings
-from web.services import Services
-from web.webhooks import Webhooks
-
-from .celery_app import SluiceTask
+from workers.celery_app import SluiceTask
 
 log = logging.getLogger(__name__)
 

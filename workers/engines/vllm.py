@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from .base import Engine, EngineDead, EngineStats, GenerationOutput, GenerationRequest
+from workers.engines.base import Engine, EngineDead, EngineStats, GenerationOutput, GenerationRequest
 
 # Keep the model inside vLLM's engine-core process instead of a third worker process: on one
 # device that saves a process and ~1 GB. Must be set before vllm is imported.

@@ -1,0 +1,271 @@
+"""Admission: three token-priced gates between a validated request and its row.
+
+    global   the promise (its class's queue says it cannot finish by its deadline → 503 with a
+             Retry-After computed from the queue), the degradation level (shed → 503 for all,
+             reject-batch → 503 for batch) and the
+             platform's token rate (→ 503)
+    tenant   tokens per minute and requests per minute (→ 429 rate_limited), requests in flight
+             (→ 429 tenant_concurrency_limit), from the tenant's tier and overrides
+    request  input + max_tokens against the model's context length and the tenant's per-request
+             maximum (→ 413 request_too_large, with the numbers)
+
+A request's price is its estimated input tokens plus its ``max_tokens``: the reservation stored
+on the row. The gates run in that order in one Redis script (``core/admission/limiter.py``), which
+charges every limit or none; the per-request verdict is plain arithmetic, worked out here and
+handed to the script as its third gate. When Redis does not answer within
+``SLUICE_REDIS_TIMEOUT_S``, the same gates run on this process's local floor
+(``core/admission/local_floor.py``). Every outcome carries OpenAI-style ``x-ratelimit-*`` headers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from core.admission.limiter import SharedLimiter, Verdict
+from core.admission.local_floor import LocalFloor, RedisBreaker
+from core.errors import ApiError
+from core.observe import submit_metrics as metrics
+from core.rediskeys import redis_client
+from core.settings import Settings
+from core.tenants.tiers import Limits, effective_limits
+from models import Tenant
+from models.lifecycle import Ended
+
+if TYPE_CHECKING:
+    from core.submit.plan import Plan
+
+log = logging.getLogger(__name__)
+
+# When a level, not a bucket, turned the request away there is no refill time to report.
+OVERLOAD_RETRY_AFTER_S = 5
+CONCURRENCY_RETRY_AFTER_S = 1
+
+
+class RateLimited(ApiError):
+    status, code = 429, "rate_limited"
+
+
+class Overloaded(ApiError):
+    status, code = 503, "overloaded"
+
+
+class RequestTooLarge(ApiError):
+    status, code = 413, "request_too_large"
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """An admitted request's reservation, until its row is committed, and the tenant's
+    x-ratelimit-* headers after it."""
+
+    request_id: str
+    tenant_id: str
+    cost: int
+    limiter: str  # "shared" | "local_floor"
+    headers: dict[str, str] = field(default_factory=dict)
+    # The class's queue wait at admission, as the monitor's rates predict it; None when unknown.
+    estimated_wait_s: float | None = None
+
+
+class Admission:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        # The web tier's own client: one short timeout per call and no retries, so a hung Redis
+        # costs a request at most SLUICE_REDIS_TIMEOUT_S before the floor takes over.
+        self.redis = redis_client(settings.redis_url, settings.redis_timeout_s)
+        self.redis.set_retry(Retry(NoBackoff(), 0))
+        self.shared = SharedLimiter(self.redis, platform_tokens_per_minute=settings.platform_tokens_per_minute,
+                                    load_level_max_age_s=settings.load_level_max_age_s,
+                                    reject_batch="reject_batch" in settings.ladder, shed="shed" in settings.ladder,
+                                    tight_promise_factor=(settings.tight_promise_factor
+                                                          if "tight_promise" in settings.ladder else None),
+                                    promise_factor=settings.promise_factor)
+        self.floor = LocalFloor(settings.local_floor_tokens_per_minute)
+        self.breaker = RedisBreaker()
+
+    @property
+    def redis_healthy(self) -> bool:
+        """False while this process is on its local floor: callers skip optional Redis work."""
+        return self.breaker.healthy
+
+    def limits_for(self, tenant: Tenant) -> Limits:
+        return effective_limits(self.settings.tiers, self.settings.default_tier, tenant)
+
+    def admit(self, tenant: Tenant, plan: Plan) -> Ticket:
+        """Pass the plan through the gates and reserve its tokens, or raise the rejection."""
+        limits = self.limits_for(tenant)
+        cost = plan.reserved_tokens
+        too_large = self._too_large(limits, plan)
+        verdict = self._shared(lambda: self._gates(tenant, limits, plan, too_large=too_large is not None))
+        limiter = "shared"
+        if verdict is None:
+            verdict, limiter = self.floor.admit(str(tenant.id), limits, cost, plan.priority.value,
+                                                too_large=too_large is not None), "local_floor"
+        headers = ratelimit_headers(verdict)
+        if verdict.admitted:
+            metrics.ADMITTED.labels(limiter=limiter).inc()
+            wait = verdict.wait_ms / 1000 if verdict.wait_ms >= 0 else None
+            return Ticket(str(plan.request_id), str(tenant.id), cost, limiter, headers, wait)
+        metrics.REJECTIONS.labels(gate=verdict.gate, reason=verdict.reason).inc()
+        log.info("rejected at the %s gate: %s (%d tokens, %s limiter)", verdict.gate, verdict.reason, cost, limiter)
+        raise _rejection(verdict, limits, cost, too_large, headers)
+
+    def refuse_early(self, tenant: Tenant, plan: Plan) -> None:
+        """Raise the global gate's refusal (the promise, the level, the platform's rate) if it would
+        refuse ``plan`` now; charge nothing either way. Only the shared limiter answers: with Redis
+        away this returns and the full admission decides on the floor."""
+        limits = self.limits_for(tenant)
+        verdict = self._shared(lambda: self._gates(tenant, limits, plan, dry_run=True))
+        if verdict is None or verdict.gate != "global":
+            return
+        metrics.REJECTIONS.labels(gate=verdict.gate, reason=verdict.reason).inc()
+        log.info("refused early at the global gate: %s (%d tokens)", verdict.reason, plan.reserved_tokens)
+        raise _rejection(verdict, limits, plan.reserved_tokens, None, ratelimit_headers(verdict))
+
+    def refuse_over_limits(self, tenant: Tenant) -> None:
+        """Raise the tenant gate's 429 if it would refuse even the cheapest request (one token): its
+        request rate or concurrency used up, or its token bucket empty. Checked before the request
+        is tokenized (up to SLUICE_MAX_PROMPT_CHARS), so a tenant over its limits costs the web tier
+        one Redis call, not that work. Charges nothing; with Redis away the floor decides later."""
+        limits = self.limits_for(tenant)
+        verdict = self._shared(lambda: self.shared.admit("", str(tenant.id), limits, 1, "realtime", dry_run=True))
+        if verdict is None or verdict.gate != "tenant":
+            return
+        metrics.REJECTIONS.labels(gate=verdict.gate, reason=verdict.reason).inc()
+        log.info("refused before planning: tenant %s", verdict.reason)
+        raise _rejection(verdict, limits, 0, None, ratelimit_headers(verdict))
+
+    def _gates(self, tenant: Tenant, limits: Limits, plan: Plan, *, too_large: bool = False,
+               dry_run: bool = False) -> Verdict:
+        """The shared limiter's gates for ``plan`` (its promise included); raises Redis errors."""
+        return self.shared.admit(str(plan.request_id), str(tenant.id), limits, plan.reserved_tokens,
+                                 plan.priority.value, too_large=too_large, dry_run=dry_run, model=plan.target_model,
+                                 deadline_s=plan.deadline_s, max_tokens=plan.max_tokens)
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Undo an admission whose row was never committed."""
+        if ticket.limiter == "local_floor":
+            self.floor.refund(ticket.tenant_id, ticket.cost)
+        else:
+            self._shared(lambda: self.shared.release(ticket.request_id, ticket.tenant_id, ticket.cost))
+
+    def release(self, ended: Ended) -> None:
+        """A request ended: free its slot and refund the tokens it did not use (a lifecycle hook).
+
+        Best effort: if Redis does not answer, the sweep's reconciliation releases it later.
+        """
+        self._shared(lambda: self.shared.release_row(ended))
+
+    def headers(self, tenant: Tenant) -> dict[str, str]:
+        """The tenant's current quotas as headers, for responses that ran no gate."""
+        limits = self.limits_for(tenant)
+        verdict = self._shared(lambda: self.shared.peek(str(tenant.id), limits))
+        return ratelimit_headers(verdict or self.floor.peek(str(tenant.id), limits))
+
+    def _shared(self, call):
+        """``call()`` against Redis through the breaker; None when Redis is (or just went) away."""
+        if not self.breaker.allow():
+            return None
+        try:
+            result = call()
+        except redis.RedisError as exc:
+            if not isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+                # Redis answered with an error (out of memory, read-only replica, a script bug):
+                # the floor keeps requests flowing, the traceback says why.
+                log.exception("Redis error in admission; using the local floor")
+            elif self.breaker.healthy:
+                log.warning("Redis unreachable (%s): admission falls back to the local floor", type(exc).__name__)
+            self.breaker.failed()
+            metrics.LOCAL_FLOOR.set(1)
+            return None
+        if not self.breaker.healthy:
+            log.warning("Redis answers again: admission is back on the shared limits")
+        self.breaker.succeeded()
+        metrics.LOCAL_FLOOR.set(0)
+        return result
+
+    def _too_large(self, limits: Limits, row: Plan) -> tuple[int, str, str] | None:
+        """The smallest ceiling the request's tokens exceed, as (tokens, name, description)."""
+        model = self.settings.registry.get(row.target_model)
+        ceilings = [
+            (model.context_tokens if model else self.settings.max_context_tokens, "context_length",
+             f"{row.target_model}'s context length"),
+            (limits.max_request_tokens, "max_request_tokens", "your per-request maximum"),
+            # A request larger than a whole minute's budget could never be admitted: say so now.
+            (limits.tokens_per_minute, "tokens_per_minute", "your tokens-per-minute limit"),
+        ]
+        if self.settings.platform_tokens_per_minute:
+            ceilings.append((self.settings.platform_tokens_per_minute, "platform_tokens_per_minute",
+                             "the platform's tokens-per-minute limit"))
+        exceeded = [c for c in ceilings if row.reserved_tokens > c[0]]
+        if not exceeded:
+            return None
+        ceiling = min(exceeded)
+        return ceiling[0], ceiling[1], (f"This request needs {row.reserved_tokens} tokens ({row.input_tokens} "
+                                        f"input + {row.max_tokens} max_tokens), more than {ceiling[2]} of "
+                                        f"{ceiling[0]} tokens. Shorten the input or lower max_tokens.")
+
+
+def _rejection(verdict: Verdict, limits: Limits, cost: int, too_large, headers: dict[str, str]) -> ApiError:
+    details = {"gate": verdict.gate, "reason": verdict.reason}
+    if verdict.reason == "deadline":
+        details["estimated_wait_s"] = verdict.wait_ms / 1000
+    if verdict.gate == "request":
+        limit, name, message = too_large
+        return RequestTooLarge(message, headers=headers,
+                               details={**details, "requested_tokens": cost, "limit_tokens": limit, "limit": name})
+    retry_ms = verdict.retry_after_ms or 1000 * (
+        CONCURRENCY_RETRY_AFTER_S if verdict.reason == "concurrency" else OVERLOAD_RETRY_AFTER_S)
+    retry_s = max(1, math.ceil(retry_ms / 1000))
+    # Retry-After takes whole seconds; OpenAI's clients read the finer retry-after-ms first.
+    headers = {**headers, "Retry-After": str(retry_s), "retry-after-ms": str(retry_ms)}
+    after = f"retry after {retry_s} s"
+    messages = {
+        "shed": f"The platform is overloaded and is shedding load; {after}.",
+        "deadline": (f"The queue for this request's class would not let it finish within its deadline "
+                     f"(estimated wait {verdict.wait_ms / 1000:.1f} s); {after}, or send a longer deadline_s "
+                     "or a smaller max_tokens."),
+        "batch_paused": f"The platform is overloaded, so batch submissions are paused; {after}.",
+        "platform_tokens": f"The platform is at its token rate limit; {after}.",
+        "local_floor_batch": f"Batch submissions are paused while the shared rate limiter is unreachable; {after}.",
+        "local_floor_tokens": f"This server is at its emergency token limit; {after}.",
+        "tokens_per_minute": (f"Rate limit reached: this request needs {cost} tokens and "
+                              f"{verdict.tokens.remaining} of your {limits.tokens_per_minute} tokens per minute "
+                              f"are left; {after}." if cost else
+                              f"Rate limit reached: none of your {limits.tokens_per_minute} tokens per minute "
+                              f"are left; {after}."),
+        "requests_per_minute": f"Rate limit reached: {limits.requests_per_minute} requests per minute; {after}.",
+        "concurrency": (f"You have {limits.max_concurrent} requests queued or running, your limit; "
+                        "retry when one of them finishes."),
+    }
+    message = messages[verdict.reason]
+    if verdict.gate == "global":
+        return Overloaded(message, headers=headers, details=details)
+    code = "tenant_concurrency_limit" if verdict.reason == "concurrency" else None
+    return RateLimited(message, code=code, headers=headers, details=details)
+
+
+def ratelimit_headers(verdict: Verdict) -> dict[str, str]:
+    """The six OpenAI-style headers that client libraries read to pace themselves."""
+    headers = {}
+    for kind, quota in (("tokens", verdict.tokens), ("requests", verdict.requests)):
+        headers[f"x-ratelimit-limit-{kind}"] = str(quota.limit)
+        headers[f"x-ratelimit-remaining-{kind}"] = str(quota.remaining)
+        headers[f"x-ratelimit-reset-{kind}"] = duration(quota.reset_ms)
+    return headers
+
+
+def duration(ms: int) -> str:
+    """Milliseconds the way OpenAI writes reset times: ``250ms``, ``1.5s``, ``6m0s``."""
+    if ms < 1000:
+        return f"{ms}ms"
+    minutes, rest = divmod(ms, 60_000)
+    seconds = f"{rest / 1000:.3f}".rstrip("0").rstrip(".")
+    return f"{minutes}m{seconds}s" if minutes else f"{seconds}s"

@@ -1,0 +1,178 @@
+"""Load, as every process sees it through Redis: queue counters, class snapshots, the level.
+
+Three kinds of keys, all per class (priority × model, the unit the promise at arrival and the
+degradation ladder reason about):
+
+* **Counters** (``sluice:load:queue:<priority>:<model>``, a hash) move with every lifecycle
+  transition (:class:`QueueCounters`, a lifecycle hook): requests and reserved tokens queued,
+  the *work* queued and claimed (their ``max_tokens``: decoding is what takes an engine's time;
+  a long prompt prefills a hundred times faster than it would decode), and tokens finished. They
+  are live; the monitor re-counts the queued ones from Postgres now and then, since a process can
+  die between a commit and its hook.
+* **Snapshots** (``sluice:load:class:<priority>:<model>``, a hash with a short TTL), written by
+  the load monitor every second: drain rate, per-sequence speed, estimated wait, level.
+* **The level** (``LOAD_LEVEL_KEY``): the highest realtime class level, which admission's Lua
+  gate reads. A missing or stale level counts as NORMAL, so a dead monitor can never leave the
+  platform shedding; the local rules apply instead.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+
+import redis
+
+from core.rediskeys import LOAD_LEVEL_KEY, PAUSED_KEY
+from core.settings import LADDER_STEPS
+from models import Priority, Status
+from models.lifecycle import Moved
+
+log = logging.getLogger(__name__)
+
+COUNTERS_PREFIX = "sluice:load:queue:"
+SNAPSHOT_PREFIX = "sluice:load:class:"
+
+
+class LoadLevel(enum.IntEnum):
+    NORMAL = 0
+    LIGHT_MODEL = 1
+    SHORTER_OUTPUT = 2
+    CACHED_ANSWERS = 3
+    REJECT_BATCH = 4
+    TIGHT_PROMISE = 5
+    SHED = 6
+
+
+def class_name(priority: Priority | str, model: str) -> str:
+    return f"{Priority(priority).value}:{model}"
+
+
+def counters_key(priority: Priority | str, model: str) -> str:
+    return COUNTERS_PREFIX + class_name(priority, model)
+
+
+def snapshot_key(priority: Priority | str, model: str) -> str:
+    return SNAPSHOT_PREFIX + class_name(priority, model)
+
+
+class QueueCounters:
+    """A lifecycle ``on_move`` hook keeping each class's counters in Redis.
+
+    accepted or requeued (→ queued)   queued_requests += 1, queued_tokens += reserved, queued_work += max_tokens,
+                                       queued_deadline_ms += its deadline (creation to deadline)
+    claimed (queued → running)         queued_* −= …, claimed_work += max_tokens
+    ended while queued (cancel/expiry) queued_* −= …
+    ended while running                finished_tokens += input + output actually processed
+    """
+
+    def __init__(self, client: redis.Redis, healthy: Callable[[], bool] = lambda: True) -> None:
+        self.redis = client
+        # While the caller knows Redis is away (admission's breaker is open), skip the call
+        # instead of spending its timeout on every transition.
+        self.healthy = healthy
+
+    def __call__(self, moved: Moved) -> None:
+        if not self.healthy() or moved.follows is not None:
+            return  # a parked twin is on no queue: it adds no work
+        key = counters_key(moved.priority, moved.model)
+        # Before a request ran, reserved = admission's input estimate + max_tokens.
+        work = moved.reserved_tokens - moved.input_tokens
+        deadline_ms = int((moved.deadline_s or 0) * 1000)
+        pipe = self.redis.pipeline(transaction=False)
+        if moved.status == Status.QUEUED:
+            pipe.hincrby(key, "queued_requests", 1)
+            pipe.hincrby(key, "queued_tokens", moved.reserved_tokens)
+            pipe.hincrby(key, "queued_work", work)
+            pipe.hincrby(key, "queued_deadline_ms", deadline_ms)
+        if moved.source == Status.QUEUED:
+            pipe.hincrby(key, "queued_requests", -1)
+            pipe.hincrby(key, "queued_tokens", -moved.reserved_tokens)
+            pipe.hincrby(key, "queued_work", -work)
+            pipe.hincrby(key, "queued_deadline_ms", -deadline_ms)
+            if moved.status == Status.RUNNING:
+                pipe.hincrby(key, "claimed_work", work)
+        if moved.source == Status.RUNNING and moved.status.terminal:
+            pipe.hincrby(key, "finished_tokens", moved.input_tokens + (moved.output_tokens or 0))
+        try:
+            pipe.execute()
+        except redis.RedisError as exc:  # the monitor re-counts queued work from Postgres
+            log.warning("queue counters not updated (%s)", type(exc).__name__)
+
+
+@dataclass(frozen=True)
+class ClassLoad:
+    """One class as the monitor last saw it."""
+
+    priority: str
+    model: str
+    queued_tokens: int  # reserved (input + max_tokens): what admission priced
+    queued_requests: int
+    queued_work: int  # their max_tokens: what the wait is computed from
+    drain_tps: float  # work (max_tokens) claimed off the queue per second (0: unknown)
+    seq_tps: float  # tokens per second one running sequence gets (0: unknown)
+    wait_s: float  # queued work / drain (0 when empty; -1 when unknown)
+    level: int
+    workers: int  # warm workers consuming this class's queues
+    updated_at_ms: int
+    deadline_s: float = 0.0  # what the level judges the wait against: the queued requests' mean
+    # deadline, or the class default when that is shorter or nothing is queued
+
+    def write(self, client: redis.Redis, ttl_s: float) -> None:
+        key = snapshot_key(self.priority, self.model)
+        with client.pipeline(transaction=False) as pipe:
+            pipe.hset(key, mapping={k: str(v) for k, v in asdict(self).items()})
+            pipe.pexpire(key, int(ttl_s * 1000))
+            pipe.execute()
+
+    @classmethod
+    def read_all(cls, client: redis.Redis) -> list[ClassLoad]:
+        keys = sorted(client.scan_iter(match=SNAPSHOT_PREFIX + "*", count=200))
+        with client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.hgetall(key)
+            hashes = pipe.execute()
+        loads = []
+        for raw in hashes:
+            if raw:
+                loads.append(cls(**{f.name: _typed(f.type, raw[f.name]) for f in fields(cls) if f.name in raw}))
+        return loads
+
+
+def _typed(kind: object, value: str):
+    kind = str(kind)
+    return int(value) if kind == "int" else float(value) if kind == "float" else value
+
+
+def write_level(client: redis.Redis, level: LoadLevel, ttl_s: float = 60.0) -> None:
+    """Publish ``level`` now (what the load monitor does; tests and operators use it too).
+
+    The timestamp comes from the Redis clock, the one the admission script compares it with.
+    """
+    seconds, micros = client.time()
+    client.hset(LOAD_LEVEL_KEY, mapping={"level": int(level), "updated_at_ms": seconds * 1000 + micros // 1000})
+    client.pexpire(LOAD_LEVEL_KEY, int(ttl_s * 1000))
+
+
+def steps_in_force(level: int, enabled: tuple[str, ...]) -> list[str]:
+    """The ladder's steps that ``level`` turns on, of those switched on in SLUICE_LADDER_STEPS."""
+    return [step for rank, step in enumerate(LADDER_STEPS, start=1) if level >= rank and step in enabled]
+
+
+def load_view(client: redis.Redis, enabled_steps: tuple[str, ...], reservations: list[dict]) -> dict:
+    """What the operator sees (``GET /v1/admin/load``, ``sluice status``): the platform's level,
+    the steps it turns on, every class as the monitor last published it, and the peak
+    reservations in force or to come (``reservations``, from Postgres) with the workers paused
+    for them now."""
+    raw = client.hgetall(LOAD_LEVEL_KEY)
+    level = int(raw["level"]) if raw else None
+    paused = sorted(json.loads(v)["node"] for v in client.hvals(PAUSED_KEY))
+    return {"level": level,
+            "steps": steps_in_force(level or 0, enabled_steps),
+            "monitor": "running" if raw else "not running: admission applies its local rules",
+            "classes": [asdict(one) for one in ClassLoad.read_all(client)],
+            "reservations": reservations,
+            "paused_for_reservations": paused}

@@ -1,0 +1,191 @@
+"""OpenAI request and response shapes: what ``/v1/chat/completions`` and ``/v1/completions``
+accept, how a body becomes a native submit body (``core/submit/schemas.py SubmitRequestSchema``), and
+how a request row reads back as an OpenAI completion, chunk or error.
+
+Only the translation lives here; admission, queues, the ladder and the request table are the
+native ones (``web/openai/chat.py`` calls ``RequestService.submit``). Fields OpenAI has and Sluice
+cannot honour (``n`` > 1, logprobs, tools, penalties) are refused by name, never ignored: a
+client must not believe it got what it did not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from marshmallow import Schema, ValidationError, fields, validate, validates_schema
+
+from core.submit.schemas import ChatMessageSchema, SafeString, StrictBoolean, StrictFloat, StrictInteger
+from models import InferenceRequest
+
+# service_tier → Sluice priority: flex is OpenAI's cheaper, slower tier, as batch is Sluice's.
+TIERS = {"auto": "realtime", "default": "realtime", "priority": "realtime", "flex": "batch"}
+# Row status → the HTTP status a call answers when its request ended without an answer.
+ENDED = {"failed": 500, "timed_out": 504, "expired": 504, "cancelled": 409, "rejected": 503}
+_FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
+
+
+class StopField(fields.Field):
+    """``stop``: one string or a list of up to 4, as OpenAI takes it; always a list once loaded."""
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not 1 <= len(items) <= 4:
+            raise ValidationError("A string or a list of 1 to 4 strings.")
+        return [SafeString(validate=validate.Length(min=1, max=64)).deserialize(item) for item in items]
+
+
+class StreamOptionsSchema(Schema):
+    include_usage = StrictBoolean(metadata={"description": "Send a last chunk with `usage` and no choices."})
+
+
+class OpenAIChatMessageSchema(ChatMessageSchema):
+    role = SafeString(required=True, validate=validate.OneOf(["system", "developer", "user", "assistant"]),
+                      metadata={"description": "`developer` is taken as `system`."})
+
+
+class _CommonSchema(Schema):
+    model = SafeString(required=True, validate=validate.Length(min=1, max=128),
+                       metadata={"description": "A model of GET /v1/models."})
+    max_tokens = StrictInteger(validate=validate.Range(min=1))
+    temperature = StrictFloat(validate=validate.Range(min=0, max=2))
+    top_p = StrictFloat(validate=validate.Range(min=0, max=1, min_inclusive=False))
+    stop = StopField(metadata={"description": "A string or up to 4 strings."})
+    n = StrictInteger(validate=validate.Equal(1, error="Sluice generates one choice per request: n must be 1."))
+    seed = StrictInteger(validate=validate.Range(min=0, max=2**63 - 1))
+    user = SafeString(validate=validate.Length(min=1, max=512),
+                      metadata={"description": "Kept as the request's metadata `user`."})
+    stream = StrictBoolean()
+    stream_options = fields.Nested(StreamOptionsSchema)
+    service_tier = SafeString(validate=validate.OneOf(list(TIERS)), metadata={
+        "description": "`flex` runs as Sluice `batch` priority; the others as `realtime`."})
+    ignore_eos = StrictBoolean(metadata={"description": "Sluice (and vLLM) extension: generate exactly "
+                                                        "max_tokens (benchmarks)."})
+
+    @validates_schema
+    def _stream_options_need_stream(self, data, **kwargs):
+        if "stream_options" in data and not data.get("stream"):
+            raise ValidationError("stream_options is only allowed with stream: true.", "stream_options")
+
+
+class ChatCompletionRequestSchema(_CommonSchema):
+    """Body of POST /v1/chat/completions."""
+
+    messages = fields.List(fields.Nested(OpenAIChatMessageSchema), required=True,
+                           validate=validate.Length(min=1, max=256))
+    max_completion_tokens = StrictInteger(validate=validate.Range(min=1), metadata={
+        "description": "Same as max_tokens (which it replaces in OpenAI's API); give one."})
+
+    @validates_schema
+    def _one_limit(self, data, **kwargs):
+        if "max_tokens" in data and "max_completion_tokens" in data:
+            raise ValidationError("Give max_tokens or max_completion_tokens, not both.", "max_completion_tokens")
+
+
+class CompletionRequestSchema(_CommonSchema):
+    """Body of POST /v1/completions (a single string prompt)."""
+
+    prompt = SafeString(required=True, validate=validate.Length(min=1))
+
+
+def native_body(asked: dict[str, Any], default_model: str) -> dict[str, Any]:
+    """The native submit body that does what the validated OpenAI body ``asked`` asks for.
+
+    OpenAI clients must name a model; naming the platform's default one is taken as naming none,
+    so the degradation ladder may still send it to the light model (the answer's ``model`` says
+    which ran). Any other model is pinned, as on the native route."""
+    body: dict[str, Any] = {} if asked["model"] == default_model else {"model": asked["model"]}
+    if "messages" in asked:
+        body["messages"] = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
+                            for m in asked["messages"]]
+    else:
+        body["prompt"] = asked["prompt"]
+    max_tokens = asked.get("max_completion_tokens", asked.get("max_tokens"))
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    for name in ("temperature", "top_p", "stop", "seed", "ignore_eos"):
+        if asked.get(name) is not None:
+            body[name] = asked[name]
+    if "service_tier" in asked:
+        body["priority"] = TIERS[asked["service_tier"]]
+    if "user" in asked:
+        body["metadata"] = {"user": asked["user"]}
+    if asked.get("stream"):
+        body["stream"] = True
+    return body
+
+
+def model_of(row: InferenceRequest) -> str:
+    """The model that ran (or will run) the request: a degraded request names the lighter one."""
+    return row.model_used or row.target_model
+
+
+def extension(row: InferenceRequest) -> dict[str, Any]:
+    """The ``sluice`` field of every answer: the row to GET, and what the ladder changed."""
+    return {"request_id": str(row.id),
+            "degradation": row.degradation_step.split(",") if row.degradation_step else [],
+            "cache_hit": row.cache_hit, "queue_wait_s": row.queue_wait_s}
+
+
+def usage(row: InferenceRequest) -> dict[str, int]:
+    prompt, completion = row.input_tokens or 0, row.output_tokens or 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def finish_reason(row: InferenceRequest) -> str:
+    return _FINISH.get(row.finish_reason or "stop", "stop")
+
+
+def completion(row: InferenceRequest, chat: bool) -> dict[str, Any]:
+    """A succeeded row as a ``chat.completion`` or ``text_completion`` object."""
+    text = row.output_text or ""
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text})
+    return {**_header(row, chat, "chat.completion" if chat else "text_completion"),
+            "choices": [{**choice, "finish_reason": finish_reason(row), "logprobs": None}],
+            "usage": usage(row), "sluice": extension(row)}
+
+
+def chunk(row: InferenceRequest, chat: bool, text: str | None = None, finish: str | None = None,
+          first: bool = False) -> dict[str, Any]:
+    """One streamed chunk: a text increment, or (``finish``) the end of the choice."""
+    if chat:
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+        if text is not None:
+            delta["content"] = text
+        choice: dict[str, Any] = {"index": 0, "delta": delta}
+    else:
+        choice = {"index": 0, "text": text or ""}
+    body = {**_header(row, chat, "chat.completion.chunk" if chat else "text_completion"),
+            "choices": [{**choice, "finish_reason": finish, "logprobs": None}]}
+    if first or finish:
+        body["sluice"] = extension(row)
+    return body
+
+
+def usage_chunk(row: InferenceRequest, chat: bool) -> dict[str, Any]:
+    """The last chunk of a stream asked with ``stream_options.include_usage``: no choices."""
+    return {**_header(row, chat, "chat.completion.chunk" if chat else "text_completion"),
+            "choices": [], "usage": usage(row)}
+
+
+def _header(row: InferenceRequest, chat: bool, kind: str) -> dict[str, Any]:
+    return {"id": ("chatcmpl-" if chat else "cmpl-") + row.id.hex, "object": kind,
+            "created": int(row.created_at.timestamp()), "model": model_of(row),
+            "service_tier": "flex" if row.priority.value == "batch" else "default", "system_fingerprint": None}
+
+
+def error_body(message: str, kind: str, code: str | None, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_type(status: int) -> str:
+    return {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+            404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
+            415: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
+
+
+def first_param(details: Any) -> str | None:
+    """The field a validation error names first, as OpenAI's ``param`` (None: the whole body)."""
+    if isinstance(details, dict) and details:
+        name = next(iter(details))
+        return None if name.startswith("_") else name
+    return None

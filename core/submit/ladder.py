@@ -1,0 +1,104 @@
+"""The degradation ladder's first steps, applied to a realtime plan before admission prices it.
+
+    level 1  light_model     a realtime request that named no model goes to the registry's
+                             ``light`` model, when one is configured and a worker serves it warm
+    level 2  shorter_output  a realtime request's max_tokens is capped (SLUICE_SHORTER_OUTPUT_TOKENS)
+
+Later steps act in admission's Lua gate (reject_batch at level 4, tight_promise at 5: the
+promise keeps a margin, shed at 6); the promise at arrival refuses what cannot finish in time at
+every level. Each step is switched on or off in
+SLUICE_LADDER_STEPS. A degraded request's row says which steps changed it (``degradation_step``)
+and so does the answer (the ``Sluice-Degradation`` header).
+
+The level comes from Redis, read at most every ``REFRESH_S`` per process and only while
+admission's breaker says Redis answers: with no level (no monitor, stale figures, Redis away)
+nothing is degraded, and the local rules of admission apply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+
+from core.admission.gates import Admission
+from core.admission.load import LoadLevel, snapshot_key
+from core.rediskeys import LOAD_LEVEL_KEY
+from core.settings import Settings
+from core.submit.plan import Plan, Planner
+from models import Priority
+
+log = logging.getLogger(__name__)
+
+REFRESH_S = 0.5
+HEADER = "Sluice-Degradation"
+
+
+class LoadReader:
+    """The published level and whether the light model has warm realtime workers, cached briefly."""
+
+    def __init__(self, settings: Settings, admission: Admission, clock=time.monotonic) -> None:
+        self.settings = settings
+        self.admission = admission
+        self.clock = clock
+        self.light = settings.registry.light
+        self._read_at = float("-inf")
+        self._level, self._light_warm = LoadLevel.NORMAL, False
+        self._lock = threading.Lock()
+
+    def current(self) -> tuple[LoadLevel, bool]:
+        with self._lock:
+            if self.clock() - self._read_at >= REFRESH_S:
+                self._read_at = self.clock()
+                self._level, self._light_warm = self._read()
+            return self._level, self._light_warm
+
+    def _read(self) -> tuple[LoadLevel, bool]:
+        if not self.admission.redis_healthy:
+            return LoadLevel.NORMAL, False
+        try:
+            with self.admission.redis.pipeline(transaction=False) as pipe:
+                pipe.hmget(LOAD_LEVEL_KEY, "level", "updated_at_ms")
+                if self.light is not None:
+                    pipe.hget(snapshot_key(Priority.REALTIME, self.light.name), "workers")
+                (level, updated_ms), *light = pipe.execute()
+        except Exception:  # the gate's own Redis call will open the breaker if Redis is away
+            log.warning("could not read the load level; degrading nothing")
+            return LoadLevel.NORMAL, False
+        max_age_ms = self.settings.load_level_max_age_s * 1000
+        fresh = updated_ms is not None and time.time() * 1000 - int(updated_ms) <= max_age_ms
+        warm = bool(light) and int(light[0] or 0) > 0
+        return (LoadLevel(int(level)) if level is not None and fresh else LoadLevel.NORMAL), warm
+
+
+class Ladder:
+    def __init__(self, settings: Settings, planner: Planner, reader: LoadReader) -> None:
+        self.settings = settings
+        self.planner = planner
+        self.reader = reader
+
+    def answers_samples_from_cache(self) -> bool:
+        """Step 3 (cached_answer) in force: a sampled request too may be answered by its cached twin."""
+        return self.reader.current()[0] >= LoadLevel.CACHED_ANSWERS and "cached_answer" in self.settings.ladder
+
+    def apply(self, plan: Plan, model_named: bool) -> Plan:
+        """``plan`` with the steps the current level calls for; unchanged for batch work."""
+        if plan.priority != Priority.REALTIME:
+            return plan
+        level, light_warm = self.reader.current()
+        steps = self.settings.ladder
+        applied: list[str] = []
+        if (level >= LoadLevel.LIGHT_MODEL and "light_model" in steps and light_warm and not model_named
+                and self.reader.light is not None and plan.route_reason is None):
+            rerouted = self.planner.reroute(plan, self.reader.light, "light_model")
+            if rerouted is not None:
+                plan = rerouted
+                applied.append("light_model")
+        if (level >= LoadLevel.SHORTER_OUTPUT and "shorter_output" in steps
+                and plan.max_tokens > self.settings.shorter_output_tokens):
+            plan = dataclasses.replace(plan, max_tokens=self.settings.shorter_output_tokens)
+            applied.append("shorter_output")
+        if applied:
+            plan = dataclasses.replace(plan, degradation=tuple(applied))
+        return plan

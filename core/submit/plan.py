@@ -1,0 +1,213 @@
+"""Step 1 of a submit: turn a validated body into a frozen plan, or say what is wrong with it.
+
+Planning checks the body against the server's caps, counts input tokens with the target
+model's tokenizer, routes a request too long for the default model to a long-context one, and
+picks the queue (the worker that served the conversation's last turn, when there is one). It
+writes nothing: admission prices the plan, and only an admitted plan becomes a row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import redis
+from sqlalchemy import func
+
+from core.broker.queues import direct_queue, queue_name, size_class_for
+from core.delivery.webhooks import DEFAULT_EVENTS, check_url
+from core.errors import InvalidRequest
+from core.rediskeys import conversation_key, node_key
+from core.registry import ModelSpec
+from core.settings import Settings
+from core.submit.answers import answer_key
+from core.submit.tokens import ChatTemplateError, TokenCounters
+from models import InferenceRequest, Priority, SizeClass
+
+log = logging.getLogger(__name__)
+
+SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "ignore_eos")
+# How the client takes the answer; kept with the sampling parameters (the worker streams when
+# `stream` is set; `detach` and `abandon_after_s` are read by the web tier, web/waits.py).
+DELIVERY_FIELDS = ("stream", "detach", "abandon_after_s")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a request's row will say, before admission decides whether it gets one."""
+
+    request_id: uuid.UUID
+    tenant_id: uuid.UUID
+    priority: Priority
+    size_class: SizeClass
+    queue: str
+    model_requested: str
+    model_routed: str | None  # set when routing chose another model than the one asked for
+    route_reason: str | None
+    input: dict[str, Any]
+    params: dict[str, Any]
+    meta: dict[str, str]
+    conversation_id: str | None
+    max_tokens: int
+    time_limit_s: float
+    input_tokens: int
+    deadline_s: float
+    degradation: tuple[str, ...] = ()  # ladder steps that changed it (core/submit/ladder.py)
+    webhook_url: str | None = None  # checked by the SSRF guard (core/delivery/webhooks.py)
+    webhook_events: tuple[str, ...] = ()
+
+    @property
+    def reserved_tokens(self) -> int:
+        """What admission prices: input tokens plus every output token the request may use."""
+        return self.input_tokens + self.max_tokens
+
+    @property
+    def target_model(self) -> str:
+        return self.model_routed or self.model_requested
+
+    @functools.cached_property
+    def answer_key(self) -> str:
+        """Its hot-cache key (``core/submit/answers.py``), which also names its twins (``core/submit/twins.py``)."""
+        return answer_key(self.target_model, self.input, self.params, self.max_tokens)
+
+    def row(self) -> InferenceRequest:
+        """The request's row, born ``queued`` (the column default); its deadline on the database clock."""
+        return InferenceRequest(
+            id=self.request_id, tenant_id=self.tenant_id, priority=self.priority, size_class=self.size_class,
+            queue=self.queue, model_requested=self.model_requested, model_routed=self.model_routed,
+            route_reason=self.route_reason, input=self.input, params=self.params, meta=self.meta,
+            conversation_id=self.conversation_id, max_tokens=self.max_tokens, time_limit_s=self.time_limit_s,
+            reserved_tokens=self.reserved_tokens, input_tokens=self.input_tokens, attempts=0,
+            deadline_at=func.now() + timedelta(seconds=self.deadline_s),
+            degradation_step=",".join(self.degradation) or None, webhook_url=self.webhook_url,
+            webhook_events=list(self.webhook_events) if self.webhook_url else None)
+
+
+def input_chars(body: dict[str, Any]) -> int:
+    """Characters of a validated submit body's input: its prompt, or its messages' contents."""
+    return sum(len(m["content"]) for m in body["messages"]) if "messages" in body else len(body["prompt"])
+
+
+class Planner:
+    def __init__(self, settings: Settings, counters: TokenCounters, redis_client: redis.Redis,
+                 redis_healthy: Callable[[], bool]) -> None:
+        self.settings = settings
+        self.counters = counters
+        self.redis = redis_client
+        self.redis_healthy = redis_healthy
+
+    def plan(self, tenant_id: uuid.UUID, body: dict[str, Any]) -> Plan:
+        """Raises InvalidRequest (422) naming every field over a server cap."""
+        settings = self.settings
+        max_tokens = body.get("max_tokens", settings.default_max_tokens)
+        time_limit = body.get("time_limit_s", settings.time_limit_s)
+        model = self._check(body, max_tokens, time_limit)
+        if "webhook_url" in body:
+            check_url(body["webhook_url"], settings.webhook_allow_list)
+        request_input = {"messages": body["messages"]} if "messages" in body else {"prompt": body["prompt"]}
+        input_tokens = self._count(model, request_input)
+        requested, route_reason = model, None
+        if "model" not in body and input_tokens + max_tokens > model.context_tokens:
+            model, input_tokens = self._longer_model(model, input_tokens, request_input, max_tokens)
+            route_reason = "long_context" if model is not requested else None
+        priority = Priority(body["priority"])
+        size_class, queue = self._shared_queue(priority, input_tokens + max_tokens, model)
+        conversation_id = body.get("conversation_id")
+        if conversation_id and self.redis_healthy():  # with Redis away, don't spend its timeout on affinity
+            queue = self._conversation_queue(tenant_id, conversation_id, queue) or queue
+        default_deadline = settings.realtime_deadline_s if priority == Priority.REALTIME else settings.batch_deadline_s
+        return Plan(
+            request_id=uuid.uuid4(), tenant_id=tenant_id, priority=priority, size_class=size_class, queue=queue,
+            model_requested=requested.name, model_routed=model.name if route_reason else None,
+            route_reason=route_reason, input=request_input,
+            params={k: body[k] for k in SAMPLING_FIELDS if k in body} | {k: body[k] for k in DELIVERY_FIELDS
+                                                                       if body.get(k)},
+            meta=body.get("metadata", {}),
+            conversation_id=conversation_id, max_tokens=max_tokens, time_limit_s=float(time_limit),
+            input_tokens=input_tokens, deadline_s=body.get("deadline_s", default_deadline),
+            webhook_url=body.get("webhook_url"),
+            webhook_events=tuple(body.get("webhook_events", DEFAULT_EVENTS)) if "webhook_url" in body else ())
+
+    def reroute(self, plan: Plan, model: ModelSpec, reason: str) -> Plan | None:
+        """``plan`` sent to ``model`` instead (counted with its tokenizer, on its queues), or None
+        when it does not fit that model's context or belongs to a conversation (whose turns stay
+        with the worker holding its prefix cache)."""
+        if plan.conversation_id:
+            return None
+        input_tokens = self._count(model, plan.input)
+        if input_tokens + plan.max_tokens > model.context_tokens:
+            return None
+        size_class, queue = self._shared_queue(plan.priority, input_tokens + plan.max_tokens, model)
+        return dataclasses.replace(plan, model_routed=model.name, route_reason=reason, input_tokens=input_tokens,
+                                   size_class=size_class, queue=queue)
+
+    def _shared_queue(self, priority: Priority, reserved_tokens: int, model: ModelSpec) -> tuple[SizeClass, str]:
+        """The size class a reservation prices into, and the model's shared queue for it."""
+        size_class = size_class_for(reserved_tokens, self.settings.large_threshold_tokens)
+        return size_class, queue_name(priority, size_class, self.settings.registry.queue_suffix(model))
+
+    def _check(self, body: dict[str, Any], max_tokens: int, time_limit: float) -> ModelSpec:
+        """The model asked for (or the default), once every field is within the server's caps."""
+        settings, registry = self.settings, self.settings.registry
+        problems: dict[str, list[str]] = {}
+        if max_tokens > settings.max_output_tokens:
+            problems["max_tokens"] = [f"Must be at most {settings.max_output_tokens}."]
+        if time_limit > settings.time_limit_s:
+            problems["time_limit_s"] = [f"Must be at most {settings.time_limit_s:g} seconds."]
+        model = registry.get(body["model"]) if "model" in body else registry.default
+        if model is None:
+            served = ", ".join(m.name for m in registry.models)
+            problems["model"] = [f"Unknown model {body['model']!r}; this platform serves: {served}."]
+        chars = input_chars(body)
+        if chars > settings.max_prompt_chars:
+            problems["prompt" if "prompt" in body else "messages"] = [
+                f"Input is {chars} characters; at most {settings.max_prompt_chars} are accepted."]
+        if problems:
+            raise InvalidRequest("The request has invalid fields; see details.", details=problems)
+        assert model is not None
+        return model
+
+    def _longer_model(self, model: ModelSpec, input_tokens: int, request_input: dict[str, Any],
+                      max_tokens: int) -> tuple[ModelSpec, int]:
+        """The smallest long-context model that holds the request, counted with its own tokenizer.
+
+        If none does, the largest is kept and the per-request gate answers 413 with its numbers;
+        with none configured, ``model`` stays.
+        """
+        for longer in self.settings.registry.long_models():
+            if longer.context_tokens <= model.context_tokens:
+                continue
+            model, input_tokens = longer, self._count(longer, request_input)
+            if input_tokens + max_tokens <= longer.context_tokens:
+                break
+        return model, input_tokens
+
+    def _count(self, model: ModelSpec, request_input: dict[str, Any]) -> int:
+        try:
+            return self.counters.for_model(model).count(request_input)
+        except ChatTemplateError as exc:
+            raise InvalidRequest(exc.message, details={"messages": [exc.message]}) from None
+
+    def _conversation_queue(self, tenant_id: uuid.UUID, conversation_id: str, shared_queue: str) -> str | None:
+        """The direct queue of the live worker that served this conversation's last turn, if any.
+
+        Only if that worker also consumes ``shared_queue``: affinity never moves a turn to a worker
+        of another role (a batch turn onto a reserved realtime device), size class or model.
+        Best effort: if Redis cannot say, the turn goes to the shared queue and only loses its
+        prefix cache hit.
+        """
+        try:
+            node = self.redis.get(conversation_key(str(tenant_id), conversation_id))
+            owner = json.loads(self.redis.get(node_key(node)) or "{}") if node else {}
+            if shared_queue in owner.get("queues", ()):
+                return direct_queue(node)
+        except Exception:
+            log.warning("conversation routing unavailable; using the shared queue")
+        return None

@@ -1,0 +1,230 @@
+"""The request's own schemas: a submit body (validated wherever one enters: the REST API, the
+OpenAI front's mapping, job lines) and the request's view (the API's answer and a webhook's payload).
+The web tier's /openapi.json is generated from these too.
+
+Fields are strict about JSON types: ``"5"`` is not a number and ``true`` is not an integer,
+because a client that sends those has a bug we should tell it about, not guess around.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import numbers
+
+from marshmallow import Schema, ValidationError, fields, pre_dump, validate, validates_schema
+
+from core.broker.queues import DIRECT_PREFIX
+from models.request import storable
+
+
+class StrictInteger(fields.Integer):
+    """A JSON integer: no strings, no booleans. ``5.0`` is one too (JSON Schema says so)."""
+
+    def _validated(self, value):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise self.make_error("invalid")
+        return super()._validated(value)
+
+
+class StrictFloat(fields.Float):
+    def _validated(self, value):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise self.make_error("invalid")
+        return super()._validated(value)
+
+
+class SafeString(fields.String):
+    """A string PostgreSQL can store: no NUL, no lone UTF-16 surrogates (both valid in JSON)."""
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        text = super()._deserialize(value, attr, data, **kwargs)
+        if not storable(text):
+            raise ValidationError("Must not contain the NUL character (\\u0000)." if "\x00" in text
+                                  else "Must be valid Unicode (no unpaired surrogates).")
+        return text
+
+
+class StrictBoolean(fields.Boolean):
+    def _deserialize(self, value, attr, data, **kwargs):
+        if not isinstance(value, bool):
+            raise self.make_error("invalid", input=value)
+        return value
+
+
+class ChatMessageSchema(Schema):
+    role = SafeString(required=True, validate=validate.OneOf(["system", "user", "assistant"]))
+    content = SafeString(required=True, validate=validate.Length(min=1))
+
+
+class SubmitRequestSchema(Schema):
+    """Body of POST /v1/requests. Exactly one of `prompt` or `messages`."""
+
+    prompt = SafeString(validate=validate.Length(min=1),
+                           metadata={"description": "Plain-text prompt. Give this or `messages`."})
+    messages = fields.List(fields.Nested(ChatMessageSchema), validate=validate.Length(min=1, max=256),
+                           metadata={"description": "Chat messages, oldest first. Give this or `prompt`."})
+    model = SafeString(validate=validate.Length(min=1, max=128),
+                          metadata={"description": "Model name; default: the platform's main model."})
+    max_tokens = StrictInteger(validate=validate.Range(min=1),
+                               metadata={"description": "Most tokens to generate (server caps apply)."})
+    priority = SafeString(load_default="realtime", validate=validate.OneOf(["realtime", "batch"]),
+                             metadata={"description": "realtime: interactive; batch: uses idle capacity."})
+    temperature = StrictFloat(load_default=1.0, validate=validate.Range(min=0, max=2))
+    top_p = StrictFloat(load_default=1.0, validate=validate.Range(min=0, max=1, min_inclusive=False))
+    seed = StrictInteger(validate=validate.Range(min=0, max=2**63 - 1))
+    stop = fields.List(SafeString(validate=validate.Length(min=1, max=64)),
+                       validate=validate.Length(max=4),
+                       metadata={"description": "Up to 4 strings that end generation when produced."})
+    ignore_eos = StrictBoolean(metadata={"description": "Keep generating past end-of-sequence up to max_tokens "
+                                                        "(fixed-length benchmarks)."})
+    deadline_s = StrictFloat(validate=validate.Range(min=0, max=7 * 86400, min_inclusive=False),
+                             metadata={"description": "Seconds from submission by which it must finish. Refused at "
+                                                      "once (503) when the queue says it cannot; `expired` if not "
+                                                      "started or still running by then. Default depends on priority."})
+    time_limit_s = StrictFloat(validate=validate.Range(min=0, min_inclusive=False),
+                               metadata={"description": "Inference time limit in seconds; at most the server's."})
+    metadata = fields.Dict(keys=SafeString(validate=validate.Length(min=1, max=64)),
+                           values=SafeString(validate=validate.Length(max=512)),
+                           validate=validate.Length(max=16),
+                           metadata={"description": "Up to 16 string pairs, echoed back, never interpreted."})
+
+    conversation_id = SafeString(
+        validate=validate.Length(min=1, max=128),
+        metadata={"description": "Turns sharing this id run on the worker that served the previous turn, "
+                                 "reusing its prefix cache, while that worker is alive."})
+    stream = StrictBoolean(metadata={
+        "description": "Answer with Server-Sent Events (`text/event-stream`): `accepted`, `started` (with its "
+                       "queue wait), `token` events as the engine produces them, then `done` with the request's "
+                       "view. Leaving the stream cancels the request unless `detach` is true."})
+    detach = StrictBoolean(metadata={
+        "description": "Keep computing when the client leaves a wait or a stream (default: leaving cancels)."})
+    abandon_after_s = StrictFloat(validate=validate.Range(min=1, max=86400), metadata={
+        "description": "Polling clients: with no GET of this request for this many seconds, the client is "
+                       "taken to have left and the request is cancelled (unless it already ended)."})
+
+    webhook_url = SafeString(validate=validate.Length(min=1, max=2048), metadata={
+        "format": "uri",
+        "description": "POST the request's events here, signed per Standard Webhooks with the tenant's secret "
+                       "(POST /v1/webhooks/secret/rotate creates it). https only; public addresses only, checked "
+                       "after DNS resolution and on every redirect (422 webhook_url_refused names the reason)."})
+    webhook_events = fields.List(SafeString(validate=validate.OneOf(["started", "completed"])),
+                                 validate=validate.Length(min=1, max=2), metadata={
+        "description": "Which events to send (default: completed): started (a worker took it), completed "
+                       "(any final status)."})
+
+    # What `_one_input` enforces, as /openapi.json states it.
+    OPENAPI_ONE_OF = [{"required": ["prompt"]}, {"required": ["messages"]}]
+
+    @validates_schema
+    def _one_input(self, data, **kwargs):
+        if ("prompt" in data) == ("messages" in data):
+            raise ValidationError("Give exactly one of `prompt` or `messages`.", "_schema")
+        if "webhook_events" in data and "webhook_url" not in data:
+            raise ValidationError("Events are sent to a webhook_url; give one.", "webhook_events")
+
+
+class UsageSchema(Schema):
+    input_tokens = fields.Integer()
+    output_tokens = fields.Integer(allow_none=True)
+    cached_tokens = fields.Integer(allow_none=True,
+                                   metadata={"description": "Input tokens served from the prefix cache."})
+    reserved_tokens = fields.Integer()
+
+
+class TimingsSchema(Schema):
+    created_at = fields.DateTime()
+    enqueued_at = fields.DateTime(allow_none=True)
+    started_at = fields.DateTime(allow_none=True)
+    first_token_at = fields.DateTime(allow_none=True)
+    finished_at = fields.DateTime(allow_none=True)
+    queue_wait_s = fields.Float(allow_none=True, metadata={"description": "started_at - created_at"})
+    inference_s = fields.Float(allow_none=True, metadata={"description": "finished_at - started_at"})
+    time_to_first_token_s = fields.Float(allow_none=True)
+
+
+class OutputSchema(Schema):
+    text = SafeString()
+    finish_reason = SafeString(allow_none=True)
+
+
+class RequestErrorSchema(Schema):
+    code = SafeString()
+    message = SafeString()
+
+
+def worker_tag(worker: str | None) -> str | None:
+    """What a tenant sees of the worker that ran its request: a tag, not host and process names."""
+    return None if worker is None else "w-" + hashlib.sha256(worker.encode()).hexdigest()[:12]
+
+
+def public_queue(queue: str) -> str:
+    """A queue's name as a tenant sees it: a worker's own queue is named after its host."""
+    return "direct" if queue.startswith(DIRECT_PREFIX) else queue
+
+
+class RequestViewSchema(Schema):
+    id = fields.UUID()
+    status = SafeString(metadata={"enum": ["queued", "running", "succeeded", "failed", "timed_out",
+                                              "cancelled", "expired", "rejected"]})
+    priority = SafeString()
+    size_class = SafeString()
+    queue = SafeString(metadata={"description": "The queue it went to; `direct` for a conversation turn "
+                                                "sent to the worker holding its prefix cache."})
+    model = SafeString(metadata={"description": "Model asked for."})
+    model_used = SafeString(allow_none=True, metadata={"description": "Model that actually ran."})
+    model_routed = SafeString(allow_none=True, metadata={
+        "description": "Model admission sent the request to instead of `model`, if any."})
+    route_reason = SafeString(allow_none=True, metadata={
+        "enum": ["long_context", "light_model"],
+        "description": "Why: `long_context` = too long for the default model; `light_model` = the "
+                       "degradation ladder's first step."})
+    degradation_step = SafeString(allow_none=True, metadata={
+        "description": "Degradation steps that changed this request at admission, comma-separated "
+                       "(light_model, shorter_output); null when none did."})
+    max_tokens = fields.Integer()
+    time_limit_s = fields.Float()
+    output = fields.Nested(OutputSchema, allow_none=True)
+    usage = fields.Nested(UsageSchema)
+    timings = fields.Nested(TimingsSchema)
+    error = fields.Nested(RequestErrorSchema, allow_none=True)
+    cancel_requested = fields.Boolean()
+    cache_hit = fields.Boolean(metadata={"description": "Answered from the hot answer cache: no engine ran."})
+    redacted_at = fields.DateTime(allow_none=True, metadata={
+        "description": "When its prompt and output were deleted (SLUICE_RETENTION_DAYS); null: kept."})
+    attempts = fields.Integer()
+    worker = SafeString(allow_none=True, metadata={
+        "description": "An opaque tag of the worker process that ran it (the same tag: the same "
+                       "process); never its host name."})
+    metadata = fields.Dict()
+    conversation_id = SafeString(allow_none=True)
+    webhook_url = SafeString(allow_none=True)
+    webhook_events = fields.List(SafeString(), allow_none=True)
+
+    @pre_dump
+    def _from_row(self, row, **kwargs) -> dict:
+        """The request row in this schema's shape: the one place a row becomes its API view."""
+        ttft = ((row.first_token_at - row.started_at).total_seconds()
+                if row.first_token_at and row.started_at else None)
+        done = (row.status == "succeeded" or row.output_text is not None) and row.redacted_at is None
+        return {
+            "id": row.id, "status": row.status.value, "priority": row.priority.value,
+            "size_class": row.size_class.value, "queue": public_queue(row.queue), "model": row.model_requested,
+            "model_used": row.model_used, "model_routed": row.model_routed, "route_reason": row.route_reason,
+            "degradation_step": row.degradation_step,
+            "max_tokens": row.max_tokens, "time_limit_s": row.time_limit_s,
+            "output": {"text": row.output_text or "", "finish_reason": row.finish_reason} if done else None,
+            "usage": {"input_tokens": row.input_tokens, "output_tokens": row.output_tokens,
+                      "cached_tokens": row.cached_tokens, "reserved_tokens": row.reserved_tokens},
+            "timings": {"created_at": row.created_at, "enqueued_at": row.enqueued_at, "started_at": row.started_at,
+                        "first_token_at": row.first_token_at, "finished_at": row.finished_at,
+                        "queue_wait_s": row.queue_wait_s, "inference_s": row.inference_s,
+                        "time_to_first_token_s": ttft},
+            "error": {"code": row.error_code, "message": row.error_message} if row.error_code else None,
+            "cancel_requested": row.cancel_requested_at is not None, "cache_hit": row.cache_hit,
+            "redacted_at": row.redacted_at,
+            "attempts": row.attempts,
+            "worker": worker_tag(row.worker), "metadata": row.meta, "conversation_id": row.conversation_id,
+            "webhook_url": row.webhook_url, "webhook_events": row.webhook_events,
+        }

@@ -1,0 +1,223 @@
+"""The request service: submit, read and cancel, for a tenant the API already authenticated.
+
+A submit is four steps, each its own method:
+
+    plan     validate against server caps, count tokens, route        → a frozen Plan (core/submit/plan.py),
+             then the degradation ladder's steps for the current level (core/submit/ladder.py)
+    admit    the three token-priced gates                             → a Ticket, or 429/413/503
+    insert   the row (and its idempotency key) in one transaction     → accepted from here on
+    publish  the Celery message; if the broker is away the sweep publishes the row later
+
+A retried submit with the same ``Idempotency-Key`` skips all four and answers with the request
+the first one created. A request the hot answer cache can answer (``core/submit/answers.py``) is
+inserted already succeeded after the plan, and skips admit and publish; one whose identical twin
+is in flight is parked on it (``core/submit/twins.py``) and takes its answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import select
+
+from core.admission.gates import Admission, Ticket
+from core.broker.queues import BrokerEpoch, publish_committed
+from core.delivery import webhooks
+from core.errors import Conflict, NotFound
+from core.observe import submit_metrics as metrics
+from core.observe.logs import bind_request
+from core.rediskeys import raise_cancel_flag
+from core.submit import idempotency
+from core.submit.answers import AnswerCache, deterministic
+from core.submit.ladder import Ladder
+from core.submit.plan import Plan, Planner, input_chars
+from core.submit.twins import Twins
+from models import InferenceRequest, Status, Tenant
+from models.lifecycle import Lifecycle, TransitionRefused
+from models.session import Database
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Accepted:
+    row: InferenceRequest
+    replayed: bool  # an earlier submit with the same Idempotency-Key created it
+    headers: dict[str, str]  # the tenant's x-ratelimit-* after this submit
+    estimated_wait_s: float | None = None  # its class's queue wait at admission, when known
+    degradation: tuple[str, ...] = ()  # ladder steps that changed it
+    cache_hit: bool = False  # answered from the hot cache: already succeeded
+
+
+# Inputs longer than this are run past the tenant gate before they are tokenized.
+CHEAP_GATE_CHARS = 16_000
+
+
+class RequestService:
+    def __init__(self, db: Database, planner: Planner, ladder: Ladder, admission: Admission, publisher: Celery,
+                 epoch: BrokerEpoch, lifecycle: Lifecycle, answers: AnswerCache, twins: Twins) -> None:
+        self.db = db
+        self.answers = answers
+        self.twins = twins
+        self.planner = planner
+        self.ladder = ladder
+        self.admission = admission
+        self.publisher = publisher
+        self.epoch = epoch
+        self.lifecycle = lifecycle
+
+    def prepare(self, tenant: Tenant, body: dict[str, Any]) -> Plan:
+        """The request's plan with the ladder's steps for the current level applied. A long input
+        from a tenant over its limits whatever the request is refused first: planning tokenizes
+        it, which costs more than the one Redis call that tells (short inputs skip the call)."""
+        if input_chars(body) > CHEAP_GATE_CHARS:
+            self.admission.refuse_over_limits(tenant)
+        plan = self.ladder.apply(self.planner.plan(tenant.id, body), model_named="model" in body)
+        bind_request(str(plan.request_id))
+        return plan
+
+    def refuse_early(self, tenant: Tenant, plan: Plan) -> None:
+        """Raise the 503 the global gate would answer ``plan`` with, before anything reads Postgres.
+
+        For a tenant authenticated a moment ago (``web/auth.py:RecentKeys``) and a submit without an
+        Idempotency-Key (a retry of an accepted request must get its original back, which only
+        Postgres knows). A request the hot cache can answer is never refused here: it costs no GPU.
+        """
+        if self._cacheable(plan) and self.answers.get(plan.answer_key) is not None:
+            return
+        self.admission.refuse_early(tenant, plan)
+
+    def submit(self, tenant: Tenant, body: dict[str, Any], key: idempotency.Key | None = None,
+               plan: Plan | None = None) -> Accepted:
+        """Plan (unless ``prepare`` did), admit, insert, publish; raises the ApiError of the step
+        that refused."""
+        original = idempotency.find(self.db, key) if key else None
+        if original is None:
+            if "webhook_url" in body:
+                webhooks.require_secret(tenant)
+            plan = plan or self.prepare(tenant, body)
+            try:
+                answered = self.from_cache(plan, tenant, key) or self.follow(plan, tenant, key)
+                if answered is not None:
+                    return answered
+                try:
+                    ticket = self.admission.admit(tenant, plan)
+                    row = self.insert(plan, ticket, key)
+                except BaseException:
+                    if self._cacheable(plan):  # it may have become its twins' leader: it no longer is
+                        self.twins.forget(plan.answer_key, plan.request_id)
+                    raise
+            except idempotency.KeyTaken:  # a concurrent submit with this key committed first
+                original = idempotency.find(self.db, key)
+                if original is None:  # the winner's key expired in between: vanishingly rare
+                    raise
+            else:
+                self.publish(row)
+                return Accepted(row, False, ticket.headers, ticket.estimated_wait_s, plan.degradation)
+        metrics.IDEMPOTENT_REPLAYS.inc()
+        bind_request(str(original.id))
+        return Accepted(original, True, self.admission.headers(tenant))
+
+    def from_cache(self, plan: Plan, tenant: Tenant, key: idempotency.Key | None) -> Accepted | None:
+        """The request answered from the hot cache, or None. A deterministic request is served from
+        it whenever its twin was answered; any other only at the cached_answer level. No GPU is
+        used, so neither admission's gates nor its quotas apply."""
+        if not self._cacheable(plan):
+            return None
+        answer = self.answers.get(plan.answer_key)
+        if answer is None:
+            return None
+        if not deterministic(plan.params):
+            plan = dataclasses.replace(plan, degradation=(*plan.degradation, "cached_answer"))
+        row = plan.row()
+        self.lifecycle.answer(row, answer, also=_claiming(key, row))
+        metrics.CACHE_HITS.inc()
+        log.info("answered from the hot cache")
+        return Accepted(row, False, self.admission.headers(tenant), None, plan.degradation, cache_hit=True)
+
+    def _cacheable(self, plan: Plan) -> bool:
+        return deterministic(plan.params) or self.ladder.answers_samples_from_cache()
+
+    def follow(self, plan: Plan, tenant: Tenant, key: idempotency.Key | None) -> Accepted | None:
+        """Park the request on its identical twin in flight (``core/submit/twins.py``), or None when it
+        has none and now leads. A parked twin is accepted (its row is committed) but never queued:
+        it costs no GPU, so, like a cache hit, it passes no admission gate."""
+        if not self._cacheable(plan):
+            return None
+        leader = self.twins.lead(plan.answer_key, plan.request_id, plan.deadline_s)
+        if leader is None:
+            return None
+        self.twins.park_on(leader, plan.deadline_s)
+        row = plan.row()
+        row.follows_id = leader
+        self.lifecycle.accept(row, also=_claiming(key, row))
+        log.info("parked on its twin %s, already in flight", leader)
+        self.twins.settle(leader)  # the leader may have ended before this row existed
+        return Accepted(row, False, self.admission.headers(tenant), None, plan.degradation)
+
+    def insert(self, plan: Plan, ticket: Ticket, key: idempotency.Key | None) -> InferenceRequest:
+        """Commit the row (and claim the idempotency key with it); on failure, undo the admission."""
+        row = plan.row()
+        try:
+            self.lifecycle.accept(row, also=_claiming(key, row))
+        except BaseException:
+            self.admission.cancel(ticket)  # no row was written, so nothing stays reserved
+            raise
+        # Committed: from here on the request is accepted and must reach a terminal status.
+        log.info("accepted into %s: %d tokens reserved", row.queue, row.reserved_tokens)
+        return row
+
+    def publish(self, row: InferenceRequest) -> None:
+        if not self.admission.redis_healthy:
+            log.warning("Redis unreachable; the sweep will publish it")
+            return
+        try:
+            publish_committed(self.lifecycle, self.publisher, [row], self.epoch)
+        except Exception:
+            log.warning("publish failed; the sweep will publish it", exc_info=True)
+
+    def get(self, tenant_id: uuid.UUID, request_id: str) -> InferenceRequest:
+        rid = _parse_id(request_id)
+        with self.db.session() as session:
+            row = session.scalar(select(InferenceRequest).where(
+                InferenceRequest.id == rid, InferenceRequest.tenant_id == tenant_id))
+        if row is None:
+            raise NotFound(f"No request {request_id} for this API key.")
+        return row
+
+    def cancel(self, tenant_id: uuid.UUID, request_id: str) -> InferenceRequest:
+        """Cancel a queued request outright; ask the worker of a running one to abort it."""
+        rid = _parse_id(request_id)
+        try:
+            row = self.lifecycle.cancel(tenant_id, rid)
+        except TransitionRefused as exc:
+            raise Conflict(f"Request is already {exc.status.value}; nothing to cancel.",
+                           code="not_cancellable") from None
+        if row is None:
+            raise NotFound(f"No request {request_id} for this API key.")
+        if row.status == Status.RUNNING:
+            try:
+                raise_cancel_flag(self.admission.redis, str(rid), row.time_limit_s)
+            except Exception:
+                # The flag on the row is durable; the sweep re-raises it in Redis.
+                log.warning("cancel flag not set in Redis; the sweep will retry")
+        return row
+
+
+def _claiming(key: idempotency.Key | None, row: InferenceRequest):
+    """What the row's insert also does in its transaction: claim the Idempotency-Key, if any."""
+    return None if key is None else lambda session: key.claim(session, row.id)
+
+
+def _parse_id(request_id: str) -> uuid.UUID:
+    try:
+        rid = uuid.UUID(request_id)
+    except ValueError:
+        raise NotFound("No such request: request ids are UUIDs.") from None  # not echoed: it may hold a NUL
+    bind_request(str(rid))
+    return rid

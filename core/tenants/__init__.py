@@ -1,0 +1,1 @@
+"""Tenants: their management, tiers and limits, and the keys that authenticated a moment ago."""

@@ -1,0 +1,163 @@
+"""Tenant management shared by ``sluice tenants``, ``sluice keys`` and the admin API: create,
+update, disable, list; create, list and revoke keys.
+
+A tenant's limits are its tier's (``SLUICE_TIERS``) with its own overrides on top; an override of
+None goes back to the tier's value. Changes apply to the tenant's next submit. Revoking a key or
+disabling a tenant applies to the next call; the caller then bumps ``core.rediskeys.AUTH_EPOCH_KEY``
+after the commit, so web processes also stop refusing from memory (``web/auth.py``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, or_, select
+from sqlalchemy.orm import Session
+
+from core.settings import Settings
+from core.tenants.tiers import LIMIT_FIELDS, effective_limits
+from models import ApiKey, Tenant, hash_key, new_key
+
+
+class TenantError(ValueError):
+    """A management request that cannot be carried out; ``code`` is stable, the message says why."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def find_tenant(session: Session, ref: str) -> Tenant | None:
+    """By name, or by id when ``ref`` is a UUID."""
+    try:
+        return session.get(Tenant, uuid.UUID(ref))
+    except ValueError:
+        return session.scalar(select(Tenant).where(Tenant.name == ref))
+
+
+def create_tenant(session: Session, settings: Settings, name: str, tier: str | None = None,
+                  overrides: dict[str, int | None] | None = None) -> Tenant:
+    if not name or len(name) > 100:
+        raise TenantError("A tenant name is 1 to 100 characters.", "invalid_request")
+    if session.scalar(select(Tenant.id).where(Tenant.name == name)) is not None:
+        raise TenantError(f"A tenant named {name!r} already exists.", "tenant_exists")
+    tenant = Tenant(name=name)
+    _apply(tenant, settings, {"tier": tier, **(overrides or {})})
+    session.add(tenant)
+    session.flush()
+    return tenant
+
+
+def update_tenant(session: Session, settings: Settings, tenant: Tenant, changes: dict[str, Any]) -> Tenant:
+    """Apply ``changes`` (``tier`` and/or limit fields); a value of None resets it to the default."""
+    _apply(tenant, settings, changes)
+    session.flush()
+    return tenant
+
+
+def add_key(session: Session, tenant: Tenant) -> str:
+    """Create an API key for ``tenant``; the key is returned once and only its hash is stored."""
+    key = new_key()
+    session.add(ApiKey(tenant_id=tenant.id, prefix=key[:14], key_hash=hash_key(key)))
+    return key
+
+
+def set_disabled(session: Session, tenant: Tenant, disabled: bool) -> Tenant:
+    """Refuse (or accept again) every key of ``tenant``; disabling twice keeps the first time."""
+    if not disabled:
+        tenant.disabled_at = None
+    elif tenant.disabled_at is None:
+        tenant.disabled_at = func.now()
+    session.flush()
+    return tenant
+
+
+def list_keys(session: Session, tenant: Tenant) -> list[dict[str, Any]]:
+    """Every key of ``tenant``, revoked ones too, oldest first."""
+    return [key_view(k) for k in session.scalars(
+        select(ApiKey).where(ApiKey.tenant_id == tenant.id).order_by(ApiKey.created_at, ApiKey.id))]
+
+
+def revoke_key(session: Session, ref: str, tenant: Tenant | None = None) -> tuple[ApiKey, bool]:
+    """Revoke the key ``ref`` names: its id, its prefix when no other key has it, or the key itself.
+    Only among ``tenant``'s keys when given. Returns the key and whether this call revoked it: a key
+    revoked already keeps its first ``revoked_at``."""
+    query = select(ApiKey).with_for_update()
+    try:
+        query = query.where(ApiKey.id == uuid.UUID(ref))
+    except ValueError:
+        query = query.where(or_(ApiKey.prefix == ref, ApiKey.key_hash == hash_key(ref)))
+    if tenant is not None:
+        query = query.where(ApiKey.tenant_id == tenant.id)
+    keys = session.scalars(query.limit(2)).all()
+    if not keys:
+        raise TenantError(f"No API key {ref!r}: give its id, or its prefix as key listings show it.",
+                          "key_not_found")
+    if len(keys) > 1:
+        raise TenantError(f"More than one key has the prefix {ref!r}: give the key's id instead.", "ambiguous_key")
+    key = keys[0]
+    if key.revoked_at is not None:
+        return key, False
+    key.revoked_at = func.now()
+    session.flush()
+    return key, True
+
+
+def key_view(key: ApiKey) -> dict[str, Any]:
+    return {"id": str(key.id), "prefix": key.prefix, "created_at": _iso(key.created_at),
+            "last_used_at": _iso(key.last_used_at), "revoked_at": _iso(key.revoked_at)}
+
+
+def list_tenants(session: Session, settings: Settings) -> list[dict[str, Any]]:
+    keys = dict(session.execute(select(ApiKey.tenant_id, func.count()).where(ApiKey.revoked_at.is_(None))
+                                .group_by(ApiKey.tenant_id)).all())
+    return [tenant_view(t, settings, keys.get(t.id, 0)) for t in session.scalars(select(Tenant).order_by(Tenant.name))]
+
+
+def tenant_view(tenant: Tenant, settings: Settings, active_keys: int | None = None) -> dict[str, Any]:
+    view = {
+        "id": str(tenant.id),
+        "name": tenant.name,
+        "tier": tenant.tier or settings.default_tier,
+        "tier_is_default": tenant.tier is None,
+        "overrides": {f: getattr(tenant, f) for f in LIMIT_FIELDS if getattr(tenant, f) is not None},
+        "limits": effective_limits(settings.tiers, settings.default_tier, tenant).as_dict(),
+        "created_at": _iso(tenant.created_at),
+        "batch_weight": tenant.batch_weight if tenant.batch_weight is not None else 1.0,
+        "disabled": tenant.disabled_at is not None,
+        "disabled_at": _iso(tenant.disabled_at),
+    }
+    if active_keys is not None:
+        view["active_keys"] = active_keys
+    return view
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return moment.isoformat() if moment else None
+
+
+def _apply(tenant: Tenant, settings: Settings, changes: dict[str, Any]) -> None:
+    unknown = set(changes) - {"tier", "batch_weight", *LIMIT_FIELDS}
+    if unknown:
+        raise TenantError(f"Unknown fields: {', '.join(sorted(unknown))}.", "invalid_request")
+    if "tier" in changes:
+        tier = changes["tier"]
+        if tier is not None and tier not in settings.tiers:
+            raise TenantError(f"Unknown tier {tier!r}; the tiers are {', '.join(settings.tiers)}.", "unknown_tier")
+        tenant.tier = tier
+    if "batch_weight" in changes:
+        weight = changes["batch_weight"]
+        if weight is None:
+            weight = 1.0
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight <= 1000:
+            raise TenantError("batch_weight must be a number > 0 and ≤ 1000 (null: 1).", "invalid_request")
+        tenant.batch_weight = float(weight)
+    for name in LIMIT_FIELDS:
+        if name in changes:
+            value = changes[name]
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise TenantError(f"{name} must be a whole number > 0, or null for the tier's value.",
+                                  "invalid_request")
+            setattr(tenant, name, value)

@@ -1,0 +1,116 @@
+"""OpenAI's Files and Batches routes, for OpenAI's SDKs: thin handlers over ``core/openai/files.py``
+and ``core/openai/batches.py``. Errors here take OpenAI's shape (``openai_error``).
+
+    POST /v1/files                   multipart: file, purpose=batch; streamed into Postgres
+    GET  /v1/files/<id>              the file object (an upload, or a batch's output or error file)
+    GET  /v1/files/<id>/content      its content, streamed
+    POST /v1/batches                 {input_file_id, endpoint, completion_window: 24h, metadata}
+    GET  /v1/batches                 the tenant's batches, newest first (?limit=, ?after=<batch id>)
+    GET  /v1/batches/<id>            the batch object
+    POST /v1/batches/<id>/cancel     cancel its job: what finished stays in its output file
+"""
+
+from __future__ import annotations
+
+from flask import Blueprint, Response, jsonify, request, stream_with_context
+from werkzeug.exceptions import HTTPException
+
+from core.openai.batches import BatchService
+from core.openai.files import FileStore, file_view, openai_error, parse_id, too_large
+from web.auth import authenticate
+from web.bodies import page_limit
+from web.errors import ApiError
+from web.services import services
+
+bp = Blueprint("openai_batches", __name__, url_prefix="/v1")
+# The multipart envelope around the file: boundaries, part headers, the purpose field.
+FORM_OVERHEAD_BYTES = 64 * 1024
+
+
+@bp.errorhandler(ApiError)
+@bp.errorhandler(HTTPException)
+def _openai_error(exc: Exception) -> tuple[Response, int]:
+    body, status = openai_error(exc)
+    response = jsonify(body)
+    if isinstance(exc, ApiError):
+        response.headers.update(exc.headers)
+    return response, status
+
+
+def _files() -> FileStore:
+    svc = services()
+    return FileStore(svc.db, svc.settings.job_max_bytes)
+
+
+def _batches() -> BatchService:
+    return BatchService(services().db, services().jobs, _files())
+
+
+@bp.post("/files")
+def upload_file() -> tuple[Response, int]:
+    svc = services()
+    tenant = authenticate(svc.db, svc.recent_keys)
+    limit = svc.settings.job_max_bytes
+    if request.content_length is not None and request.content_length > limit + FORM_OVERHEAD_BYTES:
+        raise too_large(limit)
+    boundary = request.mimetype_params.get("boundary")
+    if request.mimetype != "multipart/form-data" or not boundary:
+        raise ApiError("Send the file as multipart/form-data with the parts file and purpose=batch.",
+                       code="unsupported_media_type", status=415)
+    request.max_content_length = limit + FORM_OVERHEAD_BYTES
+    file = _files().upload(tenant, request.stream, boundary.encode())
+    return jsonify(file_view(file)), 200
+
+
+@bp.get("/files/<file_id>")
+def get_file(file_id: str) -> Response:
+    svc = services()
+    tenant = authenticate(svc.db, svc.recent_keys)
+    kind, uid = parse_id(file_id)
+    if kind is None:
+        return jsonify(file_view(_files().get(tenant.id, uid, file_id)))
+    return jsonify(_batches().output_file(tenant.id, uid, errors=kind == "err"))
+
+
+@bp.get("/files/<file_id>/content")
+def file_content(file_id: str) -> Response:
+    svc = services()
+    tenant = authenticate(svc.db, svc.recent_keys)
+    kind, uid = parse_id(file_id)
+    if kind is None:
+        chunks = _files().chunks(_files().get(tenant.id, uid, file_id).id)
+    else:
+        chunks = _batches().output(tenant.id, uid, errors=kind == "err")
+    return Response(stream_with_context(chunks), mimetype="application/jsonl")
+
+
+@bp.post("/batches")
+def create_batch() -> Response:
+    svc = services()
+    tenant = authenticate(svc.db, svc.recent_keys)
+    return jsonify(_batches().create(tenant, request.get_json(silent=True)))
+
+
+@bp.get("/batches")
+def list_batches() -> Response:
+    svc = services()
+    tenant = authenticate(svc.db, svc.recent_keys)
+    limit = page_limit()
+    batches = _batches().list(tenant.id, limit + 1, request.args.get("after"))
+    page = batches[:limit]
+    return jsonify({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                    "last_id": page[-1]["id"] if page else None, "has_more": len(batches) > limit})
+
+
+@bp.get("/batches/<batch_id>")
+def get_batch(batch_id: str) -> Response:
+    svc = services()
+    tenant = authenticate(svc.db, svc.recent_keys)
+    return jsonify(_batches().get(tenant.id, batch_id))
+
+
+@bp.post("/batches/<batch_id>/cancel")
+def cancel_batch(batch_id: str) -> Response:
+    svc = services()
+    tenant = authenticate(svc.db, svc.recent_keys)
+    return jsonify(_batches().cancel(tenant.id, batch_id))

@@ -1,0 +1,223 @@
+"""The OpenAI-compatible front door: ``POST /v1/chat/completions``, ``POST /v1/completions``,
+``GET /v1/models``, so the official SDKs (``base_url=http://host:8000/v1``, ``api_key=`` a Sluice
+key) get Sluice's admission, queues, degradation and limits unchanged.
+
+Each call is an ordinary request row: the body is translated (``core/openai/shapes.py``) and
+submitted through ``RequestService.submit`` like a native one, ``Idempotency-Key`` included, and
+the row's id comes back in ``Sluice-Request-Id``. A non-streaming call holds its connection
+until the row ends (``web/waits.py until_ended``), at most its deadline plus a grace; a
+streaming one relays the engine's increments (``web/sse.py relay``) as OpenAI chunks. A
+client that leaves either way cancels its request.
+
+Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the same
+status and headers as natively (429/503 keep ``Retry-After``, ``retry-after-ms`` and the
+x-ratelimit-* headers the SDK's backoff reads), except that a body OpenAI would call invalid
+is 400, not 422. A request that was admitted and then ended without an answer (failed,
+expired, cancelled, out of time) answers ``x-should-retry: false``: the SDK's automatic retry
+would only spend the same GPU time again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from flask import Blueprint, Response, jsonify, request, stream_with_context
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as SQLAlchemyTimeoutError
+from werkzeug.exceptions import HTTPException
+
+from core.fleet.workers import live_workers
+from core.openai import shapes
+from core.submit import idempotency, ladder
+from core.submit.schemas import SubmitRequestSchema
+from models import InferenceRequest, Status, Tenant
+from web import metrics, waits
+from web.api import add_quotas
+from web.auth import authenticate
+from web.bodies import json_object, validated
+from web.errors import ApiError
+from web.services import Services, services
+from web.sse import relay
+
+log = logging.getLogger(__name__)
+bp = Blueprint("openai", __name__, url_prefix="/v1")
+REQUEST_ID_HEADER = "Sluice-Request-Id"
+NO_RETRY = {"x-should-retry": "false"}  # read by the OpenAI SDKs before their own retry rules
+WAIT_GRACE_S = 5.0  # past its deadline a request is being expired: how long to wait for that
+_chat_schema = shapes.ChatCompletionRequestSchema()
+_completion_schema = shapes.CompletionRequestSchema()
+_submit_schema = SubmitRequestSchema()
+
+
+@bp.post("/chat/completions")
+def chat_completions() -> Response | tuple[Response, int, dict[str, str]]:
+    return _create(chat=True)
+
+
+@bp.post("/completions")
+def completions() -> Response | tuple[Response, int, dict[str, str]]:
+    return _create(chat=False)
+
+
+@bp.get("/models")
+def list_models() -> Response:
+    svc = services()
+    authenticate(svc.db, svc.recent_keys)
+    return jsonify(object="list", data=_models(svc))
+
+
+def _models(svc: Services) -> list[dict[str, Any]]:
+    """The registry's models with how many live warm workers serve each (0: it would wait)."""
+    try:
+        workers = live_workers(svc.redis, svc.settings.worker_heartbeat_s)
+    except Exception:  # the list is still true without Redis; only the counts are unknown
+        log.warning("could not read worker heartbeats for /v1/models", exc_info=True)
+        workers = None
+    return [{"id": model.name, "object": "model", "created": 0, "owned_by": "sluice",
+             "sluice": {"role": model.role, "context_tokens": model.context_tokens,
+                        "warm_workers": None if workers is None else
+                        sum(1 for w in workers if w.get("model") == model.name)}}
+            for model in svc.settings.registry.models]
+
+
+def _create(chat: bool) -> Response | tuple[Response, int, dict[str, str]]:
+    svc = services()
+    tenant = authenticate(svc.db, svc.recent_keys)
+    asked, row, headers = _submit(svc, tenant, chat)
+    if asked.get("stream"):
+        include_usage = bool((asked.get("stream_options") or {}).get("include_usage"))
+        return Response(stream_with_context(_chunks(svc, row, chat, include_usage)), 200,
+                        {**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                        mimetype="text/event-stream")
+    deadline_s = ((row.deadline_at - row.created_at).total_seconds()
+                  if row.deadline_at and row.created_at else svc.settings.stream_max_s)
+    row = waits.until_ended(svc, tenant.id, row, min(deadline_s + WAIT_GRACE_S, svc.settings.stream_max_s))
+    if row.status == Status.SUCCEEDED:
+        return jsonify(shapes.completion(row, chat)), 200, headers
+    if not row.status.terminal:  # past its deadline yet not expired (a stuck sweep): give it up
+        try:
+            svc.requests.cancel(tenant.id, str(row.id))
+        except ApiError:
+            pass  # it ended meanwhile; either way this call has no answer to give
+        raise ApiError("The request did not end within its deadline; it was cancelled.",
+                       code="wait_timeout", status=504, headers={**headers, **NO_RETRY})
+    raise _ended(row, headers)
+
+
+def _submit(svc: Services, tenant: Tenant, chat: bool) -> tuple[dict[str, Any], InferenceRequest, dict[str, str]]:
+    """Validate, translate and submit the body; the OpenAI fields, the row and the answer's headers."""
+    try:
+        body = json_object()
+        asked = validated(_chat_schema if chat else _completion_schema, body)
+        data = validated(_submit_schema, shapes.native_body(asked, svc.settings.registry.default.name))
+        key = idempotency.key_from(request.headers.get(idempotency.HEADER), tenant.id, body,
+                                   svc.settings.idempotency_window_s)
+        accepted = svc.requests.submit(tenant, data, key)
+    except ApiError as exc:
+        add_quotas(exc, tenant)  # as on the native route: quotas on every answer
+        raise
+    row = accepted.row
+    headers = {REQUEST_ID_HEADER: str(row.id), **accepted.headers}
+    if accepted.replayed:
+        headers["Idempotent-Replayed"] = "true"
+    if row.degradation_step:
+        headers[ladder.HEADER] = row.degradation_step
+    for step in accepted.degradation:
+        metrics.DEGRADED.labels(step).inc()
+    return asked, row, headers
+
+
+def _ended(row: InferenceRequest, headers: dict[str, str]) -> ApiError:
+    """The error a row that ended without an answer is reported as (never retried by the SDK)."""
+    status = shapes.ENDED.get(row.status.value, 500)
+    message = f"The request ended {row.status.value}" + (f": {row.error_message}" if row.error_message else ".")
+    return ApiError(message, code=row.error_code or row.status.value, status=status,
+                    headers={**headers, **NO_RETRY})
+
+
+def _data(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'), default=str)}\n\n"
+
+
+def _chunks(svc: Services, row: InferenceRequest, chat: bool, include_usage: bool) -> Iterator[str]:
+    """The stream: a first chunk at once, one per increment, the finish, usage if asked, [DONE].
+
+    OpenAI's stream cannot take text back, so a request that starts over on another worker
+    (``requeued``) ends the stream with an error and is cancelled; so is one whose client left."""
+    yield _data(shapes.chunk(row, chat, first=True))
+    moves = relay(svc, row)
+    try:
+        for kind, value in moves:
+            if kind == "token":
+                yield _data(shapes.chunk(row, chat, text=value[0]))
+            elif kind == "ping":
+                yield ": ping\n\n"
+            elif kind == "requeued":  # ending here closes the relay, which cancels the request
+                yield _data(shapes.error_body(f"The request had to start over on another worker ({value}), which "
+                                              "a stream cannot show; it was cancelled. Send it again.",
+                                              "server_error", "requeued"))
+                return
+            elif kind == "done":
+                yield from _last_chunks(value, chat, include_usage)
+    finally:
+        moves.close()  # a client that left mid-stream: the relay abandons its request
+
+
+def _last_chunks(row: InferenceRequest, chat: bool, include_usage: bool) -> Iterator[str]:
+    if row.status == Status.SUCCEEDED:
+        yield _data(shapes.chunk(row, chat, finish=shapes.finish_reason(row)))
+        if include_usage:
+            yield _data(shapes.usage_chunk(row, chat))
+        yield "data: [DONE]\n\n"
+    else:
+        error = _ended(row, {}) if row.status.terminal else ApiError(
+            "The stream ran past SLUICE_STREAM_MAX_S; the request goes on, see Sluice-Request-Id.",
+            code="stream_timeout", status=504)
+        yield _data(shapes.error_body(error.message, shapes.error_type(error.status), error.code))
+
+
+def _openai_error(status: int, code: str, message: str, param: str | None = None,
+                  headers: dict[str, str] | None = None) -> Response:
+    status = 400 if status == 422 else status  # OpenAI calls every invalid body a 400
+    response = jsonify(shapes.error_body(message, shapes.error_type(status), code, param))
+    response.status_code = status
+    response.headers.update(headers or {})
+    return response
+
+
+@bp.errorhandler(ApiError)
+def _api_error(exc: ApiError) -> Response:
+    if exc.status != 422 or not isinstance(exc.details, dict):
+        return _openai_error(exc.status, exc.code, exc.message, headers=exc.headers)
+    # A validation error: its fields go into the message, the first into `param`.
+    problems = "; ".join(f"{name}: {' '.join(map(str, why)) if isinstance(why, list) else why}"
+                         for name, why in exc.details.items())
+    return _openai_error(exc.status, exc.code, f"{exc.message} {problems}", shapes.first_param(exc.details),
+                         exc.headers)
+
+
+@bp.errorhandler(HTTPException)
+def _http_error(exc: HTTPException) -> Response:
+    status = exc.code or 500
+    code = {400: "malformed_json", 413: "body_too_large", 415: "unsupported_media_type"}.get(status, "http_error")
+    return _openai_error(status, code, exc.description or exc.name)
+
+
+@bp.errorhandler(OperationalError)
+@bp.errorhandler(SQLAlchemyTimeoutError)
+def _database_unavailable(exc: Exception) -> Response:
+    log.error("database unavailable: %s", type(exc).__name__)
+    return _openai_error(503, "service_unavailable", "The request store is unreachable right now; retry shortly.",
+                         headers={"Retry-After": "5"})
+
+
+@bp.errorhandler(Exception)
+def _unexpected(exc: Exception) -> Response:
+    if isinstance(exc, DBAPIError):  # the driver's message can quote the data: class name only
+        log.error("unhandled database error: %s", type(exc.orig).__name__)
+    else:
+        log.exception("unhandled error")
+    return _openai_error(500, "internal_error", "Something went wrong on our side. It was logged; retry later.")

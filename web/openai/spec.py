@@ -1,0 +1,136 @@
+"""The OpenAPI description of the OpenAI-compatible routes (``web/openai/chat.py``), added to
+/openapi.json by ``web/openapi.py``. Request bodies come from the marshmallow schemas that
+validate them (``core/openai/shapes.py``); answers are OpenAI's shapes, written here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from apispec import APISpec
+
+from core.openai import shapes
+from core.settings import Settings
+
+_STRING = {"type": "string", "minLength": 1, "maxLength": 64, "pattern": "^[^\\u0000]*$"}
+_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+          "properties": {name: {"type": "integer"} for name in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+_EXTENSION = {"type": "object", "description": "Sluice's extension: the request row (GET /v1/requests/{request_id}) "
+                                               "and the degradation steps that changed it.",
+              "properties": {"request_id": {"type": "string", "format": "uuid"},
+                             "degradation": {"type": "array", "items": {"type": "string"}},
+                             "cache_hit": {"type": "boolean"}, "queue_wait_s": {"type": ["number", "null"]}}}
+_COMMON = {"id": {"type": "string"}, "created": {"type": "integer"},
+           "model": {"type": "string", "description": "The model that ran it: a lighter one when degraded."},
+           "service_tier": {"enum": ["default", "flex"]}, "system_fingerprint": {"type": "null"},
+           "usage": _USAGE, "sluice": _EXTENSION}
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "OpenAIApiError": {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}},
+    "ChatCompletion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+                       "properties": {**_COMMON, "object": {"const": "chat.completion"}, "choices": {
+                           "type": "array", "minItems": 1, "maxItems": 1, "items": {
+                               "type": "object", "required": ["index", "message", "finish_reason"],
+                               "properties": {"index": {"const": 0}, "finish_reason": {"enum": ["stop", "length"]},
+                                              "message": {"type": "object", "required": ["role", "content"],
+                                                          "properties": {"role": {"const": "assistant"},
+                                                                         "content": {"type": "string"}}}}}}}},
+    "Completion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+                   "properties": {**_COMMON, "object": {"const": "text_completion"}, "choices": {
+                       "type": "array", "minItems": 1, "maxItems": 1, "items": {
+                           "type": "object", "required": ["index", "text", "finish_reason"],
+                           "properties": {"index": {"const": 0}, "text": {"type": "string"},
+                                          "finish_reason": {"enum": ["stop", "length"]}}}}}},
+    "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
+        "object": {"const": "list"}, "data": {"type": "array", "items": {
+            "type": "object", "required": ["id", "object", "created", "owned_by"],
+            "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+                           "owned_by": {"type": "string"},
+                           "sluice": {"type": "object", "properties": {
+                               "role": {"enum": ["main", "light", "long"]}, "context_tokens": {"type": "integer"},
+                               "warm_workers": {"type": ["integer", "null"], "description": "Live warm workers "
+                                                "serving it now (null: unknown, Redis unreachable)."}}}}}}}},
+}
+# One event of a completion stream: `data: {chunk}` (chat.completion.chunk or text_completion,
+# an error object if the request ended without an answer), and `data: [DONE]` last.
+STREAM_EVENT = {"type": "object", "required": ["data"],
+                "properties": {"data": {"type": "string", "description": "A chunk as JSON, or [DONE]."}}}
+
+
+def add_paths(spec: APISpec) -> None:
+    for name, schema in SCHEMAS.items():
+        spec.components.schema(name, schema)
+    spec.components.schema("ChatCompletionRequest", schema=shapes.ChatCompletionRequestSchema)
+    spec.components.schema("CompletionRequest", schema=shapes.CompletionRequestSchema)
+    limit_headers = {f"x-ratelimit-{kind}-{unit}": {"schema": {"type": "string"}}
+                     for kind in ("limit", "remaining", "reset") for unit in ("tokens", "requests")}
+    answer_headers = {**limit_headers,
+                      "Sluice-Request-Id": {"schema": {"type": "string", "format": "uuid"},
+                                            "description": "The request row: GET /v1/requests/{id}."},
+                      "Sluice-Degradation": {"schema": {"type": "string"},
+                                             "description": "Degradation steps applied, comma-separated."}}
+    retry_headers = {**limit_headers, "Retry-After": {"schema": {"type": "integer"}},
+                     "retry-after-ms": {"schema": {"type": "integer"}}}
+    for path, schema, answer, summary in (
+            ("/v1/chat/completions", "ChatCompletionRequest", "ChatCompletion", "OpenAI-compatible chat completion"),
+            ("/v1/completions", "CompletionRequest", "Completion", "OpenAI-compatible text completion")):
+        spec.path(path=path, operations={"post": {
+            "summary": summary, "tags": ["openai"],
+            "description": "A request row like POST /v1/requests (same admission, queues, ladder and limits), "
+                           "answered when it ends, or streamed with `stream: true`. Errors in OpenAI's shape.",
+            "security": [{"bearer": []}],
+            "parameters": [{"name": "Idempotency-Key", "in": "header", "required": False,
+                            "schema": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[!-~]+$"},
+                            "description": "A retry with the same key and body attaches to the original request."}],
+            "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+            "responses": {
+                "200": {"description": "The completion; with `stream: true`, Server-Sent Events of chunks, "
+                                       "then `data: [DONE]`.",
+                        "content": {"application/json": {"schema": answer},
+                                    "text/event-stream": {"schema": STREAM_EVENT}},
+                        "headers": answer_headers},
+                "400": _error("Invalid body (invalid_request: `param` names the field), malformed JSON, n ≠ 1."),
+                "401": _error("Missing, malformed, invalid or revoked API key."),
+                "403": _error("The key's tenant is disabled (tenant_disabled)."),
+                "409": _error("The request was cancelled before it ended (cancelled)."),
+                "413": _error("Body too large, or input + max_tokens over the context or the tenant's maximum."),
+                "415": _error("Body is not JSON."),
+                "429": {**_error("rate_limited or tenant_concurrency_limit; retry after Retry-After."),
+                        "headers": retry_headers},
+                "503": {**_error("overloaded: the platform sheds load or pauses batch work."),
+                        "headers": retry_headers},
+                "504": _error("It ran out of time (time_limit_exceeded, deadline_exceeded, wait_timeout); "
+                              "x-should-retry: false."),
+            }}})
+    spec.path(path="/v1/models", operations={"get": {
+        "summary": "The served models, with their warm workers", "tags": ["openai"], "security": [{"bearer": []}],
+        "responses": {"200": {"description": "The registry's models.",
+                              "content": {"application/json": {"schema": "ModelList"}}},
+                      "401": _error("Missing, malformed, invalid or revoked API key."),
+                      "403": _error("The key's tenant is disabled (tenant_disabled).")}}})
+
+
+def finish(document: dict[str, Any], settings: Settings | None) -> None:
+    """What marshmallow cannot say: ``stop``'s two forms, ``n``'s one value, the rules across
+    fields, and this deployment's models and caps."""
+    found = document["components"]["schemas"]
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        body = found[name]
+        body["properties"]["stop"] = {"oneOf": [_STRING, {"type": "array", "items": _STRING,
+                                                          "minItems": 1, "maxItems": 4}]}
+        body["properties"]["n"] = {"type": "integer", "enum": [1]}
+        body["dependentSchemas"] = {"stream_options": {"required": ["stream"],
+                                                       "properties": {"stream": {"const": True}}}}
+        if settings is not None:
+            body["properties"]["model"]["enum"] = [model.name for model in settings.registry.models]
+            for field in ("max_tokens", "max_completion_tokens"):
+                if field in body["properties"]:
+                    body["properties"][field]["maximum"] = settings.max_output_tokens
+    found["ChatCompletionRequest"]["not"] = {"required": ["max_tokens", "max_completion_tokens"]}
+    if settings is not None:
+        found["CompletionRequest"]["properties"]["prompt"]["maxLength"] = settings.max_prompt_chars
+
+
+def _error(description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": "OpenAIApiError"}}}

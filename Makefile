@@ -3,13 +3,25 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: up test faults lint docs clean
+.PHONY: up test faults lint docs clean browser
 
 up: $(VENV)/.installed
 	$(BIN)/sluice up
 
-test: $(VENV)/.installed-vllm
+test: $(VENV)/.installed-vllm browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# tests/test_dashboard.py drives the operator page in headless Chromium: Debian's chromium and
+# chromium-driver are installed where missing (as root, or through sudo without a password).
+browser:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	  echo "make: installing chromium and chromium-driver for the dashboard test"; \
+	  as_root=""; [ "$$(id -u)" -ne 0 ] && as_root="sudo -n"; \
+	  $$as_root apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive $$as_root apt-get install -y -q chromium chromium-driver || { \
+	    echo "make: could not install chromium; install chromium and chromium-driver, then run make test again" >&2; \
+	    exit 1; }; \
+	fi
 
 # The fault suite alone (it also runs in `make test`), with its ledger, one JSON line per scenario.
 faults: $(VENV)/.installed-vllm
@@ -38,4 +50,4 @@ clean:
 	rm -rf $(VENV) .sluice
 
 docs: $(VENV)/.installed
-	$(BIN)/python -c "import re,subprocess,pathlib; p=pathlib.Path('README.md'); t=subprocess.check_output(['$(BIN)/sluice','config'],text=True).strip(); s=p.read_text(); p.write_text(re.sub(r'(<!-- config-table[^>]*-->\n).*?(\n<!-- /config-table -->)', lambda m: m.group(1)+t+m.group(2), s, flags=re.S))"
+	$(BIN)/python -c "import re,subprocess,pathlib; p=pathlib.Path('docs/configuration.md'); t=subprocess.check_output(['$(BIN)/sluice','config'],text=True).strip(); s=p.read_text(); p.write_text(re.sub(r'(<!-- config-table[^>]*-->\n).*?(\n<!-- /config-table -->)', lambda m: m.group(1)+t+m.group(2), s, flags=re.S))"

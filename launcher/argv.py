@@ -57,7 +57,7 @@ def beat_argv(settings: Settings) -> list[str]:
 
 def web_argv(settings: Settings) -> list[str]:
     # gevent: a request held open by `Prefer: wait` or a token stream costs a greenlet (kilobytes)
-    # instead of a thread, so a thousand waiting clients fit in one process (README, Delivery).
+    # instead of a thread, so a thousand waiting clients fit in one process (docs/answers.md).
     # psycopg 3 and redis-py cooperate with its patched sockets; the CPU work of a submit
     # (tokenizing) still runs one at a time per process, as under threads with the GIL.
     concurrency = (["--worker-class", "gevent", "--worker-connections", str(settings.web_worker_connections)]

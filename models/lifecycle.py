@@ -1,11 +1,12 @@
 """Every status change of a request row, in one place.
 
-    queued ──claim──► running ──finish──► succeeded | failed | timed_out | cancelled | expired
-      │  ▲                │                                    (still running at its deadline)
-      │  └────requeue─────┘  (its worker died; attempts left)
-      ├──cancel──► cancelled
-      ├──expire──► expired   (its deadline passed before it started)
-      └──follow──► succeeded (a parked twin takes the answer of the identical request it followed)
+    (new) ──accept──► queued ──claim──► running ──finish──► succeeded | failed | timed_out | cancelled | expired
+      │                │  ▲                │                                    (still running at its deadline)
+      │                │  └─requeue / hand back─┘  (its worker died, attempts left / its worker stopped)
+      │                ├──cancel──► cancelled
+      │                ├──expire──► expired   (its deadline passed before it started)
+      │                └──follow──► succeeded (a parked twin takes the answer of the request it followed)
+      └──answer──► succeeded  (the hot answer cache had its twin: inserted already ended)
 
 Each transition is one conditional ``UPDATE … WHERE status = <from>``, so two processes racing
 on one row (a duplicate delivery, a cancel against a claim, the sweep against a slow worker)
@@ -13,14 +14,15 @@ can never both win, and a row reaches exactly one terminal status. Every timesta
 transition writes comes from the database clock (``statement_timestamp()``), the clock
 ``created_at`` uses, so ``queue_wait_s`` and ``inference_s`` never mix two hosts' clocks.
 
-Work that must follow "this request ended" (releasing its admission reservation; webhooks,
-metrics and job progress later) attaches with :meth:`Lifecycle.on_end`; work that follows every
-move, acceptance (``None → queued``) included (the queue token counters), with
-:meth:`Lifecycle.on_move`. Hooks run once per transition, after its transaction committed, in
-the process that made it.
+Work that must follow "this request ended" attaches with :meth:`Lifecycle.on_end` (today:
+releasing its admission reservation, the end metrics, the twins parked on it); work that follows
+every move, acceptance (``None → queued``) included, with :meth:`Lifecycle.on_move` (the class
+queue counters, the move announcements that wake waits and streams, webhooks). The hooks are
+attached in ``core/services.py build_services``. Hooks run once per transition, after its
+transaction committed, in the process that made it.
 
 ``rejected`` is declared in the status enum and the table's CHECK but nothing writes it yet:
-the overload-control issue (refusals recorded on a row) is its writer, or it goes.
+refusals touch no Postgres (a refused request has no row).
 """
 
 from __future__ import annotations

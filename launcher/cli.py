@@ -24,7 +24,7 @@ from launcher.database import upgrade_database
 from launcher.diagnose_cli import diagnose_command
 from launcher.jobs_cli import jobs
 from launcher.keys_cli import keys
-from launcher.options import load_settings, service_settings
+from launcher.options import load_settings, not_found, operator_settings, service_settings
 from launcher.reserve_cli import reserve
 from launcher.supervisor import run_platform
 from launcher.tenants_cli import tenants
@@ -38,8 +38,14 @@ def _exec(argv: list[str]) -> None:
 
 
 @click.group()
-def main() -> None:
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+              help="Data folder of `sluice up` (default: SLUICE_DATA_DIR, else .sluice in this folder). "
+              "`sluice up` keeps its servers' data there; the other commands, run where DATABASE_URL and "
+              "REDIS_URL are not exported, connect to the platform the `sluice up` on it runs.")
+def main(data_dir: str | None) -> None:
     """Sluice: a job-queue platform for LLM inference."""
+    if data_dir is not None:
+        os.environ["SLUICE_DATA_DIR"] = data_dir  # every command (and what `sluice up` starts) reads it
 
 
 main.add_command(tenants)
@@ -193,9 +199,9 @@ def status(as_json: bool) -> None:
     from models import Database
     from models.reservation import current_views
 
-    settings = load_settings()
-    if not settings.redis_url:
-        raise click.UsageError("REDIS_URL not set: `sluice status` reads the load from Redis")
+    settings = operator_settings()
+    if not settings.redis_url:  # it reads the load from Redis; the reservations from Postgres, if set
+        raise click.UsageError(not_found(settings, ["REDIS_URL"]))
     reservations = []
     if settings.database_url:  # the reservations live in Postgres
         db = Database()

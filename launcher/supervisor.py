@@ -2,8 +2,10 @@
 
 Contract of :func:`run_platform`: Postgres and Redis come from ``DATABASE_URL`` / ``REDIS_URL``
 or are started embedded under the data directory; the schema is migrated; a demo API key is kept
-in ``<data_dir>/demo-key``; web, worker, webhooks (the webhook sender), beat, the load monitor and
-(optionally) Flower run as child processes, each in its own process group, logging to
+in ``<data_dir>/demo-key``; while the servers are up, ``<data_dir>/platform.json`` (0600) holds
+the settings the children got, so that `sluice status`, `diagnose`, `tenants`… run beside it find
+this platform (launcher/options.py); web, worker, webhooks (the webhook sender), beat, the load
+monitor and (optionally) Flower run as child processes, each in its own process group, logging to
 ``<data_dir>/logs/<name>.log``. Once every piece answers, one demo request goes through the real
 path. On return nothing this call started is still running.
 """
@@ -11,7 +13,6 @@ path. On return nothing this call started is still running.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import functools
 import json
@@ -40,6 +41,7 @@ from launcher.argv import (
     worker_argv,
 )
 from launcher.database import create_key, upgrade_database
+from launcher.options import remove_platform_file, settings_env, write_platform_file
 from models import Database, JobStatus, Status, tenant_for_key
 from workers.runtime import EngineRuntime
 
@@ -156,6 +158,7 @@ class Platform:
         for child in order:
             _signal_group(child.proc.pid, signal.SIGKILL)  # stragglers, e.g. a hung gunicorn worker
             child.proc.wait()
+        remove_platform_file(self.data_dir)  # before the servers go: no command finds them stopped
         for service in reversed(self.services):
             say(f"stopping embedded {service.name} ...")
             service.stop()
@@ -200,6 +203,10 @@ def run_platform(settings: Settings, role: str = "all", flower: bool = True, smo
         upgrade_database(settings.sqlalchemy_url)
         key = _demo_key(settings.sqlalchemy_url, data_dir)
         env = child_env(settings)
+        host = _reachable(settings.web_host)
+        api = f"http://{host}:{settings.web_port}"
+        flower_url = f"http://{_reachable(settings.flower_host)}:{settings.flower_port}" if flower else None
+        write_platform_file(data_dir, settings, api, flower_url)
         known_workers = _worker_ids(settings.redis_url)
         platform.spawn("web", web_argv(settings), env)
         platform.spawn("worker", worker_argv(settings, role), env)
@@ -211,9 +218,6 @@ def run_platform(settings: Settings, role: str = "all", flower: bool = True, smo
                 say(f"warning: Flower listens on {settings.flower_host} with no login, and it lists every "
                     "tenant's requests; set SLUICE_FLOWER_BASIC_AUTH=user:password")
             platform.spawn("flower", flower_argv(settings), {**env, **flower_env(settings)})
-        host = _reachable(settings.web_host)
-        api = f"http://{host}:{settings.web_port}"
-        flower_url = f"http://{_reachable(settings.flower_host)}:{settings.flower_port}" if flower else None
         problem = _wait_ready(platform, settings, api, flower_url, known_workers)
         if problem:
             say(problem)
@@ -281,13 +285,7 @@ def _terminate(child: Child) -> None:
 
 def child_env(settings: Settings) -> dict[str, str]:
     """os.environ plus every setting that differs from its default, under its own variable."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    defaults = Settings()
-    for f in dataclasses.fields(Settings):
-        value = getattr(settings, f.name)
-        if value is not None and value != getattr(defaults, f.name):
-            env[f.metadata["env"]] = str(value)
-    return env
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **settings_env(settings)}
 
 
 def _services(settings: Settings, platform: Platform) -> Settings:
@@ -384,11 +382,19 @@ def _banner(settings: Settings, api: str, flower_url: str | None, key: str, data
         f"  Operator {api}/dashboard#key={settings.admin_key}   (admin key in {data_dir / 'admin-key'}, "
         "unless SLUICE_ADMIN_KEY is set)\n"
         f"  API key  {key}   (tenant demo, saved in {data_dir / 'demo-key'})\n"
-        f"  Logs     {data_dir / 'logs'}/\n\n"
+        f"  Logs     {data_dir / 'logs'}/\n"
+        f"  Operate  {_operate_hint(data_dir)}\n\n"
         f"Submit a request:\n  curl -s {api}/v1/requests -H 'Authorization: Bearer {key}' \\\n"
         f"    -H 'Content-Type: application/json' -d '{json.dumps(DEMO_BODY)}'\n"
         f"Poll it (status_url from the answer):\n"
         f"  curl -s -H 'Authorization: Bearer {key}' {api}/v1/requests/<id>\n")
+
+
+def _operate_hint(data_dir: Path) -> str:
+    """How another terminal runs operator commands on this platform (they read its platform.json)."""
+    if (Path.cwd() / Settings().data_dir).resolve() == data_dir:
+        return "sluice status, sluice diagnose, sluice tenants …   (in this folder; no variables to export)"
+    return f"sluice --data-dir {data_dir} status (diagnose, tenants …)   (no variables to export)"
 
 
 def _demo(platform: Platform, api: str, key: str) -> bool:

@@ -80,6 +80,9 @@ def test_up_runs_the_demo_on_embedded_servers_and_reuses_its_data(tmp_path: Path
     assert (data_dir / "demo-key").stat().st_mode & 0o777 == 0o600
     for secret in ("postgres.password", "redis/password"):  # never printed
         assert (data_dir / secret).read_text().strip() not in first.stdout
+    # Operator commands elsewhere are told how to find it; the platform file went with the platform.
+    assert f"sluice --data-dir {data_dir} status" in first.stdout
+    assert not (data_dir / "platform.json").exists()
     assert _processes_of(data_dir) == []
 
     second = _sluice_up(data_dir)

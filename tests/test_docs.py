@@ -207,7 +207,11 @@ def cli_problems(argv: list[str]) -> list[str]:
     command: click.Command = sluice_cli
     path = ["sluice"]
     problems = []
+    skip = False  # the word after an option that takes a value is that value
     for i, word in enumerate(argv):
+        if skip:
+            skip = False
+            continue
         if isinstance(command, click.Group) and not word.startswith("-"):
             names = word.split("/")
             unknown = [n for n in names if n not in command.commands]
@@ -225,6 +229,7 @@ def cli_problems(argv: list[str]) -> list[str]:
             problems.append(f"`{' '.join(path)}` has no option {option}")
             continue
         choices = getattr(params[option].type, "choices", None)
+        skip = not value and not params[option].is_flag and not params[option].count
         value = value or (argv[i + 1] if i + 1 < len(argv) else "")
         if choices and re.fullmatch(r"[a-z][a-z0-9_-]*", value) and value not in choices:
             problems.append(f"`{' '.join(path)} {option}` takes {'/'.join(choices)}, not {value!r}")

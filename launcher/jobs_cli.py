@@ -21,7 +21,7 @@ from urllib.parse import SplitResult, urlencode, urlsplit
 
 import click
 
-from launcher.options import load_settings
+from launcher.options import load_settings, read_platform_file
 from models.job import JobStatus
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -33,6 +33,12 @@ BLOCK = 1 << 16
 REFRESH_S = 1.0
 UNREACHABLE_GRACE_S = 120.0  # --wait rides out a web restart this long
 SHOWN_LINES = 10  # bad lines a refusal prints
+def _platform_url() -> str:
+    """The API address of the `sluice up` running on the data folder (its platform file), else the default."""
+    found = read_platform_file(Path(load_settings().data_dir), warn=False)
+    return (found or {}).get("api_url") or DEFAULT_URL
+
+
 # The job's query parameters and the submit flags that set them, for error messages.
 FLAGS = {"model": "--model", "summary_tokens": "--summary-tokens", "instruction": "--instruction",
          "priority": "--priority", "completion_window": "--window", "on_invalid": "--skip-invalid"}
@@ -146,14 +152,15 @@ def _key(key: str | None) -> tuple[str, str]:
 def api_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """Adds --url and --key; the command gets the ``Api`` as its first argument."""
 
-    @click.option("--url", envvar="SLUICE_URL", default=DEFAULT_URL, show_default=True, show_envvar=True,
-                  help="Where Sluice's API listens.")
+    @click.option("--url", envvar="SLUICE_URL", show_envvar=True,
+                  help=f"Where Sluice's API listens (default: the API of the `sluice up` running on the data "
+                       f"folder, else {DEFAULT_URL}).")
     @click.option("--key", envvar="SLUICE_API_KEY", show_envvar=True,
                   help="API key (default: the demo key `sluice up` saved). Prefer the variable: "
                        "a key on the command line shows in `ps`.")
     @functools.wraps(command)
-    def run(url: str, key: str | None, **kwargs: Any) -> Any:
-        return command(Api(url, *_key(key)), **kwargs)
+    def run(url: str | None, key: str | None, **kwargs: Any) -> Any:
+        return command(Api(url or _platform_url(), *_key(key)), **kwargs)
 
     return run
 

@@ -48,7 +48,7 @@ sys.path[:0] = [str(ROOT)]
 from core.settings import Settings  # noqa: E402
 from launcher.argv import web_argv  # noqa: E402
 from launcher.database import create_key, upgrade_database  # noqa: E402
-from launcher.harness import free_redis_db  # noqa: E402
+from launcher.harness import free_redis_db, scratch_database  # noqa: E402
 
 NO_LIMIT = {"tokens_per_minute": 10**9, "requests_per_minute": 10**8, "max_concurrent": 10**8}
 
@@ -141,11 +141,12 @@ def main() -> int:
     parser.add_argument("--postgres", default="postgresql://postgres@127.0.0.1:5432/postgres")
     parser.add_argument("--redis", default="redis://127.0.0.1:6379", help="Redis server (a free db is used)")
     args = parser.parse_args()
+    with scratch_database(args.postgres, "sluice_bench") as database_url:
+        return measure(args, database_url)
 
-    name = f"sluice_bench_{os.getpid()}"
-    with psycopg.connect(args.postgres, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    database_url = args.postgres.rsplit("/", 1)[0] + "/" + name
+
+def measure(args: argparse.Namespace, database_url: str) -> int:
+    """Every phase against a web tier on ``database_url`` and a free Redis database."""
     redis_url = f"{args.redis}/{free_redis_db(args.redis, set())}"
     port = free_port()
     env = {**os.environ, "DATABASE_URL": database_url, "REDIS_URL": redis_url, "SLUICE_WEB_PORT": str(port),
@@ -197,8 +198,6 @@ def main() -> int:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(30)
         redis.Redis.from_url(redis_url).flushdb()
-        with psycopg.connect(args.postgres, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def overload(settings: Settings, redis_url: str, seconds: float) -> None:

@@ -21,11 +21,13 @@ else the other cores (Postgres and Redis, started outside, still float), for a f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -102,17 +104,13 @@ def run_vllm(script: str, args, model: Path, items: list[str]) -> dict:
 
 def sluice_stack(args, model: Path):
     """Scratch database + Redis db + one vLLM worker; returns (app, tenant key, worker, cleanup)."""
-    import psycopg
-
     from core.settings import Settings
     from launcher.database import create_key, upgrade_database
-    from launcher.harness import WorkerProcess, with_database
+    from launcher.harness import WorkerProcess, scratch_database
     from web import create_app, services
 
-    name = f"sluice_bench_{uuid.uuid4().hex[:6]}"
-    with psycopg.connect(args.database_url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    db_url = with_database(args.database_url, name)
+    scratch = contextlib.ExitStack()
+    db_url = scratch.enter_context(scratch_database(args.database_url, "sluice_bench"))
     upgrade_database(Settings(database_url=db_url).sqlalchemy_url)
     env = {"SLUICE_ENGINE": "vllm", "SLUICE_MODEL": "bench-model", "SLUICE_MODEL_PATH": str(model),
            "SLUICE_MAX_CONTEXT_TOKENS": str(args.max_model_len), "SLUICE_LARGE_THRESHOLD_TOKENS": "1000000",
@@ -127,8 +125,7 @@ def sluice_stack(args, model: Path):
     app = create_app(settings)
     services(app).redis.flushdb()
     key = create_key(Settings(database_url=db_url).sqlalchemy_url, "bench")
-    tmp = Path(f"/tmp/{name}")
-    tmp.mkdir()
+    tmp = Path(tempfile.mkdtemp(prefix="sluice_bench_"))
     threads = settings.worker_threads
     worker = WorkerProcess(env, args.redis_url, tmp, ready_timeout=600, concurrency=threads)
     print(f"sluice worker: {threads} threads", flush=True)
@@ -137,8 +134,7 @@ def sluice_stack(args, model: Path):
         worker.stop()
         services(app).redis.flushdb()
         services(app).db.dispose()
-        with psycopg.connect(args.database_url, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        scratch.close()
 
     return app, key, worker, cleanup
 

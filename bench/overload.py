@@ -89,7 +89,6 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-import psycopg
 import redis
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,7 +99,7 @@ from users import Arrivals, Http, Question, SluiceFront, VllmFront, batch_job, r
 from core.settings import Settings  # noqa: E402
 from launcher.argv import monitor_argv, web_argv  # noqa: E402
 from launcher.database import upgrade_database  # noqa: E402
-from launcher.harness import BeatProcess, WorkerProcess, free_redis_db, with_database  # noqa: E402
+from launcher.harness import BeatProcess, WorkerProcess, free_redis_db, scratch_database  # noqa: E402
 
 SETUPS = ("sluice", "sluice-defaults", "sluice-ladder-off", "vllm-server")
 PHASES = (("warm", 0.8, 60.0), ("spike", 3.0, 120.0), ("after", 0.8, 60.0))
@@ -173,15 +172,12 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
 
 def start_sluice(args: argparse.Namespace, setup: str, exits: contextlib.ExitStack, tmp: Path) -> SluiceFront:
     """Web, one worker, beat and the monitor on a scratch database and Redis db; its users' front."""
-    name = f"sluice_overload_{os.getpid()}_{uuid.uuid4().hex[:6]}"
-    with psycopg.connect(args.postgres, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    exits.callback(drop_database, args.postgres, name)
+    database_url = exits.enter_context(scratch_database(args.postgres, "sluice_overload"))
     redis_url = f"{args.redis}/{free_redis_db(args.redis, set())}"
     exits.callback(flush_redis, redis_url)
     port, admin_key = free_port(), uuid.uuid4().hex
     ladder = "none" if setup == "sluice-ladder-off" else Settings().ladder_steps  # "": unset, i.e. every step
-    env = {"DATABASE_URL": with_database(args.postgres, name), "REDIS_URL": redis_url,
+    env = {"DATABASE_URL": database_url, "REDIS_URL": redis_url,
            "SLUICE_WEB_PORT": str(port), "SLUICE_ADMIN_KEY": admin_key, "SLUICE_LOG_LEVEL": "WARNING",
            "SLUICE_DATA_DIR": str(tmp), "SLUICE_LADDER_STEPS": ladder,
            "SLUICE_WORKER_CONCURRENCY": str(args.seqs), **engine_env(args)}
@@ -224,11 +220,6 @@ def start_vllm_server(args: argparse.Namespace, exits: contextlib.ExitStack, tmp
     wait_http(api, "/health", server, log, READY_S["vllm"])
     say(f"  vllm-server: {api}")
     return VllmFront(api, MODEL_NAME, slo_s=args.slo, rt_tokens=args.rt_tokens, batch_tokens=args.batch_tokens)
-
-
-def drop_database(postgres: str, name: str) -> None:
-    with psycopg.connect(postgres, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def flush_redis(url: str) -> None:

@@ -43,14 +43,11 @@ import uuid
 from datetime import datetime
 from pathlib import Path
 
-import psycopg
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from overload import (  # noqa: E402
     NO_LIMITS,
-    drop_database,
     flush_redis,
     free_port,
     interrupt,
@@ -65,19 +62,16 @@ from users import Http  # noqa: E402
 from core.settings import Settings  # noqa: E402
 from launcher.argv import monitor_argv, web_argv  # noqa: E402
 from launcher.database import upgrade_database  # noqa: E402
-from launcher.harness import BeatProcess, WorkerProcess, free_redis_db, with_database  # noqa: E402
+from launcher.harness import BeatProcess, WorkerProcess, free_redis_db, scratch_database  # noqa: E402
 
 
 def start(args: argparse.Namespace, worker_class: str, exits: contextlib.ExitStack, tmp: Path) -> tuple[str, str]:
     """The platform with ``worker_class`` web processes; returns its URL and a tenant's key."""
-    name = f"sluice_waits_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(args.postgres, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    exits.callback(drop_database, args.postgres, name)
+    database_url = exits.enter_context(scratch_database(args.postgres, "sluice_waits"))
     redis_url = f"{args.redis}/{free_redis_db(args.redis, set())}"
     exits.callback(flush_redis, redis_url)
     port, admin_key = free_port(), uuid.uuid4().hex
-    env = {"DATABASE_URL": with_database(args.postgres, name), "REDIS_URL": redis_url,
+    env = {"DATABASE_URL": database_url, "REDIS_URL": redis_url,
            "SLUICE_WEB_PORT": str(port), "SLUICE_ADMIN_KEY": admin_key, "SLUICE_LOG_LEVEL": "WARNING",
            "SLUICE_DATA_DIR": str(tmp), "SLUICE_LADDER_STEPS": "none", "SLUICE_ENGINE": "simulated",
            "SLUICE_SIM_SPEED": str(args.sim_speed), "SLUICE_WEB_WORKER_CLASS": worker_class}

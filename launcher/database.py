@@ -1,4 +1,4 @@
-"""Schema migration and API keys, for commands that run before any server is up."""
+"""Databases, schema migration and API keys, for commands that run before any server is up."""
 
 from __future__ import annotations
 
@@ -13,6 +13,27 @@ ROOT = Path(__file__).resolve().parent.parent
 # The key of the Postgres advisory lock (one per database) every migrating process takes: the
 # bytes of "sluice:m" as a 64-bit integer, unlikely to be a key another program picked.
 MIGRATION_LOCK = 0x736C756963653A6D
+
+
+def create_database(admin_url: str, name: str, *, if_missing: bool = False) -> None:
+    """Create database ``name`` on ``admin_url``'s server (psycopg's URL form); with ``if_missing``,
+    only when it does not exist yet. The name is quoted as an identifier, never pasted into SQL."""
+    import psycopg
+    from psycopg import sql
+
+    with psycopg.connect(admin_url, autocommit=True, connect_timeout=10) as conn:
+        if if_missing and conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone():
+            return
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+
+
+def drop_database(admin_url: str, name: str) -> None:
+    """Drop database ``name`` if it exists, disconnecting whoever is still connected (WITH (FORCE))."""
+    import psycopg
+    from psycopg import sql
+
+    with psycopg.connect(admin_url, autocommit=True, connect_timeout=10) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
 def upgrade_database(url: str) -> None:

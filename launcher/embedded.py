@@ -28,6 +28,8 @@ from urllib.parse import parse_qs, urlsplit
 import psutil
 import redis
 
+from launcher.database import create_database
+
 
 class EmbeddedServerError(RuntimeError):
     """An embedded server did not start; the message carries the tail of its log."""
@@ -137,7 +139,7 @@ def start_postgres(data_dir: Path) -> EmbeddedPostgres:
     try:
         admin_url = _with_password(server.get_uri(), password)
         _require_password(pgdata, server.get_uri(), password)
-        _ensure_database(admin_url, "sluice")
+        create_database(admin_url, "sluice", if_missing=True)
     except Exception as exc:
         postgres.stop()
         raise EmbeddedServerError(
@@ -221,15 +223,6 @@ def _wait_postgres_ready(pgdata: Path, timeout_s: float) -> None:
         time.sleep(0.5)
     raise EmbeddedServerError(f"embedded PostgreSQL not ready after {timeout_s:.0f}s; log {pgdata / 'log'}:\n"
                               f"{log_tail(pgdata / 'log')}")
-
-
-def _ensure_database(admin_url: str, name: str) -> None:
-    import psycopg
-    from psycopg import sql
-
-    with psycopg.connect(admin_url, autocommit=True, connect_timeout=10) as conn:
-        if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is None:
-            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
 
 
 # ---------------------------------------------------------------------------- Redis

@@ -1,4 +1,5 @@
-"""Real Sluice processes for tests and benchmarks: a worker, the web tier, beat, a scratch Redis database.
+"""Real Sluice processes for tests and benchmarks: a worker, the web tier, beat, a scratch Postgres
+database, a scratch Redis database.
 
 Each starts the process the way an operator would (`sluice worker`, `sluice web`, `sluice beat`), in its own
 process group, logging to a file, so it can be killed like a crashed node.
@@ -6,6 +7,7 @@ process group, logging to a file, so it can be killed like a crashed node.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,13 +17,14 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import redis as redis_lib
 
 from core.rediskeys import WORKER_PREFIX
+from launcher.database import create_database, drop_database
 
 ROOT = Path(__file__).resolve().parent.parent
 SLUICE = [sys.executable, "-m", "launcher.cli"]
@@ -30,6 +33,19 @@ SLUICE = [sys.executable, "-m", "launcher.cli"]
 def with_database(url: str, name: str) -> str:
     """``url`` pointing at database ``name`` on the same server."""
     return urlunsplit(urlsplit(url)._replace(path="/" + name))
+
+
+@contextlib.contextmanager
+def scratch_database(admin_url: str, prefix: str) -> Iterator[str]:
+    """A new, empty database on ``admin_url``'s server (psycopg's URL form), named
+    ``<prefix>_<pid>_<random>`` so parallel runs never share one; yields its URL (same form), and
+    drops it on the way out, whoever is still connected. No schema: run ``upgrade_database`` for one."""
+    name = f"{prefix}_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+    create_database(admin_url, name)
+    try:
+        yield with_database(admin_url, name)
+    finally:
+        drop_database(admin_url, name)
 
 
 def free_redis_db(base: str, taken: set[int]) -> int:

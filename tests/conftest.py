@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import psycopg
 import pytest
 import redis as redis_lib
 
@@ -94,14 +93,9 @@ def redis_base(tmp_path_factory) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def database_url(admin_db_url) -> Iterator[str]:
-    name = f"sluice_test_{os.getpid()}_{uuid.uuid4().hex[:6]}"
-    with psycopg.connect(admin_db_url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = harness.with_database(admin_db_url, name)
-    upgrade_database(Settings(database_url=url).sqlalchemy_url)
-    yield url
-    with psycopg.connect(admin_db_url, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with harness.scratch_database(admin_db_url, "sluice_test") as url:
+        upgrade_database(Settings(database_url=url).sqlalchemy_url)
+        yield url
 
 
 class RedisDbs:

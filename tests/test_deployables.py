@@ -34,7 +34,7 @@ from test_up import _free_ports, _processes_of
 from core.settings import Settings
 from launcher.cli import main
 from launcher.database import MIGRATION_LOCK, create_key
-from launcher.harness import SLUICE, with_database
+from launcher.harness import SLUICE, scratch_database
 from workers.bootstrap import device_env, device_label
 
 BIN = Path(sys.executable).parent
@@ -220,12 +220,8 @@ def test_a_worker_in_a_container_uses_the_device_the_container_was_given():
 @pytest.fixture
 def fresh_database_url(admin_db_url):
     """A database of its own, created empty: no schema yet."""
-    name = f"sluice_deploy_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(admin_db_url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    yield with_database(admin_db_url, name)
-    with psycopg.connect(admin_db_url, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with scratch_database(admin_db_url, "sluice_deploy") as url:
+        yield url
 
 
 def head_revision() -> str:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
-
-import psycopg
 import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
@@ -14,18 +11,14 @@ from conftest import ROOT
 from sqlalchemy import create_engine
 
 from core.settings import Settings
-from launcher.harness import with_database
+from launcher.harness import scratch_database
 from models import Base
 
 
 @pytest.fixture
 def scratch_db(admin_db_url):
-    name = f"sluice_migrations_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(admin_db_url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    yield Settings(database_url=with_database(admin_db_url, name)).sqlalchemy_url
-    with psycopg.connect(admin_db_url, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with scratch_database(admin_db_url, "sluice_migrations") as url:
+        yield Settings(database_url=url).sqlalchemy_url
 
 
 def schema_diff(url: str) -> list:

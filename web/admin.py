@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import hmac
 import logging
-import uuid
 from typing import Any
 
 from flask import Blueprint, Response, jsonify, request
@@ -32,6 +31,7 @@ from sqlalchemy import func, select
 
 from core.admission.load import load_view
 from core.broker.queues import ROLES
+from core.ids import uuid_or_404
 from core.rediskeys import bump_auth_epoch
 from core.submit.schemas import SafeString, StrictBoolean, StrictFloat, StrictInteger
 from core.tenants.manage import (
@@ -204,10 +204,7 @@ def api_keys(tenant_ref: str) -> Response:
 @_managed
 def revoke_api_key(tenant_ref: str, key_id: str) -> Response:
     """The key, revoked; ``already_revoked`` when an earlier call did it (its revoked_at stays)."""
-    try:
-        uuid.UUID(key_id)
-    except ValueError:
-        raise NotFound(f"No API key {key_id}: key ids are UUIDs.", code="key_not_found") from None
+    uuid_or_404(key_id, "API key", hint="key ids are UUIDs", code="key_not_found")
     with _db().session() as session:
         key, revoked = revoke_key(session, key_id, _tenant_or_404(session, tenant_ref))
         view = key_view(key)
@@ -259,10 +256,7 @@ def list_reservations() -> Response:
 
 @load_bp.delete("/reservations/<reservation_id>")
 def cancel_reservation(reservation_id: str) -> Response:
-    try:
-        rid = uuid.UUID(reservation_id)
-    except ValueError:
-        raise NotFound(f"No reservation {reservation_id}: reservation ids are UUIDs.") from None
+    rid = uuid_or_404(reservation_id, "reservation")
     with _db().session() as session:
         try:
             reservation = cancel(session, rid)

@@ -1,10 +1,12 @@
-"""Reading request bodies: JSON object in, schema-validated dict out, or the matching 4xx."""
+"""Reading request bodies: JSON object in, schema-validated dict out, or the matching 4xx; and the
+two halves of a list route, its ``limit`` parameter in and its page out."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from flask import request
+from flask import Response, jsonify, request
 from marshmallow import Schema, ValidationError
 
 from web.errors import ApiError, InvalidRequest
@@ -59,3 +61,18 @@ def page_limit(default: int = 20, most: int = 100) -> int:
     if not raw.isdigit() or not 1 <= int(raw) <= most:
         raise InvalidRequest(f"limit must be a whole number from 1 to {most}.", details={"limit": [f"1 to {most}."]})
     return int(raw)
+
+
+def list_page(rows: Sequence[Any], limit: int, view: Callable[[Any], dict[str, Any]] | None = None, *,
+              openai: bool = False) -> Response:
+    """A list route's answer from ``rows`` fetched with ``limit + 1`` (the extra row only says more
+    exist), each shown through ``view``: ``{object: list, data, has_more, next_before}``, where
+    next_before is the last shown row's id (the cursor of the next page, null on the last one);
+    ``openai``: OpenAI's shape, ``{object: list, data, first_id, last_id, has_more}``."""
+    data = [view(row) for row in rows[:limit]] if view else list(rows[:limit])
+    has_more = len(rows) > limit
+    if openai:
+        return jsonify({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                        "last_id": data[-1]["id"] if data else None, "has_more": has_more})
+    return jsonify({"object": "list", "data": data, "has_more": has_more,
+                    "next_before": data[-1]["id"] if has_more else None})

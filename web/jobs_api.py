@@ -16,7 +16,7 @@ from flask import Blueprint, Response, jsonify, request, stream_with_context
 from core.jobs.ingest import TooLarge as TooLargeWhileReading
 from core.jobs.service import JSONL_TYPES
 from web.auth import authenticate
-from web.bodies import page_limit
+from web.bodies import list_page, page_limit
 from web.errors import ApiError
 from web.services import services
 
@@ -52,9 +52,7 @@ def list_jobs() -> Response:
     svc = services()
     tenant = authenticate(svc.db, svc.recent_keys)
     limit = page_limit()
-    jobs = svc.jobs.list(tenant.id, limit + 1, request.args.get("before"))
-    return jsonify({"object": "list", "data": jobs[:limit], "has_more": len(jobs) > limit,
-                    "next_before": jobs[limit - 1]["id"] if len(jobs) > limit else None})
+    return list_page(svc.jobs.list(tenant.id, limit + 1, request.args.get("before")), limit)
 
 
 @bp.get("/jobs/<job_id>")

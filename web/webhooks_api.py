@@ -16,10 +16,12 @@ from flask import Blueprint, Response, jsonify, request
 from marshmallow import Schema, fields
 
 from core.delivery.webhooks import Webhooks
+from core.ids import uuid_or_404
 from core.submit.schemas import SafeString
 from models import Delivery, DeliveryStatus
 from web.auth import authenticate
-from web.errors import InvalidRequest, NotFound
+from web.bodies import list_page
+from web.errors import InvalidRequest
 from web.services import services
 
 bp = Blueprint("webhooks", __name__, url_prefix="/v1/webhooks")
@@ -91,8 +93,7 @@ def list_deliveries() -> Response:
     limit = int(raw)
     rows = Webhooks.of(svc).list(tenant.id, limit + 1, request_id=ids["request_id"], job_id=ids["job_id"],
                                  status=DeliveryStatus(status) if status else None, before=ids["before"])
-    return jsonify({"object": "list", "data": [view(r) for r in rows[:limit]], "has_more": len(rows) > limit,
-                    "next_before": str(rows[limit - 1].id) if len(rows) > limit else None})
+    return list_page(rows, limit, view)
 
 
 @bp.get("/deliveries/<delivery_id>")
@@ -128,8 +129,4 @@ def _uuid(raw: str | None, name: str, problems: dict[str, list[str]]) -> uuid.UU
 
 
 def _path_id(raw: str) -> uuid.UUID:
-    try:
-        return uuid.UUID(raw)
-    except ValueError:
-        # Not echoed: it may hold what no JSON string in the error envelope may (NUL).
-        raise NotFound("No such webhook delivery: delivery ids are UUIDs.") from None
+    return uuid_or_404(raw, "webhook delivery", hint="delivery ids are UUIDs")

@@ -29,6 +29,7 @@ from core.admission.gates import Admission, Ticket
 from core.broker.queues import BrokerEpoch, publish_committed
 from core.delivery import webhooks
 from core.errors import Conflict, NotFound
+from core.ids import uuid_or_404
 from core.observe import submit_metrics as metrics
 from core.observe.logs import bind_request
 from core.rediskeys import raise_cancel_flag
@@ -215,9 +216,6 @@ def _claiming(key: idempotency.Key | None, row: InferenceRequest):
 
 
 def _parse_id(request_id: str) -> uuid.UUID:
-    try:
-        rid = uuid.UUID(request_id)
-    except ValueError:
-        raise NotFound("No such request: request ids are UUIDs.") from None  # not echoed: it may hold a NUL
+    rid = uuid_or_404(request_id, "request")
     bind_request(str(rid))
     return rid

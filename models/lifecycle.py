@@ -421,6 +421,14 @@ class Lifecycle:
                     log.exception("lifecycle hook %s failed", getattr(hook, "__qualname__", hook), extra=about(row.id))
 
 
+def reroute(request_id: uuid.UUID, queue: str):
+    """A queued row moved to another queue (the node its conversation was pinned to died): the
+    statement the sweep runs under its row lock. ``enqueued_at`` is cleared, so the row counts as
+    never published until the sweep publishes it there (``stamp_enqueued``)."""
+    return (update(InferenceRequest).where(InferenceRequest.id == request_id, InferenceRequest.status == Status.QUEUED)
+            .values(queue=queue, enqueued_at=None))
+
+
 def allowed(source: Status, target: Status) -> bool:
     return target in ALLOWED.get(source, ())
 

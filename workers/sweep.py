@@ -63,7 +63,7 @@ from core.settings import Settings
 from core.submit.twins import Twins
 from models import InferenceRequest, Job, JobItem, Priority, Status
 from models.idempotency import expire_keys
-from models.lifecycle import Lifecycle
+from models.lifecycle import Lifecycle, reroute
 from models.session import Database
 from workers import webhooks
 
@@ -262,8 +262,7 @@ def _reroute_direct(db: Database, redis_client: redis.Redis, publish: Publish, s
                 continue
             model = registry.get(row.model_routed or row.model_requested) or registry.default
             queue = queue_name(row.priority, row.size_class, registry.queue_suffix(model))
-            session.execute(update(_t).where(_t.id == row.id, _t.status == Status.QUEUED)
-                            .values(queue=queue, enqueued_at=None))
+            session.execute(reroute(row.id, queue))
             moved.append(Routed(row.id, queue))
     publish(moved)
     # Nobody consumes a dead node's queue; its rows were rerouted above (or will be next time).

@@ -64,7 +64,7 @@ def web_argv(settings: Settings) -> list[str]:
                    if settings.web_worker_class == "gevent" else
                    ["--worker-class", "gthread", "--threads", str(settings.web_threads)])
     # gunicorn's own lines (the master's, errors, the access log) in Sluice's format, with its ids.
-    logger = "core.observe.logs." + ("JsonGunicornLogger" if settings.log_format == "json" else "GunicornLogger")
+    logger = "web.gunicorn_hooks." + ("JsonGunicornLogger" if settings.log_format == "json" else "GunicornLogger")
     return [sys.executable, "-m", "gunicorn", "--bind", f"{settings.web_host}:{settings.web_port}",
             "--workers", str(settings.web_workers), *concurrency, "--timeout", "60",
             "--config", "python:web.gunicorn_hooks",

@@ -78,7 +78,7 @@ def test_the_format_is_a_setting_that_reaches_gunicorn_and_celery():
         Settings.from_env({"SLUICE_LOG_FORMAT": "xml"})
     json_settings = Settings.from_env({"SLUICE_LOG_FORMAT": "json", "SLUICE_LOG_LEVEL": "WARNING"})
     web = web_argv(json_settings)
-    assert web[web.index("--logger-class") + 1] == "core.observe.logs.JsonGunicornLogger"
+    assert web[web.index("--logger-class") + 1] == "web.gunicorn_hooks.JsonGunicornLogger"
     assert web[web.index("--log-level") + 1] == "warning"
     worker = worker_argv(json_settings, "all")
     assert worker.index("--quiet") < worker.index("worker"), "Celery's banner is printed outside logging"

@@ -11,7 +11,7 @@ Two formats (SLUICE_LOG_FORMAT): ``text`` for people, ``json`` for log pipelines
 line with the same ids (``call_id``, ``request_id``). Every line of a process goes through the
 one handler :func:`configure_logging` installs on the root logger: Celery's own loggers reach it
 because workers do not let Celery take the root logger over (``worker_hijack_root_logger``),
-gunicorn's through :class:`GunicornLogger`. No line carries a prompt or an output: code logs
+gunicorn's through ``web/gunicorn_hooks.py GunicornLogger``. No line carries a prompt or an output: code logs
 ids and lengths only.
 """
 
@@ -23,8 +23,6 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
-
-from gunicorn import glogging
 
 current_call_id: contextvars.ContextVar[str] = contextvars.ContextVar("call_id", default="-")
 current_request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
@@ -97,28 +95,3 @@ def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
     # (logger py.warnings) instead, so that every line parses.
     logging.captureWarnings(fmt == "json")
     root.setLevel(level.upper())
-
-
-class GunicornLogger(glogging.Logger):
-    """gunicorn's own logs (the master's, each worker's error log, the access log) through the
-    root handler, so they share the format and the ids of the app's lines (``--logger-class``)."""
-
-    log_format = "text"
-
-    def setup(self, cfg) -> None:
-        super().setup(cfg)
-        configure_logging(cfg.loglevel, self.log_format)
-        for log in (self.error_log, self.access_log):
-            for handler in [h for h in log.handlers if getattr(h, "_gunicorn", False)]:
-                log.removeHandler(handler)
-            log.propagate = True
-
-    def access(self, resp, req, environ, request_time) -> None:
-        # gunicorn logs a call after the app unbound its ids: name it by the id it answered with.
-        call = next((value for name, value in resp.headers if name.lower() == "x-request-id"), "-")
-        with log_context(call=call):
-            super().access(resp, req, environ, request_time)
-
-
-class JsonGunicornLogger(GunicornLogger):
-    log_format = "json"

@@ -220,8 +220,8 @@ def test_tenants_see_only_their_own_batches_and_files(platform):
                                               completion_window="24h")):
         with pytest.raises(openai.NotFoundError) as missing:
             call()
-        assert missing.value.type == "invalid_request_error" and missing.value.code in ("batch_not_found",
-                                                                                        "file_not_found")
+        assert missing.value.type == "not_found_error" and missing.value.code in ("batch_not_found",
+                                                                                  "file_not_found")
     with pytest.raises(openai.NotFoundError) as missing:
         other.files.retrieve(done.output_file_id)
     assert missing.value.code == "file_not_found"

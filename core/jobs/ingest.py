@@ -22,6 +22,7 @@ from typing import IO, Any
 
 from psycopg.types.json import Jsonb
 
+from core.openai.shapes import CHAT_URL, COMPLETIONS_URL, OpenAIBodyError, to_native
 from core.submit.tokens import MESSAGE_OVERHEAD_TOKENS, estimate_text_tokens
 from models.job import ItemStatus
 from models.request import storable
@@ -30,11 +31,7 @@ READ_CHUNK = 1 << 20
 MAX_CUSTOM_ID_CHARS = 512
 # Details a refusal lists; the count says how many more there were.
 MAX_REPORTED = 100
-OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
-# Fields of an OpenAI request body a line may carry, and what each becomes on Sluice's request.
-OPENAI_BODY_FIELDS = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
-                      "top_p", "stop", "seed", "n", "user", "stream", "metadata"}
-CHAT_ROLES = ("system", "user", "assistant", "developer")
+OPENAI_URLS = (CHAT_URL, COMPLETIONS_URL)  # a line's body is checked as the front checks one
 COPY_COLUMNS = ("job_id", "line", "custom_id", "status", "text", "body", "estimated_tokens", "chunks", "depth",
                 "final", "requests", "request_count", "input_tokens", "output_tokens", "error_code",
                 "error_message")
@@ -141,33 +138,19 @@ def _openai_line(obj: dict[str, Any], served: set[str]) -> tuple[dict[str, Any],
     body = obj.get("body")
     if not isinstance(body, dict):
         raise LineError("invalid_body", "body must be a JSON object.")
-    unknown = set(body) - OPENAI_BODY_FIELDS
-    if unknown:
-        raise LineError("unsupported_fields", f"body fields not supported: {_names(unknown)}.")
-    if body.get("n", 1) != 1 or body.get("stream", False) is not False:
-        raise LineError("unsupported_fields", "n must be 1 and stream false in a batch line.")
+    try:  # the front's own check (core/openai/shapes.py), as a batch line
+        to_native(body, url == CHAT_URL, batch=True)
+    except OpenAIBodyError as exc:
+        message = exc.problems("body.")
+        raise LineError("unsupported_fields" if set(exc.details) <= exc.unsupported else "invalid_body",
+                        message if len(message) <= 500 else message[:499] + "…") from None  # its column: 500
     if "model" in body and body["model"] not in served:
         raise LineError("unknown_model", f"Unknown model {_names([body['model']])}; this platform serves: "
                         f"{', '.join(sorted(served))}.")
-    for name in ("max_tokens", "max_completion_tokens", "seed"):
-        if name in body and (not isinstance(body[name], int) or isinstance(body[name], bool) or body[name] < 0):
-            raise LineError("invalid_body", f"body.{name} must be a non-negative integer.")
-    for name in ("temperature", "top_p"):
-        if name in body and (not isinstance(body[name], int | float) or isinstance(body[name], bool)):
-            raise LineError("invalid_body", f"body.{name} must be a number.")
-    if url == "/v1/chat/completions":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and m.get("role") in CHAT_ROLES and isinstance(m.get("content"), str)
-                and storable(m["content"]) for m in messages):
-            raise LineError("invalid_body", "body.messages must be a non-empty list of {role, content} with "
-                            f"role one of {', '.join(CHAT_ROLES)} and content a string.")
-        tokens = sum(estimate_text_tokens(m["content"]) + MESSAGE_OVERHEAD_TOKENS for m in messages)
+    if url == CHAT_URL:
+        tokens = sum(estimate_text_tokens(m["content"]) + MESSAGE_OVERHEAD_TOKENS for m in body["messages"])
     else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str) or not prompt or not storable(prompt):
-            raise LineError("invalid_body", "body.prompt must be a non-empty string.")
-        tokens = estimate_text_tokens(prompt)
+        tokens = estimate_text_tokens(body["prompt"])
     return {**body, "url": url}, tokens
 
 

@@ -25,6 +25,7 @@ from typing import Any
 from sqlalchemy import func, select, tuple_
 
 from core.errors import InvalidRequest, NotFound
+from core.ids import uuid_or_404
 from core.jobs.service import JobService
 from core.openai.files import ChunkReader, FileStore, parse_id, unix
 from models import Batch, InferenceRequest, ItemStatus, Job, JobItem, JobStatus, Tenant
@@ -39,9 +40,8 @@ _ID = re.compile(r"^batch_([0-9a-f]{32})$")
 
 def parse_batch_id(batch_id: str) -> uuid.UUID:
     match = _ID.match(batch_id)
-    if match is None:
-        raise NotFound("No such batch: batch ids look like batch_<32 hex digits>.", code="batch_not_found")
-    return uuid.UUID(match.group(1))
+    return uuid_or_404(match.group(1) if match else "", "batch", hint="batch ids look like batch_<32 hex digits>",
+                       code="batch_not_found")  # "" is no UUID: the same 404
 
 
 class BatchService:

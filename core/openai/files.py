@@ -20,11 +20,11 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 from sqlalchemy import func, insert, select
-from werkzeug.exceptions import HTTPException
 from werkzeug.sansio.multipart import Data, Epilogue, Field, MultipartDecoder, NeedData
 from werkzeug.sansio.multipart import File as FilePart
 
 from core.errors import ApiError, InvalidRequest, NotFound
+from core.ids import uuid_or_404
 from models import File, FileChunk, Tenant
 from models.file import CHUNK_BYTES
 from models.request import storable
@@ -38,9 +38,8 @@ _ID = re.compile(r"^file-(?:(out|err)-)?([0-9a-f]{32})$")
 def parse_id(file_id: str) -> tuple[str | None, uuid.UUID]:
     """(``out``, ``err`` or None for an upload, uuid) of a file id; 404 for anything else."""
     match = _ID.match(file_id)
-    if match is None:
-        raise NotFound("No such file: file ids look like file-<32 hex digits>.", code="file_not_found")
-    return match.group(1), uuid.UUID(match.group(2))
+    kind, hex_id = match.groups() if match else (None, "")  # "" is no UUID: the same 404
+    return kind, uuid_or_404(hex_id, "file", hint="file ids look like file-<32 hex digits>", code="file_not_found")
 
 
 def file_view(file: File) -> dict[str, Any]:
@@ -150,24 +149,6 @@ class ChunkReader(io.RawIOBase):
 def too_large(limit: int) -> ApiError:
     return ApiError(f"The file is larger than {limit} bytes, the most one batch takes (SLUICE_JOB_MAX_BYTES); "
                     "split it.", code="file_too_large", status=413)
-
-
-def openai_error(exc: Exception) -> tuple[dict[str, Any], int]:
-    """An error in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, for the routes
-    OpenAI's SDKs call; Sluice's own routes keep their envelope (``web/errors.py``). OpenAI answers
-    400 where Sluice answers 422."""
-    if isinstance(exc, ApiError):
-        status, code, message = exc.status, exc.code, exc.message
-        details = exc.details if isinstance(exc.details, dict) else {}
-    else:
-        assert isinstance(exc, HTTPException)
-        status, code, message, details = exc.code or 500, "http_error", exc.description or exc.name, {}
-    status = 400 if status == 422 else status
-    kind = "server_error" if status >= 500 else "invalid_request_error"
-    fields = [name for name, problems in details.items()
-              if isinstance(problems, list) and all(isinstance(p, str) for p in problems)]
-    param = fields[0] if isinstance(exc, InvalidRequest) and fields else None
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}, status
 
 
 def _purpose(raw: bytes | None, seen_file: bool) -> str:

@@ -1,6 +1,8 @@
 """OpenAI request and response shapes: what ``/v1/chat/completions`` and ``/v1/completions``
 accept, how a body becomes a native submit body (``core/submit/schemas.py SubmitRequestSchema``), and
-how a request row reads back as an OpenAI completion, chunk or error.
+how a request row reads back as an OpenAI completion or chunk. ``to_native`` is the one check and
+mapping of an OpenAI body: the front, a batch line and the feeder all use it. (Errors in OpenAI's
+shape are the web tier's: ``web/openai/errors.py``.)
 
 Only the translation lives here; admission, queues, the ladder and the request table are the
 native ones (``web/openai/chat.py`` calls ``RequestService.submit``). Fields OpenAI has and Sluice
@@ -10,11 +12,20 @@ client must not believe it got what it did not.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from marshmallow import Schema, ValidationError, fields, validate, validates_schema
 
-from core.submit.schemas import ChatMessageSchema, SafeString, StrictBoolean, StrictFloat, StrictInteger
+from core.errors import InvalidRequest
+from core.submit.schemas import (
+    ChatMessageSchema,
+    SafeString,
+    StrictBoolean,
+    StrictFloat,
+    StrictInteger,
+    SubmitRequestSchema,
+)
 from models import InferenceRequest
 
 # service_tier → Sluice priority: flex is OpenAI's cheaper, slower tier, as batch is Sluice's.
@@ -22,6 +33,13 @@ TIERS = {"auto": "realtime", "default": "realtime", "priority": "realtime", "fle
 # Row status → the HTTP status a call answers when its request ended without an answer.
 ENDED = {"failed": 500, "timed_out": 504, "expired": 504, "cancelled": 409, "rejected": 503}
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
+CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+MAX_METADATA = 16  # pairs, as OpenAI and the native request take them
+# Fields a batch line's body may not set: the job decides how its requests run.
+NOT_IN_BATCH = {"stream": "A batch line cannot stream; leave stream out or false.",
+                "stream_options": "A batch line cannot stream.",
+                "service_tier": "A batch line runs at its job's priority; leave service_tier out."}
+UNKNOWN_FIELD = "Unknown field."  # marshmallow's message for a field a schema does not have
 
 
 class StopField(fields.Field):
@@ -47,6 +65,8 @@ class _CommonSchema(Schema):
     model = SafeString(required=True, validate=validate.Length(min=1, max=128),
                        metadata={"description": "A model of GET /v1/models."})
     max_tokens = StrictInteger(validate=validate.Range(min=1))
+    max_completion_tokens = StrictInteger(validate=validate.Range(min=1), metadata={
+        "description": "Same as max_tokens (which it replaces in OpenAI's API); give one."})
     temperature = StrictFloat(validate=validate.Range(min=0, max=2))
     top_p = StrictFloat(validate=validate.Range(min=0, max=1, min_inclusive=False))
     stop = StopField(metadata={"description": "A string or up to 4 strings."})
@@ -60,11 +80,26 @@ class _CommonSchema(Schema):
         "description": "`flex` runs as Sluice `batch` priority; the others as `realtime`."})
     ignore_eos = StrictBoolean(metadata={"description": "Sluice (and vLLM) extension: generate exactly "
                                                         "max_tokens (benchmarks)."})
+    metadata = fields.Dict(keys=SafeString(validate=validate.Length(min=1, max=64)),
+                           values=SafeString(validate=validate.Length(max=512)),
+                           validate=validate.Length(max=MAX_METADATA), metadata={
+        "description": f"Up to {MAX_METADATA} string pairs, kept as the request's metadata (with `user`)."})
+
+    @validates_schema
+    def _one_limit(self, data, **kwargs):
+        if "max_tokens" in data and "max_completion_tokens" in data:
+            raise ValidationError("Give max_tokens or max_completion_tokens, not both.", "max_completion_tokens")
 
     @validates_schema
     def _stream_options_need_stream(self, data, **kwargs):
         if "stream_options" in data and not data.get("stream"):
             raise ValidationError("stream_options is only allowed with stream: true.", "stream_options")
+
+    @validates_schema
+    def _metadata_holds_user(self, data, **kwargs):
+        if "user" in data and len(data.get("metadata", {})) > MAX_METADATA - 1:
+            raise ValidationError(f"With user (kept as metadata `user`), at most {MAX_METADATA - 1} pairs.",
+                                  "metadata")
 
 
 class ChatCompletionRequestSchema(_CommonSchema):
@@ -72,13 +107,6 @@ class ChatCompletionRequestSchema(_CommonSchema):
 
     messages = fields.List(fields.Nested(OpenAIChatMessageSchema), required=True,
                            validate=validate.Length(min=1, max=256))
-    max_completion_tokens = StrictInteger(validate=validate.Range(min=1), metadata={
-        "description": "Same as max_tokens (which it replaces in OpenAI's API); give one."})
-
-    @validates_schema
-    def _one_limit(self, data, **kwargs):
-        if "max_tokens" in data and "max_completion_tokens" in data:
-            raise ValidationError("Give max_tokens or max_completion_tokens, not both.", "max_completion_tokens")
 
 
 class CompletionRequestSchema(_CommonSchema):
@@ -87,13 +115,88 @@ class CompletionRequestSchema(_CommonSchema):
     prompt = SafeString(required=True, validate=validate.Length(min=1))
 
 
-def native_body(asked: dict[str, Any], default_model: str) -> dict[str, Any]:
+class OpenAIBodyError(InvalidRequest):
+    """An OpenAI request body Sluice cannot run. ``details`` maps each bad field to its reasons;
+    ``unsupported`` names those refused because Sluice does not take them (fields it does not
+    know, ``n`` other than 1, streaming in a batch line) rather than for a bad value."""
+
+    def __init__(self, details: dict[str, Any], unsupported: set[str]) -> None:
+        super().__init__("The request has invalid fields; see details.", details=details)
+        self.unsupported = unsupported
+
+    def problems(self, prefix: str = "") -> str:
+        return describe(self.details, prefix)
+
+
+def describe(problems: dict[str, Any], prefix: str = "") -> str:
+    """Fields and their reasons (marshmallow's errors) in one line, for a message:
+    ``messages: Missing data for required field.; n: …``."""
+    return "; ".join(f"{prefix}{_shown(name)}: {_reasons(why)}" for name, why in problems.items())
+
+
+def is_problem(why: Any) -> bool:
+    """Whether ``why`` is what a field's validation says (a list of reasons, or nested fields'),
+    not some other detail (the numbers of a refused budget)."""
+    if isinstance(why, list):
+        return bool(why) and all(isinstance(item, str) for item in why)
+    return isinstance(why, dict) and bool(why) and all(is_problem(item) for item in why.values())
+
+
+def _reasons(why: Any) -> str:
+    if isinstance(why, list):
+        return " ".join(_reasons(item) for item in why)
+    if isinstance(why, dict):
+        return "; ".join(f"{_shown(name)}: {_reasons(item)}" for name, item in why.items())
+    return str(why)
+
+
+def _shown(name: Any) -> str:
+    """A field name as a message quotes it: the client's own keys JSON-escaped (no NUL or lone
+    surrogate reaches a stored message) and cut short."""
+    return json.dumps(str(name))[1:-1][:60]
+
+
+_SCHEMAS = {True: ChatCompletionRequestSchema(), False: CompletionRequestSchema()}
+_BATCH_SCHEMAS = {True: ChatCompletionRequestSchema(partial=("model",)),
+                  False: CompletionRequestSchema(partial=("model",))}
+_NATIVE = SubmitRequestSchema()
+
+
+def to_native(body: dict[str, Any], chat: bool, default_model: str | None = None,
+              batch: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Validate the OpenAI ``body`` of ``/v1/chat/completions`` (``chat``) or ``/v1/completions``
+    and map it: (the OpenAI fields as loaded, the native submit body, validated by
+    ``SubmitRequestSchema``). Raises ``OpenAIBodyError`` naming every bad field.
+
+    The one check and mapping of an OpenAI body, wherever one enters: the front
+    (``web/openai/chat.py``), a batch line when a job file is read (``core/jobs/ingest.py``,
+    ``batch``) and when the feeder runs it (``core/jobs/bodies.py``). A ``batch`` body may leave
+    ``model`` out (the job's) and cannot stream or pick a tier (``NOT_IN_BATCH``)."""
+    try:
+        asked = (_BATCH_SCHEMAS if batch else _SCHEMAS)[chat].load(body)
+    except ValidationError as exc:
+        details = exc.messages if isinstance(exc.messages, dict) else {"_schema": exc.messages}
+        raise OpenAIBodyError(details, {name for name, why in details.items()
+                                        if why == [UNKNOWN_FIELD] or name == "n"}) from None
+    refused = {name: [why] for name, why in NOT_IN_BATCH.items() if batch and asked.get(name)}
+    if refused:
+        raise OpenAIBodyError(refused, set(refused))
+    try:
+        return asked, _NATIVE.load(native_body(asked, default_model))
+    except ValidationError as exc:  # what the native request refuses and the OpenAI shape let through
+        raise OpenAIBodyError(exc.messages if isinstance(exc.messages, dict) else {"_schema": exc.messages},
+                              set()) from None
+
+
+def native_body(asked: dict[str, Any], default_model: str | None) -> dict[str, Any]:
     """The native submit body that does what the validated OpenAI body ``asked`` asks for.
 
-    OpenAI clients must name a model; naming the platform's default one is taken as naming none,
-    so the degradation ladder may still send it to the light model (the answer's ``model`` says
-    which ran). Any other model is pinned, as on the native route."""
-    body: dict[str, Any] = {} if asked["model"] == default_model else {"model": asked["model"]}
+    OpenAI clients must name a model; naming the platform's default one (``default_model``) is
+    taken as naming none, so the degradation ladder may still send it to the light model (the
+    answer's ``model`` says which ran). Any other model is pinned, as on the native route; with
+    ``default_model`` None, every named model is."""
+    model = asked.get("model")
+    body: dict[str, Any] = {} if model is None or model == default_model else {"model": model}
     if "messages" in asked:
         body["messages"] = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
                             for m in asked["messages"]]
@@ -107,8 +210,9 @@ def native_body(asked: dict[str, Any], default_model: str) -> dict[str, Any]:
             body[name] = asked[name]
     if "service_tier" in asked:
         body["priority"] = TIERS[asked["service_tier"]]
-    if "user" in asked:
-        body["metadata"] = {"user": asked["user"]}
+    metadata = {**asked.get("metadata", {}), **({"user": asked["user"]} if "user" in asked else {})}
+    if metadata:
+        body["metadata"] = metadata
     if asked.get("stream"):
         body["stream"] = True
     return body
@@ -171,21 +275,3 @@ def _header(row: InferenceRequest, chat: bool, kind: str) -> dict[str, Any]:
     return {"id": ("chatcmpl-" if chat else "cmpl-") + row.id.hex, "object": kind,
             "created": int(row.created_at.timestamp()), "model": model_of(row),
             "service_tier": "flex" if row.priority.value == "batch" else "default", "system_fingerprint": None}
-
-
-def error_body(message: str, kind: str, code: str | None, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def error_type(status: int) -> str:
-    return {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-            404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
-            415: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
-
-
-def first_param(details: Any) -> str | None:
-    """The field a validation error names first, as OpenAI's ``param`` (None: the whole body)."""
-    if isinstance(details, dict) and details:
-        name = next(iter(details))
-        return None if name.startswith("_") else name
-    return None

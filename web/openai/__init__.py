@@ -1,2 +1,10 @@
 """The OpenAI-compatible front door: chat and completions, Files and Batches routes, their
-OpenAPI descriptions. What they mean lives in `core/openai/`."""
+OpenAPI descriptions. What they mean lives in `core/openai/`.
+
+Every OpenAI blueprint answers errors in OpenAI's shape: the one handler set of ``errors.py`` is
+registered here, on each of them."""
+
+from web.openai import batches_api, chat, errors
+
+BLUEPRINTS = (chat.bp, batches_api.bp)
+errors.register(*BLUEPRINTS)

@@ -1,5 +1,6 @@
 """OpenAI's Files and Batches routes, for OpenAI's SDKs: thin handlers over ``core/openai/files.py``
-and ``core/openai/batches.py``. Errors here take OpenAI's shape (``openai_error``).
+and ``core/openai/batches.py``. Errors here take OpenAI's shape (``web/openai/errors.py``, registered
+on this blueprint by ``web/openai/__init__.py``).
 
     POST /v1/files                   multipart: file, purpose=batch; streamed into Postgres
     GET  /v1/files/<id>              the file object (an upload, or a batch's output or error file)
@@ -13,28 +14,17 @@ and ``core/openai/batches.py``. Errors here take OpenAI's shape (``openai_error`
 from __future__ import annotations
 
 from flask import Blueprint, Response, jsonify, request, stream_with_context
-from werkzeug.exceptions import HTTPException
 
 from core.openai.batches import BatchService
-from core.openai.files import FileStore, file_view, openai_error, parse_id, too_large
+from core.openai.files import FileStore, file_view, parse_id, too_large
 from web.auth import authenticate
-from web.bodies import page_limit
+from web.bodies import list_page, page_limit
 from web.errors import ApiError
 from web.services import services
 
 bp = Blueprint("openai_batches", __name__, url_prefix="/v1")
 # The multipart envelope around the file: boundaries, part headers, the purpose field.
 FORM_OVERHEAD_BYTES = 64 * 1024
-
-
-@bp.errorhandler(ApiError)
-@bp.errorhandler(HTTPException)
-def _openai_error(exc: Exception) -> tuple[Response, int]:
-    body, status = openai_error(exc)
-    response = jsonify(body)
-    if isinstance(exc, ApiError):
-        response.headers.update(exc.headers)
-    return response, status
 
 
 def _files() -> FileStore:
@@ -96,10 +86,7 @@ def list_batches() -> Response:
     svc = services()
     tenant = authenticate(svc.db, svc.recent_keys)
     limit = page_limit()
-    batches = _batches().list(tenant.id, limit + 1, request.args.get("after"))
-    page = batches[:limit]
-    return jsonify({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                    "last_id": page[-1]["id"] if page else None, "has_more": len(batches) > limit})
+    return list_page(_batches().list(tenant.id, limit + 1, request.args.get("after")), limit, openai=True)
 
 
 @bp.get("/batches/<batch_id>")

@@ -7,13 +7,11 @@ from __future__ import annotations
 from apispec import APISpec
 
 from core.openai.batches import ENDPOINTS
+from web.openai.errors import add_schema
+from web.openai.errors import documented as _error
 
 NULLABLE_INT = {"type": ["integer", "null"]}
 SCHEMAS = {
-    "OpenAIError": {"type": "object", "required": ["error"], "properties": {"error": {
-        "type": "object", "required": ["message", "type", "param", "code"],
-        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}},
     "OpenAIFile": {"type": "object",
                    "required": ["id", "object", "bytes", "created_at", "filename", "purpose", "status"],
                    "properties": {"id": {"type": "string"}, "object": {"const": "file"},
@@ -41,15 +39,12 @@ SCHEMAS = {
 }
 
 
-def _error(description: str) -> dict:
-    return {"description": description, "content": {"application/json": {"schema": "OpenAIError"}}}
-
-
 def _json(schema: str, description: str) -> dict:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
 def add_paths(spec: APISpec) -> None:
+    add_schema(spec)
     for name, schema in SCHEMAS.items():
         spec.components.schema(name, schema)
     common = {"security": [{"bearer": []}]}

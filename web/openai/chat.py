@@ -9,12 +9,12 @@ until the row ends (``web/waits.py until_ended``), at most its deadline plus a g
 streaming one relays the engine's increments (``web/sse.py relay``) as OpenAI chunks. A
 client that leaves either way cancels its request.
 
-Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the same
-status and headers as natively (429/503 keep ``Retry-After``, ``retry-after-ms`` and the
-x-ratelimit-* headers the SDK's backoff reads), except that a body OpenAI would call invalid
-is 400, not 422. A request that was admitted and then ended without an answer (failed,
-expired, cancelled, out of time) answers ``x-should-retry: false``: the SDK's automatic retry
-would only spend the same GPU time again.
+Errors use OpenAI's shape (``web/openai/errors.py``, registered on this blueprint by
+``web/openai/__init__.py``), with the same status and headers as natively (429/503 keep
+``Retry-After``, ``retry-after-ms`` and the x-ratelimit-* headers the SDK's backoff reads),
+except that a body OpenAI would call invalid is 400, not 422. A request that was admitted and
+then ended without an answer (failed, expired, cancelled, out of time) answers
+``x-should-retry: false``: the SDK's automatic retry would only spend the same GPU time again.
 """
 
 from __future__ import annotations
@@ -25,20 +25,17 @@ from collections.abc import Iterator
 from typing import Any
 
 from flask import Blueprint, Response, jsonify, request, stream_with_context
-from sqlalchemy.exc import DBAPIError, OperationalError
-from sqlalchemy.exc import TimeoutError as SQLAlchemyTimeoutError
-from werkzeug.exceptions import HTTPException
 
 from core.fleet.workers import live_workers
 from core.openai import shapes
 from core.submit import idempotency, ladder
-from core.submit.schemas import SubmitRequestSchema
 from models import InferenceRequest, Status, Tenant
 from web import metrics, waits
 from web.api import add_quotas
 from web.auth import authenticate
-from web.bodies import json_object, validated
+from web.bodies import json_object
 from web.errors import ApiError
+from web.openai.errors import error_body
 from web.services import Services, services
 from web.sse import relay
 
@@ -47,9 +44,6 @@ bp = Blueprint("openai", __name__, url_prefix="/v1")
 REQUEST_ID_HEADER = "Sluice-Request-Id"
 NO_RETRY = {"x-should-retry": "false"}  # read by the OpenAI SDKs before their own retry rules
 WAIT_GRACE_S = 5.0  # past its deadline a request is being expired: how long to wait for that
-_chat_schema = shapes.ChatCompletionRequestSchema()
-_completion_schema = shapes.CompletionRequestSchema()
-_submit_schema = SubmitRequestSchema()
 
 
 @bp.post("/chat/completions")
@@ -111,8 +105,7 @@ def _submit(svc: Services, tenant: Tenant, chat: bool) -> tuple[dict[str, Any], 
     """Validate, translate and submit the body; the OpenAI fields, the row and the answer's headers."""
     try:
         body = json_object()
-        asked = validated(_chat_schema if chat else _completion_schema, body)
-        data = validated(_submit_schema, shapes.native_body(asked, svc.settings.registry.default.name))
+        asked, data = shapes.to_native(body, chat, svc.settings.registry.default.name)
         key = idempotency.key_from(request.headers.get(idempotency.HEADER), tenant.id, body,
                                    svc.settings.idempotency_window_s)
         accepted = svc.requests.submit(tenant, data, key)
@@ -156,9 +149,8 @@ def _chunks(svc: Services, row: InferenceRequest, chat: bool, include_usage: boo
             elif kind == "ping":
                 yield ": ping\n\n"
             elif kind == "requeued":  # ending here closes the relay, which cancels the request
-                yield _data(shapes.error_body(f"The request had to start over on another worker ({value}), which "
-                                              "a stream cannot show; it was cancelled. Send it again.",
-                                              "server_error", "requeued"))
+                yield _data(error_body(f"The request had to start over on another worker ({value}), which a "
+                                       "stream cannot show; it was cancelled. Send it again.", 500, "requeued"))
                 return
             elif kind == "done":
                 yield from _last_chunks(value, chat, include_usage)
@@ -176,48 +168,4 @@ def _last_chunks(row: InferenceRequest, chat: bool, include_usage: bool) -> Iter
         error = _ended(row, {}) if row.status.terminal else ApiError(
             "The stream ran past SLUICE_STREAM_MAX_S; the request goes on, see Sluice-Request-Id.",
             code="stream_timeout", status=504)
-        yield _data(shapes.error_body(error.message, shapes.error_type(error.status), error.code))
-
-
-def _openai_error(status: int, code: str, message: str, param: str | None = None,
-                  headers: dict[str, str] | None = None) -> Response:
-    status = 400 if status == 422 else status  # OpenAI calls every invalid body a 400
-    response = jsonify(shapes.error_body(message, shapes.error_type(status), code, param))
-    response.status_code = status
-    response.headers.update(headers or {})
-    return response
-
-
-@bp.errorhandler(ApiError)
-def _api_error(exc: ApiError) -> Response:
-    if exc.status != 422 or not isinstance(exc.details, dict):
-        return _openai_error(exc.status, exc.code, exc.message, headers=exc.headers)
-    # A validation error: its fields go into the message, the first into `param`.
-    problems = "; ".join(f"{name}: {' '.join(map(str, why)) if isinstance(why, list) else why}"
-                         for name, why in exc.details.items())
-    return _openai_error(exc.status, exc.code, f"{exc.message} {problems}", shapes.first_param(exc.details),
-                         exc.headers)
-
-
-@bp.errorhandler(HTTPException)
-def _http_error(exc: HTTPException) -> Response:
-    status = exc.code or 500
-    code = {400: "malformed_json", 413: "body_too_large", 415: "unsupported_media_type"}.get(status, "http_error")
-    return _openai_error(status, code, exc.description or exc.name)
-
-
-@bp.errorhandler(OperationalError)
-@bp.errorhandler(SQLAlchemyTimeoutError)
-def _database_unavailable(exc: Exception) -> Response:
-    log.error("database unavailable: %s", type(exc).__name__)
-    return _openai_error(503, "service_unavailable", "The request store is unreachable right now; retry shortly.",
-                         headers={"Retry-After": "5"})
-
-
-@bp.errorhandler(Exception)
-def _unexpected(exc: Exception) -> Response:
-    if isinstance(exc, DBAPIError):  # the driver's message can quote the data: class name only
-        log.error("unhandled database error: %s", type(exc.orig).__name__)
-    else:
-        log.exception("unhandled error")
-    return _openai_error(500, "internal_error", "Something went wrong on our side. It was logged; retry later.")
+        yield _data(error_body(error.message, error.status, error.code))

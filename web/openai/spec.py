@@ -10,6 +10,8 @@ from apispec import APISpec
 
 from core.openai import shapes
 from core.settings import Settings
+from web.openai.errors import add_schema
+from web.openai.errors import documented as _error
 
 _STRING = {"type": "string", "minLength": 1, "maxLength": 64, "pattern": "^[^\\u0000]*$"}
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
@@ -24,10 +26,6 @@ _COMMON = {"id": {"type": "string"}, "created": {"type": "integer"},
            "service_tier": {"enum": ["default", "flex"]}, "system_fingerprint": {"type": "null"},
            "usage": _USAGE, "sluice": _EXTENSION}
 SCHEMAS: dict[str, dict[str, Any]] = {
-    "OpenAIApiError": {"type": "object", "required": ["error"], "properties": {"error": {
-        "type": "object", "required": ["message", "type", "param", "code"],
-        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}},
     "ChatCompletion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
                        "properties": {**_COMMON, "object": {"const": "chat.completion"}, "choices": {
                            "type": "array", "minItems": 1, "maxItems": 1, "items": {
@@ -59,6 +57,7 @@ STREAM_EVENT = {"type": "object", "required": ["data"],
 
 
 def add_paths(spec: APISpec) -> None:
+    add_schema(spec)
     for name, schema in SCHEMAS.items():
         spec.components.schema(name, schema)
     spec.components.schema("ChatCompletionRequest", schema=shapes.ChatCompletionRequestSchema)
@@ -113,24 +112,21 @@ def add_paths(spec: APISpec) -> None:
 
 def finish(document: dict[str, Any], settings: Settings | None) -> None:
     """What marshmallow cannot say: ``stop``'s two forms, ``n``'s one value, the rules across
-    fields, and this deployment's models and caps."""
+    fields (``user`` takes a metadata pair), and this deployment's models and caps."""
     found = document["components"]["schemas"]
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         body = found[name]
         body["properties"]["stop"] = {"oneOf": [_STRING, {"type": "array", "items": _STRING,
                                                           "minItems": 1, "maxItems": 4}]}
         body["properties"]["n"] = {"type": "integer", "enum": [1]}
+        body["not"] = {"required": ["max_tokens", "max_completion_tokens"]}
         body["dependentSchemas"] = {"stream_options": {"required": ["stream"],
-                                                       "properties": {"stream": {"const": True}}}}
+                                                       "properties": {"stream": {"const": True}}},
+                                    "user": {"properties": {"metadata": {"maxProperties": shapes.MAX_METADATA - 1}}}}
         if settings is not None:
             body["properties"]["model"]["enum"] = [model.name for model in settings.registry.models]
             for field in ("max_tokens", "max_completion_tokens"):
                 if field in body["properties"]:
                     body["properties"][field]["maximum"] = settings.max_output_tokens
-    found["ChatCompletionRequest"]["not"] = {"required": ["max_tokens", "max_completion_tokens"]}
     if settings is not None:
         found["CompletionRequest"]["properties"]["prompt"]["maxLength"] = settings.max_prompt_chars
-
-
-def _error(description: str) -> dict:
-    return {"description": description, "content": {"application/json": {"schema": "OpenAIApiError"}}}

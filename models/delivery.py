@@ -11,7 +11,8 @@ signature change).
 
 While ``pending``, ``next_attempt_at`` says when the next attempt is due; a worker that takes
 an attempt moves it past the attempt's longest duration first, so a second copy of the task
-message finds nothing due and a dead worker's attempt is found overdue by the sweep.
+message finds nothing due and a dead worker's attempt is found overdue by the sweep. The
+status changes only through ``models/delivery_lifecycle.py``.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ dies between the two creates the missing ones with the same ids and nothing runs
                             └──cancel──► cancelling ─► cancelled
     item:  pending ─► running ─► succeeded | failed | cancelled | expired
            invalid (a line that failed validation, admitted with the errors list)
+
+Both statuses change only through ``models/job_lifecycle.py`` (its tables of allowed moves).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ class Tenant(Base):
     # Set: every key of the tenant is refused (403 tenant_disabled) until it is cleared.
     disabled_at: Mapped[datetime | None]
     # Its share of batch capacity for bulk jobs, against the other tenants with jobs running
-    # (counted in tokens, core/jobs/feeder.py): 2 gets twice what 1 gets.
+    # (counted in tokens, core/jobs/scheduling.py): 2 gets twice what 1 gets.
     batch_weight: Mapped[float] = mapped_column(default=1.0, server_default="1")
     # Signs its webhooks (Standard Webhooks, ``whsec_…``); shown once, when made. After a rotation
     # the previous secret signs too, until previous_until, so receivers can switch without a gap.

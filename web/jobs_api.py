@@ -14,7 +14,7 @@ from __future__ import annotations
 from flask import Blueprint, Response, jsonify, request, stream_with_context
 
 from core.jobs.ingest import TooLarge as TooLargeWhileReading
-from core.jobs.service import JSONL_TYPES
+from core.jobs.intake import JSONL_TYPES
 from web.auth import authenticate
 from web.bodies import list_page, page_limit
 from web.errors import ApiError

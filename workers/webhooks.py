@@ -13,6 +13,7 @@ queue is no GPU worker's. One attempt:
              other answer or error → pending again after the next BACKOFF step, or failed once
              that would fall past the delivery's retry window
 
+Each step moves the row through ``models/delivery_lifecycle.py``, the one writer of its status.
 A retry due within COUNTDOWN_MAX_S is published with that countdown; a later one is left to
 the sweep, which publishes overdue deliveries while the webhooks queue is empty (a lost message,
 a dead worker) and sends the events of jobs (started, progress at a bounded rate, completed).
@@ -30,7 +31,7 @@ from urllib.parse import urljoin
 import httpx
 import redis
 from celery import shared_task
-from sqlalchemy import case, delete, func, select, text, update
+from sqlalchemy import case, delete, func, select, text
 from standardwebhooks import Webhook
 
 from core.broker.queues import DELIVER_TASK, WEBHOOKS_QUEUE, queue_length
@@ -38,7 +39,7 @@ from core.delivery import ssrf
 from core.delivery.webhooks import Webhooks
 from core.services import Services
 from core.settings import Settings
-from models import Delivery, DeliveryStatus, JobStatus, Tenant
+from models import Delivery, DeliveryStatus, JobStatus, Tenant, delivery_lifecycle
 from workers.celery_app import SluiceTask
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,8 @@ def deliver(svc: Services, delivery_id: uuid.UUID) -> None:
     delay = backoff_s(attempts, settings.webhook_backoff_s)
     status = _record(svc, delivery_id, outcome, delay)
     log.info("webhook delivery %s attempt %d: %s → %s", delivery_id, attempts,
-             outcome.error or f"HTTP {outcome.status_code}", status.value)
+             outcome.error or f"HTTP {outcome.status_code}",
+             status.value if status else "not recorded (no longer pending)")
     if status == DeliveryStatus.PENDING and delay <= COUNTDOWN_MAX_S:
         Webhooks.of(svc).publish(delivery_id, countdown=delay)
 
@@ -94,11 +96,7 @@ def _claim(svc: Services, delivery_id: uuid.UUID) -> tuple[str, str, int, list[W
     hops = MAX_REDIRECTS + 1
     lease = timedelta(seconds=hops * 4 * svc.settings.webhook_timeout_s + 30)  # connect, write, read, pool
     with svc.db.session() as session:
-        row = session.execute(update(Delivery).where(
-            Delivery.id == delivery_id, Delivery.status == DeliveryStatus.PENDING,
-            Delivery.next_attempt_at <= func.now() + timedelta(seconds=EARLY_S))
-            .values(attempts=Delivery.attempts + 1, next_attempt_at=func.now() + lease)
-            .returning(Delivery.url, Delivery.payload, Delivery.attempts, Delivery.tenant_id)).one_or_none()
+        row = delivery_lifecycle.claim(session, delivery_id, EARLY_S, lease.total_seconds())
         if row is None:
             return None
         # The previous secret signs too until its grace ends (receivers switch without a gap).
@@ -137,21 +135,12 @@ def send(url: str, delivery_id: uuid.UUID, body: str, signers: list[Webhook], se
     return Outcome(status, f"more than {MAX_REDIRECTS} redirects", final=True)
 
 
-def _record(svc: Services, delivery_id: uuid.UUID, outcome: Outcome, delay_s: float) -> DeliveryStatus:
-    """Write an attempt's outcome; the delivery's status after it."""
-    if outcome.error is None:
-        values = {"status": DeliveryStatus.SUCCEEDED, "finished_at": func.now()}
-    elif outcome.final:
-        values = {"status": DeliveryStatus.FAILED, "finished_at": func.now()}
-    else:
-        next_at = func.now() + timedelta(seconds=delay_s)
-        gives_up = next_at > Delivery.retry_until
-        values = {"status": case((gives_up, DeliveryStatus.FAILED.value), else_=DeliveryStatus.PENDING.value),
-                  "next_attempt_at": next_at, "finished_at": case((gives_up, func.now()), else_=None)}
+def _record(svc: Services, delivery_id: uuid.UUID, outcome: Outcome, delay_s: float) -> DeliveryStatus | None:
+    """Write an attempt's outcome; the delivery's status after it (None: it was no longer pending,
+    another attempt's end recorded first)."""
     with svc.db.session() as session:
-        status = session.scalar(update(Delivery).where(Delivery.id == delivery_id).values(
-            last_status_code=outcome.status_code, last_error=outcome.error, **values).returning(Delivery.status))
-    return DeliveryStatus(status)
+        return delivery_lifecycle.record(session, delivery_id, status_code=outcome.status_code, error=outcome.error,
+                                         final=outcome.final, retry_in_s=delay_s)
 
 
 def _short(text: str) -> str:
@@ -232,12 +221,7 @@ def _republish_overdue(svc: Services) -> int:
 def _abandon(svc: Services) -> int:
     """Pending deliveries no attempt reached before their retry window closed → failed."""
     with svc.db.session() as session:
-        return session.execute(update(Delivery).where(
-            Delivery.status == DeliveryStatus.PENDING, Delivery.retry_until < func.now(),
-            Delivery.next_attempt_at < func.now() - timedelta(seconds=svc.settings.publish_grace_s))
-            .values(status=DeliveryStatus.FAILED, finished_at=func.now(), last_error=func.coalesce(
-                Delivery.last_error, "No attempt was made within the retry window (is a webhooks worker running?)"))
-        ).rowcount
+        return delivery_lifecycle.abandon(session, svc.settings.publish_grace_s)
 
 
 def _delete_old(svc: Services) -> int:

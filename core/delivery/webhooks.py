@@ -33,7 +33,7 @@ from core.delivery import ssrf
 from core.errors import InvalidRequest, NotFound
 from core.settings import Settings
 from core.submit.schemas import RequestViewSchema
-from models import Delivery, DeliveryStatus, InferenceRequest, Status, Tenant
+from models import Delivery, DeliveryStatus, InferenceRequest, Status, Tenant, delivery_lifecycle
 from models.lifecycle import Moved, about
 from models.session import Database
 
@@ -155,12 +155,8 @@ class Webhooks:
 
     def redeliver(self, tenant_id: uuid.UUID | None, delivery_id: uuid.UUID) -> Delivery:
         """Send a delivery again now, whatever its status, with a new retry window; same id and body."""
-        owned = [Delivery.tenant_id == tenant_id] if tenant_id is not None else []
         with self.db.session() as session:
-            row = session.scalar(update(Delivery).where(Delivery.id == delivery_id, *owned).values(
-                status=DeliveryStatus.PENDING, next_attempt_at=func.now(), finished_at=None,
-                retry_until=func.now() + timedelta(seconds=self.settings.webhook_retry_for_s))
-                .returning(Delivery).execution_options(populate_existing=True))
+            row = delivery_lifecycle.redeliver(session, delivery_id, tenant_id, self.settings.webhook_retry_for_s)
         if row is None:
             raise NotFound(f"No webhook delivery {delivery_id} for this API key.")
         log.info("webhook delivery %s: redelivery requested", delivery_id)

@@ -1,79 +1,39 @@
-"""Bulk jobs for a tenant the API authenticated: submit a file, read progress and results, cancel.
+"""Bulk jobs for a tenant the API authenticated: the service the API and the CLI call.
 
-A submit writes the job row first (``validating``, so a long upload shows), then reads the
-upload into its items in one transaction (``core/jobs/ingest.py``). A refused upload (too large,
-bad lines when the caller refuses those, no valid line, over the tenant's token budget)
-rolls the items back and deletes the job row: nothing half-written stays. A web process that
-dies mid-upload leaves a ``validating`` job with no items, which the feeder fails
-(``upload_interrupted``) after ``STALE_UPLOAD_S``.
-
-Running the items is the feeder's (``core/jobs/feeder.py``); cancelling stops it feeding, cancels
-the requests in flight, and keeps what finished.
+It submits through ``core/jobs/params.py`` (the query string) and ``core/jobs/intake.py`` (the
+upload into items, or a refusal), and answers the reads: a job's view with its progress (counts
+per item status, tokens, rate and ETA), the tenant's list, and its results and errors as JSONL.
+Running the items is the feeder's (``core/jobs/feeder.py``); cancelling stops it feeding,
+cancels the requests in flight, and keeps what finished.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import IO, Any
 
-from sqlalchemy import delete, func, select, text, update
+from sqlalchemy import func, select, text
 
-from core.delivery import webhooks
-from core.errors import ApiError, Conflict, InvalidRequest, NotFound
-from core.jobs import ingest
-from core.observe.logs import bind_request
+from core.errors import Conflict, NotFound
+from core.ids import uuid_or_404
+from core.jobs import intake
+from core.jobs.params import JobParams, parse_params
 from core.rediskeys import FEEDER_STATE_KEY
 from core.settings import Settings
 from core.submit.service import RequestService
-from core.submit.tokens import estimate_text_tokens
-from core.tenants.tiers import effective_limits
-from models import Tenant
+from models import Tenant, job_lifecycle
 from models.job import ItemStatus, Job, JobItem, JobStatus
 from models.lifecycle import TransitionRefused
 from models.session import Database
 
 log = logging.getLogger(__name__)
 
-JSONL_TYPES = ("application/jsonl", "application/x-ndjson", "application/x-jsonlines", "application/json-lines",
-               "application/jsonlines", "text/jsonl")
-# A document request's prompt leaves this many tokens of room beyond the instruction and the
-# summary: the separator between them, and the model's special tokens.
-PROMPT_MARGIN_TOKENS = 16
-STALE_UPLOAD_S = 3600
-_WINDOW = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhd]?)$")
-_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 # The feeder writes its state every SLUICE_FEEDER_INTERVAL_S; older than this, it is not running.
 FEEDER_STALE_S = 10.0
-PARAMS = ("model", "summary_tokens", "instruction", "priority", "completion_window", "on_invalid", "metadata",
-          "webhook_url", "webhook_events")
-
-
-@dataclass(frozen=True)
-class JobParams:
-    model: str
-    summary_tokens: int
-    instruction: str
-    priority: str
-    completion_window_s: int
-    on_invalid: str  # reject: any bad line refuses the file; skip: bad lines are listed, the rest run
-    metadata: dict[str, str]
-    webhook_url: str | None = None  # its events (webhook_events) are sent by the sweep: workers/webhooks.py
-    webhook_events: tuple[str, ...] = ()
-    # An OpenAI batch's (core/openai/batches.py): every line must be an OpenAI request to this url.
-    endpoint: str | None = None
-
-
-def chunk_budget(context_tokens: int, max_request_tokens: int, instruction_tokens: int, summary_tokens: int) -> int:
-    """Input tokens one document request may carry: what the model's context and the tenant's
-    per-request limit leave after the instruction, the summary and a margin."""
-    return min(context_tokens, max_request_tokens) - instruction_tokens - summary_tokens - PROMPT_MARGIN_TOKENS
 
 
 class JobService:
@@ -87,151 +47,11 @@ class JobService:
 
     def params(self, args: dict[str, str], tenant: Tenant) -> JobParams:
         """The job's parameters from the query string; 422 naming every bad or unknown one."""
-        settings = self.settings
-        problems: dict[str, list[str]] = {}
-        for name in set(args) - set(PARAMS):
-            problems[name] = [f"Unknown parameter; a job takes {', '.join(PARAMS)}."]
-        model = settings.registry.get(args["model"]) if "model" in args else settings.registry.default
-        if model is None:
-            problems["model"] = [f"Unknown model {args['model']!r}; this platform serves: "
-                                 f"{', '.join(m.name for m in settings.registry.models)}."]
-        summary = _integer(args, "summary_tokens", settings.job_summary_tokens, problems, 1, settings.max_output_tokens)
-        instruction = args.get("instruction", settings.job_instruction)
-        if not instruction.strip() or len(instruction) > 4000 or "\x00" in instruction:
-            problems["instruction"] = ["Must be 1 to 4000 characters."]
-        priority = args.get("priority", "batch")
-        if priority not in ("batch", "realtime"):
-            problems["priority"] = ["Must be batch or realtime."]
-        window = _window(args.get("completion_window"), settings, problems)
-        on_invalid = args.get("on_invalid", "reject")
-        if on_invalid not in ("reject", "skip"):
-            problems["on_invalid"] = ["Must be reject (any bad line refuses the file) or skip (bad lines are listed)."]
-        metadata: dict[str, str] = {}
-        if "metadata" in args:
-            try:
-                metadata = json.loads(args["metadata"])
-            except ValueError:
-                metadata = None  # type: ignore[assignment]
-            if not isinstance(metadata, dict) or len(metadata) > 16 or not all(
-                    isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
-                    for k, v in metadata.items()):
-                problems["metadata"] = ["Must be a JSON object of at most 16 string values."]
-        if model is not None and not problems:
-            limits = effective_limits(settings.tiers, settings.default_tier, tenant)
-            room = chunk_budget(model.context_tokens, limits.max_request_tokens, estimate_text_tokens(instruction), 0)
-            if "summary_tokens" not in args:  # the default, shortened to what this model's context allows
-                summary = max(1, min(summary, room // 3))
-            if room - summary < 2 * summary:  # each reduce round must shrink what it summarises
-                holds = min(model.context_tokens, limits.max_request_tokens)
-                problems["summary_tokens"] = [
-                    f"Too long for {model.name}: a request holds {holds} tokens, which must fit the instruction "
-                    "and at least twice the summary."]
-        events = _events(args, problems)
-        if problems:
-            raise InvalidRequest("The job has invalid parameters; see details.", details=problems)
-        if "webhook_url" in args:
-            webhooks.check_url(args["webhook_url"], settings.webhook_allow_list)
-            webhooks.require_secret(tenant)
-        return JobParams(model.name, summary, instruction, priority, window, on_invalid, metadata,
-                         args.get("webhook_url"), events)
+        return parse_params(self.settings, args, tenant)
 
-    def submit(self, tenant: Tenant, params: JobParams, stream: IO[bytes]) -> Job:
-        job = Job(id=uuid.uuid4(), tenant_id=tenant.id, status=JobStatus.VALIDATING, model=params.model,
-                  priority=params.priority, instruction=params.instruction, summary_tokens=params.summary_tokens,
-                  completion_window_s=params.completion_window_s, meta=params.metadata,
-                  webhook_url=params.webhook_url, webhook_events=list(params.webhook_events) or None)
-        with self.db.session() as session:
-            session.add(job)
-        bind_request(str(job.id))
-        try:
-            tally = self._load(tenant, job, params, stream)
-        except BaseException:
-            with self.db.session() as session:
-                session.execute(delete(Job).where(Job.id == job.id))
-            raise
-        log.info("job accepted: %d items, %d invalid lines, %d bytes, ~%d tokens", tally.valid, tally.invalid,
-                 tally.bytes, job.estimated_tokens)
-        return self.get(tenant.id, str(job.id))
-
-    def _load(self, tenant: Tenant, job: Job, params: JobParams, stream: IO[bytes]) -> ingest.Tally:
-        settings = self.settings
-        model = settings.registry.get(params.model)
-        assert model is not None
-        limits = effective_limits(settings.tiers, settings.default_tier, tenant)
-        overhead = estimate_text_tokens(params.instruction) + PROMPT_MARGIN_TOKENS
-        budget = chunk_budget(model.context_tokens, limits.max_request_tokens, overhead - PROMPT_MARGIN_TOKENS,
-                              params.summary_tokens)
-        served = {m.name for m in settings.registry.models}
-        tally, priced = ingest.Tally(), 0
-        with self.db.session() as session:
-            conn = session.connection().connection.driver_connection
-            with conn.cursor().copy(f"COPY job_items ({', '.join(ingest.COPY_COLUMNS)}) FROM STDIN") as copy:
-                copy.set_types(list(ingest.COPY_TYPES))
-                for number, raw in ingest.lines(stream, settings.job_max_bytes, settings.job_max_line_bytes, tally):
-                    tally.lines += 1
-                    if tally.lines > settings.job_max_items:
-                        raise ApiError(f"The file has more than {settings.job_max_items} lines, the most one job "
-                                       "takes (SLUICE_JOB_MAX_ITEMS); split it.", code="too_many_lines", status=413)
-                    if raw is None:
-                        error = ingest.LineError("line_too_long", f"The line is longer than "
-                                                 f"{settings.job_max_line_bytes} bytes (SLUICE_JOB_MAX_LINE_BYTES).")
-                        custom_id = None
-                    else:
-                        try:
-                            custom_id, doc, body, tokens = ingest.parse(raw, served)
-                            error = _off_endpoint(body, params.endpoint)
-                        except ingest.LineError as exc:
-                            error, custom_id = exc, None
-                    if error is not None:
-                        tally.error(number, custom_id, error.code, error.message)
-                        copy.write_row(ingest.copy_row(job.id, number, custom_id, ItemStatus.INVALID, None, None, 0,
-                                                       error.code, error.message))
-                        continue
-                    tally.valid += 1
-                    tally.input_tokens += tokens
-                    if body is None:
-                        priced += ingest.item_tokens(tokens, overhead, params.summary_tokens, budget)
-                    else:
-                        priced += tokens + body.get("max_completion_tokens", body.get("max_tokens",
-                                                                                      settings.default_max_tokens))
-                    copy.write_row(ingest.copy_row(job.id, number, custom_id, ItemStatus.PENDING, doc, body, tokens))
-            duplicates = _duplicates(session, job.id)
-            for line, custom_id, first in duplicates:
-                tally.valid -= 1
-                tally.error(line, custom_id, "duplicate_custom_id", f"custom_id first appears on line {first}.")
-            self._refuse_bad_file(tally, params)
-            self._refuse_over_budget(tally, priced, params, limits)
-            session.execute(update(Job).where(Job.id == job.id).values(
-                status=JobStatus.IN_PROGRESS, total_items=tally.valid, invalid_lines=tally.invalid,
-                input_bytes=tally.bytes, estimated_tokens=priced, started_at=func.now(),
-                expires_at=func.now() + timedelta(seconds=params.completion_window_s)))
-        job.estimated_tokens = priced
-        return tally
-
-    def _refuse_bad_file(self, tally: ingest.Tally, params: JobParams) -> None:
-        if tally.lines == 0:
-            raise InvalidRequest("The file is empty: send one JSON object per line.", code="empty_file")
-        details = {"invalid_lines": tally.invalid, "lines": sorted(tally.errors, key=lambda e: e["line"])}
-        if tally.valid == 0:
-            raise InvalidRequest(f"No valid line in the file ({tally.invalid} invalid); see details.",
-                                 code="no_valid_lines", details=details)
-        if tally.invalid and params.on_invalid == "reject":
-            raise InvalidRequest(f"{tally.invalid} of {tally.lines} lines are invalid; fix them, or submit with "
-                                 "on_invalid=skip to run the valid ones and list the rest.", code="invalid_lines",
-                                 details=details)
-
-    def _refuse_over_budget(self, tally: ingest.Tally, priced: int, params: JobParams, limits) -> None:
-        minutes = params.completion_window_s / 60
-        budget = int(limits.tokens_per_minute * minutes)
-        if priced > budget:
-            need = priced / limits.tokens_per_minute * 60
-            raise InvalidRequest(
-                f"This job needs about {priced} tokens; your limit of {limits.tokens_per_minute} tokens per minute "
-                f"admits {budget} in its {_human(params.completion_window_s)} window. It needs a window of at least "
-                f"{_human(need)}, a higher limit, or a smaller file.", code="job_over_token_budget",
-                details={"estimated_tokens": priced, "tokens_per_minute": limits.tokens_per_minute,
-                         "completion_window_s": params.completion_window_s, "budget_tokens": budget,
-                         "items": tally.valid})
+    def submit(self, tenant: Tenant, params: JobParams, stream: IO[bytes]) -> dict[str, Any]:
+        """Create a job from an upload (refused with nothing kept, or admitted); its view."""
+        return self.get(tenant.id, str(intake.submit(self.settings, self.db, tenant, params, stream)))
 
     # ------------------------------------------------------------------ read
 
@@ -326,8 +146,7 @@ class JobService:
             if job.status.terminal:
                 raise Conflict(f"Job is already {job.status.value}; nothing to cancel.", code="not_cancellable")
             in_flight: list[uuid.UUID] = []
-            if job.status != JobStatus.CANCELLING:
-                job.status, job.cancel_requested_at = JobStatus.CANCELLING, func.now()
+            if job_lifecycle.request_cancel(session, jid):  # else it was cancelling already
                 in_flight = stop_items(session, jid, ItemStatus.CANCELLED, "cancelled",
                                        "The job was cancelled before it ran.")
         cancel_requests(self.requests, tenant_id, in_flight)
@@ -338,8 +157,7 @@ class JobService:
 def stop_items(session, job_id: uuid.UUID, status: ItemStatus, code: str, message: str) -> list[uuid.UUID]:
     """End a stopping job's pending items as ``status``; the ids of the requests its running items
     have in flight, for the caller to cancel once this commits (their items end as the feeder sees them)."""
-    session.execute(update(JobItem).where(JobItem.job_id == job_id, JobItem.status == ItemStatus.PENDING)
-                    .values(status=status, finished_at=func.now(), error_code=code, error_message=message))
+    job_lifecycle.stop_pending(session, job_id, status, code, message)
     return list(session.scalars(select(func.unnest(JobItem.requests)).where(
         JobItem.job_id == job_id, JobItem.status == ItemStatus.RUNNING)))
 
@@ -389,78 +207,9 @@ def view(job: Job, progress: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _duplicates(session, job_id: uuid.UUID) -> list[tuple[int, str, int]]:
-    """Lines whose custom_id an earlier line of the job already used: made invalid, listed."""
-    return [tuple(r) for r in session.execute(text("""
-        WITH seen AS (
-            SELECT line, custom_id, min(line) OVER (PARTITION BY custom_id) AS first
-            FROM job_items WHERE job_id = :job AND status = 'pending')
-        UPDATE job_items i SET status = 'invalid', text = NULL, body = NULL, estimated_tokens = 0,
-               error_code = 'duplicate_custom_id', error_message = 'custom_id first appears on line ' || seen.first
-        FROM seen WHERE i.job_id = :job AND i.line = seen.line AND seen.line <> seen.first
-        RETURNING i.line, i.custom_id, seen.first"""), {"job": job_id})]
-
-
-def _off_endpoint(body: dict[str, Any] | None, endpoint: str | None) -> ingest.LineError | None:
-    """A batch's line that is not a request to the batch's endpoint (OpenAI refuses those too)."""
-    if endpoint is None or (body is not None and body["url"] == endpoint):
-        return None
-    return ingest.LineError("invalid_url", f"Every line of this batch must be an OpenAI request to {endpoint}.")
-
-
-def _events(args: dict[str, str], problems: dict[str, list[str]]) -> tuple[str, ...]:
-    """webhook_events: comma-separated, of started, progress, completed (default: completed)."""
-    if "webhook_url" not in args:
-        if "webhook_events" in args:
-            problems["webhook_events"] = ["Events are sent to a webhook_url; give one."]
-        return ()
-    if len(args["webhook_url"]) > 2048:
-        problems["webhook_url"] = ["At most 2048 characters."]
-    events = tuple(dict.fromkeys(e.strip() for e in args.get("webhook_events", "completed").split(",")))
-    if not events or not set(events) <= set(webhooks.JOB_EVENTS):
-        problems["webhook_events"] = [f"Comma-separated, of {', '.join(webhooks.JOB_EVENTS)}."]
-    return events
-
-
-def _integer(args: dict[str, str], name: str, default: int, problems: dict[str, list[str]], low: int, high: int) -> int:
-    if name not in args:
-        return default
-    try:
-        value = int(args[name])
-    except ValueError:
-        problems[name] = ["Must be a whole number."]
-        return default
-    if not low <= value <= high:
-        problems[name] = [f"Must be between {low} and {high}."]
-    return value
-
-
-def _window(raw: str | None, settings: Settings, problems: dict[str, list[str]]) -> int:
-    if raw is None:
-        return int(settings.job_window_s)
-    match = _WINDOW.match(raw.strip().lower())
-    seconds = float(match.group(1)) * _UNITS[match.group(2)] if match else 0
-    if not match or not 60 <= seconds <= settings.job_max_window_s:
-        problems["completion_window"] = [f"Must be a duration like 24h, 90m or 3600 (seconds), from 60 s to "
-                                         f"{_human(settings.job_max_window_s)}."]
-        return int(settings.job_window_s)
-    return int(seconds)
-
-
-def _human(seconds: float) -> str:
-    if seconds >= 86400 and seconds % 3600 == 0:
-        return f"{seconds / 86400:g} d" if seconds % 86400 == 0 else f"{seconds / 3600:g} h"
-    if seconds >= 3600:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 60:.0f} min" if seconds >= 60 else f"{seconds:.0f} s"
-
-
 def _iso(value) -> str | None:
     return value.isoformat() if value is not None else None
 
 
 def _parse_id(job_id: str) -> uuid.UUID:
-    try:
-        return uuid.UUID(job_id)
-    except ValueError:
-        raise NotFound("No such job: job ids are UUIDs.") from None  # not echoed: it may hold a NUL
+    return uuid_or_404(job_id, "job")

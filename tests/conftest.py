@@ -178,6 +178,33 @@ def app(database_url, redis_url):
     services(application).db.dispose()
 
 
+@pytest.fixture
+def db(app):
+    """The session app's database."""
+    return services(app).db
+
+
+@pytest.fixture
+def tenant_id(db) -> uuid.UUID:
+    """A new tenant's id, for tests that write rows straight through a state owner."""
+    from models import Tenant
+
+    with db.session() as session:
+        tenant = Tenant(name=f"owner-{uuid.uuid4().hex[:8]}")
+        session.add(tenant)
+        session.flush()
+        return tenant.id
+
+
+def wait_until_running(up: subprocess.Popen, log_path: Path, timeout_s: float = 240) -> None:
+    """Until `sluice up` (its output in ``log_path``) says it is running; fails if it stops."""
+    deadline = time.monotonic() + timeout_s
+    while "Sluice is running." not in log_path.read_text():
+        assert up.poll() is None, f"sluice up stopped:\n{log_path.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"sluice up not running:\n{log_path.read_text()[-4000:]}"
+        time.sleep(0.5)
+
+
 def sse_events(chunks) -> list[tuple[str, dict]]:
     """Parse a Server-Sent Events byte stream into (event, data) pairs, comments dropped."""
     events, buffer = [], b""

@@ -10,25 +10,10 @@ import pytest
 from sqlalchemy import func, select, update
 from test_job_lifecycle import add_job, race, run
 
-from models import Delivery, DeliveryStatus, Tenant
+from models import Delivery, DeliveryStatus
 from models import delivery_lifecycle as dl
-from web.services import services
 
 D = DeliveryStatus
-
-
-@pytest.fixture
-def db(app):
-    return services(app).db
-
-
-@pytest.fixture
-def tenant_id(db) -> uuid.UUID:
-    with db.session() as session:
-        tenant = Tenant(name=f"delivery-lifecycle-{uuid.uuid4().hex[:8]}")
-        session.add(tenant)
-        session.flush()
-        return tenant.id
 
 
 def add_delivery(db, tenant_id, status=D.PENDING, retry_for=timedelta(hours=1), **values) -> uuid.UUID:

@@ -28,7 +28,7 @@ import yaml
 from alembic.config import Config
 from alembic.script import ScriptDirectory
 from click.testing import CliRunner
-from conftest import ROOT, TERMINAL, service_env
+from conftest import ROOT, TERMINAL, service_env, wait_until_running
 from test_up import _free_ports, _processes_of
 
 from core.settings import Settings
@@ -353,11 +353,7 @@ def test_sluice_up_starts_flower_behind_its_login_showing_workers_and_queues(fre
         up = subprocess.Popen([*SLUICE, "up"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     flower = f"http://127.0.0.1:{flower_port}"
     try:
-        deadline = time.monotonic() + 240
-        while "Sluice is running." not in log_path.read_text():
-            assert up.poll() is None, f"sluice up stopped:\n{log_path.read_text()[-4000:]}"
-            assert time.monotonic() < deadline, f"sluice up not running:\n{log_path.read_text()[-4000:]}"
-            time.sleep(0.5)
+        wait_until_running(up, log_path)
         password = login.split(":")[1]  # in Flower's environment only: never on a command line or in a log
         assert password not in log_path.read_text() + (data_dir / "logs" / "flower.log").read_text()
         assert _http(f"{flower}/api/workers")[0] == 401

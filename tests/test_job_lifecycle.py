@@ -17,20 +17,6 @@ from models.lifecycle import TransitionRefused
 from web.services import services
 
 
-@pytest.fixture
-def db(app):
-    return services(app).db
-
-
-@pytest.fixture
-def tenant_id(db) -> uuid.UUID:
-    with db.session() as session:
-        tenant = Tenant(name=f"job-lifecycle-{uuid.uuid4().hex[:8]}")
-        session.add(tenant)
-        session.flush()
-        return tenant.id
-
-
 def add_job(db, tenant_id, status=JobStatus.IN_PROGRESS, items=(), **values) -> uuid.UUID:
     """A job (born ``status``, as a test may) with one item per status in ``items``, lines 1, 2, …"""
     job = Job(tenant_id=tenant_id, status=status, model="simulated-llama-8b", priority="batch", instruction="Sum.",

@@ -11,12 +11,12 @@ import os
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import click
 import pytest
 from click.testing import CliRunner
+from conftest import wait_until_running
 from test_up import _free_ports, _processes_of
 
 from core.settings import Settings
@@ -63,11 +63,7 @@ def test_status_and_diagnose_find_the_running_platform(tmp_path: Path) -> None:
                               timeout=60)
 
     try:
-        deadline = time.monotonic() + 240
-        while "Sluice is running." not in log_path.read_text():
-            assert up.poll() is None, f"sluice up stopped:\n{log_path.read_text()[-4000:]}"
-            assert time.monotonic() < deadline, f"sluice up not running:\n{log_path.read_text()[-4000:]}"
-            time.sleep(0.5)
+        wait_until_running(up, log_path)
         platform = data_dir / PLATFORM_FILE
         assert platform.stat().st_mode & 0o777 == 0o600
         doc = json.loads(platform.read_text())

@@ -10,24 +10,9 @@ import pytest
 from factories import request_row
 from sqlalchemy import func, select, update
 
-from models import InferenceRequest, Status, Tenant
+from models import InferenceRequest, Status
 from models import lifecycle as lc
 from models.lifecycle import Lifecycle, TransitionRefused
-from web.services import services
-
-
-@pytest.fixture
-def db(app):
-    return services(app).db
-
-
-@pytest.fixture
-def tenant_id(db) -> uuid.UUID:
-    with db.session() as session:
-        tenant = Tenant(name=f"transitions-{uuid.uuid4().hex[:8]}")
-        session.add(tenant)
-        session.flush()
-        return tenant.id
 
 
 @pytest.fixture

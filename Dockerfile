@@ -10,7 +10,7 @@ ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 # The source both images install, listed once.
 FROM scratch AS source
 COPY pyproject.toml README.md alembic.ini /app/
-COPY sluice /app/sluice
+COPY core /app/core
 COPY launcher /app/launcher
 COPY web /app/web
 COPY workers /app/workers

@@ -91,6 +91,14 @@ def dockerfile_stages() -> list[str]:
     return re.findall(r"^FROM\s+\S+(?:\s+AS\s+(\S+))?\s*$", (ROOT / "Dockerfile").read_text(), re.M | re.I)
 
 
+def test_the_image_copies_every_package_the_project_installs():
+    """A package added to (or renamed in) pyproject.toml must reach the image, and every COPY must exist."""
+    copied = re.findall(r"^COPY\s+(\S+)\s+/app/\1\s*$", (ROOT / "Dockerfile").read_text(), re.M)
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert sorted(copied) == sorted(name.rstrip("*") for name in include)
+    assert all((ROOT / name).is_dir() for name in copied)
+
+
 def sluice_command(argv: list[str]) -> click.Command:
     """The `sluice` command ``argv`` runs, its options parsed as the CLI would (UsageError if wrong)."""
     assert argv[:1] == ["sluice"], argv

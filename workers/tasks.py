@@ -1,6 +1,6 @@
 """Celery tasks. Names, queues and ack behaviour are declared here; the work lives elsewhere.
 
-Every task runs through :class:`workers.celery_app.SluiceTask` (app context, ids on log lines).
+Every task runs through :class:`workers.celery_app.SluiceTask` (the process's services, ids on log lines).
 """
 
 from __future__ import annotations

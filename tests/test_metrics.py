@@ -146,7 +146,7 @@ def test_the_monitor_exports_queues_in_requests_and_tokens(database_url, scratch
 
 
 def test_the_grafana_dashboard_queries_only_series_sluice_exports():
-    sources = ["core/observe/metrics.py", "web/metrics.py", "workers/exporter.py"]
+    sources = ["core/observe/metrics.py", "core/observe/submit_metrics.py", "workers/exporter.py"]
     defined = {name for path in sources for name in re.findall(r'"(sluice_[a-z_]+)"', (ROOT / path).read_text())}
     dashboard = json.loads((ROOT / "deploy/grafana/dashboards/sluice.json").read_text())
     queried = {re.sub(r"_(bucket|count|sum)$", "", name) for panel in dashboard["panels"]

@@ -6,9 +6,10 @@ import logging
 
 from flask import Blueprint, Response, jsonify, request, url_for
 
+from core.observe import submit_metrics
 from core.submit import idempotency, ladder
 from models import InferenceRequest
-from web import metrics, prefer, sse, waits
+from web import prefer, sse, waits
 from web.auth import authenticate, bearer_key
 from web.bodies import json_object, validated
 from web.errors import ApiError
@@ -64,7 +65,7 @@ def submit_request() -> Response | tuple[Response, int, dict[str, str]]:
     if accepted.degradation:
         headers[ladder.HEADER] = ",".join(accepted.degradation)
         for step in accepted.degradation:
-            metrics.DEGRADED.labels(step).inc()
+            submit_metrics.DEGRADED.labels(step).inc()
     if accepted.cache_hit:
         headers[CACHE_HEADER] = "hit"
     body = _accepted_schema.dump({"id": row.id, "status": row.status.value, "status_url": status_url,

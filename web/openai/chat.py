@@ -27,10 +27,11 @@ from typing import Any
 from flask import Blueprint, Response, jsonify, request, stream_with_context
 
 from core.fleet.workers import live_workers
+from core.observe import submit_metrics
 from core.openai import shapes
 from core.submit import idempotency, ladder
 from models import InferenceRequest, Status, Tenant
-from web import metrics, waits
+from web import waits
 from web.api import add_quotas
 from web.auth import authenticate
 from web.bodies import json_object
@@ -119,7 +120,7 @@ def _submit(svc: Services, tenant: Tenant, chat: bool) -> tuple[dict[str, Any], 
     if row.degradation_step:
         headers[ladder.HEADER] = row.degradation_step
     for step in accepted.degradation:
-        metrics.DEGRADED.labels(step).inc()
+        submit_metrics.DEGRADED.labels(step).inc()
     return asked, row, headers
 
 

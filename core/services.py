@@ -52,6 +52,8 @@ class Services:
     lifecycle: Lifecycle
     requests: RequestService
     jobs: JobService
+    # Webhook deliveries: recording, publishing, listing, redelivery (also the lifecycle's on_move hook).
+    webhooks: Webhooks
     # Keys that authenticated here a moment ago: only for refusing early (web/auth.py).
     recent_keys: RecentKeys
     # This process's subscription to request moves: what wakes `Prefer: wait` and streams.
@@ -74,7 +76,8 @@ def build_services(settings: Settings) -> Services:
     # Web requests publish through a fail-fast app; workers and the sweep keep the patient one.
     publisher = celery_publisher(settings, fail_fast=True)
     # A request with a webhook: its start and its end become signed deliveries (core/delivery/webhooks.py).
-    lifecycle.on_move(Webhooks(settings, db, publisher).moved)
+    webhooks = Webhooks(settings, db, publisher)
+    lifecycle.on_move(webhooks.moved)
     planner = Planner(settings, TokenCounters(), admission.redis, lambda: admission.redis_healthy)
     ladder = Ladder(settings, planner, LoadReader(settings, admission))
     # A request that ends settles the identical twins parked on it (core/submit/twins.py).
@@ -88,7 +91,7 @@ def build_services(settings: Settings) -> Services:
     return Services(settings=settings, db=db, redis=redis_client(settings.redis_url),
                     publisher=publisher, broker=celery_publisher(settings, fail_fast=False), admission=admission,
                     answers=answers, lifecycle=lifecycle, twins=twins, epoch=epoch, requests=requests,
-                    jobs=JobService(settings, db, requests, admission.redis),
+                    jobs=JobService(settings, db, requests, admission.redis), webhooks=webhooks,
                     recent_keys=RecentKeys(settings.auth_cache_s), waiters=Waiters(settings.redis_url))
 
 

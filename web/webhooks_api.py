@@ -15,7 +15,6 @@ import uuid
 from flask import Blueprint, Response, jsonify, request
 from marshmallow import Schema, fields
 
-from core.delivery.webhooks import Webhooks
 from core.ids import uuid_or_404
 from core.submit.schemas import SafeString
 from models import Delivery, DeliveryStatus
@@ -91,7 +90,7 @@ def list_deliveries() -> Response:
     if problems:
         raise InvalidRequest("Invalid query parameters; see details.", details=problems)
     limit = int(raw)
-    rows = Webhooks.of(svc).list(tenant.id, limit + 1, request_id=ids["request_id"], job_id=ids["job_id"],
+    rows = svc.webhooks.list(tenant.id, limit + 1, request_id=ids["request_id"], job_id=ids["job_id"],
                                  status=DeliveryStatus(status) if status else None, before=ids["before"])
     return list_page(rows, limit, view)
 
@@ -100,21 +99,21 @@ def list_deliveries() -> Response:
 def get_delivery(delivery_id: str) -> Response:
     svc = services()
     tenant = authenticate(svc.db, svc.recent_keys)
-    return jsonify(view(Webhooks.of(svc).get(tenant.id, _path_id(delivery_id))))
+    return jsonify(view(svc.webhooks.get(tenant.id, _path_id(delivery_id))))
 
 
 @bp.post("/deliveries/<delivery_id>/redeliver")
 def redeliver(delivery_id: str) -> tuple[Response, int]:
     svc = services()
     tenant = authenticate(svc.db, svc.recent_keys)
-    return jsonify(view(Webhooks.of(svc).redeliver(tenant.id, _path_id(delivery_id)))), 202
+    return jsonify(view(svc.webhooks.redeliver(tenant.id, _path_id(delivery_id)))), 202
 
 
 @bp.post("/secret/rotate")
 def rotate_secret() -> tuple[Response, int]:
     svc = services()
     tenant = authenticate(svc.db, svc.recent_keys)
-    secret, previous_until = Webhooks.of(svc).rotate(tenant.id)
+    secret, previous_until = svc.webhooks.rotate(tenant.id)
     return jsonify(SecretSchema().dump({"secret": secret, "previous_valid_until": previous_until})), 201
 
 

@@ -36,7 +36,6 @@ from standardwebhooks import Webhook
 
 from core.broker.queues import DELIVER_TASK, WEBHOOKS_QUEUE, queue_length
 from core.delivery import ssrf
-from core.delivery.webhooks import Webhooks
 from core.services import Services
 from core.settings import Settings
 from models import Delivery, DeliveryStatus, JobStatus, Tenant, delivery_lifecycle
@@ -83,7 +82,7 @@ def deliver(svc: Services, delivery_id: uuid.UUID) -> None:
              outcome.error or f"HTTP {outcome.status_code}",
              status.value if status else "not recorded (no longer pending)")
     if status == DeliveryStatus.PENDING and delay <= COUNTDOWN_MAX_S:
-        Webhooks.of(svc).publish(delivery_id, countdown=delay)
+        svc.webhooks.publish(delivery_id, countdown=delay)
 
 
 def backoff_s(attempts: int, base_s: float) -> float:
@@ -175,7 +174,7 @@ def sweep(svc: Services) -> dict[str, int]:
 def _job_events(svc: Services) -> int:
     """Record and publish the jobs' due events: started, completed, and progress when items
     finished since the last one and SLUICE_WEBHOOK_PROGRESS_S passed (at most one per sweep)."""
-    settings, hooks = svc.settings, Webhooks.of(svc)
+    settings, hooks = svc.settings, svc.webhooks
     with svc.db.session() as session:
         jobs = session.execute(_JOBS, {"every": settings.webhook_progress_s, "batch": BATCH,
                                        "window": settings.webhook_retry_for_s}).all()
@@ -212,7 +211,7 @@ def _republish_overdue(svc: Services) -> int:
             Delivery.status == DeliveryStatus.PENDING, Delivery.retry_until > func.now(),
             Delivery.next_attempt_at < func.now() - timedelta(seconds=svc.settings.publish_grace_s))
             .order_by(Delivery.next_attempt_at).limit(BATCH)).all()
-    hooks = Webhooks.of(svc)
+    hooks = svc.webhooks
     for delivery_id in ids:
         hooks.publish(delivery_id)
     return len(ids)

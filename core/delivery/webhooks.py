@@ -21,7 +21,7 @@ import logging
 import secrets
 import uuid
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from celery import Celery
 from sqlalchemy import case, func, select, tuple_, update
@@ -36,9 +36,6 @@ from core.submit.schemas import RequestViewSchema
 from models import Delivery, DeliveryStatus, InferenceRequest, Status, Tenant, delivery_lifecycle
 from models.lifecycle import Moved, about
 from models.session import Database
-
-if TYPE_CHECKING:  # web/services.py imports the job service, which imports this module
-    from core.services import Services
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +77,6 @@ class Webhooks:
         self.settings = settings
         self.db = db
         self.publisher = publisher
-
-    @classmethod
-    def of(cls, svc: Services) -> Webhooks:
-        """The service over an app's :class:`web.services.Services` (cheap: it holds no state)."""
-        return cls(svc.settings, svc.db, svc.publisher)
 
     # ------------------------------------------------------------------ events
 

@@ -29,7 +29,7 @@ class Status(enum.StrEnum):
     TIMED_OUT = "timed_out"
     CANCELLED = "cancelled"
     EXPIRED = "expired"
-    REJECTED = "rejected"  # not written yet: refusals recorded on a row come with overload control
+    REJECTED = "rejected"  # not written: a refused request has no row (refusing touches no Postgres)
 
     @property
     def terminal(self) -> bool:

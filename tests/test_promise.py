@@ -167,3 +167,25 @@ def test_the_promise_keeps_its_margin(isolated_app, new_client):
     assert refused.headers["Retry-After"] == "1"
     publish(application, queued_work=2000, drain_tps=100, seq_tps=50)  # 22 s: inside the margin
     assert client.submit(prompt="in time with room to spare", max_tokens=100).status_code == 202
+
+
+def test_a_waiting_clients_patience_is_its_deadline(promising):
+    application, client = promising
+    # 500 tokens ahead at 100 tokens/s: 5 s of queue + 2 s of its own = 7 s, inside the 30 s default.
+    publish(application, queued_work=500, drain_tps=100, seq_tps=50)
+    waiting = {**client.headers, "Prefer": "wait=3"}
+    # A client that waits 3 s (+1 s of grace) is gone before 7 s: refused now, not computed for nobody.
+    refused = client.http.post("/v1/requests", json={"prompt": "q", "max_tokens": 100}, headers=waiting)
+    assert envelope(refused, 503, "overloaded")["details"]["reason"] == "deadline"
+    assert refused.headers["Retry-After"] == str(math.ceil(7 - 4)) == "3"
+    # Its own deadline wins over its patience; a batch request's patience is not a realtime promise.
+    named = client.http.post("/v1/requests", json={"prompt": "q", "max_tokens": 100, "deadline_s": 60},
+                             headers=waiting)
+    assert named.status_code in (200, 202), named.get_json()
+    batch = client.http.post("/v1/requests", json={"prompt": "q", "max_tokens": 100, "priority": "batch"},
+                             headers=waiting)
+    assert batch.status_code in (200, 202), batch.get_json()
+    # Without the wait, the same request is judged by the class default and accepted.
+    publish(application, queued_work=500, drain_tps=100, seq_tps=50)
+    patient = client.http.post("/v1/requests", json={"prompt": "q", "max_tokens": 100}, headers=client.headers)
+    assert patient.status_code == 202, patient.get_json()

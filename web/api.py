@@ -8,6 +8,7 @@ from flask import Blueprint, Response, jsonify, request, url_for
 
 from core.observe import submit_metrics
 from core.submit import idempotency, ladder
+from core.submit.plan import with_patience
 from models import InferenceRequest
 from web import prefer, sse, waits
 from web.auth import authenticate, bearer_key
@@ -37,7 +38,8 @@ def submit_request() -> Response | tuple[Response, int, dict[str, str]]:
         tenant = authenticate(svc.db, svc.recent_keys)
     try:
         body = json_object()
-        data = validated(_submit_schema, body)
+        data = with_patience(validated(_submit_schema, body), prefer.wait_seconds(request.headers.getlist("Prefer")),
+                             svc.settings.realtime_deadline_s)
         key = idempotency.key_from(request.headers.get(idempotency.HEADER), tenant.id, body,
                                    svc.settings.idempotency_window_s)
         plan = None

@@ -90,6 +90,21 @@ class Plan:
             webhook_events=list(self.webhook_events) if self.webhook_url else None)
 
 
+# What a waiting client's patience leaves for the answer to reach it, past the wait it asked for.
+PATIENCE_GRACE_S = 1.0
+
+
+def with_patience(body: dict[str, Any], wait_s: int | None, realtime_deadline_s: float) -> dict[str, Any]:
+    """``body`` with the client's patience as its deadline: a realtime request that names no
+    ``deadline_s`` and whose client waits ``wait_s`` seconds for the answer (``Prefer: wait``)
+    must finish within that wait (plus :data:`PATIENCE_GRACE_S`), when sooner than the class
+    default. A client gone by then gains nothing from an answer computed later, so the promise
+    judges the request by the time its client will really wait."""
+    if not wait_s or "deadline_s" in body or body.get("priority", "realtime") != "realtime":
+        return body
+    return {**body, "deadline_s": min(realtime_deadline_s, wait_s + PATIENCE_GRACE_S)}
+
+
 def input_chars(body: dict[str, Any]) -> int:
     """Characters of a validated submit body's input: its prompt, or its messages' contents."""
     return sum(len(m["content"]) for m in body["messages"]) if "messages" in body else len(body["prompt"])

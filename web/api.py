@@ -38,7 +38,8 @@ def submit_request() -> Response | tuple[Response, int, dict[str, str]]:
         tenant = authenticate(svc.db, svc.recent_keys)
     try:
         body = json_object()
-        data = with_patience(validated(_submit_schema, body), prefer.wait_seconds(request.headers.getlist("Prefer")),
+        data = with_patience(validated(_submit_schema, body),
+                             prefer.patience_seconds(request.headers.getlist("Prefer")),
                              svc.settings.realtime_deadline_s)
         key = idempotency.key_from(request.headers.get(idempotency.HEADER), tenant.id, body,
                                    svc.settings.idempotency_window_s)

@@ -1,4 +1,5 @@
-"""The ``Prefer`` request header (RFC 7240), for the one preference Sluice honours: ``wait``.
+"""The ``Prefer`` request header (RFC 7240), for the preferences Sluice honours: ``wait`` (and, with
+it, ``respond-async``: a client that comes back for the answer).
 
 A preference the server does not understand, or cannot parse, is ignored (RFC 7240 §2): a
 malformed header never turns a submit into an error. What was honoured is echoed in
@@ -26,6 +27,20 @@ def wait_seconds(headers: Iterable[str]) -> int | None:
             if value.isascii() and value.isdigit():
                 return int(value)
     return None
+
+
+def respond_async(headers: Iterable[str]) -> bool:
+    """Whether the ``respond-async`` preference is among the ``Prefer`` header values: the client
+    takes a 202 and comes back for the answer, so its ``wait`` is no measure of its patience."""
+    return any(preference.split(";", 1)[0].strip().lower() == "respond-async"
+               for header in headers for preference in header.split(","))
+
+
+def patience_seconds(headers: Iterable[str]) -> int | None:
+    """How long the client will wait for the answer and no longer: its ``wait``, unless it also
+    said ``respond-async``."""
+    headers = list(headers)
+    return None if respond_async(headers) else wait_seconds(headers)
 
 
 def applied(wait_s: int) -> dict[str, str]:

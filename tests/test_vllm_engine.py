@@ -158,7 +158,13 @@ def test_realtime_overtakes_queued_batch_work(api, engine):
         assert view["status"] == "running", view
     queued_batch = [api.submit(prompt=f"queued batch {i}", max_tokens=4, priority="batch").get_json()["id"]
                     for i in range(3)]
-    realtime = api.submit(prompt="urgent", max_tokens=4, priority="realtime").get_json()["id"]
+    # The realtime request holds its slot for 64 steps: the next queued request can only start when
+    # it ends (or when the next filler does, 100 steps on). A first token is stamped as started_at
+    # (the database clock at the claim) plus the worker's monotonic offset from the claim's return,
+    # which is off by the claim's round trip, a few ms to tens of ms on a loaded machine and
+    # different per request. With 4 tokens the two first tokens were only 4 steps apart, inside
+    # that error: the order the assertion read was sometimes the stamps' noise, not the engine's.
+    realtime = api.submit(prompt="urgent", max_tokens=64, ignore_eos=True, priority="realtime").get_json()["id"]
     # The ordering claim needs all four waiting inside the engine while the fillers still run.
     stats = engine.wait_stats(lambda s: s["waiting"] >= 4, timeout=30)
     assert stats["running"] == 4 and stats["waiting"] >= 4, stats

@@ -24,17 +24,21 @@ from launcher.database import upgrade_database
 from launcher.diagnose_cli import diagnose_command
 from launcher.jobs_cli import jobs
 from launcher.keys_cli import keys
-from launcher.options import load_settings, not_found, operator_settings, service_settings
+from launcher.options import load_settings, not_found, operator_settings, service_settings, settings_env
 from launcher.reserve_cli import reserve
 from launcher.supervisor import run_platform
 from launcher.tenants_cli import tenants
 from launcher.webhooks_cli import webhooks
 
 
-def _exec(argv: list[str]) -> None:
-    """Replace this process, so signals (Ctrl-C, SIGTERM from a supervisor) reach the server."""
+def _exec(argv: list[str], settings: Settings) -> None:
+    """Replace this process, so signals (Ctrl-C, SIGTERM from a supervisor) reach the server.
+
+    The server gets the settings this command resolved: what the environment lacked and the
+    platform file of a running `sluice up` supplied (``launcher/options.py``) is passed on, so a
+    server started beside that platform joins it; the environment's own values stay as they are."""
     sys.stdout.flush()
-    os.execvp(argv[0], argv)
+    os.execvpe(argv[0], argv, {**settings_env(settings), **os.environ})
 
 
 @click.group()
@@ -95,7 +99,7 @@ def migrate(program: str | None, args: tuple[str, ...]) -> None:
     click.echo("database is at the latest revision")
     if program is not None:
         try:
-            _exec([program, *args])
+            _exec([program, *args], settings)
         except FileNotFoundError:
             raise click.UsageError(f"--then: no command {program!r} on PATH") from None
 
@@ -122,14 +126,14 @@ def worker(role: str, model: str | None, gpus: str | None, concurrency: int | No
             worker_argv(settings, role, concurrency, name, model)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    _exec(argv)
+    _exec(argv, settings)
 
 
 @main.command()
 def beat() -> None:
     """Run the scheduler (stranded-request sweep)."""
     settings = service_settings()
-    _exec(beat_argv(settings))
+    _exec(beat_argv(settings), settings)
 
 
 @main.command()
@@ -142,7 +146,7 @@ def web() -> None:
     shutil.rmtree(metrics_dir, ignore_errors=True)
     metrics_dir.mkdir(parents=True)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
-    _exec(web_argv(settings))
+    _exec(web_argv(settings), settings)
 
 
 @main.command()
@@ -153,7 +157,7 @@ def flower() -> None:
         click.echo(f"warning: Flower listens on {settings.flower_host} with no login, and it lists every "
                    "tenant's requests; set SLUICE_FLOWER_BASIC_AUTH=user:password", err=True)
     os.environ.update(flower_env(settings))
-    _exec(flower_argv(settings))
+    _exec(flower_argv(settings), settings)
 
 
 @main.command()

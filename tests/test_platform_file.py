@@ -143,6 +143,26 @@ def test_commands_take_the_urls_and_settings_from_the_file(data_dir: Path) -> No
     assert settings.admin_key == "a" * 24
 
 
+def test_a_server_started_beside_the_platform_gets_its_settings(data_dir: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sluice beat` (and worker, web, flower, migrate --then) exec a server: what the command took
+    from the file must reach it, or the server would start without the URLs."""
+    _write(data_dir)
+    monkeypatch.setenv("SLUICE_WEB_PORT", "9000")  # the environment's own value stays
+    execs = []
+
+    def exec_(path: str, argv: list[str], env: dict[str, str]) -> None:
+        execs.append(env)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(os, "execvpe", exec_)
+    result = CliRunner().invoke(main, ["beat"])
+    assert result.exit_code == 0, result.output
+    (env,) = execs
+    assert (env["DATABASE_URL"], env["REDIS_URL"], env["SLUICE_WEB_PORT"]) == (DB, REDIS, "9000")
+    assert "DATABASE_URL" not in os.environ  # this process's own environment is left alone
+
+
 def test_the_current_folder_is_looked_in_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("DATABASE_URL", "REDIS_URL", "SLUICE_DATA_DIR"):
         monkeypatch.delenv(name, raising=False)

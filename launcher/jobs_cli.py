@@ -33,11 +33,6 @@ BLOCK = 1 << 16
 REFRESH_S = 1.0
 UNREACHABLE_GRACE_S = 120.0  # --wait rides out a web restart this long
 SHOWN_LINES = 10  # bad lines a refusal prints
-def _platform_url() -> str:
-    """The API address of the `sluice up` running on the data folder (its platform file), else the default."""
-    found = read_platform_file(Path(load_settings().data_dir), warn=False)
-    return (found or {}).get("api_url") or DEFAULT_URL
-
 
 # The job's query parameters and the submit flags that set them, for error messages.
 FLAGS = {"model": "--model", "summary_tokens": "--summary-tokens", "instruction": "--instruction",
@@ -138,10 +133,16 @@ def _detail_lines(details: Any) -> list[str]:
     return []
 
 
-def _key(key: str | None) -> tuple[str, str]:
+def _platform_url(data_dir: Path) -> str:
+    """The API address of the `sluice up` running on the data folder (its platform file), else the default."""
+    found = read_platform_file(data_dir, warn=False)
+    return (found or {}).get("api_url") or DEFAULT_URL
+
+
+def _key(key: str | None, data_dir: Path) -> tuple[str, str]:
     if key:
         return key, "--key / SLUICE_API_KEY"
-    path = Path(load_settings().data_dir).resolve() / "demo-key"
+    path = data_dir.resolve() / "demo-key"
     try:
         return path.read_text().strip(), str(path)
     except OSError:
@@ -160,7 +161,8 @@ def api_options(command: Callable[..., Any]) -> Callable[..., Any]:
                        "a key on the command line shows in `ps`.")
     @functools.wraps(command)
     def run(url: str | None, key: str | None, **kwargs: Any) -> Any:
-        return command(Api(url or _platform_url(), *_key(key)), **kwargs)
+        data_dir = Path(load_settings().data_dir)
+        return command(Api(url or _platform_url(data_dir), *_key(key, data_dir)), **kwargs)
 
     return run
 

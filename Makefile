@@ -14,11 +14,11 @@ test: $(VENV)/.installed-vllm browser
 # tests/test_dashboard.py drives the operator page in headless Chromium: Debian's chromium and
 # chromium-driver are installed where missing (as root, or through sudo without a password).
 browser:
-	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	@if ! { command -v chromium || command -v chromium-browser; } >/dev/null || ! command -v chromedriver >/dev/null; then \
 	  echo "make: installing chromium and chromium-driver for the dashboard test"; \
 	  as_root=""; [ "$$(id -u)" -ne 0 ] && as_root="sudo -n"; \
 	  $$as_root apt-get update -q && \
-	  DEBIAN_FRONTEND=noninteractive $$as_root apt-get install -y -q chromium chromium-driver || { \
+	  $$as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver || { \
 	    echo "make: could not install chromium; install chromium and chromium-driver, then run make test again" >&2; \
 	    exit 1; }; \
 	fi

@@ -4,8 +4,9 @@
 
 Traces one warm `POST /v1/requests` (through Flask's test client, so no gunicorn) with
 `sys.setprofile`, counting only functions defined under REPO_ROOT (default: this checkout),
-outside `tests/` and `.venv/`. Pass the root of another checkout (a `git worktree` of an older
-commit) to compare the shape of the submit path across commits. Needs the local Postgres
+outside `tests/` and `.venv/`. To compare the submit path across commits, run the copy of this
+script in the other checkout with that checkout's own venv: an editable install maps the
+packages to the checkout it was installed from, whatever REPO_ROOT says. Needs the local Postgres
 (a scratch database is created and dropped) and Redis database 1 (flushed at exit).
 """
 
@@ -15,9 +16,6 @@ import argparse
 import os
 import sys
 from pathlib import Path
-
-# This checkout's packages: forgotten once the scratch database exists, so REPO_ROOT's are traced.
-PACKAGES = {"core", "web", "workers", "models", "launcher", "migrations"}
 
 
 def main() -> int:
@@ -34,9 +32,6 @@ def main() -> int:
     from launcher.harness import scratch_database
 
     with scratch_database(args.postgres, "trace") as url:
-        # The helper keeps the modules it runs with; everything imported from here on is REPO_ROOT's.
-        for name in [m for m in sys.modules if m.split(".")[0] in PACKAGES]:
-            del sys.modules[name]
         sys.path.insert(0, str(root))
         try:
             return trace(root, url.replace("postgresql://", "postgresql+psycopg://", 1), args)

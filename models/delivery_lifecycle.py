@@ -25,7 +25,7 @@ from sqlalchemy import ColumnElement, Row, case, func, update
 from sqlalchemy.orm import Session
 
 from models.delivery import Delivery, DeliveryStatus
-from models.lifecycle import TransitionRefused as _Refused
+from models.lifecycle import TransitionRefused
 
 ALLOWED: dict[DeliveryStatus, frozenset[DeliveryStatus]] = {
     # pending → pending: an attempt taken, a retry scheduled, or a redelivery of one still pending.
@@ -35,15 +35,6 @@ ALLOWED: dict[DeliveryStatus, frozenset[DeliveryStatus]] = {
 }
 
 NOT_ATTEMPTED = "No attempt was made within the retry window (is a webhooks worker running?)"
-
-
-class TransitionRefused(_Refused):
-    """A delivery transition the table does not allow."""
-
-    def __init__(self, status: DeliveryStatus, target: DeliveryStatus) -> None:
-        Exception.__init__(self, f"a {status.value} delivery cannot become {target.value}")
-        self.status = status  # type: ignore[assignment]
-        self.target = target  # type: ignore[assignment]
 
 
 def allowed(source: DeliveryStatus, target: DeliveryStatus) -> bool:
@@ -107,7 +98,7 @@ def abandon(session: Session, grace_s: float) -> int:
 def _check(sources: tuple[DeliveryStatus, ...], target: DeliveryStatus) -> None:
     for source in sources:
         if not allowed(source, target):
-            raise TransitionRefused(source, target)
+            raise TransitionRefused(source, target, "delivery")
 
 
 def _transition(target: DeliveryStatus, *where: ColumnElement[bool],

@@ -40,7 +40,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
 from models.job import ItemStatus, Job, JobItem, JobStatus
-from models.lifecycle import TransitionRefused as _Refused
+from models.lifecycle import TransitionRefused
 
 JOB_ALLOWED: dict[JobStatus, frozenset[JobStatus]] = {
     # A job is cancellable while its file is still read: the admit then finds it no longer validating.
@@ -65,15 +65,8 @@ WINDOW_PASSED = ("expired", "The completion window passed; unfinished items expi
 UPLOAD_INTERRUPTED = ("upload_interrupted", "The upload never finished (the web process handling it stopped).")
 
 
-class TransitionRefused(_Refused):
-    """A job or item transition the tables do not allow (the request lifecycle's exception, so
-    one ``except`` catches any refused transition)."""
-
-    def __init__(self, status: JobStatus | ItemStatus, target: JobStatus | ItemStatus) -> None:
-        Exception.__init__(self, f"a {status.value} {'job' if isinstance(status, JobStatus) else 'item'} "
-                                 f"cannot become {target.value}")
-        self.status = status  # type: ignore[assignment]
-        self.target = target  # type: ignore[assignment]
+def _refused(status: JobStatus | ItemStatus, target: JobStatus | ItemStatus) -> TransitionRefused:
+    return TransitionRefused(status, target, "job" if isinstance(status, JobStatus) else "item")
 
 
 def job_allowed(source: JobStatus, target: JobStatus) -> bool:
@@ -164,7 +157,7 @@ def end(session: Session, job_id: uuid.UUID, line: int, requests: list[uuid.UUID
     """running → ``target`` (an end) for the item whose current stage is ``requests``: its
     outcome, the tokens the stage used, stamped; a succeeded item drops its document."""
     if not target.terminal:
-        raise TransitionRefused(ItemStatus.RUNNING, target)
+        raise _refused(ItemStatus.RUNNING, target)
     return _done(session, _item(target, JobItem.job_id == job_id, JobItem.line == line, JobItem.requests == requests,
                                 sources=(ItemStatus.RUNNING,)).values(
         result=result, finish_reason=finish_reason, error_code=code, error_message=(message or "")[:500] or None,
@@ -182,7 +175,7 @@ def fail(session: Session, job_id: uuid.UUID, line: int, code: str, message: str
 def stop_pending(session: Session, job_id: uuid.UUID, target: ItemStatus, code: str, message: str) -> int:
     """pending → ``target`` (cancelled or expired) for every item of a stopping job; how many."""
     if target not in (ItemStatus.CANCELLED, ItemStatus.EXPIRED):
-        raise TransitionRefused(ItemStatus.PENDING, target)
+        raise _refused(ItemStatus.PENDING, target)
     return session.execute(_item(target, JobItem.job_id == job_id, sources=(ItemStatus.PENDING,)).values(
         finished_at=func.now(), error_code=code, error_message=message)).rowcount
 
@@ -206,7 +199,7 @@ def invalidate_duplicates(session: Session, job_id: uuid.UUID) -> list[tuple[int
 def _check(table: dict[Any, frozenset[Any]], sources: Iterable[Any], target: Any) -> None:
     for source in sources:
         if target not in table.get(source, ()):
-            raise TransitionRefused(source, target)
+            raise _refused(source, target)
 
 
 def _job(target: JobStatus, *where: ColumnElement[bool], sources: tuple[JobStatus, ...] | None = None):

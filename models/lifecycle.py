@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from enum import StrEnum
 from typing import Any, NamedTuple
 
 from sqlalchemy import ColumnElement, Float, cast, func, or_, select, update
@@ -81,10 +82,11 @@ def worker_lost(attempts: int) -> End:
 
 
 class TransitionRefused(Exception):
-    """The row is in a status the asked-for transition cannot start from."""
+    """The row is in a status the asked-for transition cannot start from: a request's, a job's,
+    an item's or a delivery's (each state owner raises this one, so one ``except`` catches any)."""
 
-    def __init__(self, status: Status, target: Status) -> None:
-        super().__init__(f"a {status.value} request cannot become {target.value}")
+    def __init__(self, status: StrEnum, target: StrEnum, what: str = "request") -> None:
+        super().__init__(f"a {status.value} {what} cannot become {target.value}")
         self.status = status
         self.target = target
 

@@ -8,13 +8,8 @@ summaries joined and summarised again (depth 1, 2, …) until one request covers
 input order; their ids are written here before the requests are created, so a feeder that
 dies between the two creates the missing ones with the same ids and nothing runs twice.
 
-    job:   validating ─► in_progress ─► finalizing ─► completed | failed
-                            │   └──(window passed)──► expired
-                            └──cancel──► cancelling ─► cancelled
-    item:  pending ─► running ─► succeeded | failed | cancelled | expired
-           invalid (a line that failed validation, admitted with the errors list)
-
-Both statuses change only through ``models/job_lifecycle.py`` (its tables of allowed moves).
+Both statuses change only through ``models/job_lifecycle.py``, which draws them and holds their
+tables of allowed moves; an item may also be born ``invalid`` (a line that failed validation).
 """
 
 from __future__ import annotations

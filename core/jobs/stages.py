@@ -7,7 +7,7 @@ request of the stage ended (``advance``): a failed one ends the item (cancelling
 the stage), the final stage's answer is the item's result, and a map's summaries are joined
 into the next stage, until one request covers everything. A stopping job (cancelled, expired)
 ends its items as their stage ends. Every request goes through the submit pipeline, as one sent
-to the API does. The item's row moves only through ``models/job_lifecycle.py``.
+to the API does. The item's status moves only through ``models/job_lifecycle.py``.
 """
 
 from __future__ import annotations

@@ -93,9 +93,9 @@ def backoff_s(attempts: int, base_s: float) -> float:
 def _claim(svc: Services, delivery_id: uuid.UUID) -> tuple[str, str, int, list[Webhook]] | None:
     """(url, body, attempt number, signers) of a due pending delivery, now taken; else None."""
     hops = MAX_REDIRECTS + 1
-    lease = timedelta(seconds=hops * 4 * svc.settings.webhook_timeout_s + 30)  # connect, write, read, pool
+    lease_s = hops * 4 * svc.settings.webhook_timeout_s + 30  # connect, write, read, pool
     with svc.db.session() as session:
-        row = delivery_lifecycle.claim(session, delivery_id, EARLY_S, lease.total_seconds())
+        row = delivery_lifecycle.claim(session, delivery_id, EARLY_S, lease_s)
         if row is None:
             return None
         # The previous secret signs too until its grace ends (receivers switch without a gap).

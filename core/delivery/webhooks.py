@@ -39,7 +39,6 @@ from models.session import Database
 
 log = logging.getLogger(__name__)
 
-REQUEST_EVENTS = ("started", "completed")
 JOB_EVENTS = ("started", "progress", "completed")
 DEFAULT_EVENTS = ("completed",)
 _view = RequestViewSchema()

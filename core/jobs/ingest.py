@@ -22,7 +22,7 @@ from typing import IO, Any
 
 from psycopg.types.json import Jsonb
 
-from core.openai.shapes import CHAT_URL, COMPLETIONS_URL, OpenAIBodyError, to_native
+from core.openai.shapes import CHAT_URL, URLS, OpenAIBodyError, to_native
 from core.submit.tokens import MESSAGE_OVERHEAD_TOKENS, estimate_text_tokens
 from models.job import ItemStatus
 from models.request import storable
@@ -31,7 +31,6 @@ READ_CHUNK = 1 << 20
 MAX_CUSTOM_ID_CHARS = 512
 # Details a refusal lists; the count says how many more there were.
 MAX_REPORTED = 100
-OPENAI_URLS = (CHAT_URL, COMPLETIONS_URL)  # a line's body is checked as the front checks one
 COPY_COLUMNS = ("job_id", "line", "custom_id", "status", "text", "body", "estimated_tokens", "chunks", "depth",
                 "final", "requests", "request_count", "input_tokens", "output_tokens", "error_code",
                 "error_message")
@@ -41,10 +40,6 @@ COPY_TYPES = ("uuid", "int4", "text", "varchar", "text", "jsonb", "int4", "int4"
 
 class TooLarge(Exception):
     """The upload passed the file size limit while it was read."""
-
-
-class TooManyLines(Exception):
-    pass
 
 
 class LineError(ValueError):
@@ -133,8 +128,8 @@ def _openai_line(obj: dict[str, Any], served: set[str]) -> tuple[dict[str, Any],
     if obj.get("method") != "POST":
         raise LineError("invalid_method", "method must be POST.")
     url = obj.get("url")
-    if url not in OPENAI_URLS:
-        raise LineError("invalid_url", f"url must be one of {', '.join(OPENAI_URLS)}.")
+    if url not in URLS:
+        raise LineError("invalid_url", f"url must be one of {', '.join(URLS)}.")
     body = obj.get("body")
     if not isinstance(body, dict):
         raise LineError("invalid_body", "body must be a JSON object.")

@@ -10,9 +10,10 @@ to the response.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
-from flask import Flask, Response, jsonify
+from flask import Blueprint, Flask, Response, current_app, jsonify
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as SQLAlchemyTimeoutError
 from werkzeug.exceptions import HTTPException
@@ -50,35 +51,43 @@ def error_response(status: int, code: str, message: str, details: Any = None,
     return response
 
 
-def register_error_handlers(app: Flask) -> None:
-    @app.errorhandler(ApiError)
-    def _api_error(exc: ApiError) -> Response:
-        return error_response(exc.status, exc.code, exc.message, exc.details, exc.headers)
+def register_error_handlers(target: Flask | Blueprint, *,
+                            domain: Callable[[ApiError], Response] | None = None,
+                            render: Callable[..., Response] | None = None) -> None:
+    """The one handler set, on the app (the native envelope) or on a blueprint with an envelope of
+    its own (the OpenAI routes, ``web/openai/errors.py``). ``domain`` answers a domain error;
+    ``render(status, code, message, headers=...)`` every other one: Werkzeug's own, the database
+    out of reach (503 with Retry-After), anything unexpected (a generic 500, the traceback logged)."""
+    render = render or error_response
+    target.register_error_handler(ApiError, domain or _domain_error)
 
-    @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException) -> Response:
         status = exc.code or 500
         code, message = _HTTP_CODES.get(status, ("http_error", exc.name))
         if status == 413:
-            limit = app.config.get("MAX_CONTENT_LENGTH")
+            limit = current_app.config.get("MAX_CONTENT_LENGTH")
             message = f"The request body is larger than the {limit} bytes this server accepts."
         headers = {"Allow": ", ".join(exc.valid_methods)} if getattr(exc, "valid_methods", None) else None
-        return error_response(status, code, message, headers=headers)
+        return render(status, code, message, headers=headers)
 
-    @app.errorhandler(OperationalError)
-    @app.errorhandler(SQLAlchemyTimeoutError)
     def _database_unavailable(exc: Exception) -> Response:
         log.error("database unavailable: %s", type(exc).__name__)
-        return error_response(503, "service_unavailable",
-                              "The request store is unreachable right now; retry shortly.",
-                              headers={"Retry-After": "5"})
+        return render(503, "service_unavailable", "The request store is unreachable right now; retry shortly.",
+                      headers={"Retry-After": "5"})
 
-    @app.errorhandler(Exception)
     def _unexpected(exc: Exception) -> Response:
         if isinstance(exc, DBAPIError):
             # The driver's message can quote the data (CONTEXT: JSON data …): class name only.
             log.error("unhandled database error: %s", type(exc.orig).__name__)
         else:
             log.exception("unhandled error")
-        return error_response(500, "internal_error",
-                              "Something went wrong on our side. It was logged; retry later.")
+        return render(500, "internal_error", "Something went wrong on our side. It was logged; retry later.")
+
+    target.register_error_handler(HTTPException, _http_error)
+    target.register_error_handler(OperationalError, _database_unavailable)
+    target.register_error_handler(SQLAlchemyTimeoutError, _database_unavailable)
+    target.register_error_handler(Exception, _unexpected)
+
+
+def _domain_error(exc: ApiError) -> Response:
+    return error_response(exc.status, exc.code, exc.message, exc.details, exc.headers)

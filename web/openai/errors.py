@@ -18,20 +18,14 @@ route answers the same way whatever failed: a domain error (``core/errors.py``),
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from apispec import APISpec
 from flask import Blueprint, Response, jsonify
-from sqlalchemy.exc import DBAPIError, OperationalError
-from sqlalchemy.exc import TimeoutError as SQLAlchemyTimeoutError
-from werkzeug.exceptions import HTTPException
 
 from core.errors import ApiError
 from core.openai.shapes import describe, is_problem
-from web.errors import _HTTP_CODES
-
-log = logging.getLogger(__name__)
+from web.errors import register_error_handlers
 
 # Status → OpenAI's error `type`. OpenAI's error-code guide names invalid_request_error (400),
 # rate_limit_error (429), service_unavailable_error (503) and server_error (500); the others name
@@ -47,7 +41,6 @@ SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
                    "type": {"enum": sorted(set(TYPES.values())), "description": "OpenAI's kind, by status."},
                    "param": {"type": ["string", "null"], "description": "The first invalid field, if any."},
                    "code": {"type": ["string", "null"], "description": "Sluice's stable error code."}}}}}
-RETRY_AFTER_S = "5"  # a database out of reach: when to try again
 
 
 def error_type(status: int) -> str:
@@ -61,7 +54,7 @@ def openai_status(status: int) -> int:
 
 def error_body(message: str, status: int, code: str | None, param: str | None = None) -> dict[str, Any]:
     """The error object of an answer of ``status`` (also a stream's last event, ``chat.py``)."""
-    return {"error": {"message": message, "type": error_type(openai_status(status)), "param": param, "code": code}}
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
 
 
 def error_response(status: int, code: str | None, message: str, param: str | None = None,
@@ -82,35 +75,11 @@ def api_error_response(exc: ApiError) -> Response:
     return error_response(exc.status, exc.code, message, param, exc.headers)
 
 
-def _http_error(exc: HTTPException) -> Response:
-    """Werkzeug's own (a body over the size limit, a form it cannot read), with the native codes."""
-    status = exc.code or 500
-    code, message = _HTTP_CODES.get(status, ("http_error", exc.description or exc.name))
-    return error_response(status, code, message)
-
-
-def _database_unavailable(exc: Exception) -> Response:
-    log.error("database unavailable: %s", type(exc).__name__)
-    return error_response(503, "service_unavailable", "The request store is unreachable right now; retry shortly.",
-                          headers={"Retry-After": RETRY_AFTER_S})
-
-
-def _unexpected(exc: Exception) -> Response:
-    if isinstance(exc, DBAPIError):  # the driver's message can quote the data: class name only
-        log.error("unhandled database error: %s", type(exc.orig).__name__)
-    else:
-        log.exception("unhandled error")
-    return error_response(500, "internal_error", "Something went wrong on our side. It was logged; retry later.")
-
-
 def register(*blueprints: Blueprint) -> None:
-    """The one handler set, on each OpenAI blueprint (``web/openai/__init__.py`` lists them)."""
+    """The one handler set of ``web/errors.py``, answering in OpenAI's shape, on each OpenAI
+    blueprint (``web/openai/__init__.py`` lists them)."""
     for bp in blueprints:
-        bp.register_error_handler(ApiError, api_error_response)
-        bp.register_error_handler(HTTPException, _http_error)
-        bp.register_error_handler(OperationalError, _database_unavailable)
-        bp.register_error_handler(SQLAlchemyTimeoutError, _database_unavailable)
-        bp.register_error_handler(Exception, _unexpected)
+        register_error_handlers(bp, domain=api_error_response, render=error_response)
 
 
 def add_schema(spec: APISpec) -> None:

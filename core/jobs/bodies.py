@@ -60,8 +60,7 @@ class Bodies:
 
     def _openai_body(self, job: Job, body: dict[str, Any]) -> dict[str, Any]:
         asked = {name: value for name, value in body.items() if name != "url"}
-        _, request = to_native(asked, body.get("url", CHAT_URL if "messages" in body else "") == CHAT_URL,
-                               batch=True)
+        _, request = to_native(asked, body["url"] == CHAT_URL, batch=True)  # ingest stores every line's url
         request.update(model=request.get("model", job.model), priority=job.priority,
                        deadline_s=self._deadline_s(job),
                        metadata={**request.get("metadata", {}), "job_id": str(job.id)})

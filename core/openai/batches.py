@@ -28,11 +28,11 @@ from core.errors import InvalidRequest, NotFound
 from core.ids import uuid_or_404
 from core.jobs.service import JobService
 from core.openai.files import ChunkReader, FileStore, parse_id, unix
+from core.openai.shapes import CHAT_URL, URLS
 from models import Batch, InferenceRequest, ItemStatus, Job, JobItem, JobStatus, Tenant
 from models.request import storable
 from models.session import Database
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 FIELDS = ("input_file_id", "endpoint", "completion_window", "metadata")
 ERRORS = (ItemStatus.INVALID, ItemStatus.FAILED, ItemStatus.EXPIRED, ItemStatus.CANCELLED)
 _ID = re.compile(r"^batch_([0-9a-f]{32})$")
@@ -55,8 +55,8 @@ class BatchService:
             raise InvalidRequest("Send a JSON object: input_file_id, endpoint, completion_window, metadata.")
         problems: dict[str, list[str]] = {name: [f"Unknown field; a batch takes {', '.join(FIELDS)}."]
                                           for name in set(body) - set(FIELDS)}
-        if body.get("endpoint") not in ENDPOINTS:
-            problems["endpoint"] = [f"Must be one of {', '.join(ENDPOINTS)}."]
+        if body.get("endpoint") not in URLS:
+            problems["endpoint"] = [f"Must be one of {', '.join(URLS)}."]
         if body.get("completion_window") != "24h":
             problems["completion_window"] = ["Must be 24h."]
         if not isinstance(body.get("input_file_id"), str):
@@ -196,7 +196,7 @@ def output_line(job: Job, batch: Batch, row) -> dict[str, Any]:
     usage = {"prompt_tokens": row.input_tokens, "completion_tokens": row.output_tokens,
              "total_tokens": row.input_tokens + row.output_tokens}
     rid = row.request_id.hex
-    if batch.endpoint == "/v1/chat/completions":
+    if batch.endpoint == CHAT_URL:
         body = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": unix(row.finished_at),
                 "model": row.model, "choices": [{"index": 0, "message": {"role": "assistant", "content": row.result},
                                                  "finish_reason": row.finish_reason, "logprobs": None}],

@@ -34,6 +34,7 @@ TIERS = {"auto": "realtime", "default": "realtime", "priority": "realtime", "fle
 ENDED = {"failed": 500, "timed_out": 504, "expired": 504, "cancelled": 409, "rejected": 503}
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+URLS = (CHAT_URL, COMPLETIONS_URL)  # what a batch line or a batch may run
 MAX_METADATA = 16  # pairs, as OpenAI and the native request take them
 # Fields a batch line's body may not set: the job decides how its requests run.
 NOT_IN_BATCH = {"stream": "A batch line cannot stream; leave stream out or false.",
@@ -181,9 +182,10 @@ def to_native(body: dict[str, Any], chat: bool, default_model: str | None = None
     refused = {name: [why] for name, why in NOT_IN_BATCH.items() if batch and asked.get(name)}
     if refused:
         raise OpenAIBodyError(refused, set(refused))
-    try:
+    try:  # loaded for the native defaults (priority, temperature, top_p: the cache key reads them);
+        # the OpenAI schemas are as strict on every field they map, so this refuses nothing today
         return asked, _NATIVE.load(native_body(asked, default_model))
-    except ValidationError as exc:  # what the native request refuses and the OpenAI shape let through
+    except ValidationError as exc:  # kept so a field the native side tightens later still answers 400
         raise OpenAIBodyError(exc.messages if isinstance(exc.messages, dict) else {"_schema": exc.messages},
                               set()) from None
 

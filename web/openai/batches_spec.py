@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from apispec import APISpec
 
-from core.openai.batches import ENDPOINTS
+from core.openai.shapes import URLS
 from web.openai.errors import add_schema
 from web.openai.errors import documented as _error
 
@@ -21,7 +21,7 @@ SCHEMAS = {
     "OpenAIBatch": {"type": "object", "required": ["id", "object", "endpoint", "input_file_id", "completion_window",
                                                    "status", "request_counts", "created_at"],
                     "properties": {
-                        "id": {"type": "string"}, "object": {"const": "batch"}, "endpoint": {"enum": list(ENDPOINTS)},
+                        "id": {"type": "string"}, "object": {"const": "batch"}, "endpoint": {"enum": list(URLS)},
                         "input_file_id": {"type": "string"}, "completion_window": {"type": "string"},
                         "status": {"enum": ["validating", "in_progress", "finalizing", "completed", "failed",
                                             "expired", "cancelling", "cancelled"]},
@@ -59,7 +59,7 @@ def add_paths(spec: APISpec) -> None:
         "file": {"type": "string", "format": "binary"}, "purpose": {"const": "batch"}}}
     body = {"type": "object", "required": ["input_file_id", "endpoint", "completion_window"],
             "additionalProperties": False, "properties": {
-                "input_file_id": {"type": "string"}, "endpoint": {"enum": list(ENDPOINTS)},
+                "input_file_id": {"type": "string"}, "endpoint": {"enum": list(URLS)},
                 "completion_window": {"const": "24h"},
                 "metadata": {"type": ["object", "null"], "maxProperties": 16,
                              "propertyNames": {"type": "string", "maxLength": 64, "pattern": "^[^\\u0000]*$"},

@@ -5,19 +5,13 @@ from __future__ import annotations
 
 from marshmallow import Schema, fields
 
-from core.submit.schemas import (  # noqa: F401  (re-exported: the routes and /openapi.json use them)
-    ChatMessageSchema,
-    OutputSchema,
+# RequestViewSchema, SubmitRequestSchema and worker_tag are re-exported: the routes and
+# /openapi.json name the request's own schemas here with the rest.
+from core.submit.schemas import (  # noqa: F401
     RequestErrorSchema,
     RequestViewSchema,
     SafeString,
-    StrictBoolean,
-    StrictFloat,
-    StrictInteger,
     SubmitRequestSchema,
-    TimingsSchema,
-    UsageSchema,
-    public_queue,
     worker_tag,
 )
 

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "ignore_eos")
 # How the client takes the answer; kept with the sampling parameters (the worker streams when
-# `stream` is set; `detach` and `abandon_after_s` are read by the web tier, web/waits.py).
+# `stream` is set; `detach` and `abandon_after_s` are read by core/delivery/waits.py).
 DELIVERY_FIELDS = ("stream", "detach", "abandon_after_s")
 
 

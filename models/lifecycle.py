@@ -352,9 +352,11 @@ class Lifecycle:
             return None
         return moved[0]
 
-    def hand_back(self, request_id: uuid.UUID, worker: str) -> Requeued | None:
+    def hand_back(self, request_id: uuid.UUID, worker: str, why: str = "its worker stopped before it finished"
+                  ) -> Requeued | None:
         """running → queued for a worker that stops before it finished the row (a deploy, a
-        shutdown): not a failure, so the attempt is given back. The caller publishes the returned
+        shutdown) or took it out of its engine to make room for realtime work (a preempted batch
+        request): not a failure, so the attempt is given back. The caller publishes the returned
         row. None if the row is not this worker's or the client asked to cancel it (the caller
         then ends it as cancelled)."""
         with self._moving() as moved, self.db.session() as session:
@@ -367,7 +369,7 @@ class Lifecycle:
             if row is None:
                 return None
             moved.append(_moved(Status.RUNNING, row[:-1]))
-        log.warning("handed back: its worker stopped before it finished", extra=about(request_id))
+        log.warning("handed back: %s", why, extra=about(request_id))
         return Requeued(request_id, row[-1])
 
     def recover_orphans(self, *where: ColumnElement[bool], max_attempts: int, limit: int

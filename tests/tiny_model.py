@@ -9,6 +9,10 @@ Shape: hidden 128, 4 heads (head_dim 32, the smallest the vLLM CPU attention bac
 2 layers, vocab 1024, context 2048. Building takes a few seconds; the result is reused when the
 directory already holds a model with the same ``BUILD_VERSION``.
 
+``shape="92m"`` builds the same model at a size where the engine's arithmetic, not its overhead,
+sets the step time on a CPU (hidden 768, 12 heads, 12 layers, MLP 2304: ~94M parameters, ~375 MB
+in float32): the model the benchmarks of the promise on a real engine use.
+
 Depends only on torch, transformers and tokenizers.
 """
 
@@ -32,6 +36,8 @@ NUM_LAYERS = 2
 INTERMEDIATE_SIZE = 256
 MAX_POSITIONS = 2048
 SEED = 1234
+# name → (hidden, heads, layers, MLP width)
+SHAPES = {"tiny": (HIDDEN_SIZE, NUM_HEADS, NUM_LAYERS, INTERMEDIATE_SIZE), "92m": (768, 12, 12, 2304)}
 
 BOS = "<s>"
 EOS = "</s>"
@@ -76,11 +82,15 @@ def _corpus(lines: int = 4000) -> list[str]:
     return out
 
 
-def _is_complete(directory: Path) -> bool:
+def _version(shape: str) -> str:
+    return BUILD_VERSION if shape == "tiny" else f"{BUILD_VERSION}-{shape}"
+
+
+def _is_complete(directory: Path, shape: str = "tiny") -> bool:
     marker = directory / MARKER
     needed = ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors")
     try:
-        return marker.read_text().strip() == BUILD_VERSION and all((directory / f).is_file() for f in needed)
+        return marker.read_text().strip() == _version(shape) and all((directory / f).is_file() for f in needed)
     except OSError:
         return False
 
@@ -130,18 +140,19 @@ def _write_tokenizer_config(out: Path, tok) -> None:
     (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
 
 
-def _build_model(out: Path, tok) -> None:
+def _build_model(out: Path, tok, shape: str) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     vocab = tok.get_vocab_size()
+    hidden, heads, layers, mlp = SHAPES[shape]
     config = LlamaConfig(
         vocab_size=vocab,
-        hidden_size=HIDDEN_SIZE,
-        intermediate_size=INTERMEDIATE_SIZE,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=NUM_HEADS,
-        num_key_value_heads=NUM_HEADS,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         max_position_embeddings=MAX_POSITIONS,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
@@ -172,15 +183,17 @@ def _build_model(out: Path, tok) -> None:
             hf_logging.enable_progress_bar()
 
 
-def build_tiny_model(directory: Path) -> Path:
-    """Build (or reuse) the tiny model in ``directory`` and return its path.
+def build_tiny_model(directory: Path, shape: str = "tiny") -> Path:
+    """Build (or reuse) the model of ``shape`` (a key of SHAPES) in ``directory``; its path.
 
     The model is built in a temporary sibling directory and renamed into place, so an interrupted
     build never leaves a half-written model behind. Safe to call from several processes at once:
     the loser of the rename race discards its copy and uses the winner's.
     """
+    if shape not in SHAPES:
+        raise ValueError(f"unknown model shape {shape!r}; one of {', '.join(SHAPES)}")
     directory = Path(directory).resolve()
-    if _is_complete(directory):
+    if _is_complete(directory, shape):
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.build-", dir=directory.parent))
@@ -189,11 +202,11 @@ def build_tiny_model(directory: Path) -> Path:
             warnings.simplefilter("ignore")  # library deprecation chatter must not fail warning-strict tests
             tok = _build_tokenizer(tmp)
             _write_tokenizer_config(tmp, tok)
-            _build_model(tmp, tok)
-        (tmp / MARKER).write_text(BUILD_VERSION + "\n")
+            _build_model(tmp, tok, shape)
+        (tmp / MARKER).write_text(_version(shape) + "\n")
         for path in (tmp, *tmp.iterdir()):  # mkdtemp makes 0700; let other users (containers) read it
             path.chmod(0o755 if path.is_dir() else 0o644)
-        if directory.exists() and not _is_complete(directory):
+        if directory.exists() and not _is_complete(directory, shape):
             # a stale or foreign build: move it aside, then remove it
             stale = Path(tempfile.mkdtemp(prefix=f".{directory.name}.stale-", dir=directory.parent))
             os.replace(directory, stale / "old")
@@ -201,7 +214,7 @@ def build_tiny_model(directory: Path) -> Path:
         try:
             os.rename(tmp, directory)
         except OSError:
-            if not _is_complete(directory):  # someone else won only if their build is complete
+            if not _is_complete(directory, shape):  # someone else won only if their build is complete
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -211,4 +224,6 @@ def build_tiny_model(directory: Path) -> Path:
 if __name__ == "__main__":
     import sys
 
-    print(build_tiny_model(Path(sys.argv[1] if len(sys.argv) > 1 else "tiny-llama")))
+    args = [a for a in sys.argv[1:] if not a.startswith("--shape=")]
+    shapes = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--shape=")]
+    print(build_tiny_model(Path(args[0] if args else "tiny-llama"), shapes[0] if shapes else "tiny"))

@@ -6,6 +6,7 @@ its engine is loaded and warmed up (a cold model never sees a user's request).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -13,15 +14,16 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from celery.signals import task_received, worker_init, worker_shutdown, worker_shutting_down
+from celery.signals import task_received, worker_init, worker_ready, worker_shutdown, worker_shutting_down
 
 from core.broker.queues import RUN_TASK
 from core.rediskeys import RESERVED_KEY
 from core.registry import ModelSpec
 from core.services import Services
 from core.settings import Settings
-from workers import exporter
+from workers import exporter, queue_order
 from workers.engines import load_engine
+from workers.governor import Governor, StepCurve
 from workers.runtime import EngineRuntime
 
 log = logging.getLogger(__name__)
@@ -50,9 +52,12 @@ class BatchSlots:
         self._held = 0
         self._lock = threading.Lock()
 
+    def has_room(self) -> bool:
+        return not (self._held >= self.limit or (self._held >= self.beside and self.realtime_busy()))
+
     def try_take(self) -> bool:
         with self._lock:
-            if self._held >= self.limit or (self._held >= self.beside and self.realtime_busy()):
+            if not self.has_room():
                 return False
             self._held += 1
             return True
@@ -137,7 +142,7 @@ def device_label(settings: Settings, environ: Mapping[str, str] = os.environ) ->
     """The devices this worker runs on, as the host names them (a row's ``device``, /readyz): in a
     container given host device 1, CUDA calls it 0, and the label says cuda:1."""
     if settings.engine == "simulated":
-        return "simulated-h200"
+        return f"simulated-{settings.sim_profile}"
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     given = container_devices(environ)
     if not given:
@@ -154,18 +159,32 @@ def start_runtime(svc: Services, hostname: str, queues: list[str], threads: int 
     model = served_model(settings)
     info = {"node": hostname, "role": settings.worker_role, "model": model.name, "engine": settings.engine,
             "device": device_label(settings), "queues": queues, "threads": threads or settings.worker_threads}
+    # Traffic not seen yet is taken to be the realtime class's defaults: its deadline for its max_tokens.
+    governor = Governor(StepCurve(), max_seqs=info["threads"],
+                        default_pace_s=settings.realtime_deadline_s / settings.default_max_tokens)
     runtime = EngineRuntime(load_engine(settings, model), svc.redis, worker_id,
                             heartbeat_s=settings.worker_heartbeat_s,
                             dead_after_s=settings.worker_dead_after_s,
                             cancel_poll_s=settings.cancel_poll_s, watchdog_s=settings.worker_watchdog_s, info=info,
-                            batch_prefill_per_step=settings.worker_batch_prefill_per_step)
+                            batch_prefill_per_step=settings.worker_batch_prefill_per_step, governor=governor)
     runtime.start()
     exporter.export(runtime, settings)
-    WORKER.batch = batch_slots(settings, info["threads"], queues, lambda: runtime.realtime_in_flight() > 0)
+    WORKER.batch = slots = batch_slots(settings, info["threads"], queues, lambda: runtime.realtime_in_flight() > 0)
+    queue_order.set_batch_gate(lambda: runtime.batch_open() and slots.has_room())
     WORKER.runtime = runtime
     log.info("%d of %d threads may hold batch work (%d may start while realtime runs)", WORKER.batch.limit,
              info["threads"], WORKER.batch.beside)
     return runtime
+
+
+def set_prefetch(qos, limit: int) -> None:
+    """Make the consumer's prefetch count ``limit`` (at least 1: 0 would mean no limit). Celery's
+    consumer loop applies it before its next fetch."""
+    change = max(1, limit) - qos.value
+    if change > 0:
+        qos.increment_eventually(change)
+    elif change < 0:
+        qos.decrement_eventually(-change)
 
 
 def served_model(settings: Settings) -> ModelSpec:
@@ -189,6 +208,15 @@ def connect(svc: Services) -> None:
             # engine must not start consuming, so leave with a BaseException it does not catch.
             log.exception("engine failed to start; the worker exits")
             raise SystemExit(1) from None
+
+    @worker_ready.connect(weak=False)
+    def _on_ready(sender, **kwargs) -> None:
+        # The consumer holds at most its prefetch count of unacknowledged messages, and every
+        # request message stays unacknowledged while it runs: the in-engine limit, carried out.
+        runtime = WORKER.runtime
+        if runtime is not None and getattr(sender, "qos", None) is not None:
+            runtime.on_limit = functools.partial(set_prefetch, sender.qos)
+            runtime.govern_once()
 
     @task_received.connect(weak=False)
     def _on_received(request, **kwargs) -> None:

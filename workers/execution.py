@@ -93,8 +93,10 @@ def run(lifecycle: Lifecycle, runtime: EngineRuntime, claimed: Claimed, claimed_
         with_db_retries(lambda: lifecycle.finish(request_id, runtime.worker_id, lc.ENGINE_ERROR))
         return
     _observe(claimed, runtime.info["model"], result, claimed_mono)
-    if result.ended_by == "shutdown":
-        requeued = with_db_retries(lambda: lifecycle.hand_back(request_id, runtime.worker_id))
+    if result.ended_by in ("shutdown", "preempted"):  # handed back: queued again, no attempt spent
+        why = ("preempted for realtime work" if result.ended_by == "preempted"
+               else "its worker stopped before it finished")
+        requeued = with_db_retries(lambda: lifecycle.hand_back(request_id, runtime.worker_id, why))
         if requeued is None:  # the client asked to cancel it meanwhile (or it is no longer ours)
             with_db_retries(lambda: lifecycle.finish(request_id, runtime.worker_id, lc.CANCELLED_RUNNING))
         elif publish is not None:

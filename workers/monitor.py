@@ -104,6 +104,27 @@ class _ClassState:
     policy: LevelPolicy = field(default_factory=LevelPolicy)
 
 
+@dataclass(frozen=True)
+class Engines:
+    """What the governed engines serving one class report (``workers/governor.py``)."""
+
+    drain_tps: float  # Σ limit × the speed a sequence gets at the limit
+    seq_tps: float  # that speed, median over the workers
+    room: int  # Σ requests their engines would take in now
+    slot_wait_s: float  # the shortest wait for a slot among the full ones
+
+
+def engines(serving: list[dict]) -> Engines | None:
+    """The governed view of ``serving`` workers; None unless every one reports its limit."""
+    if not serving or not all(w.get("limit_seq_tps") for w in serving):
+        return None
+    full = [w.get("slot_wait_s", 0.0) for w in serving if w.get("room", 0) <= 0]
+    return Engines(drain_tps=sum(w["engine_limit"] * w["limit_seq_tps"] for w in serving),
+                   seq_tps=statistics.median(w["limit_seq_tps"] for w in serving),
+                   room=sum(max(0, w.get("room", 0)) for w in serving),
+                   slot_wait_s=min(full) if len(full) == len(serving) else 0.0)
+
+
 class Monitor:
     def __init__(self, settings: Settings, client: redis.Redis, db: Database,
                  clock=time.monotonic, policy: LevelPolicy | None = None, broker: Celery | None = None) -> None:
@@ -139,7 +160,7 @@ class Monitor:
             if priority == Priority.REALTIME.value:  # threads busy with batch work serve no realtime
                 threads -= sum(w.get("batch_in_flight", 0) for w in serving)
             loads.append(self._class_load(priority, model, counters, len(serving), max(0, threads),
-                                          seq_by_model.get(model), now, stamp))
+                                          seq_by_model.get(model), now, stamp, engines(serving)))
         ttl = 3 * TICK_S
         for load in loads:
             load.write(self.redis, ttl)
@@ -186,7 +207,8 @@ class Monitor:
         return {name: {k: int(v) for k, v in raw.items()} for name, raw in zip(ordered, hashes, strict=True)}
 
     def _class_load(self, priority: str, model: str, counters: dict[str, int], workers: int,
-                    threads: int, seq_tps: float | None, now: float, stamp: int) -> ClassLoad:
+                    threads: int, seq_tps: float | None, now: float, stamp: int,
+                    engine: Engines | None = None) -> ClassLoad:
         # Each class keeps its own level: a fresh copy of the configured policy.
         state = self._classes.setdefault(class_name(priority, model),
                                          _ClassState(policy=dataclasses.replace(self.policy)))
@@ -213,7 +235,12 @@ class Monitor:
         # Remembered capacity scales with the threads serving the class now: a dead worker's, or
         # (for realtime) those batch work holds, leave it at once.
         drain = 0.0
-        if state.capacity_threads and workers:
+        if engine is not None:
+            # Governed workers say what their engines give at their limits: the drain and the speed
+            # a sequence gets there, learned from every step (batch yields to realtime, so a
+            # realtime class gets the whole limit).
+            drain, state.seq_tps = engine.drain_tps, engine.seq_tps
+        elif state.capacity_threads and workers:
             drain = state.capacity_tps * min(1.0, threads / state.capacity_threads)
         elif workers and state.seq_tps:
             # Nothing measured yet: every thread decoding one sequence, at the speed one sequence
@@ -225,6 +252,8 @@ class Monitor:
             wait = queued / drain
         else:
             wait = -1.0 if workers else float("inf")  # unknown yet; or nobody serves this class at all
+        if engine is not None and engine.room == 0 and wait >= 0:
+            wait += engine.slot_wait_s  # full engines: a request also waits for a slot
         # The wait is judged against the deadlines the queued requests carry (users who state a
         # 5 s patience degrade the class sooner than the 30 s default would), never a longer one.
         deadline = (self.settings.realtime_deadline_s if priority == Priority.REALTIME.value
@@ -235,7 +264,9 @@ class Monitor:
         level = state.policy.step(max(0.0, wait) / deadline if wait != float("inf") else float("inf"), now)
         return ClassLoad(priority, model, max(0, counters.get("queued_tokens", 0)),
                          max(0, requests), queued, round(drain, 1), round(state.seq_tps, 2),
-                         round(wait, 3) if wait != float("inf") else -1.0, level, workers, stamp, round(deadline, 3))
+                         round(wait, 3) if wait != float("inf") else -1.0, level, workers, stamp, round(deadline, 3),
+                         engine.room if engine is not None else -1,
+                         round(engine.slot_wait_s, 3) if engine is not None else 0.0)
 
     # ------------------------------------------------------------------ leading and re-counting
 

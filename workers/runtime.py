@@ -4,7 +4,13 @@ Celery runs tasks on a thread pool. Each task thread calls :meth:`EngineRuntime.
 hands the request to the engine's event loop and blocks until it finishes. All requests in
 flight share the one engine, which batches them continuously.
 
-Two housekeeping threads run beside it:
+Three housekeeping threads run beside it:
+* the governor feeds every engine step into the step curve and keeps the in-engine limit
+  (``workers/governor.py``): it hands the limit to ``on_limit`` (the worker sets its Celery
+  prefetch count to it, so the excess stays in the broker), says whether batch work yields
+  (``batch_open``, which the worker's queue order reads before each fetch) and takes batch
+  requests out of the engine when realtime waits for room (handed back, requeued, no attempt
+  charged: ``ended_by="preempted"``);
 * the cancel watcher polls Redis for cancel flags of in-flight requests and aborts them in
   the engine (one round trip per poll for all of them);
 * the heartbeat refreshes this worker's Redis key (with engine stats), whose expiry tells the
@@ -33,10 +39,12 @@ from dataclasses import asdict, dataclass
 
 import redis
 
+from core.admission.load import counters_key
 from core.delivery.streams import TokenSink
 from core.rediskeys import cancel_key, node_key, worker_key
 from workers.engines import Engine, GenerationOutput, GenerationRequest, SamplingParams
 from workers.engines.base import EngineDead
+from workers.governor import Governor, StepCurve
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +53,10 @@ log = logging.getLogger(__name__)
 ABORT_GRACE_S = 10.0
 # How often a batch request waiting for prefill credit beside realtime looks again.
 PREFILL_WAIT_S = 0.02
+# How often the governor learns from the engine's steps and sets the in-engine limit.
+GOVERN_S = 0.25
+# Sequences of the warm-up burst that shows the step curve's slope before the first request.
+WARMUP_BURST = 16
 
 
 @dataclass(frozen=True)
@@ -53,7 +65,8 @@ class RunResult:
     # time.monotonic() when the first token was produced: the row's stamp is the claim's
     # database time plus the offset from the claim, so this host's wall clock never enters it.
     first_token_mono: float | None
-    ended_by: str  # "finished" | "timeout" | "deadline" | "cancel" | "shutdown" | "engine_abort"
+    # "finished" | "timeout" | "deadline" | "cancel" | "shutdown" | "preempted" | "engine_abort"
+    ended_by: str
 
     def first_token_after(self, mono: float) -> float | None:
         """Seconds from ``mono`` (a time.monotonic() reading) to the first token, or None."""
@@ -65,7 +78,8 @@ class EngineRuntime:
 
     def __init__(self, engine: Engine, redis_client: redis.Redis, worker_id: str, *,
                  heartbeat_s: float, dead_after_s: float, cancel_poll_s: float,
-                 watchdog_s: float = 30.0, info: dict | None = None, batch_prefill_per_step: int | None = None) -> None:
+                 watchdog_s: float = 30.0, info: dict | None = None, batch_prefill_per_step: int | None = None,
+                 governor: Governor | None = None) -> None:
         self.engine = engine
         self.worker_id = worker_id
         self._redis = redis_client
@@ -92,6 +106,12 @@ class EngineRuntime:
         self._prefill_credit = 0.0
         self._credit_steps: int | None = None
         self._sink: TokenSink | None = None  # token increments of streaming requests, to Redis
+        threads = int(self.info.get("threads") or 1)
+        self.governor = governor or Governor(StepCurve(), max_seqs=threads, default_pace_s=30.0 / 256)
+        self.on_limit = lambda limit: None  # the worker sets its prefetch count here
+        self.limit = self.governor.max_seqs
+        self._batch_open = True
+        self._preempted: set[str] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -113,12 +133,33 @@ class EngineRuntime:
                                        params=SamplingParams(max_tokens=8, ignore_eos=True))
             result = self._call(self._run(warmup, 120.0, "timeout"))
         self._learn_speed(result)
+        self._call(self._warm_burst())
+        self.govern_once()  # the first heartbeat already reports the learned limit
         self.cold_start_s = time.monotonic() - began
-        log.info("engine %s warm in %.2fs", self.engine.name, self.cold_start_s)
-        for target, name in ((self._watch_cancels, "cancel-watcher"), (self._heartbeat, "heartbeat")):
+        log.info("engine %s warm in %.2fs; %s", self.engine.name, self.cold_start_s, self._curve_text())
+        for target, name in ((self._watch_cancels, "cancel-watcher"), (self._heartbeat, "heartbeat"),
+                             (self._govern, "governor")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
+
+    async def _warm_burst(self) -> None:
+        """One batch of sequences decoding together: the step curve sees the price of a sequence
+        before the first request does."""
+        n = min(WARMUP_BURST, self.governor.max_seqs)
+        if n < 2:
+            return
+        await asyncio.gather(*(self._run(GenerationRequest(
+            request_id=f"warmup-burst-{i}-{self.worker_id}", prompt=f"warm up {i}",
+            params=SamplingParams(max_tokens=8, ignore_eos=True)), 120.0, "timeout") for i in range(n)))
+
+    def _curve_text(self) -> str:
+        coef = self.governor.curve.coefficients()
+        if coef is None:
+            return "step curve unknown (the engine reports no steps): the whole engine is open"
+        a, b, c = coef
+        return (f"step {a * 1e3:.2f} ms + {b * 1e3:.3f} ms/sequence + {c * 1e6:.1f} us/prompt token; "
+                f"in-engine limit {self.governor.limit()}")
 
     def stop(self) -> None:
         self._stop.set()
@@ -146,6 +187,8 @@ class EngineRuntime:
             self._in_flight.add(rid)
             if request.priority > 0:
                 self._batch_in_flight.add(rid)
+        self.governor.enter(rid, batch=request.priority > 0, max_tokens=request.params.max_tokens,
+                            deadline_in_s=deadline_in_s if deadline_in_s is not None else time_limit_s)
         try:
             if request.priority > 0 and self._prefill_per_step:
                 self._await_prefill_credit(rid, request.prompt_tokens or 1)
@@ -157,6 +200,8 @@ class EngineRuntime:
                 self._die(str(exc))
             if result.ended_by == "cancel" and rid in self._handed_back:
                 result = RunResult(result.output, result.first_token_mono, "shutdown")
+            elif result.ended_by == "cancel" and rid in self._preempted and rid not in self._cancelled:
+                result = RunResult(result.output, result.first_token_mono, "preempted")
             elif result.ended_by == "cancel" and rid not in self._cancelled:
                 # Aborted, but nobody cancelled it: the engine is shutting down.
                 result = RunResult(result.output, result.first_token_mono, "engine_abort")
@@ -165,11 +210,13 @@ class EngineRuntime:
                 self._token_sink().end(rid, result.ended_by)
             return result
         finally:
+            self.governor.leave(rid)
             with self._lock:
                 self._in_flight.discard(rid)
                 self._batch_in_flight.discard(rid)
                 self._cancelled.discard(rid)
                 self._handed_back.discard(rid)
+                self._preempted.discard(rid)
 
     def _await_prefill_credit(self, rid: str, prompt_tokens: int) -> None:
         """A batch request enters the engine while no realtime request runs here, or once the
@@ -328,6 +375,66 @@ class EngineRuntime:
                     self._cancelled.add(rid)
                 asyncio.run_coroutine_threadsafe(self.engine.abort(rid), self._loop)
 
+    def batch_open(self) -> bool:
+        """Whether batch work may enter this engine now (read before each fetch from the broker)."""
+        return self._batch_open
+
+    def _learn_steps(self) -> None:
+        for sample in self.engine.step_samples():
+            self.governor.curve.add(sample)
+
+    def _realtime_queued(self) -> int:
+        """Realtime requests queued for this worker's model, if it serves realtime queues."""
+        if not any(q.startswith("realtime.") for q in self.info.get("queues", ())):
+            return 0
+        try:
+            return max(0, int(self._redis.hget(counters_key("realtime", self.info.get("model", "?")),
+                                               "queued_requests") or 0))
+        except (redis.RedisError, ValueError):
+            return 0  # unknown: batch keeps its place; the level and the promise still protect realtime
+
+    def govern_once(self) -> None:
+        """One round: learn from the steps taken, set the limit, let batch in or not, preempt."""
+        self._learn_steps()
+        limit = self.governor.limit()
+        if limit != self.limit:
+            log.info("in-engine limit %d -> %d (%s)", self.limit, limit, self._curve_text())
+        self.limit = limit
+        try:
+            self.on_limit(limit)
+        except Exception:
+            log.warning("could not set the prefetch count to the in-engine limit", exc_info=True)
+        queued = self._realtime_queued()
+        self._batch_open = not self.governor.batch_yields(queued)
+        victims = [] if self._handing_back else self.governor.preempt(queued)
+        if victims:
+            log.info("preempting %d batch request(s) for realtime (%d queued, limit %d)", len(victims), queued, limit)
+            with self._lock:
+                self._preempted.update(victims)
+            for rid in victims:
+                asyncio.run_coroutine_threadsafe(self.engine.abort(rid), self._loop)
+
+    def _govern(self) -> None:
+        while not self._stop.wait(GOVERN_S):
+            try:
+                self.govern_once()
+            except Exception:  # this thread must outlive any error, or the limit freezes
+                log.warning("governor round failed; retrying", exc_info=True)
+
+    def engine_view(self) -> dict:
+        """What the heartbeat reports of the limit: the monitor's promise is computed from it."""
+        in_flight = self.in_flight()
+        seq_tps = self.governor.seq_tps_at(max(1, self.limit))
+        coef = self.governor.curve.coefficients()
+        view = {"engine_limit": self.limit, "room": max(0, self.limit - in_flight),
+                "slot_wait_s": round(self.governor.slot_wait_s(self.limit), 3),
+                "batch_open": self._batch_open, "pace_ms": round(self.governor.pace_s() * 1e3, 2)}
+        if seq_tps is not None and coef is not None:
+            # Each sequence's speed at the limit: the slowest a request admitted now will run.
+            view.update(limit_seq_tps=round(seq_tps, 3), idle_seq_tps=round(self.governor.seq_tps_at(1) or 0, 3),
+                        step_ms=[round(coef[0] * 1e3, 3), round(coef[1] * 1e3, 4), round(coef[2] * 1e6, 2)])
+        return view
+
     def _heartbeat(self) -> None:
         last_steps, last_progress = -1, time.monotonic()
         while True:
@@ -346,7 +453,8 @@ class EngineRuntime:
                 stats = asdict(engine_stats)
                 stats.update(self.info, worker=self.worker_id, in_flight=len(self._in_flight),
                              batch_in_flight=len(self._batch_in_flight),
-                             cold_start_s=self.cold_start_s, seq_tps=self.seq_tps, at=time.time())
+                             cold_start_s=self.cold_start_s, seq_tps=self.seq_tps, at=time.time(),
+                             **self.engine_view())
                 ttl = max(1, int(self._dead_after_s))
                 with self._redis.pipeline(transaction=False) as pipe:
                     pipe.set(worker_key(self.worker_id), json.dumps(stats), ex=ttl)

@@ -10,7 +10,8 @@ degradation ladder reason about):
   are live; the monitor re-counts the queued ones from Postgres now and then, since a process can
   die between a commit and its hook.
 * **Snapshots** (``sluice:load:class:<priority>:<model>``, a hash with a short TTL), written by
-  the load monitor every second: drain rate, per-sequence speed, estimated wait, level.
+  the load monitor every second: drain rate, per-sequence speed, room in the engines, estimated
+  wait, level.
 * **The level** (``LOAD_LEVEL_KEY``): the highest realtime class level, which admission's Lua
   gate reads. A missing or stale level counts as NORMAL, so a dead monitor can never leave the
   platform shedding; the local rules apply instead.
@@ -120,6 +121,8 @@ class ClassLoad:
     updated_at_ms: int
     deadline_s: float = 0.0  # what the level judges the wait against: the queued requests' mean
     # deadline, or the class default when that is shorter or nothing is queued
+    room: int = -1  # requests the serving engines would take in now (-1: unknown, no governed worker)
+    slot_wait_s: float = 0.0  # while there is no room: how long a request waits for a slot
 
     def write(self, client: redis.Redis, ttl_s: float) -> None:
         key = snapshot_key(self.priority, self.model)

@@ -5,6 +5,8 @@ Each engine module is imported only when chosen, so a simulated worker never imp
 
 from __future__ import annotations
 
+import dataclasses
+
 from core.registry import ModelSpec
 from core.settings import Settings
 from workers.engines.base import Engine, EngineStats, GenerationOutput, GenerationRequest, SamplingParams
@@ -12,10 +14,10 @@ from workers.engines.base import Engine, EngineStats, GenerationOutput, Generati
 
 def load_engine(settings: Settings, model: ModelSpec) -> Engine:
     if settings.engine == "simulated":
-        from workers.engines.simulated import SimulatedConfig, SimulatedEngine
+        from workers.engines.simulated import PROFILES, SimulatedEngine
 
-        return SimulatedEngine(SimulatedConfig(model_name=model.name, speed=settings.sim_speed,
-                                               wedge_after_s=settings.sim_wedge_after_s))
+        return SimulatedEngine(dataclasses.replace(PROFILES[settings.sim_profile], model_name=model.name,
+                                                   speed=settings.sim_speed, wedge_after_s=settings.sim_wedge_after_s))
     if settings.engine == "vllm":
         if not model.path:
             raise ValueError(f"model {model.name!r} has no path: set SLUICE_MODEL_PATH or its registry path")

@@ -16,7 +16,8 @@ Contract shared by every engine:
 * ``abort(request_id)`` stops a request wherever it is (waiting or running) and frees its KV
   cache; its ``generate`` iterator then yields a final output with ``finish_reason="abort"``.
   Aborting an unknown or finished id is a no-op.
-* ``stats()`` is cheap and thread-safe enough to be read from a metrics thread.
+* ``stats()`` is cheap and thread-safe enough to be read from a metrics thread; so is
+  ``step_samples()``, which hands over the steps taken since it was last called.
 * ``shutdown()`` aborts everything in flight and releases the device.
 """
 
@@ -100,6 +101,15 @@ class EngineStats:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class StepSample:
+    """One engine step, as the worker's step curve learns from it (``workers/governor.py``)."""
+
+    seconds: float  # wall time the step took
+    seqs: int  # sequences in the step (decoding or prefilling)
+    prompt_tokens: int = 0  # prompt tokens the step prefilled
+
+
 class Engine(abc.ABC):
     """An inference engine owned by exactly one worker process."""
 
@@ -121,6 +131,11 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def stats(self) -> EngineStats:
         """A snapshot of the engine's state."""
+
+    def step_samples(self) -> list[StepSample]:
+        """The steps taken since the last call, oldest first (an engine that cannot time its
+        steps returns none: its worker then keeps the whole engine open)."""
+        return []
 
     @abc.abstractmethod
     async def shutdown(self) -> None:

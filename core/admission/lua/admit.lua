@@ -53,20 +53,25 @@ elseif ptpm > 0 and ptok < math.min(cost, ptpm) then
 end
 
 -- The promise: the work queued ahead of it in its class (their max_tokens) over the class's
--- drain rate, plus its own output at the speed one sequence gets, must fit before its deadline.
+-- drain rate, plus the wait for room in an engine while the engines are full, plus its own output
+-- at the speed one sequence gets at the engines' in-engine limit, must fit before its deadline.
 -- Live counters, the monitor's rates (only while fresh); unknown rates promise nothing and
--- refuse nothing.
+-- refuse nothing. With nothing queued and room in an engine, nothing is refused on this ground:
+-- the request starts now, at a speed the limit keeps fast enough (an estimate never locks the door).
 local wait = -1
-local snap = redis.call('HMGET', KEYS[6], 'drain_tps', 'seq_tps', 'updated_at_ms')
+local snap = redis.call('HMGET', KEYS[6], 'drain_tps', 'seq_tps', 'updated_at_ms', 'room', 'slot_wait_s')
 if snap[3] and now - tonumber(snap[3]) <= tonumber(ARGV[9]) and (tonumber(snap[1]) or 0) > 0 then
   local queued = math.max(0, tonumber(redis.call('HGET', KEYS[5], 'queued_work') or '0') or 0)
+  local room = tonumber(snap[4]) or -1
   wait = math.floor(queued * 1000 / tonumber(snap[1]))
+  if room == 0 then wait = wait + math.floor((tonumber(snap[5]) or 0) * 1000) end
   local seq = tonumber(snap[2]) or 0
   local own = 0
   if seq > 0 then own = tonumber(ARGV[15]) * 1000 / seq end
   local allowed = tonumber(ARGV[14]) * tonumber(ARGV[18])
   if load >= tonumber(ARGV[16]) then allowed = tonumber(ARGV[14]) * tonumber(ARGV[17]) end
   local late = wait + own - allowed
+  if queued <= 0 and room > 0 then late = 0 end
   if gate == '' and late > 0 then
     -- Retry when the queue will have drained by the excess: computed, not a constant.
     gate, reason, retry = 'global', 'deadline', math.ceil(late)

@@ -1,0 +1,182 @@
+"""The in-engine limit (workers/governor.py): learned from the engine's steps, governed by the
+deadlines of what runs, carried out by the worker's prefetch count; batch work yields to realtime;
+the promise sees the engine's room, so an idle platform never locks its door."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from conftest import ApiClient, WorkerProcess, make_settings
+from sqlalchemy import select
+
+from models import InferenceRequest, Status
+from web.services import services
+from workers.engines.base import StepSample
+from workers.governor import Governor, StepCurve
+from workers.monitor import Monitor
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def cpu_curve(a: float = 0.010, b: float = 0.0015, c: float = 0.001) -> StepCurve:
+    """A curve fed with steps of a compute-bound engine: a + b·seqs + c·prompt tokens seconds."""
+    curve = StepCurve()
+    for seqs in (1, 2, 4, 8, 16, 32, 64) * 20:
+        curve.add(StepSample(a + b * seqs, seqs))
+    for tokens in (100, 400, 800):
+        curve.add(StepSample(a + b * 4 + c * tokens, 4, tokens))
+    return curve
+
+
+def test_the_step_curve_learns_the_price_of_a_sequence_and_of_a_prompt_token():
+    a, b, c = cpu_curve().coefficients()
+    assert a == pytest.approx(0.010, rel=0.05)
+    assert b == pytest.approx(0.0015, rel=0.05)
+    assert c == pytest.approx(0.001, rel=0.1)
+
+
+def test_a_curve_that_saw_one_batch_size_stays_flat_and_opens_the_whole_engine():
+    curve = StepCurve()
+    for _ in range(50):
+        curve.add(StepSample(0.02, 1))
+    assert curve.coefficients()[1] == pytest.approx(0.0, abs=1e-6)
+    governor = Governor(curve, max_seqs=64, default_pace_s=0.1)
+    assert governor.limit() == 64
+
+
+def test_the_tightest_pace_in_the_engine_sets_the_limit_and_recent_traffic_keeps_it():
+    clock = Clock()
+    governor = Governor(cpu_curve(c=0.0), max_seqs=256, default_pace_s=1.0, clock=clock)
+    # Nothing seen: the default pace (1 s a token) allows the whole engine.
+    assert governor.limit() == 256
+    # 32 tokens in 5 s: a step may take 0.7 × 5/32 s = 109 ms → (0.109 − 0.010) / 0.0015 = 66 sequences.
+    governor.enter("calm", batch=False, deadline_in_s=5.0, max_tokens=32)
+    assert governor.limit() == 66
+    # A batch request's hours-long deadline constrains nothing.
+    governor.enter("bulk", batch=True, deadline_in_s=3600.0, max_tokens=512)
+    assert governor.limit() == 66
+    # 64 tokens in 4 s: 0.7 × 62.5 ms = 43.75 ms → 22 sequences. The tightest decides.
+    governor.enter("tight", batch=False, deadline_in_s=4.0, max_tokens=64)
+    assert governor.limit() == 22
+    governor.leave("tight")
+    governor.leave("calm")
+    clock.now += 30
+    assert governor.limit() == 22, "the traffic it came with is likely still arriving"
+    clock.now += 31
+    assert governor.limit() == 256, "a minute later only the batch request (and the default) remain"
+
+
+def test_batch_yields_and_is_preempted_newest_first_while_realtime_waits():
+    clock = Clock()
+    governor = Governor(cpu_curve(c=0.0), max_seqs=8, default_pace_s=10.0, clock=clock)
+    for i in range(8):
+        clock.now += 1
+        governor.enter(f"b{i}", batch=True, deadline_in_s=3600.0, max_tokens=256)
+    assert not governor.batch_yields(0) and governor.preempt(0) == []
+    assert governor.batch_yields(2)
+    assert governor.preempt(2) == ["b7", "b6"], "room for the two realtime requests waiting, newest batch out"
+    # A tight realtime request in the engine lowers the limit: batch over it leaves.
+    governor.enter("rt", batch=False, deadline_in_s=0.5, max_tokens=16)  # 21.9 ms steps → 7 sequences
+    assert governor.limit() == 7
+    assert governor.preempt(0) == ["b7", "b6"]
+
+
+# ---------------------------------------------------------------------------------- real workers
+
+# The compute-bound profile, at its measured speed: a step takes ~11.5 ms + 1.45 ms per sequence.
+# Realtime answers 32 tokens in 2 s by default: a step may take 0.7 × 62.5 ms, so ~20 sequences.
+CPU = {"SLUICE_SIM_PROFILE": "cpu", "SLUICE_SIM_SPEED": "1.0", "SLUICE_REALTIME_DEADLINE_S": "2",
+       "SLUICE_DEFAULT_MAX_TOKENS": "32"}
+
+
+@pytest.fixture
+def cpu_stack(database_url, scratch_redis_url, new_client, tmp_path):
+    from web import create_app
+
+    application = create_app(make_settings(database_url, scratch_redis_url, CPU))
+    worker = WorkerProcess(database_url, scratch_redis_url, tmp_path, concurrency=64, extra_env=CPU)
+    yield application, new_client(application), worker
+    worker.stop()
+    services(application).db.dispose()
+
+
+def burst(client: ApiClient, n: int, **body) -> list:
+    def one(i: int):
+        return ApiClient(client.http.application, client.key).submit(prompt=f"burst {i}", ignore_eos=True, **body)
+
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def wait_terminal(application, ids: list[str], timeout: float = 120) -> list[InferenceRequest]:
+    deadline = time.monotonic() + timeout
+    while True:
+        with services(application).db.session() as session:
+            rows = session.scalars(select(InferenceRequest).where(InferenceRequest.id.in_(ids))).all()
+            session.expunge_all()
+        if all(r.status.terminal for r in rows) or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.2)
+
+
+def test_a_burst_enters_the_engine_only_as_far_as_its_deadlines_allow(cpu_stack):
+    application, client, worker = cpu_stack
+    limit = worker.wait_stats(lambda s: "engine_limit" in s)["engine_limit"]
+    assert 4 <= limit < 64, f"the compute-bound engine's limit for 32 tokens in 2 s: {worker.stats()}"
+    responses = burst(client, 64)  # no monitor: nothing is refused, the limit alone holds the engine
+    assert all(r.status_code == 202 for r in responses), [r.get_json() for r in responses if r.status_code != 202]
+    limits = [limit]
+    ids = [r.get_json()["id"] for r in responses]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        limits.append(worker.stats().get("engine_limit", limit))
+        with services(application).db.session() as session:
+            if session.query(InferenceRequest).filter(InferenceRequest.id.in_(ids),
+                                                      InferenceRequest.status.in_((Status.QUEUED, Status.RUNNING))
+                                                      ).count() == 0:
+                break
+        time.sleep(0.2)
+    rows = wait_terminal(application, ids)
+    stats = worker.stats()
+    # The warm-up burst ran 16 sequences together; the 64 requests never ran more than the limit.
+    assert stats["max_batch_seen"] <= max(16, *limits) < 64, (stats, limits)
+    # What did not fit waited in the queue, where the promise sees it, and expired there unrun.
+    statuses = {r.status for r in rows}
+    assert statuses <= {Status.SUCCEEDED, Status.EXPIRED}, statuses
+    assert any(r.status == Status.SUCCEEDED for r in rows)
+
+
+def test_an_idle_platform_admits_a_default_request_after_an_overload(cpu_stack):
+    application, client, worker = cpu_stack
+    svc = services(application)
+    monitor = Monitor(svc.settings, svc.redis, svc.db)
+    worker.wait_stats(lambda s: "engine_limit" in s)
+    monitor.tick()
+    # The overload: more than the engine can finish in time; the live queue counters show it at once.
+    responses = burst(client, 64)
+    for _ in range(4):
+        time.sleep(0.5)
+        monitor.tick()
+        responses += burst(client, 16)
+    ids = [r.get_json()["id"] for r in responses if r.status_code == 202]
+    refused = [r for r in responses if r.status_code == 503]
+    assert refused and ids, "an overload the promise saw: some requests refused at once, some served"
+    assert all(r.get_json()["error"]["details"]["reason"] == "deadline" for r in refused)
+    wait_terminal(application, ids)
+    began = time.monotonic()
+    while True:  # idle now: the next snapshot must let a default request in
+        worker.wait_stats(lambda s: s.get("in_flight") == 0)
+        monitor.tick()
+        response = client.submit(prompt="hello there")
+        if response.status_code == 202 or time.monotonic() - began > 10:
+            break
+        time.sleep(0.5)
+    assert response.status_code == 202, response.get_json()

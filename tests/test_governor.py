@@ -180,3 +180,26 @@ def test_an_idle_platform_admits_a_default_request_after_an_overload(cpu_stack):
             break
         time.sleep(0.5)
     assert response.status_code == 202, response.get_json()
+
+
+def test_a_starved_engine_is_slow_not_hung_and_the_watchdog_lets_it_finish(database_url, scratch_redis_url,
+                                                                           new_client, tmp_path):
+    from web import create_app
+
+    # Every step takes 5 s once the engine is warm, against a 2 s watchdog: the engine is working
+    # on each step all along (a host whose CPU other processes take), so it must not be restarted.
+    env = {"SLUICE_SIM_STARVE_AFTER_S": "3", "SLUICE_WORKER_WATCHDOG_S": "2"}
+    application = create_app(make_settings(database_url, scratch_redis_url, env))
+    worker = WorkerProcess(database_url, scratch_redis_url, tmp_path, concurrency=4, extra_env=env)
+    try:
+        client = new_client(application)
+        time.sleep(3)
+        request_id = client.submit(prompt="slow going", max_tokens=3, ignore_eos=True).get_json()["id"]
+        view = client.wait(request_id, timeout=60)
+        assert view["status"] == "succeeded", view
+        assert worker.proc.poll() is None, "the watchdog restarted a slow engine"
+        log = worker.log_path.read_text()
+        assert "slow, not hung" in log and "watchdog:" not in log
+    finally:
+        worker.stop()
+        services(application).db.dispose()

@@ -9,6 +9,7 @@ limits, token counts that agree between the web tier and the engine.
 from __future__ import annotations
 
 import importlib.util
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -232,3 +233,40 @@ def test_a_stopping_vllm_worker_hands_back_what_it_cannot_finish(database_url, r
         client.cancel(request_id)
         services(application).db.dispose()
         redis_dbs.release(redis_url)
+
+
+def test_after_an_overload_an_idle_vllm_platform_admits_a_default_request(vllm_stack, api, engine):
+    """No idle lock-out on the real engine: speeds learned under load never refuse the next request."""
+    from workers.monitor import Monitor
+
+    application, _ = vllm_stack
+    svc = services(application)
+    monitor = Monitor(svc.settings, svc.redis, svc.db)
+    stats = engine.wait_stats(lambda s: "engine_limit" in s)
+    assert 1 <= stats["engine_limit"] <= 4, "never more than the engine's own batch cap"
+    monitor.tick()
+
+    def one(i: int):
+        return type(api)(api.http.application, api.key).submit(prompt=f"load {i}", max_tokens=96, ignore_eos=True,
+                                                              deadline_s=2)
+
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(one, range(48)))
+    for _ in range(3):
+        monitor.tick()
+        time.sleep(0.3)
+    ids = [r.get_json()["id"] for r in responses if r.status_code == 202]
+    for request_id in ids:
+        api.wait(request_id, timeout=120)
+    snapshot = [c for c in monitor.tick() if c.priority == "realtime"][0]
+    assert snapshot.seq_tps > 0 and snapshot.drain_tps > 0, "the promise is in force, with speeds learned under load"
+    began = time.monotonic()
+    while True:  # idle: the next snapshot lets a default request in
+        engine.wait_stats(lambda s: s.get("in_flight") == 0)
+        monitor.tick()
+        response = api.submit(prompt="hello there")
+        if response.status_code == 202 or time.monotonic() - began > 10:
+            break
+        time.sleep(0.5)
+    assert response.status_code == 202, response.get_json()
+    api.wait(response.get_json()["id"], timeout=60)

@@ -160,7 +160,9 @@ def start_runtime(svc: Services, hostname: str, queues: list[str], threads: int 
     info = {"node": hostname, "role": settings.worker_role, "model": model.name, "engine": settings.engine,
             "device": device_label(settings), "queues": queues, "threads": threads or settings.worker_threads}
     # Traffic not seen yet is taken to be the realtime class's defaults: its deadline for its max_tokens.
-    governor = Governor(StepCurve(), max_seqs=info["threads"],
+    # A request past the engine's own batch cap would wait inside the engine, where no promise sees it.
+    cap = settings.vllm_max_num_seqs if settings.engine == "vllm" else info["threads"]
+    governor = Governor(StepCurve(), max_seqs=min(info["threads"], cap),
                         default_pace_s=settings.realtime_deadline_s / settings.default_max_tokens)
     runtime = EngineRuntime(load_engine(settings, model), svc.redis, worker_id,
                             heartbeat_s=settings.worker_heartbeat_s,

@@ -55,6 +55,10 @@ ABORT_GRACE_S = 10.0
 PREFILL_WAIT_S = 0.02
 # How often the governor learns from the engine's steps and sets the in-engine limit.
 GOVERN_S = 0.25
+# The watchdog's patience: a step may take this many times the slowest one seen lately ...
+STEP_GRACE = 4.0
+# ... and an engine that says it is working on one, this many times more.
+HUNG_FACTOR = 10.0
 # Sequences of the warm-up burst that shows the step curve's slope before the first request.
 WARMUP_BURST = 16
 
@@ -112,6 +116,7 @@ class EngineRuntime:
         self.limit = self.governor.max_seqs
         self._batch_open = True
         self._preempted: set[str] = set()
+        self._slowest_step_s = 0.0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -375,13 +380,32 @@ class EngineRuntime:
                     self._cancelled.add(rid)
                 asyncio.run_coroutine_threadsafe(self.engine.abort(rid), self._loop)
 
+    def _check_progress(self, stalled_s: float) -> None:
+        """The engine has work scheduled and took no step for ``stalled_s``: exit if it is hung.
+
+        Slow is not hung: while the engine says it is working on a step (``Engine.busy``: a step
+        under way, its process using the CPU) the watchdog waits, up to ``HUNG_FACTOR`` times
+        longer, and the limit is the longer of ``watchdog_s`` and ``STEP_GRACE`` times the slowest
+        step seen lately, so a saturated or CPU-starved engine never trips it. An engine that
+        works on nothing (a hung engine-core process) is restarted after ``watchdog_s``."""
+        allowed = max(self._watchdog_s, STEP_GRACE * self._slowest_step_s)
+        if stalled_s <= allowed:
+            return
+        busy = self.engine.busy()
+        if busy and stalled_s <= HUNG_FACTOR * allowed:
+            log.warning("engine took no step for %.0fs but is working: slow, not hung", stalled_s)
+            return
+        self._die(f"engine made no progress for {stalled_s:.0f}s with work scheduled")
+
     def batch_open(self) -> bool:
         """Whether batch work may enter this engine now (read before each fetch from the broker)."""
         return self._batch_open
 
     def _learn_steps(self) -> None:
+        self._slowest_step_s *= 0.99  # the slowest step seen lately, fading
         for sample in self.engine.step_samples():
             self.governor.curve.add(sample)
+            self._slowest_step_s = max(self._slowest_step_s, sample.seconds)
 
     def _realtime_queued(self) -> int:
         """Realtime requests queued for this worker's model, if it serves realtime queues."""
@@ -443,12 +467,11 @@ class EngineRuntime:
             except Exception:
                 self._die(f"engine loop unresponsive for {self._watchdog_s:.0f}s")
             engine_stats = self.engine.stats()
-            # A loop that answers but an engine that stopped stepping with work in flight is
-            # just as stuck (a hung engine-core process, for instance).
-            if engine_stats.steps != last_steps or not self._in_flight:
+            scheduled = self._in_flight or engine_stats.running + engine_stats.waiting > 0
+            if engine_stats.steps != last_steps or not scheduled:
                 last_steps, last_progress = engine_stats.steps, time.monotonic()
-            elif time.monotonic() - last_progress > self._watchdog_s:
-                self._die(f"engine made no progress for {self._watchdog_s:.0f}s with work in flight")
+            else:
+                self._check_progress(time.monotonic() - last_progress)
             try:
                 stats = asdict(engine_stats)
                 stats.update(self.info, worker=self.worker_id, in_flight=len(self._in_flight),

@@ -17,7 +17,8 @@ def load_engine(settings: Settings, model: ModelSpec) -> Engine:
         from workers.engines.simulated import PROFILES, SimulatedEngine
 
         return SimulatedEngine(dataclasses.replace(PROFILES[settings.sim_profile], model_name=model.name,
-                                                   speed=settings.sim_speed, wedge_after_s=settings.sim_wedge_after_s))
+                                                   speed=settings.sim_speed, wedge_after_s=settings.sim_wedge_after_s,
+                                                   starve_after_s=settings.sim_starve_after_s))
     if settings.engine == "vllm":
         if not model.path:
             raise ValueError(f"model {model.name!r} has no path: set SLUICE_MODEL_PATH or its registry path")

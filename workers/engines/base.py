@@ -132,6 +132,12 @@ class Engine(abc.ABC):
     def stats(self) -> EngineStats:
         """A snapshot of the engine's state."""
 
+    def busy(self) -> bool | None:
+        """Whether the engine is working on a step right now, however slowly (a step under way,
+        its process using the CPU); None where it cannot tell. The watchdog never restarts a busy
+        engine for slowness: a saturated or CPU-starved engine is slow, not hung."""
+        return None
+
     def step_samples(self) -> list[StepSample]:
         """The steps taken since the last call, oldest first (an engine that cannot time its
         steps returns none: its worker then keeps the whole engine open)."""

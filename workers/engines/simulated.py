@@ -66,6 +66,10 @@ class SimulatedConfig:
     # Fault injection (the fault suite): this long after start, a step blocks the event loop for
     # good, as a CUDA call that never returns would. None: never.
     wedge_after_s: float | None = None
+    # Fault injection: this long after start every step takes at least ``starved_step_s`` of wall
+    # time, as on a host whose CPU is taken by other processes; the engine is slow, not hung.
+    starve_after_s: float | None = None
+    starved_step_s: float = 5.0
     stream_every: int = 0  # also yield every N tokens; 0 = first token and final output only
 
     @property
@@ -157,6 +161,8 @@ class SimulatedEngine(Engine):
         self._task: asyncio.Task | None = None
         self._closed = False
         self._wedge_at: float | None = None
+        self._starve_at: float | None = None
+        self._in_step = False
         self._steps = self._max_batch = self._generated = self._prompt = self._aborted = 0
         self._preemptions = 0
         self._last_batch, self._last_step_ms, self._sim_time_s = 0, 0.0, 0.0
@@ -170,6 +176,8 @@ class SimulatedEngine(Engine):
             self._task = asyncio.create_task(self._loop(), name="simulated-engine")
             wedge = self.config.wedge_after_s
             self._wedge_at = None if wedge is None else time.monotonic() + wedge
+            starve = self.config.starve_after_s
+            self._starve_at = None if starve is None else time.monotonic() + starve
             log.info("simulated engine started: model=%s kv_capacity_tokens=%d",
                      self.config.model_name, self._num_blocks * self.config.block_size)
 
@@ -234,6 +242,9 @@ class SimulatedEngine(Engine):
                    "simulated_time_s": self._sim_time_s, "preemptions": self._preemptions,
                    "speed": cfg.speed})
 
+    def busy(self) -> bool:
+        return self._in_step
+
     def step_samples(self) -> list[StepSample]:
         out = []
         while self._samples:
@@ -267,7 +278,14 @@ class SimulatedEngine(Engine):
                     while True:
                         time.sleep(3600)  # blocks the event loop itself, not just this task
                 began = time.monotonic()
-                await asyncio.sleep(cost / self.config.speed)
+                took = cost / self.config.speed
+                if self._starve_at is not None and began >= self._starve_at:
+                    took = max(took, self.config.starved_step_s)
+                self._in_step = True
+                try:
+                    await asyncio.sleep(took)
+                finally:
+                    self._in_step = False
                 self._update(batch, cost, time.monotonic() - began)
         except Exception:  # fan the failure out so no consumer hangs
             log.exception("simulated engine loop failed")

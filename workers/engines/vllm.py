@@ -105,6 +105,7 @@ class VllmEngine(Engine):
         self._prefix_queries = self._prefix_hits = 0
         self._kv_usage = 0.0
         self._last_record: float | None = None
+        self._core_cpu_s: float | None = None
         self._samples: deque[StepSample] = deque(maxlen=4096)
 
     async def start(self) -> None:
@@ -193,6 +194,19 @@ class VllmEngine(Engine):
             generated_tokens=self._generated, prompt_tokens=self._prompt_tokens, aborted=self._aborted,
             extra={"prefix_cache_hit_tokens": self._prefix_hits, "prefix_cache_query_tokens": self._prefix_queries,
                    "kv_cache_usage": round(self._kv_usage, 4), "in_flight": len(self._in_flight)})
+
+    def busy(self) -> bool | None:
+        """Whether vLLM's engine-core process used the CPU since the last call (on a GPU host a
+        host thread waiting on the device counts too). None without such a process."""
+        try:
+            import psutil
+
+            me = psutil.Process()
+            used = sum(sum(child.cpu_times()[:2]) for child in me.children(recursive=True))
+        except Exception:
+            return None
+        before, self._core_cpu_s = self._core_cpu_s, used
+        return None if before is None else used > before + 0.01
 
     def step_samples(self) -> list[StepSample]:
         out = []

@@ -7,10 +7,16 @@ over within a lease if it dies. Each tick it reads, without touching Postgres:
   and work (``max_tokens``) queued, and the cumulative work claimed off the queue;
 * the heartbeats of warm workers: which classes each serves, and its engine's step count.
 
-From those it publishes per class, with a short TTL: the drain rate (work claimed per second
-over a short window), the speed one running sequence gets (engine steps per second, one token
-per step), the estimated wait (queued work ÷ drain rate) and a degradation level.
+From those it publishes per class, with a short TTL: the drain rate, the speed one running
+sequence gets, the room left in the engines and the wait for a slot while they are full, the
+estimated wait (queued work ÷ drain rate, plus that slot wait) and a degradation level.
 The platform level admission reads is the highest realtime level.
+
+Workers that govern their engines (``workers/governor.py``) report their in-engine limit, the
+speed each sequence gets at it (from the step curve learned from every engine step) and their
+room; then the drain is Σ limit × that speed, always fresh, never a memory of an overload: once the
+load is gone, the limit and the speeds are those of the engine now. The rest of this note is how
+the drain is found for workers that report no limit (an engine that cannot time its steps).
 
 While a class has a backlog, its measured drain is its capacity, and it is remembered with the
 number of threads that produced it (for realtime, those of live workers less the ones running

@@ -98,6 +98,7 @@ def test_a_worker_exports_its_requests_and_its_engine(database_url, scratch_redi
         assert ("sluice_engine_running_sequences", (("device", "simulated-h200"), ("model", "simulated-llama-8b"))) \
             in samples
         assert total(samples, "sluice_engine_kv_cache_capacity_tokens") > 0
+        assert total(samples, "sluice_worker_engine_limit") >= 1 and total(samples, "sluice_worker_batch_open") == 1
         assert not any(name.startswith("sluice_gpu_") for name, _ in samples)  # no GPU: absent, not zero
     finally:
         worker.stop()

@@ -64,6 +64,7 @@ def data() -> Response:
     workers = [{"worker": w.get("worker"), "model": w.get("model"), "device": w.get("device"),
                 "role": w.get("role"), "running": w.get("running", 0), "waiting": w.get("waiting", 0),
                 "max_batch_seen": w.get("max_batch_seen", 0), "threads": w.get("threads"),
+                "engine_limit": w.get("engine_limit"), "batch_open": w.get("batch_open"),
                 "kv_used_tokens": w.get("kv_used_tokens", 0), "kv_capacity_tokens": w.get("kv_capacity_tokens", 0)}
                for w in live_workers(svc.redis, svc.settings.worker_heartbeat_s)]
     return jsonify({"level": load["level"], "steps": load["steps"], "monitor": load["monitor"],

@@ -183,6 +183,9 @@ class ClassLoadSchema(Schema):
     updated_at_ms = fields.Integer()
     deadline_s = fields.Float(metadata={"description": "The deadline the level judges the wait against: the queued "
                                                        "requests' mean, or the class default if shorter."})
+    room = fields.Integer(metadata={"description": "Requests the serving engines would take in now, below their "
+                                                   "in-engine limits; -1 = unknown (no governed worker)."})
+    slot_wait_s = fields.Float(metadata={"description": "While the engines are full: the estimated wait for a slot."})
 
 
 class ReservationViewSchema(Schema):

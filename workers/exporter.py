@@ -45,7 +45,11 @@ class EngineCollector(Collector):
                  stats.kv_used_tokens / stats.kv_capacity_tokens if stats.kv_capacity_tokens else 0.0),
                 ("sluice_engine_kv_cache_capacity_tokens", "Tokens the KV cache holds.", stats.kv_capacity_tokens),
                 ("sluice_worker_requests_in_flight", "Requests this worker has claimed and not finished.",
-                 self.runtime.in_flight())):
+                 self.runtime.in_flight()),
+                ("sluice_worker_engine_limit", "Requests this worker lets into its engine now: the in-engine limit "
+                 "the deadlines in flight allow on its learned step curve.", self.runtime.limit),
+                ("sluice_worker_batch_open", "1 while batch work may enter this worker's engine, 0 while it "
+                 "yields to realtime.", 1.0 if self.runtime.batch_open() else 0.0)):
             family = GaugeMetricFamily(name, doc, labels=labels)
             family.add_metric(values, float(value))
             yield family

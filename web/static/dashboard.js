@@ -69,8 +69,9 @@ function start(key) {
     charts.kv.push(t, kv);
     if (data.level !== null) charts.level.push(t, {level: data.level});
     table(document.getElementById("workers"), ["model", "device", "role", "running", "waiting", "largest batch",
-                                               "threads", "KV used"],
+                                               "in-engine limit", "batch", "threads", "KV used"],
           data.workers.map(w => [w.model, w.device, w.role || "all", w.running, w.waiting, w.max_batch_seen,
+                                 w.engine_limit ?? "-", w.batch_open === false ? "yields" : "open",
                                  w.threads, `${w.kv_used_tokens} / ${w.kv_capacity_tokens}`]));
     table(document.getElementById("jobs"), ["job", "items by status"],
           data.jobs.map(j => [j.id, Object.entries(j.items).map(([s, n]) => `${s} ${n}`).join(", ")]));

@@ -203,3 +203,18 @@ def test_a_starved_engine_is_slow_not_hung_and_the_watchdog_lets_it_finish(datab
     finally:
         worker.stop()
         services(application).db.dispose()
+
+
+def test_batch_in_a_full_engine_makes_room_for_realtime_and_still_finishes(cpu_stack):
+    application, client, worker = cpu_stack
+    limit = worker.wait_stats(lambda s: "engine_limit" in s)["engine_limit"]
+    batch = burst(client, limit + 12, priority="batch", max_tokens=96)
+    assert all(r.status_code == 202 for r in batch)
+    worker.wait_stats(lambda s: s.get("batch_in_flight", 0) >= s.get("engine_limit", limit), timeout=20)
+    realtime = client.submit(prompt="let me in", max_tokens=8, ignore_eos=True)
+    view = client.wait(realtime.get_json()["id"], timeout=60)
+    assert view["status"] == "succeeded", view
+    rows = wait_terminal(application, [r.get_json()["id"] for r in batch])
+    assert {r.status for r in rows} == {Status.SUCCEEDED}, "preempted batch work is requeued and finishes"
+    assert max(r.attempts for r in rows) <= 1, "a preemption spends no attempt"
+    assert "preempting" in worker.log_path.read_text(), "realtime found the engine full of batch work"

@@ -139,7 +139,7 @@ def sluice_stack(args, model: Path):
     return app, key, worker, cleanup
 
 
-def run_through_sluice(app, key: str, items: list[str], tokens: int, *, serial: bool) -> dict:
+def run_through_sluice(app, key: str, items: list[str], tokens: int, *, serial: bool, deadline_s: float) -> dict:
     from sqlalchemy import func, select
 
     from models import InferenceRequest, Status
@@ -152,7 +152,8 @@ def run_through_sluice(app, key: str, items: list[str], tokens: int, *, serial: 
     terminal = [s for s in Status if s.terminal]
 
     def submit(prompt: str) -> str:
-        body = {"prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "temperature": 0, "time_limit_s": 120}
+        body = {"prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
+                "deadline_s": deadline_s, "time_limit_s": min(deadline_s, 120)}
         response = app.test_client().post("/v1/requests", json=body, headers=headers)
         assert response.status_code == 202, response.get_json()
         return response.get_json()["id"]
@@ -206,6 +207,11 @@ def main() -> int:
     parser.add_argument("--pin-engine", type=int, metavar="CPU", default=None,
                         help="CPU hosts: vLLM's compute threads on this core, everything else the bench starts "
                              "(web tier, Celery worker frontend) on the other cores; the analogue of a GPU host")
+    parser.add_argument("--deadline", type=float, default=3600.0,
+                        help="deadline_s each Sluice request states (default: an hour, an offline burst's patience; "
+                             "the engine's in-engine limit follows it)")
+    parser.add_argument("--shape", choices=("tiny", "92m"), default="tiny",
+                        help="without --model: the random Llama tests/tiny_model.py builds")
     parser.add_argument("--database-url", default="postgresql://postgres@127.0.0.1:5432/postgres")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/13")
     args = parser.parse_args()
@@ -219,8 +225,10 @@ def main() -> int:
     if args.model is None:
         from tiny_model import build_tiny_model
 
-        args.model = build_tiny_model(ROOT / ".cache" / "tiny-llama")
+        name = "tiny-llama" if args.shape == "tiny" else f"llama-{args.shape}"
+        args.model = build_tiny_model(ROOT / ".cache" / name, args.shape)
     items = prompts(args.n)
+    print(f"Sluice requests state deadline_s {args.deadline:g} (realtime priority, temperature 0)", flush=True)
     runs: dict[str, list[float]] = {"offline": [], "asyncllm": [], "sluice": [], "serial": []}
 
     def record(kind: str, result: dict) -> None:
@@ -240,9 +248,11 @@ def main() -> int:
         try:
             for _ in range(args.repeat):
                 if "sluice" in kinds:
-                    record("sluice", run_through_sluice(app, key, items, args.tokens, serial=False))
+                    record("sluice", run_through_sluice(app, key, items, args.tokens, serial=False,
+                                                        deadline_s=args.deadline))
                 if "serial" in kinds:
-                    record("serial", run_through_sluice(app, key, prompts(args.serial_n), args.tokens, serial=True))
+                    record("serial", run_through_sluice(app, key, prompts(args.serial_n), args.tokens, serial=True,
+                                                        deadline_s=args.deadline))
         finally:
             cleanup()
     rate = {k: statistics.median(v) for k, v in runs.items() if v}

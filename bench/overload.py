@@ -3,6 +3,10 @@
     .venv/bin/python bench/overload.py --engine sim                     # all three Sluice setups
     .venv/bin/python bench/overload.py --engine vllm --setups vllm-server,sluice,sluice-defaults
     .venv/bin/python bench/overload.py --engine sim --scale 0.1 --knee 2  # a smoke run (numbers mean nothing)
+    # the promise on a compute-bound engine: the 94M model, vLLM's engine alone on core 0
+    .venv/bin/python bench/overload.py --engine vllm --shape 92m --pin-engine 0 --seqs 64 --rt-tokens 32 \
+        --batch-tokens 128 --setups vllm-server,sluice,sluice-defaults
+    .venv/bin/python bench/overload.py --engine sim --sim-profile cpu --sim-speed 0.25 --seqs 64  # its model
 
 Users (bench/users.py) arrive open loop (Poisson). A realtime user asks a short question
 (--rt-tokens), waits at most --slo seconds (the client timeout), and when the page hangs asks
@@ -162,7 +166,8 @@ def wait_http(api: str, path: str, proc: subprocess.Popen, log: Path, timeout_s:
 def engine_env(args: argparse.Namespace) -> dict[str, str]:
     """The Sluice settings that choose and size the engine, the same for every Sluice setup."""
     if args.engine == "sim":
-        return {"SLUICE_ENGINE": "simulated", "SLUICE_SIM_SPEED": str(args.sim_speed)}
+        return {"SLUICE_ENGINE": "simulated", "SLUICE_SIM_SPEED": str(args.sim_speed),
+                "SLUICE_SIM_PROFILE": args.sim_profile}
     return {"SLUICE_ENGINE": "vllm", "SLUICE_MODEL": MODEL_NAME, "SLUICE_MODEL_PATH": str(args.model),
             "SLUICE_MAX_CONTEXT_TOKENS": VLLM_FLAGS["max-model-len"], "SLUICE_VLLM_ENFORCE_EAGER": "1",
             "SLUICE_VLLM_DTYPE": VLLM_FLAGS["dtype"], "SLUICE_VLLM_MAX_NUM_SEQS": str(args.seqs),
@@ -220,6 +225,24 @@ def start_vllm_server(args: argparse.Namespace, exits: contextlib.ExitStack, tmp
     wait_http(api, "/health", server, log, READY_S["vllm"])
     say(f"  vllm-server: {api}")
     return VllmFront(api, MODEL_NAME, slo_s=args.slo, rt_tokens=args.rt_tokens, batch_tokens=args.batch_tokens)
+
+
+def engine_cpus() -> str:
+    """The CPUs each vLLM engine-core process's threads may run on (`taskset -p` of each thread):
+    an inherited mask would silently defeat VLLM_CPU_OMP_THREADS_BIND."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            if "EngineCore" not in comm:
+                continue
+            lists = set()
+            for task in os.listdir(f"/proc/{pid}/task"):
+                status = Path(f"/proc/{pid}/task/{task}/status").read_text()
+                lists.add(next(line.split()[1] for line in status.splitlines()
+                               if line.startswith("Cpus_allowed_list:")))
+            found.append(f"{pid} ({comm}): {', '.join(sorted(lists))}")
+    return "; ".join(found)
 
 
 def flush_redis(url: str) -> None:
@@ -632,7 +655,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-share", type=float, default=0.25,
                         help="batch output tokens offered, as a share of the knee's realtime tokens/s")
     parser.add_argument("--batch-deadline", type=float, default=3600.0, help="deadline_s of batch jobs, when sent")
-    parser.add_argument("--model", type=Path, default=None, help="--engine vllm: model directory (default: tiny)")
+    parser.add_argument("--sim-profile", choices=("h200", "cpu"), default="h200",
+                        help="SLUICE_SIM_PROFILE for --engine sim (cpu: compute-bound, docs/calibration.md)")
+    parser.add_argument("--model", type=Path, default=None, help="--engine vllm: model directory (default: built)")
+    parser.add_argument("--shape", choices=("tiny", "92m"), default="tiny",
+                        help="--engine vllm without --model: the random Llama tests/tiny_model.py builds")
+    parser.add_argument("--pin-engine", type=int, metavar="CPU", default=None,
+                        help="CPU hosts: vLLM's compute threads on this core, everything else on the others "
+                             "(the analogue of a GPU host); the engine processes' CPU lists are reported")
     parser.add_argument("--seed", type=int, default=8)
     parser.add_argument("--json", type=Path, default=None, help="write every figure and sample here")
     parser.add_argument("--postgres", default="postgresql://postgres@127.0.0.1:5432/postgres")
@@ -657,7 +687,14 @@ def main() -> int:
     if args.engine == "vllm" and args.model is None:
         from tiny_model import build_tiny_model
 
-        args.model = build_tiny_model(ROOT / ".cache" / "tiny-llama")
+        name = "tiny-llama" if args.shape == "tiny" else f"llama-{args.shape}"
+        args.model = build_tiny_model(ROOT / ".cache" / name, args.shape)
+    if args.pin_engine is not None:
+        others = os.sched_getaffinity(0) - {args.pin_engine}
+        if args.pin_engine not in os.sched_getaffinity(0) or not others:
+            raise SystemExit(f"--pin-engine {args.pin_engine}: needs that core and at least one other")
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(args.pin_engine)  # inherited by every engine
+        os.sched_setaffinity(0, others)  # and by every process started from here
     # SIGTERM unwinds like Ctrl-C, so every process is stopped and every database dropped (SIGINT
     # too, explicitly: a shell starts background jobs with it ignored).
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -677,6 +714,8 @@ def main() -> int:
             try:
                 with contextlib.ExitStack() as exits:
                     front = start(args, setup, exits)
+                    if args.engine == "vllm":
+                        say(f"  engine processes' CPUs: {engine_cpus() or 'none found'}")
                     if knee is None:
                         say(f"knee search on {setup}")
                         knee = find_knee(front, args)

@@ -6,7 +6,6 @@ its engine is loaded and warmed up (a cold model never sees a user's request).
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
@@ -215,9 +214,10 @@ def connect(svc: Services) -> None:
     def _on_ready(sender, **kwargs) -> None:
         # The consumer holds at most its prefetch count of unacknowledged messages, and every
         # request message stays unacknowledged while it runs: the in-engine limit, carried out.
+        # Read through the consumer each time: a reconnection to the broker builds a new QoS.
         runtime = WORKER.runtime
         if runtime is not None and getattr(sender, "qos", None) is not None:
-            runtime.on_limit = functools.partial(set_prefetch, sender.qos)
+            runtime.on_limit = lambda limit: set_prefetch(sender.qos, limit)
             runtime.govern_once()
 
     @task_received.connect(weak=False)

@@ -89,6 +89,18 @@ def test_batch_yields_and_is_preempted_newest_first_while_realtime_waits():
     assert governor.preempt(0) == ["b7", "b6"]
 
 
+def test_the_monitor_sums_the_governed_engines_and_waits_for_a_slot_only_when_all_are_full():
+    from workers.monitor import engines
+
+    full = {"engine_limit": 20, "limit_seq_tps": 10.0, "room": 0, "slot_wait_s": 1.5}
+    free = {"engine_limit": 40, "limit_seq_tps": 5.0, "room": 12, "slot_wait_s": 0.0}
+    both = engines([full, free])
+    assert (both.drain_tps, both.seq_tps, both.room, both.slot_wait_s) == (400.0, 7.5, 12, 0.0)
+    alone = engines([full, {**full, "slot_wait_s": 0.5}])
+    assert (alone.room, alone.slot_wait_s) == (0, 0.5), "the first slot to free anywhere"
+    assert engines([full, {"threads": 4}]) is None, "a worker without a limit: the measured drain instead"
+
+
 # ---------------------------------------------------------------------------------- real workers
 
 # The compute-bound profile, at its measured speed: a step takes ~11.5 ms + 1.45 ms per sequence.

@@ -20,13 +20,14 @@ from web.services import services
 pytestmark = pytest.mark.usefixtures("worker")
 
 
-def publish(app, *, queued_work: int, drain_tps: float, seq_tps: float, priority: str = "realtime") -> None:
+def publish(app, *, queued_work: int, drain_tps: float, seq_tps: float, priority: str = "realtime",
+            room: int = -1, slot_wait_s: float = 0.0) -> None:
     """What the load monitor would publish for the default model's class, and its live counter."""
     svc = services(app)
     model = svc.settings.registry.default.name
     seconds, micros = svc.redis.time()
     ClassLoad(priority, model, queued_work, 1, queued_work, drain_tps, seq_tps, queued_work / drain_tps, 0, 1,
-              seconds * 1000 + micros // 1000).write(svc.redis, ttl_s=30)
+              seconds * 1000 + micros // 1000, room=room, slot_wait_s=slot_wait_s).write(svc.redis, ttl_s=30)
     svc.redis.hset(counters_key(priority, model), "queued_work", queued_work)
 
 
@@ -64,6 +65,31 @@ def test_a_longer_deadline_or_a_shorter_answer_is_accepted_with_its_wait(promisi
     publish(application, queued_work=500, drain_tps=100, seq_tps=50)
     quick = client.submit(prompt="quick", max_tokens=100)
     assert quick.status_code == 202 and quick.get_json()["estimated_wait_s"] == 5.0
+
+
+def test_an_empty_queue_with_room_in_an_engine_refuses_nothing_on_the_deadline_ground(promising):
+    application, client = promising
+    # Speeds learned under an overload (3.65 tokens/s a sequence) would promise 8000 tokens in
+    # 2,192 s: past any deadline. With nothing queued and room in an engine the request starts now.
+    publish(application, queued_work=0, drain_tps=100, seq_tps=3.65, room=3)
+    assert client.submit(prompt="hello there", max_tokens=8000).status_code == 202
+    # The same figures with the engines full: the estimate stands, and refuses.
+    publish(application, queued_work=0, drain_tps=100, seq_tps=3.65, room=0, slot_wait_s=2.0)
+    refused = client.submit(prompt="hello there", max_tokens=8000)
+    assert envelope(refused, 503, "overloaded")["details"]["reason"] == "deadline"
+
+
+def test_full_engines_add_the_wait_for_a_slot_to_the_promise(promising):
+    application, client = promising
+    # 1,000 tokens queued at 100 tokens/s: 10 s; 100 tokens at 10 tokens/s: 10 s; 20 s < 30 s.
+    publish(application, queued_work=1000, drain_tps=100, seq_tps=10, room=0, slot_wait_s=5.0)
+    accepted = client.submit(prompt="fits", max_tokens=100)
+    assert accepted.status_code == 202 and accepted.get_json()["estimated_wait_s"] == 15.0
+    # A slot 15 s away makes it 10 + 15 + 10 = 35 s: past the deadline by 5 s.
+    publish(application, queued_work=1000, drain_tps=100, seq_tps=10, room=0, slot_wait_s=15.0)
+    refused = client.submit(prompt="does not fit", max_tokens=100)
+    assert envelope(refused, 503, "overloaded")["details"]["estimated_wait_s"] == 25.0
+    assert int(refused.headers["Retry-After"]) == 5
 
 
 def test_without_the_monitor_nothing_is_promised_and_nothing_refused(promising):

@@ -223,7 +223,7 @@ class Governor:
 
     def batch_yields(self, realtime_queued: int) -> bool:
         """Batch work stops entering this engine while realtime waits for it: realtime is queued
-        for this worker's model, or realtime runs here and the engine is at its limit."""
+        on this worker's realtime queues, or realtime runs here and the engine is at its limit."""
         total, batch = self.in_engine()
         return realtime_queued > 0 or (total - batch > 0 and total >= self.limit())
 

@@ -39,7 +39,6 @@ from dataclasses import asdict, dataclass
 
 import redis
 
-from core.admission.load import counters_key
 from core.delivery.streams import TokenSink
 from core.rediskeys import cancel_key, node_key, worker_key
 from workers.engines import Engine, GenerationOutput, GenerationRequest, SamplingParams
@@ -408,13 +407,18 @@ class EngineRuntime:
             self._slowest_step_s = max(self._slowest_step_s, sample.seconds)
 
     def _realtime_queued(self) -> int:
-        """Realtime requests queued for this worker's model, if it serves realtime queues."""
-        if not any(q.startswith("realtime.") for q in self.info.get("queues", ())):
+        """Realtime messages waiting in the broker on the realtime queues this worker reads: the
+        broker's own lists, not the class counters (those can drift between the monitor's
+        re-counts, and a stale count must never keep batch work out)."""
+        queues = [q for q in self.info.get("queues", ()) if q.startswith("realtime.")]
+        if not queues:
             return 0
         try:
-            return max(0, int(self._redis.hget(counters_key("realtime", self.info.get("model", "?")),
-                                               "queued_requests") or 0))
-        except (redis.RedisError, ValueError):
+            with self._redis.pipeline(transaction=False) as pipe:
+                for queue in queues:
+                    pipe.llen(queue)
+                return sum(int(n or 0) for n in pipe.execute())
+        except redis.RedisError:
             return 0  # unknown: batch keeps its place; the level and the promise still protect realtime
 
     def govern_once(self) -> None:

@@ -72,6 +72,10 @@ def test_the_tightest_pace_in_the_engine_sets_the_limit_and_recent_traffic_keeps
     assert governor.limit() == 22, "the traffic it came with is likely still arriving"
     clock.now += 31
     assert governor.limit() == 256, "a minute later only the batch request (and the default) remain"
+    # 256 tokens in 1 s needs 2.7 ms steps, shorter than one sequence's 11.5 ms: it cannot finish
+    # whatever the limit, so it throttles nobody.
+    governor.enter("hopeless", batch=False, deadline_in_s=1.0, max_tokens=256)
+    assert governor.limit() == 256, "the default pace (1 s a token) stands for the realtime traffic"
 
 
 def test_batch_yields_and_is_preempted_newest_first_while_realtime_waits():

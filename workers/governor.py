@@ -181,16 +181,20 @@ class Governor:
 
     def pace_s(self) -> float:
         """The tightest pace that governs now: of the requests in the engine and the realtime
-        requests that entered within ``memory_s``; the default pace when none did."""
+        requests that entered within ``memory_s``; the default pace when none did. A pace no
+        engine step can keep even with one sequence is left out: that request cannot finish in
+        time whatever the limit, and must not throttle everyone else's (one client stating an
+        impossible deadline would otherwise close the engine for a minute)."""
         now = self.clock()
         with self._lock:
             while self._recent and now - self._recent[0][0] > self.memory_s:
                 self._recent.popleft()
-            paces = [e.pace_s for e in self._in_engine.values()] + [p for _, p in self._recent]
-            realtime_seen = bool(self._recent) or any(not e.batch for e in self._in_engine.values())
-        if not realtime_seen:
-            paces.append(self.default_pace_s)
-        return min(paces)
+            batch = [e.pace_s for e in self._in_engine.values() if e.batch]
+            realtime = [e.pace_s for e in self._in_engine.values() if not e.batch] + [p for _, p in self._recent]
+        one = self.curve.step_s(1) or 0.0
+        realtime = [p for p in realtime if self.safety * p >= one]
+        # Realtime traffic not seen (or none that can be served): its defaults stand for it.
+        return min(batch + (realtime or [self.default_pace_s]))
 
     def limit(self) -> int:
         """The most requests the engine may hold so that a step stays within ``safety`` × the

@@ -116,8 +116,9 @@ class Settings:
         "GPU call), so the watchdog's exit and the restart can be tested. Unset: never.")
     worker_watchdog_s: float = _field(
         "SLUICE_WORKER_WATCHDOG_S", 30.0,
-        "A worker whose engine loop does not answer, or makes no progress with work in flight, this "
-        "long exits (status 70) to be restarted; its requests are requeued.")
+        "A worker whose engine loop does not answer, or whose engine takes no step with work scheduled, this "
+        "long (or 4 × its slowest recent step if longer; 10 × that while the engine is busy on a step) exits "
+        "(status 70) to be restarted; its requests are requeued.")
     worker_concurrency: int | None = _field(
         "SLUICE_WORKER_CONCURRENCY", None,
         "Tasks one worker keeps in flight, all feeding its single engine (thread pool). Unset: "

@@ -112,8 +112,8 @@ NO_LIMITS = {"tokens_per_minute": 10**9, "requests_per_minute": 10**8, "max_conc
 DEFAULTS = {"sim": {"seqs": 4, "rt_tokens": 32, "batch_tokens": 256},
             "vllm": {"seqs": 4, "rt_tokens": 128, "batch_tokens": 512}}
 MODEL_NAME = "tiny-llama"
-VLLM_FLAGS = {"dtype": "float32", "max-model-len": "2048", "max-num-batched-tokens": "2048",
-              "kv-cache-memory-bytes": str(128 * 2**20)}
+VLLM_FLAGS = {"dtype": "float32", "max-model-len": "2048", "max-num-batched-tokens": "2048"}
+KV_BYTES = {"tiny": 128 * 2**20, "92m": 2**30}  # the 94M model's KV is 72 KiB a token
 READY_S = {"sim": 120.0, "vllm": 900.0}
 
 say = functools.partial(print, flush=True)
@@ -172,7 +172,7 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
             "SLUICE_MAX_CONTEXT_TOKENS": VLLM_FLAGS["max-model-len"], "SLUICE_VLLM_ENFORCE_EAGER": "1",
             "SLUICE_VLLM_DTYPE": VLLM_FLAGS["dtype"], "SLUICE_VLLM_MAX_NUM_SEQS": str(args.seqs),
             "SLUICE_VLLM_MAX_NUM_BATCHED_TOKENS": VLLM_FLAGS["max-num-batched-tokens"],
-            "SLUICE_VLLM_KV_CACHE_BYTES": VLLM_FLAGS["kv-cache-memory-bytes"]}
+            "SLUICE_VLLM_KV_CACHE_BYTES": str(args.kv_bytes)}
 
 
 def start_sluice(args: argparse.Namespace, setup: str, exits: contextlib.ExitStack, tmp: Path) -> SluiceFront:
@@ -218,7 +218,8 @@ def start_vllm_server(args: argparse.Namespace, exits: contextlib.ExitStack, tmp
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model),
             "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
             "--scheduling-policy", "priority", "--max-num-seqs", str(args.seqs), "--enforce-eager",
-            "--enable-prefix-caching", *(x for k, v in VLLM_FLAGS.items() for x in (f"--{k}", v))]
+            "--enable-prefix-caching", *(x for k, v in VLLM_FLAGS.items() for x in (f"--{k}", v)),
+            "--kv-cache-memory-bytes", str(args.kv_bytes)]
     log = tmp / "vllm-server.log"
     server = spawn(argv, {}, log, exits)
     api = f"http://127.0.0.1:{port}"
@@ -660,6 +661,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", type=Path, default=None, help="--engine vllm: model directory (default: built)")
     parser.add_argument("--shape", choices=("tiny", "92m"), default="tiny",
                         help="--engine vllm without --model: the random Llama tests/tiny_model.py builds")
+    parser.add_argument("--kv-bytes", type=int, default=None,
+                        help="--engine vllm: KV cache bytes, both servers (default: 128 MiB tiny, 1 GiB 92m)")
     parser.add_argument("--pin-engine", type=int, metavar="CPU", default=None,
                         help="CPU hosts: vLLM's compute threads on this core, everything else on the others "
                              "(the analogue of a GPU host); the engine processes' CPU lists are reported")
@@ -668,6 +671,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--postgres", default="postgresql://postgres@127.0.0.1:5432/postgres")
     parser.add_argument("--redis", default="redis://127.0.0.1:6379", help="Redis server (a free db is used)")
     args = parser.parse_args()
+    if args.kv_bytes is None:
+        args.kv_bytes = KV_BYTES[args.shape]
     for name, value in DEFAULTS[args.engine].items():
         if getattr(args, name) is None:
             setattr(args, name, value)

@@ -229,20 +229,22 @@ def start_vllm_server(args: argparse.Namespace, exits: contextlib.ExitStack, tmp
 
 
 def engine_cpus() -> str:
-    """The CPUs each vLLM engine-core process's threads may run on (`taskset -p` of each thread):
-    an inherited mask would silently defeat VLLM_CPU_OMP_THREADS_BIND."""
+    """The CPUs the threads of each vLLM engine process may run on (`taskset -p` of each thread):
+    an inherited mask would silently defeat VLLM_CPU_OMP_THREADS_BIND. vLLM's server runs the
+    model in a `VLLM::Worker` child of its `VLLM::EngineCore`; a Sluice worker runs it inside the
+    engine core (one process less). Linux cuts a process name at 15 characters."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError):
             comm = Path(f"/proc/{pid}/comm").read_text().strip()
-            if "EngineCore" not in comm:
+            if not comm.startswith(("VLLM::EngineCor", "VLLM::Worker")):
                 continue
-            lists = set()
+            lists: dict[str, int] = {}
             for task in os.listdir(f"/proc/{pid}/task"):
                 status = Path(f"/proc/{pid}/task/{task}/status").read_text()
-                lists.add(next(line.split()[1] for line in status.splitlines()
-                               if line.startswith("Cpus_allowed_list:")))
-            found.append(f"{pid} ({comm}): {', '.join(sorted(lists))}")
+                cpus = next(line.split()[1] for line in status.splitlines() if line.startswith("Cpus_allowed_list:"))
+                lists[cpus] = lists.get(cpus, 0) + 1
+            found.append(f"{pid} {comm}: " + ", ".join(f"{n} threads on CPU {c}" for c, n in sorted(lists.items())))
     return "; ".join(found)
 
 

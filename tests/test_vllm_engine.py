@@ -268,3 +268,18 @@ def test_after_an_overload_an_idle_vllm_platform_admits_a_default_request(vllm_s
         time.sleep(0.5)
     assert response.status_code == 202, response.get_json()
     api.wait(response.get_json()["id"], timeout=60)
+
+
+def test_the_cpus_vllm_is_told_to_bind_are_where_the_engine_core_starts():
+    from workers.engines.vllm import _build_in, bound_cpus
+
+    assert bound_cpus({}) is None and bound_cpus({"VLLM_CPU_OMP_THREADS_BIND": "auto"}) is None
+    assert bound_cpus({"VLLM_CPU_OMP_THREADS_BIND": "nobind"}) is None
+    assert bound_cpus({"VLLM_CPU_OMP_THREADS_BIND": "0,2-3|4-5"}) == {0, 2, 3}
+    # What the engine core inherits: the mask of the thread that spawns it, for the spawn only.
+    import os
+
+    mine = os.sched_getaffinity(0)
+    one = {min(mine)}
+    assert _build_in(one, lambda: os.sched_getaffinity(0)) == one
+    assert os.sched_getaffinity(0) == mine

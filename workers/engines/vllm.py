@@ -59,6 +59,37 @@ def _first_token_time(out: Any) -> float | None:
     return metrics.arrival_time + metrics.first_token_latency
 
 
+def bound_cpus(environ=os.environ) -> set[int] | None:
+    """The CPUs ``VLLM_CPU_OMP_THREADS_BIND`` names for the engine ("0", "0-3", "0,2"; the first
+    rank's list), or None when it names none ("auto", "nobind", unset)."""
+    value = environ.get("VLLM_CPU_OMP_THREADS_BIND", "").split("|")[0].strip()
+    if value in ("", "auto", "nobind"):
+        return None
+    cpus: set[int] = set()
+    for part in value.split(","):
+        low, _, high = part.strip().partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def _build_in(cpus: set[int] | None, build):
+    """Run ``build`` (which spawns vLLM's engine-core process) with this thread's CPU mask set to
+    ``cpus``, so the engine core starts on them; the thread's own mask is restored after.
+
+    vLLM binds its CPU threads only in its multiprocess executor. A Sluice worker runs the model
+    inside the engine-core process (VLLM_ENABLE_V1_MULTIPROCESSING=0), which no binding reaches:
+    it would inherit the worker's mask and share the cores of the web tier and the worker's own
+    threads, whatever VLLM_CPU_OMP_THREADS_BIND says."""
+    if not cpus:
+        return build()
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        return build()
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 class _StatsProbe(StatLoggerBase):
     """vLLM calls ``record`` on the event loop after each step; it copies what Sluice shows."""
 
@@ -119,8 +150,11 @@ class VllmEngine(Engine):
             disable_log_stats=True)
         # Built in a thread: loading takes seconds to minutes and the loop must keep answering
         # the watchdog meanwhile.
-        self._llm = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: AsyncLLM.from_engine_args(args, stat_loggers=[lambda cfg, idx: _StatsProbe(self)]))
+        from vllm.platforms import current_platform
+
+        cpus = bound_cpus() if current_platform.is_cpu() else None
+        self._llm = await asyncio.get_running_loop().run_in_executor(None, lambda: _build_in(
+            cpus, lambda: AsyncLLM.from_engine_args(args, stat_loggers=[lambda cfg, idx: _StatsProbe(self)])))
         cache = self._llm.vllm_config.cache_config
         self._kv_capacity = (cache.num_gpu_blocks or 0) * cache.block_size
         log.info("vLLM engine ready: model %s, KV capacity %d tokens", c.model_name, self._kv_capacity)

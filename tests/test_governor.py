@@ -58,13 +58,13 @@ def test_the_tightest_pace_in_the_engine_sets_the_limit_and_recent_traffic_keeps
     # Nothing seen: the default pace (1 s a token) allows the whole engine.
     assert governor.limit() == 256
     # 32 tokens in 5 s: a step may take 0.7 × 5/32 s = 109 ms → (0.109 − 0.010) / 0.0015 = 66 sequences.
-    governor.enter("calm", batch=False, deadline_in_s=5.0, max_tokens=32)
+    governor.enter("calm", batch=False, deadline_s=5.0, max_tokens=32)
     assert governor.limit() == 66
     # A batch request's hours-long deadline constrains nothing.
-    governor.enter("bulk", batch=True, deadline_in_s=3600.0, max_tokens=512)
+    governor.enter("bulk", batch=True, deadline_s=3600.0, max_tokens=512)
     assert governor.limit() == 66
     # 64 tokens in 4 s: 0.7 × 62.5 ms = 43.75 ms → 22 sequences. The tightest decides.
-    governor.enter("tight", batch=False, deadline_in_s=4.0, max_tokens=64)
+    governor.enter("tight", batch=False, deadline_s=4.0, max_tokens=64)
     assert governor.limit() == 22
     governor.leave("tight")
     governor.leave("calm")
@@ -74,7 +74,7 @@ def test_the_tightest_pace_in_the_engine_sets_the_limit_and_recent_traffic_keeps
     assert governor.limit() == 256, "a minute later only the batch request (and the default) remain"
     # 256 tokens in 1 s needs 2.7 ms steps, shorter than one sequence's 11.5 ms: it cannot finish
     # whatever the limit, so it throttles nobody.
-    governor.enter("hopeless", batch=False, deadline_in_s=1.0, max_tokens=256)
+    governor.enter("hopeless", batch=False, deadline_s=1.0, max_tokens=256)
     assert governor.limit() == 256, "the default pace (1 s a token) stands for the realtime traffic"
 
 
@@ -83,12 +83,12 @@ def test_batch_yields_and_is_preempted_newest_first_while_realtime_waits():
     governor = Governor(cpu_curve(c=0.0), max_seqs=8, default_pace_s=10.0, clock=clock)
     for i in range(8):
         clock.now += 1
-        governor.enter(f"b{i}", batch=True, deadline_in_s=3600.0, max_tokens=256)
+        governor.enter(f"b{i}", batch=True, deadline_s=3600.0, max_tokens=256)
     assert not governor.batch_yields(0) and governor.preempt(0) == []
     assert governor.batch_yields(2)
     assert governor.preempt(2) == ["b7", "b6"], "room for the two realtime requests waiting, newest batch out"
     # A tight realtime request in the engine lowers the limit: batch over it leaves.
-    governor.enter("rt", batch=False, deadline_in_s=0.5, max_tokens=16)  # 21.9 ms steps → 7 sequences
+    governor.enter("rt", batch=False, deadline_s=0.5, max_tokens=16)  # 21.9 ms steps → 7 sequences
     assert governor.limit() == 7
     assert governor.preempt(0) == ["b7", "b6"]
 
@@ -221,16 +221,30 @@ def test_a_starved_engine_is_slow_not_hung_and_the_watchdog_lets_it_finish(datab
         services(application).db.dispose()
 
 
-def test_batch_in_a_full_engine_makes_room_for_realtime_and_still_finishes(cpu_stack):
-    application, client, worker = cpu_stack
-    limit = worker.wait_stats(lambda s: "engine_limit" in s)["engine_limit"]
-    batch = burst(client, limit + 12, priority="batch", max_tokens=96)
-    assert all(r.status_code == 202 for r in batch)
-    worker.wait_stats(lambda s: s.get("batch_in_flight", 0) >= s.get("engine_limit", limit), timeout=20)
-    realtime = client.submit(prompt="let me in", max_tokens=8, ignore_eos=True)
-    view = client.wait(realtime.get_json()["id"], timeout=60)
-    assert view["status"] == "succeeded", view
-    rows = wait_terminal(application, [r.get_json()["id"] for r in batch])
-    assert {r.status for r in rows} == {Status.SUCCEEDED}, "preempted batch work is requeued and finishes"
-    assert max(r.attempts for r in rows) <= 1, "a preemption spends no attempt"
-    assert "preempting" in worker.log_path.read_text(), "realtime found the engine full of batch work"
+def test_batch_in_a_full_engine_makes_room_for_realtime_and_still_finishes(database_url, scratch_redis_url,
+                                                                          new_client, tmp_path):
+    from web import create_app
+
+    # Eight threads, every one of them open to batch work: the in-engine limit is the thread count
+    # (the deadlines would allow ~20), so eight long batch requests fill the engine and no slot
+    # frees on its own for ~10 s. A realtime request must get in by preemption.
+    env = {**CPU, "SLUICE_WORKER_REALTIME_THREADS": "0"}
+    application = create_app(make_settings(database_url, scratch_redis_url, env))
+    worker = WorkerProcess(database_url, scratch_redis_url, tmp_path, concurrency=8, extra_env=env)
+    try:
+        client = new_client(application)
+        assert worker.wait_stats(lambda s: "engine_limit" in s)["engine_limit"] == 8
+        batch = burst(client, 8, priority="batch", max_tokens=400)
+        assert all(r.status_code == 202 for r in batch)
+        full = worker.wait_stats(lambda s: s.get("batch_in_flight", 0) == 8, timeout=20)
+        assert full["batch_in_flight"] == 8, full
+        realtime = client.submit(prompt="let me in", max_tokens=8, ignore_eos=True)
+        view = client.wait(realtime.get_json()["id"], timeout=60)
+        assert view["status"] == "succeeded", view
+        rows = wait_terminal(application, [r.get_json()["id"] for r in batch])
+        assert {r.status for r in rows} == {Status.SUCCEEDED}, "preempted batch work is requeued and finishes"
+        assert max(r.attempts for r in rows) <= 1, "a preemption spends no attempt"
+        assert "preempting 1 batch request(s) for realtime" in worker.log_path.read_text()
+    finally:
+        worker.stop()
+        services(application).db.dispose()

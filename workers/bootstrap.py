@@ -7,6 +7,7 @@ its engine is loaded and warmed up (a cold model never sees a user's request).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import uuid
@@ -158,11 +159,14 @@ def start_runtime(svc: Services, hostname: str, queues: list[str], threads: int 
     model = served_model(settings)
     info = {"node": hostname, "role": settings.worker_role, "model": model.name, "engine": settings.engine,
             "device": device_label(settings), "queues": queues, "threads": threads or settings.worker_threads}
-    # Traffic not seen yet is taken to be the realtime class's defaults: its deadline for its max_tokens.
+    # Realtime traffic not seen yet is taken to be its class's defaults: its deadline for its
+    # max_tokens. A worker that serves no realtime queue has none to expect.
+    serves_realtime = any(q.startswith("realtime.") for q in queues)
     # A request past the engine's own batch cap would wait inside the engine, where no promise sees it.
     cap = settings.vllm_max_num_seqs if settings.engine == "vllm" else info["threads"]
     governor = Governor(StepCurve(), max_seqs=min(info["threads"], cap),
-                        default_pace_s=settings.realtime_deadline_s / settings.default_max_tokens)
+                        default_pace_s=(settings.realtime_deadline_s / settings.default_max_tokens
+                                        if serves_realtime else math.inf))
     runtime = EngineRuntime(load_engine(settings, model), svc.redis, worker_id,
                             heartbeat_s=settings.worker_heartbeat_s,
                             dead_after_s=settings.worker_dead_after_s,

@@ -87,7 +87,8 @@ def run(lifecycle: Lifecycle, runtime: EngineRuntime, claimed: Claimed, claimed_
     """Run a claimed request in the engine and write its outcome; a success goes into the cache."""
     request_id = claimed.id
     try:
-        result = runtime.run(generation_request(claimed), claimed.time_limit_s, claimed.deadline_in_s)
+        whole = None if claimed.deadline_in_s is None else claimed.deadline_in_s + claimed.queue_wait_s
+        result = runtime.run(generation_request(claimed), claimed.time_limit_s, claimed.deadline_in_s, whole)
     except Exception:
         log.exception("engine error")
         with_db_retries(lambda: lifecycle.finish(request_id, runtime.worker_id, lc.ENGINE_ERROR))

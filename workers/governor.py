@@ -9,8 +9,9 @@ request starts at once, then crawls, and the wait the promise at arrival watches
 So the worker learns its engine's **step curve** (:class:`StepCurve`: a step's time against the
 sequences in it and the prompt tokens it prefills, fitted online from every step the engine
 reports, with older steps forgotten) and the :class:`Governor` keeps in the engine only as many
-requests as let each of them still finish by its deadline: a request that has ``d`` seconds for
-``m`` tokens needs a step at most ``d / m`` long (its *pace*), so the tightest pace among the
+requests as let each of them finish by its deadline: a request admitted with a deadline of ``d``
+seconds for ``m`` tokens needs a step at most ``d / m`` long (its *pace*; the whole deadline, not
+what a queue wait left of it: the promise at arrival counts the wait), so the tightest pace among the
 requests in flight, and among those that entered in the last ``MEMORY_S`` (the traffic that is
 coming), caps the step time and with it the number of sequences. The excess stays in the broker,
 where the promise at arrival sees it as queued work and refuses what cannot be served in time.
@@ -162,9 +163,9 @@ class Governor:
         self._recent: deque[tuple[float, float]] = deque()  # (entered, pace) of recent realtime entries
         self._lock = threading.Lock()
 
-    def enter(self, request_id: str, *, batch: bool, deadline_in_s: float | None, max_tokens: int) -> None:
+    def enter(self, request_id: str, *, batch: bool, deadline_s: float | None, max_tokens: int) -> None:
         now = self.clock()
-        pace = math.inf if deadline_in_s is None else max(0.0, deadline_in_s) / max(1, max_tokens)
+        pace = math.inf if deadline_s is None else max(0.0, deadline_s) / max(1, max_tokens)
         with self._lock:
             self._in_engine[request_id] = _Entry(pace, batch, now, max(1, max_tokens))
             if not batch and math.isfinite(pace):

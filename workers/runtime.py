@@ -178,9 +178,15 @@ class EngineRuntime:
 
     # ------------------------------------------------------------------ requests
 
-    def run(self, request: GenerationRequest, time_limit_s: float, deadline_in_s: float | None = None) -> RunResult:
+    def run(self, request: GenerationRequest, time_limit_s: float, deadline_in_s: float | None = None,
+            deadline_s: float | None = None) -> RunResult:
         """Run ``request`` to completion; abort it on cancel, on its time limit (``timeout``) or at
-        its deadline when that comes first (``deadline``). Blocking."""
+        its deadline when that comes first (``deadline``). Blocking.
+
+        ``deadline_s`` is the whole deadline it was admitted with (creation to deadline): the pace
+        it sets for the in-engine limit. Not what is left of it: the promise at arrival already
+        counted the queue wait, and a limit set by what requests that waited have left would fall
+        with every wait, slowing the engine's throughput just when a queue forms."""
         rid = request.request_id
         limit, ends_as = time_limit_s, "timeout"
         if deadline_in_s is not None and deadline_in_s < time_limit_s:
@@ -191,8 +197,9 @@ class EngineRuntime:
             self._in_flight.add(rid)
             if request.priority > 0:
                 self._batch_in_flight.add(rid)
+        budget = deadline_s if deadline_s is not None else deadline_in_s
         self.governor.enter(rid, batch=request.priority > 0, max_tokens=request.params.max_tokens,
-                            deadline_in_s=deadline_in_s if deadline_in_s is not None else time_limit_s)
+                            deadline_s=budget if budget is not None else time_limit_s)
         try:
             if request.priority > 0 and self._prefill_per_step:
                 self._await_prefill_credit(rid, request.prompt_tokens or 1)

@@ -24,6 +24,7 @@ Contract shared by every engine:
 from __future__ import annotations
 
 import abc
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -108,6 +109,23 @@ class StepSample:
     seconds: float  # wall time the step took
     seqs: int  # sequences in the step (decoding or prefilling)
     prompt_tokens: int = 0  # prompt tokens the step prefilled
+
+
+class StepLog:
+    """The steps an engine took since its worker last asked: appended on the engine's loop, drained
+    from the governor's thread (a deque's appends and pops are atomic)."""
+
+    def __init__(self, keep: int = 4096) -> None:
+        self._steps: deque[StepSample] = deque(maxlen=keep)
+
+    def add(self, sample: StepSample) -> None:
+        self._steps.append(sample)
+
+    def drain(self) -> list[StepSample]:
+        out = []
+        while self._steps:
+            out.append(self._steps.popleft())
+        return out
 
 
 class Engine(abc.ABC):

@@ -21,11 +21,18 @@ import logging
 import math
 import random
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from workers.engines.base import Engine, EngineDead, EngineStats, GenerationOutput, GenerationRequest, StepSample
+from workers.engines.base import (
+    Engine,
+    EngineDead,
+    EngineStats,
+    GenerationOutput,
+    GenerationRequest,
+    StepLog,
+    StepSample,
+)
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +173,7 @@ class SimulatedEngine(Engine):
         self._steps = self._max_batch = self._generated = self._prompt = self._aborted = 0
         self._preemptions = 0
         self._last_batch, self._last_step_ms, self._sim_time_s = 0, 0.0, 0.0
-        self._samples: deque[StepSample] = deque(maxlen=4096)
+        self._step_log = StepLog()
 
     async def start(self) -> None:
         """Start the engine loop on the running event loop; idempotent."""
@@ -246,10 +253,7 @@ class SimulatedEngine(Engine):
         return self._in_step
 
     def step_samples(self) -> list[StepSample]:
-        out = []
-        while self._samples:
-            out.append(self._samples.popleft())
-        return out
+        return self._step_log.drain()
 
     async def shutdown(self) -> None:
         """Abort everything in flight, then stop the loop task; idempotent."""
@@ -272,7 +276,7 @@ class SimulatedEngine(Engine):
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                cost = self._cost(batch)
+                cost, prefill = self._cost(batch)
                 if self._wedge_at is not None and time.monotonic() >= self._wedge_at:
                     log.error("simulated engine wedged (SLUICE_SIM_WEDGE_AFTER_S): the loop blocks now")
                     while True:
@@ -286,7 +290,10 @@ class SimulatedEngine(Engine):
                     await asyncio.sleep(took)
                 finally:
                     self._in_step = False
-                self._update(batch, cost, time.monotonic() - began)
+                # The wall time the step took, as a real engine's would be measured: on a loaded
+                # host the loop oversleeps, and the worker's step curve should see that.
+                self._step_log.add(StepSample(time.monotonic() - began, len(batch), prefill))
+                self._update(batch, cost)
         except Exception:  # fan the failure out so no consumer hangs
             log.exception("simulated engine loop failed")
             for seq in list(self._seqs.values()):
@@ -339,23 +346,18 @@ class SimulatedEngine(Engine):
             budget -= n
         return batch
 
-    def _cost(self, batch: list[tuple[_Seq, int]]) -> float:
+    def _cost(self, batch: list[tuple[_Seq, int]]) -> tuple[float, int]:
+        """The step's cost in real-GPU seconds, and the prompt tokens it prefills."""
         decode = sum(1 for seq, n in batch if n == 1 and seq.num_computed >= seq.prompt_tokens)
-        tokens = sum(n for _, n in batch)
+        prefill = sum(n for _, n in batch) - decode
         context = sum(seq.num_computed for seq, _ in batch)
-        return step_time_s(self.config, decode_seqs=decode, prefill_tokens=tokens - decode,
-                           context_tokens=context)
+        return step_time_s(self.config, decode_seqs=decode, prefill_tokens=prefill, context_tokens=context), prefill
 
-    def _update(self, batch: list[tuple[_Seq, int]], cost: float, took_s: float) -> None:
+    def _update(self, batch: list[tuple[_Seq, int]], cost: float) -> None:
         self._steps += 1
         self._last_batch, self._last_step_ms = len(batch), cost * 1e3
         self._max_batch = max(self._max_batch, len(batch))
         self._sim_time_s += cost
-        decode = sum(1 for seq, n in batch if n == 1 and seq.num_computed >= seq.prompt_tokens)
-        # The wall time the step took, as a real engine's would be measured: on a loaded host the
-        # loop oversleeps, and the worker's step curve should see that.
-        self._samples.append(StepSample(took_s, len(batch),
-                                        sum(n for _, n in batch) - decode))
         for seq, n in batch:
             if seq.state != "running":  # aborted while the step was executing
                 continue

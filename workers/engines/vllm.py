@@ -15,12 +15,19 @@ import asyncio
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from workers.engines.base import Engine, EngineDead, EngineStats, GenerationOutput, GenerationRequest, StepSample
+from workers.engines.base import (
+    Engine,
+    EngineDead,
+    EngineStats,
+    GenerationOutput,
+    GenerationRequest,
+    StepLog,
+    StepSample,
+)
 
 # Keep the model inside vLLM's engine-core process instead of a third worker process: on one
 # device that saves a process and ~1 GB. Must be set before vllm is imported.
@@ -104,7 +111,7 @@ class _StatsProbe(StatLoggerBase):
             now = time.monotonic()
             if e._last_record is not None and e._running > 0 and scheduler_stats.num_running_reqs > 0:
                 prompt = iteration_stats.num_prompt_tokens if iteration_stats is not None else 0
-                e._samples.append(StepSample(now - e._last_record, scheduler_stats.num_running_reqs, prompt))
+                e._step_log.add(StepSample(now - e._last_record, scheduler_stats.num_running_reqs, prompt))
             e._last_record = now
             e._steps += 1
             e._running = scheduler_stats.num_running_reqs
@@ -137,7 +144,7 @@ class VllmEngine(Engine):
         self._kv_usage = 0.0
         self._last_record: float | None = None
         self._core_cpu_s: float | None = None
-        self._samples: deque[StepSample] = deque(maxlen=4096)
+        self._step_log = StepLog()
 
     async def start(self) -> None:
         c = self.config
@@ -243,10 +250,7 @@ class VllmEngine(Engine):
         return None if before is None else used > before + 0.01
 
     def step_samples(self) -> list[StepSample]:
-        out = []
-        while self._samples:
-            out.append(self._samples.popleft())
-        return out
+        return self._step_log.drain()
 
     async def shutdown(self) -> None:
         llm, self._llm = self._llm, None

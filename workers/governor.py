@@ -206,10 +206,10 @@ class Governor:
         budget = self.safety * self.pace_s()
         if not math.isfinite(budget):
             return self.max_seqs
-        a, b, _ = coef
-        base = self.curve.step_s(0) or a  # a step's fixed part plus its usual prefill share
+        b = coef[1]
         if b <= 0:
             return self.max_seqs
+        base = self.curve.step_s(0)  # a step's fixed part plus its usual prefill share
         return max(1, min(self.max_seqs, int((budget - base) / b)))
 
     def slot_wait_s(self, limit: int) -> float:
@@ -222,9 +222,6 @@ class Governor:
         if len(entries) < limit or not entries or step is None:
             return 0.0
         return statistics.fmean(e.tokens for e in entries) / 2 * step / limit
-
-    def seq_tps_at(self, seqs: int) -> float | None:
-        return self.curve.seq_tps(seqs)
 
     def batch_yields(self, realtime_queued: int) -> bool:
         """Batch work stops entering this engine while realtime waits for it: realtime is queued

@@ -43,7 +43,7 @@ from core.delivery.streams import TokenSink
 from core.rediskeys import cancel_key, node_key, worker_key
 from workers.engines import Engine, GenerationOutput, GenerationRequest, SamplingParams
 from workers.engines.base import EngineDead
-from workers.governor import Governor, StepCurve
+from workers.governor import Governor
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,8 @@ class EngineRuntime:
 
     def __init__(self, engine: Engine, redis_client: redis.Redis, worker_id: str, *,
                  heartbeat_s: float, dead_after_s: float, cancel_poll_s: float,
-                 watchdog_s: float = 30.0, info: dict | None = None, batch_prefill_per_step: int | None = None,
-                 governor: Governor | None = None) -> None:
+                 governor: Governor, watchdog_s: float = 30.0, info: dict | None = None,
+                 batch_prefill_per_step: int | None = None) -> None:
         self.engine = engine
         self.worker_id = worker_id
         self._redis = redis_client
@@ -93,7 +93,6 @@ class EngineRuntime:
         self.info = info or {}  # static facts for /readyz: node, role, model, device, queues
         self._loop = asyncio.new_event_loop()
         self._in_flight: set[str] = set()
-        self._batch_in_flight: set[str] = set()  # those of batch priority: threads realtime cannot use
         self._cancelled: set[str] = set()
         self._handed_back: set[str] = set()  # aborted by a stop: requeued, not ended
         self.draining = threading.Event()  # told to stop: take no new request
@@ -109,13 +108,13 @@ class EngineRuntime:
         self._prefill_credit = 0.0
         self._credit_steps: int | None = None
         self._sink: TokenSink | None = None  # token increments of streaming requests, to Redis
-        threads = int(self.info.get("threads") or 1)
-        self.governor = governor or Governor(StepCurve(), max_seqs=threads, default_pace_s=30.0 / 256)
+        self.governor = governor  # also knows which requests in flight are batch work
         self.on_limit = lambda limit: None  # the worker sets its prefetch count here
         self.limit = self.governor.max_seqs
         self._batch_open = True
         self._preempted: set[str] = set()
         self._slowest_step_s = 0.0
+        self._realtime_queues = [q for q in self.info.get("queues", ()) if q.startswith("realtime.")]
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -195,11 +194,8 @@ class EngineRuntime:
             if self._handing_back:  # claimed in the instant the stop ran out: never started
                 return RunResult(None, None, "shutdown")
             self._in_flight.add(rid)
-            if request.priority > 0:
-                self._batch_in_flight.add(rid)
-        budget = deadline_s if deadline_s is not None else deadline_in_s
         self.governor.enter(rid, batch=request.priority > 0, max_tokens=request.params.max_tokens,
-                            deadline_s=budget if budget is not None else time_limit_s)
+                            deadline_s=next((d for d in (deadline_s, deadline_in_s) if d is not None), time_limit_s))
         try:
             if request.priority > 0 and self._prefill_per_step:
                 self._await_prefill_credit(rid, request.prompt_tokens or 1)
@@ -224,7 +220,6 @@ class EngineRuntime:
             self.governor.leave(rid)
             with self._lock:
                 self._in_flight.discard(rid)
-                self._batch_in_flight.discard(rid)
                 self._cancelled.discard(rid)
                 self._handed_back.discard(rid)
                 self._preempted.discard(rid)
@@ -244,7 +239,7 @@ class EngineRuntime:
                                                + (steps - self._credit_steps) * self._prefill_per_step)
                 self._credit_steps = steps
                 if (rid in self._cancelled or self._handing_back or self._prefill_credit > 0
-                        or len(self._in_flight) == len(self._batch_in_flight)):
+                        or self.realtime_in_flight() == 0):
                     # A debt is bounded: a burst admitted while realtime was idle stalls batch work
                     # beside the next realtime request for at most 64 steps.
                     self._prefill_credit = max(-burst, self._prefill_credit - prompt_tokens)
@@ -264,8 +259,8 @@ class EngineRuntime:
 
     def realtime_in_flight(self) -> int:
         """Requests of realtime priority this worker runs now (claimed, not finished)."""
-        with self._lock:
-            return len(self._in_flight) - len(self._batch_in_flight)
+        total, batch = self.governor.in_engine()
+        return total - batch
 
     def drain(self, grace_s: float) -> None:
         """Stop: take nothing new, let what runs finish for ``grace_s``, then hand the rest back.
@@ -417,12 +412,11 @@ class EngineRuntime:
         """Realtime messages waiting in the broker on the realtime queues this worker reads: the
         broker's own lists, not the class counters (those can drift between the monitor's
         re-counts, and a stale count must never keep batch work out)."""
-        queues = [q for q in self.info.get("queues", ()) if q.startswith("realtime.")]
-        if not queues:
+        if not self._realtime_queues:
             return 0
         try:
             with self._redis.pipeline(transaction=False) as pipe:
-                for queue in queues:
+                for queue in self._realtime_queues:
                     pipe.llen(queue)
                 return sum(int(n or 0) for n in pipe.execute())
         except redis.RedisError:
@@ -458,15 +452,14 @@ class EngineRuntime:
 
     def engine_view(self) -> dict:
         """What the heartbeat reports of the limit: the monitor's promise is computed from it."""
-        in_flight = self.in_flight()
-        seq_tps = self.governor.seq_tps_at(max(1, self.limit))
-        coef = self.governor.curve.coefficients()
-        view = {"engine_limit": self.limit, "room": max(0, self.limit - in_flight),
+        view = {"engine_limit": self.limit, "room": max(0, self.limit - self.in_flight()),
                 "slot_wait_s": round(self.governor.slot_wait_s(self.limit), 3),
                 "batch_open": self._batch_open, "pace_ms": round(self.governor.pace_s() * 1e3, 2)}
-        if seq_tps is not None and coef is not None:
+        curve = self.governor.curve
+        coef = curve.coefficients()
+        if coef is not None:
             # Each sequence's speed at the limit: the slowest a request admitted now will run.
-            view.update(limit_seq_tps=round(seq_tps, 3), idle_seq_tps=round(self.governor.seq_tps_at(1) or 0, 3),
+            view.update(limit_seq_tps=round(curve.seq_tps(self.limit), 3), idle_seq_tps=round(curve.seq_tps(1), 3),
                         step_ms=[round(coef[0] * 1e3, 3), round(coef[1] * 1e3, 4), round(coef[2] * 1e6, 2)])
         return view
 
@@ -486,7 +479,7 @@ class EngineRuntime:
             try:
                 stats = asdict(engine_stats)
                 stats.update(self.info, worker=self.worker_id, in_flight=len(self._in_flight),
-                             batch_in_flight=len(self._batch_in_flight),
+                             batch_in_flight=self.governor.in_engine()[1],
                              cold_start_s=self.cold_start_s, seq_tps=self.seq_tps, at=time.time(),
                              **self.engine_view())
                 ttl = max(1, int(self._dead_after_s))

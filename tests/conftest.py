@@ -196,6 +196,20 @@ def tenant_id(db) -> uuid.UUID:
         return tenant.id
 
 
+def admitted_once_idle(client, worker, monitor, within_s: float = 10.0):
+    """The response to a default request submitted once ``worker`` has nothing in flight and
+    ``monitor`` published that; retried until one is accepted or ``within_s`` passed (no idle
+    lock-out: a platform that went idle lets the next default request in)."""
+    began = time.monotonic()
+    while True:
+        worker.wait_stats(lambda s: s.get("in_flight") == 0)
+        monitor.tick()
+        response = client.submit(prompt="hello there")
+        if response.status_code == 202 or time.monotonic() - began > within_s:
+            return response
+        time.sleep(0.5)
+
+
 def wait_until_running(up: subprocess.Popen, log_path: Path, timeout_s: float = 240) -> None:
     """Until `sluice up` (its output in ``log_path``) says it is running; fails if it stops."""
     deadline = time.monotonic() + timeout_s

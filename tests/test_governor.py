@@ -8,7 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import ApiClient, WorkerProcess, make_settings
+from conftest import ApiClient, WorkerProcess, admitted_once_idle, make_settings
 from sqlalchemy import select
 
 from models import InferenceRequest, Status
@@ -187,14 +187,7 @@ def test_an_idle_platform_admits_a_default_request_after_an_overload(cpu_stack):
     assert refused and ids, "an overload the promise saw: some requests refused at once, some served"
     assert all(r.get_json()["error"]["details"]["reason"] == "deadline" for r in refused)
     wait_terminal(application, ids)
-    began = time.monotonic()
-    while True:  # idle now: the next snapshot must let a default request in
-        worker.wait_stats(lambda s: s.get("in_flight") == 0)
-        monitor.tick()
-        response = client.submit(prompt="hello there")
-        if response.status_code == 202 or time.monotonic() - began > 10:
-            break
-        time.sleep(0.5)
+    response = admitted_once_idle(client, worker, monitor)
     assert response.status_code == 202, response.get_json()
 
 

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TERMINAL, WorkerProcess, make_settings, sse_events
+from conftest import ROOT, TERMINAL, WorkerProcess, admitted_once_idle, make_settings, sse_events
 
 from web.services import services
 
@@ -258,14 +258,7 @@ def test_after_an_overload_an_idle_vllm_platform_admits_a_default_request(vllm_s
         api.wait(request_id, timeout=120)
     snapshot = [c for c in monitor.tick() if c.priority == "realtime"][0]
     assert snapshot.seq_tps > 0 and snapshot.drain_tps > 0, "the promise is in force, with speeds learned under load"
-    began = time.monotonic()
-    while True:  # idle: the next snapshot lets a default request in
-        engine.wait_stats(lambda s: s.get("in_flight") == 0)
-        monitor.tick()
-        response = api.submit(prompt="hello there")
-        if response.status_code == 202 or time.monotonic() - began > 10:
-            break
-        time.sleep(0.5)
+    response = admitted_once_idle(api, engine, monitor)
     assert response.status_code == 202, response.get_json()
     api.wait(response.get_json()["id"], timeout=60)
 

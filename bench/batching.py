@@ -216,17 +216,17 @@ def main() -> int:
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/13")
     args = parser.parse_args()
     if args.pin_engine is not None:
-        others = os.sched_getaffinity(0) - {args.pin_engine}
-        if args.pin_engine not in os.sched_getaffinity(0) or not others:
-            parser.error(f"--pin-engine {args.pin_engine}: needs that core and at least one other")
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(args.pin_engine)  # inherited by every engine
-        os.sched_setaffinity(0, others)  # and by every process started from here
+        from launcher.harness import pin_engine
+
+        try:
+            pin_engine(args.pin_engine)
+        except ValueError as exc:
+            parser.error(str(exc))
 
     if args.model is None:
-        from tiny_model import build_tiny_model
+        from tiny_model import cached_model
 
-        name = "tiny-llama" if args.shape == "tiny" else f"llama-{args.shape}"
-        args.model = build_tiny_model(ROOT / ".cache" / name, args.shape)
+        args.model = cached_model(ROOT / ".cache", args.shape)
     items = prompts(args.n)
     print(f"Sluice requests state deadline_s {args.deadline:g} (realtime priority, temperature 0)", flush=True)
     runs: dict[str, list[float]] = {"offline": [], "asyncllm": [], "sluice": [], "serial": []}

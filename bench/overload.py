@@ -103,7 +103,7 @@ from users import Arrivals, Http, Question, SluiceFront, VllmFront, batch_job, r
 from core.settings import Settings  # noqa: E402
 from launcher.argv import monitor_argv, web_argv  # noqa: E402
 from launcher.database import upgrade_database  # noqa: E402
-from launcher.harness import BeatProcess, WorkerProcess, free_redis_db, scratch_database  # noqa: E402
+from launcher.harness import BeatProcess, WorkerProcess, free_redis_db, pin_engine, scratch_database  # noqa: E402
 
 SETUPS = ("sluice", "sluice-defaults", "sluice-ladder-off", "vllm-server")
 PHASES = (("warm", 0.8, 60.0), ("spike", 3.0, 120.0), ("after", 0.8, 60.0))
@@ -692,16 +692,14 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     if args.engine == "vllm" and args.model is None:
-        from tiny_model import build_tiny_model
+        from tiny_model import cached_model
 
-        name = "tiny-llama" if args.shape == "tiny" else f"llama-{args.shape}"
-        args.model = build_tiny_model(ROOT / ".cache" / name, args.shape)
+        args.model = cached_model(ROOT / ".cache", args.shape)
     if args.pin_engine is not None:
-        others = os.sched_getaffinity(0) - {args.pin_engine}
-        if args.pin_engine not in os.sched_getaffinity(0) or not others:
-            raise SystemExit(f"--pin-engine {args.pin_engine}: needs that core and at least one other")
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(args.pin_engine)  # inherited by every engine
-        os.sched_setaffinity(0, others)  # and by every process started from here
+        try:
+            pin_engine(args.pin_engine)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
     # SIGTERM unwinds like Ctrl-C, so every process is stopped and every database dropped (SIGINT
     # too, explicitly: a shell starts background jobs with it ignored).
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -30,6 +30,18 @@ ROOT = Path(__file__).resolve().parent.parent
 SLUICE = [sys.executable, "-m", "launcher.cli"]
 
 
+def pin_engine(cpu: int) -> None:
+    """A CPU host standing in for a GPU host: vLLM's engine on core ``cpu`` alone, every process
+    started from here afterwards (web tier, workers, their frontends) on the other cores. Raises
+    ValueError without that core and at least one other."""
+    mine = os.sched_getaffinity(0)
+    others = mine - {cpu}
+    if cpu not in mine or not others:
+        raise ValueError(f"--pin-engine {cpu}: needs that core and at least one other")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)  # inherited by every engine
+    os.sched_setaffinity(0, others)  # and by every process started from here
+
+
 def with_database(url: str, name: str) -> str:
     """``url`` pointing at database ``name`` on the same server."""
     return urlunsplit(urlsplit(url)._replace(path="/" + name))

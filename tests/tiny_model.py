@@ -183,6 +183,11 @@ def _build_model(out: Path, tok, shape: str) -> None:
             hf_logging.enable_progress_bar()
 
 
+def cached_model(cache: Path, shape: str = "tiny") -> Path:
+    """The model of ``shape``, built once under ``cache`` (tiny-llama, llama-92m) and reused."""
+    return build_tiny_model(Path(cache) / ("tiny-llama" if shape == "tiny" else f"llama-{shape}"), shape)
+
+
 def build_tiny_model(directory: Path, shape: str = "tiny") -> Path:
     """Build (or reuse) the model of ``shape`` (a key of SHAPES) in ``directory``; its path.
 

@@ -149,21 +149,13 @@ def test_a_burst_enters_the_engine_only_as_far_as_its_deadlines_allow(cpu_stack)
     assert 4 <= limit < 64, f"the compute-bound engine's limit for 32 tokens in 2 s: {worker.stats()}"
     responses = burst(client, 64)  # no monitor: nothing is refused, the limit alone holds the engine
     assert all(r.status_code == 202 for r in responses), [r.get_json() for r in responses if r.status_code != 202]
-    limits = [limit]
     ids = [r.get_json()["id"] for r in responses]
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        limits.append(worker.stats().get("engine_limit", limit))
-        with services(application).db.session() as session:
-            if session.query(InferenceRequest).filter(InferenceRequest.id.in_(ids),
-                                                      InferenceRequest.status.in_((Status.QUEUED, Status.RUNNING))
-                                                      ).count() == 0:
-                break
-        time.sleep(0.2)
     rows = wait_terminal(application, ids)
     stats = worker.stats()
     # The warm-up burst ran 16 sequences together; the 64 requests never ran more than the limit.
-    assert stats["max_batch_seen"] <= max(16, *limits) < 64, (stats, limits)
+    # The limit moves with every step learned (a heartbeat shows one value of it a second), so the
+    # engine is held to the highest limit the governor set, which the worker reports.
+    assert stats["max_batch_seen"] <= max(16, stats["engine_limit_peak"]) < 64, stats
     # What did not fit waited in the queue, where the promise sees it, and expired there unrun.
     statuses = {r.status for r in rows}
     assert statuses <= {Status.SUCCEEDED, Status.EXPIRED}, statuses

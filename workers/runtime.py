@@ -111,6 +111,9 @@ class EngineRuntime:
         self.governor = governor  # also knows which requests in flight are batch work
         self.on_limit = lambda limit: None  # the worker sets its prefetch count here
         self.limit = self.governor.max_seqs
+        # The highest limit governed since start: the engine never holds more than this (a lowered
+        # limit takes nobody out; those in the engine finish), so max_batch_seen is checked against it.
+        self.limit_peak = 0
         self._batch_open = True
         self._preempted: set[str] = set()
         self._slowest_step_s = 0.0
@@ -428,7 +431,7 @@ class EngineRuntime:
         limit = self.governor.limit()
         if limit != self.limit:
             log.info("in-engine limit %d -> %d (%s)", self.limit, limit, self._curve_text())
-        self.limit = limit
+        self.limit, self.limit_peak = limit, max(self.limit_peak, limit)
         try:
             self.on_limit(limit)
         except Exception:
@@ -452,7 +455,8 @@ class EngineRuntime:
 
     def engine_view(self) -> dict:
         """What the heartbeat reports of the limit: the monitor's promise is computed from it."""
-        view = {"engine_limit": self.limit, "room": max(0, self.limit - self.in_flight()),
+        view = {"engine_limit": self.limit, "engine_limit_peak": self.limit_peak,
+                "room": max(0, self.limit - self.in_flight()),
                 "slot_wait_s": round(self.governor.slot_wait_s(self.limit), 3),
                 "batch_open": self._batch_open, "pace_ms": round(self.governor.pace_s() * 1e3, 2)}
         curve = self.governor.curve

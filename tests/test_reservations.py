@@ -67,7 +67,8 @@ def test_a_window_pauses_batch_on_shared_workers_and_resumes_after_a_scheduler_r
         realtime_class = next(c for c in view["classes"] if c["priority"] == "realtime")
         assert batch_class["workers"] == 0 and realtime_class["workers"] == 1, "a paused worker serves no batch"
         # The remote-control command reaches the worker in its own time (seconds on a loaded
-        # machine): wait until the worker itself says it reads no batch queue.
+        # machine; lost when its consumer is not listening yet, and then sent again at a later
+        # tick, as the scheduler ticks on): wait until the worker itself says it reads no batch queue.
         node = worker.stats()["node"]
         control = services(application).broker.control
         deadline = time.monotonic() + 60
@@ -77,6 +78,7 @@ def test_a_window_pauses_batch_on_shared_workers_and_resumes_after_a_scheduler_r
                 break
             assert time.monotonic() < deadline, f"{node} still reads {queues}"
             time.sleep(0.5)
+            monitor(application).tick()
         batch = client.submit(prompt="long report", max_tokens=8, priority="batch").get_json()["id"]
         answered = client.wait(client.submit(prompt="a user is waiting", max_tokens=8).get_json()["id"])
         assert answered["status"] == "succeeded"

@@ -11,7 +11,8 @@
 Users (bench/users.py) arrive open loop (Poisson). A realtime user asks a short question
 (--rt-tokens), waits at most --slo seconds (the client timeout), and when the page hangs asks
 again, up to --retries times; a refused user (429/503, with Retry-After) does not. A Sluice user
-who gives up just stops polling (closes the page; nothing is cancelled). Batch jobs
+who polls and gives up just stops polling (closes the page; nothing is cancelled); one that waits
+on the connection hangs up (which cancels its request). Batch jobs
 (--batch-tokens, priority batch) arrive at a steady rate, wait as long as it takes and resubmit
 after Retry-After. Each setup runs, on fresh processes:
 
@@ -22,7 +23,8 @@ after Retry-After. Each setup runs, on fresh processes:
 (--scale multiplies every duration.) Setups, all on one engine (--engine):
 
   sluice             Sluice as shipped; users state their patience: deadline_s = SLO (batch: --batch-deadline)
-  sluice-defaults    the same platform, no deadline_s sent: what the defaults alone give
+  sluice-defaults    the same platform, no deadline_s sent: users wait on the connection for up to
+                     their patience (Prefer: wait=SLO, which Sluice takes as the deadline) and hang up
   sluice-ladder-off  deadline_s sent, SLUICE_LADDER_STEPS=none (no degradation step in force; the
                      promise at admission still refuses what cannot finish in time)
   vllm-server        vLLM's own OpenAI server alone (--engine vllm only), --scheduling-policy priority,

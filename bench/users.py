@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import math
 import random
 import socket
 import threading
@@ -80,19 +81,21 @@ class Http:
         self.headers = {"Content-Type": "application/json", **(headers or {})}
         self._conn: http.client.HTTPConnection | None = None
 
-    def call(self, method: str, path: str, body: dict | None = None, timeout_s: float = 30.0) -> Reply:
+    def call(self, method: str, path: str, body: dict | None = None, timeout_s: float = 30.0,
+             headers: dict[str, str] | None = None) -> Reply:
         """Raises TimeoutError when no answer came within ``timeout_s``, OSError when the server is
         unreachable. A GET on a connection the server closed while idle is sent once more."""
         for fresh in (self._conn is None, True):
             try:
-                return self._once(method, path, body, timeout_s)
+                return self._once(method, path, body, timeout_s, headers)
             except STALE:
                 self.close()
                 if fresh or method != "GET":
                     raise
         raise AssertionError("unreachable")
 
-    def _once(self, method: str, path: str, body: dict | None, timeout_s: float) -> Reply:
+    def _once(self, method: str, path: str, body: dict | None, timeout_s: float,
+              headers: dict[str, str] | None = None) -> Reply:
         timeout_s = max(timeout_s, 0.001)  # a deadline already passed still gets one quick try
         if self._conn is None:
             self._conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
@@ -101,7 +104,8 @@ class Http:
             if self._conn.sock is not None:
                 self._conn.sock.settimeout(timeout_s)
         try:
-            self._conn.request(method, path, json.dumps(body) if body is not None else None, self.headers)
+            self._conn.request(method, path, json.dumps(body) if body is not None else None,
+                               {**self.headers, **(headers or {})})
             response = self._conn.getresponse()
             raw = response.read()
         except BaseException:
@@ -190,9 +194,13 @@ class SluiceFront:
         return Http(self.api, {"Authorization": f"Bearer {self.key}"})
 
     def ask(self, attempt: Attempt, prompt: str) -> None:
+        """With ``deadline``: its patience as ``deadline_s``, then polls. Without: it states no
+        deadline and waits on the connection for up to its patience (``Prefer: wait``, as a page
+        that waits for its answer does), polling after that until it gives up."""
         body = {"prompt": prompt, "max_tokens": self.rt_tokens, "priority": "realtime", "ignore_eos": True,
                 **({"deadline_s": self.slo_s} if self.deadline else {})}
-        self._run(attempt, body, timeout_s=self.slo_s, poll_s=self.poll_s, stop=None)
+        wait = {} if self.deadline else {"Prefer": f"wait={max(1, math.floor(self.slo_s))}"}
+        self._run(attempt, body, timeout_s=self.slo_s, poll_s=self.poll_s, stop=None, headers=wait)
 
     def batch(self, attempt: Attempt, number: int, stop: threading.Event) -> None:
         body = {"prompt": batch_prompt(number), "max_tokens": self.batch_tokens, "priority": "batch",
@@ -200,18 +208,18 @@ class SluiceFront:
         self._run(attempt, body, timeout_s=None, poll_s=1.0, stop=stop)
 
     def _run(self, attempt: Attempt, body: dict, timeout_s: float | None, poll_s: float,
-             stop: threading.Event | None) -> None:
+             stop: threading.Event | None, headers: dict[str, str] | None = None) -> None:
         """Submit, then poll to a terminal status; a realtime user gives up at ``timeout_s``, a
         batch job only when ``stop`` is set (then its request is cancelled)."""
         began = time.monotonic()
         left = (lambda: timeout_s - (time.monotonic() - began)) if timeout_s else (lambda: 30.0)
         client = self._client()
         try:
-            reply = client.call("POST", "/v1/requests", body, timeout_s=left())
+            reply = client.call("POST", "/v1/requests", body, timeout_s=left(), headers=headers)
             attempt.status = reply.status
             if reply.status in REFUSED:
                 return attempt.end("refused", began, code=_code(reply), retry_after_s=reply.retry_after_s())
-            if reply.status != 202:
+            if reply.status not in (200, 202):  # 200: answered within the wait it asked for
                 return attempt.end("failed", began, code=_code(reply))
             attempt.request_id = reply.doc["id"]
             view = reply.doc

@@ -43,7 +43,8 @@ stays within what two cores serve.
 
 The knee is the rate the engine serves within SLO. Unless --knee is given it is searched first,
 on --knee-setup (vllm-server for --engine vllm, else sluice-ladder-off: the engine behind the
-thinnest front, with no batch load): steps of --knee-step seconds from --knee-start requests/s,
+thinnest front), beside the batch load the phases bring at that rate (each step's batch work is
+stopped at its end): steps of --knee-step seconds from --knee-start requests/s,
 x1.5 until fewer than --knee-target of the questions are answered within SLO, then --knee-refine
 geometric bisections. A step is judged on the questions of its second half, once a queue had
 time to build; short steps (a few SLOs) still overstate the knee. The knee is the highest rate
@@ -323,9 +324,10 @@ def sample(front: SluiceFront | VllmFront) -> dict:
 
 
 def run_load(front: SluiceFront | VllmFront, args: argparse.Namespace, phases: list[tuple[str, float, float]],
-             batch_rate: float, first: int) -> Run:
+             batch_rate: float, first: int, drain_s: float | None = None) -> Run:
     """Realtime arrivals phase by phase, batch arrivals throughout; then wait for the users, give
-    batch work --drain seconds to finish, and stop what is left of it."""
+    batch work ``drain_s`` (default --drain) seconds to finish, and stop what is left of it."""
+    drain_s = args.drain if drain_s is None else drain_s
     run = Run()
     done = threading.Event()
 
@@ -363,9 +365,9 @@ def run_load(front: SluiceFront | VllmFront, args: argparse.Namespace, phases: l
     if batch_rate > 0:
         feeder.join()
     users.join((1 + args.retries) * (args.slo + 5) + 30)
-    left = jobs.join(args.drain)
-    if left:
-        say(f"    {left} batch jobs still waiting after the {args.drain:.0f} s drain; stopping them")
+    left = jobs.join(drain_s)
+    if left and drain_s > 0:
+        say(f"    {left} batch jobs still waiting after the {drain_s:.0f} s drain; stopping them")
     cut.set()
     if isinstance(front, VllmFront):
         front.cut()
@@ -497,17 +499,26 @@ def totals(tokens: dict[str, Counter]) -> dict:
 # ------------------------------------------------------------------------ knee and setups
 
 
+def batch_rate_at(args: argparse.Namespace, rate: float) -> float:
+    """Batch jobs per second beside ``rate`` realtime questions a second."""
+    if args.batch_rate is not None:
+        return args.batch_rate
+    return args.batch_share * rate * args.rt_tokens / args.batch_tokens
+
+
 def find_knee(front: SluiceFront | VllmFront, args: argparse.Namespace) -> dict:
-    """The highest realtime rate (no batch load) at which --knee-target of questions are answered
-    within SLO: x1.5 steps up to the first failure (halving while the start fails), then bisection.
+    """The highest realtime rate at which --knee-target of questions are answered within SLO,
+    beside the batch load the phases bring at that rate (without it, the warm phase's 0.8 x plus
+    its batch was past what vLLM's own server could serve): x1.5 steps up to the first failure
+    (halving while the start fails), then bisection. Each step's batch work is stopped at its end.
 
     A step is judged on the questions of its second half: an open-loop queue past the knee grows
     with time, and the first half gives it time to. Steps of only a few SLOs still overstate it."""
     half_s = args.knee_step * args.scale / 2
     rate, passed, failed, steps, bisections = args.knee_start, None, None, [], 0
     while len(steps) < args.knee_max_steps:
-        run = run_load(front, args, [("ramp", rate, half_s), ("knee", rate, half_s)], 0.0,
-                       first=(len(steps) + 1) * 10**6)
+        run = run_load(front, args, [("ramp", rate, half_s), ("knee", rate, half_s)], batch_rate_at(args, rate),
+                       first=(len(steps) + 1) * 10**6, drain_s=0.0)
         row = summarise(run, None)[1]
         share = row["within_slo"] / row["asked"] if row["asked"] else 0.0
         steps.append({**row, "share_within_slo": share})
@@ -552,8 +563,7 @@ def start(args: argparse.Namespace, setup: str, exits: contextlib.ExitStack) -> 
 
 def run_setup(front: SluiceFront | VllmFront, args: argparse.Namespace, knee: dict) -> dict:
     phases = [(name, factor * knee["rate"], seconds * args.scale) for name, factor, seconds in PHASES]
-    batch_rate = args.batch_rate if args.batch_rate is not None else \
-        args.batch_share * knee["rate"] * args.rt_tokens / args.batch_tokens
+    batch_rate = batch_rate_at(args, knee["rate"])
     say(f"  phases {', '.join(f'{n} {r:.2f}/s x {s:.0f}s' for n, r, s in phases)}; batch {batch_rate:.3f} jobs/s")
     run = run_load(front, args, phases, batch_rate, first=0)
     tokens = vllm_tokens(run) if isinstance(front, VllmFront) else sluice_tokens(front, run)

@@ -134,6 +134,9 @@ class Engine(abc.ABC):
     name: str = "engine"
     simulated: bool = False
 
+    def __init__(self) -> None:
+        self.step_log = StepLog()  # an engine that can time its steps adds each one here
+
     @abc.abstractmethod
     async def start(self) -> None:
         """Load weights and warm up; return when ``generate`` can be called."""
@@ -159,7 +162,7 @@ class Engine(abc.ABC):
     def step_samples(self) -> list[StepSample]:
         """The steps taken since the last call, oldest first (an engine that cannot time its
         steps returns none: its worker then keeps the whole engine open)."""
-        return []
+        return self.step_log.drain()
 
     @abc.abstractmethod
     async def shutdown(self) -> None:

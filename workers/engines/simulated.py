@@ -24,15 +24,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from workers.engines.base import (
-    Engine,
-    EngineDead,
-    EngineStats,
-    GenerationOutput,
-    GenerationRequest,
-    StepLog,
-    StepSample,
-)
+from workers.engines.base import Engine, EngineDead, EngineStats, GenerationOutput, GenerationRequest, StepSample
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +149,7 @@ class SimulatedEngine(Engine):
     simulated = True
 
     def __init__(self, config: SimulatedConfig | None = None) -> None:
+        super().__init__()
         self.config = config or SimulatedConfig()
         self._num_blocks = self.config.capacity_tokens // self.config.block_size
         self._seqs: dict[str, _Seq] = {}
@@ -173,7 +166,6 @@ class SimulatedEngine(Engine):
         self._steps = self._max_batch = self._generated = self._prompt = self._aborted = 0
         self._preemptions = 0
         self._last_batch, self._last_step_ms, self._sim_time_s = 0, 0.0, 0.0
-        self._step_log = StepLog()
 
     async def start(self) -> None:
         """Start the engine loop on the running event loop; idempotent."""
@@ -252,9 +244,6 @@ class SimulatedEngine(Engine):
     def busy(self) -> bool:
         return self._in_step
 
-    def step_samples(self) -> list[StepSample]:
-        return self._step_log.drain()
-
     async def shutdown(self) -> None:
         """Abort everything in flight, then stop the loop task; idempotent."""
         self._closed = True
@@ -292,7 +281,7 @@ class SimulatedEngine(Engine):
                     self._in_step = False
                 # The wall time the step took, as a real engine's would be measured: on a loaded
                 # host the loop oversleeps, and the worker's step curve should see that.
-                self._step_log.add(StepSample(time.monotonic() - began, len(batch), prefill))
+                self.step_log.add(StepSample(time.monotonic() - began, len(batch), prefill))
                 self._update(batch, cost)
         except Exception:  # fan the failure out so no consumer hangs
             log.exception("simulated engine loop failed")

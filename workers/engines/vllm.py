@@ -19,15 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from workers.engines.base import (
-    Engine,
-    EngineDead,
-    EngineStats,
-    GenerationOutput,
-    GenerationRequest,
-    StepLog,
-    StepSample,
-)
+from workers.engines.base import Engine, EngineDead, EngineStats, GenerationOutput, GenerationRequest, StepSample
 
 # Keep the model inside vLLM's engine-core process instead of a third worker process: on one
 # device that saves a process and ~1 GB. Must be set before vllm is imported.
@@ -111,7 +103,7 @@ class _StatsProbe(StatLoggerBase):
             now = time.monotonic()
             if e._last_record is not None and e._running > 0 and scheduler_stats.num_running_reqs > 0:
                 prompt = iteration_stats.num_prompt_tokens if iteration_stats is not None else 0
-                e._step_log.add(StepSample(now - e._last_record, scheduler_stats.num_running_reqs, prompt))
+                e.step_log.add(StepSample(now - e._last_record, scheduler_stats.num_running_reqs, prompt))
             e._last_record = now
             e._steps += 1
             e._running = scheduler_stats.num_running_reqs
@@ -134,6 +126,7 @@ class VllmEngine(Engine):
     simulated = False
 
     def __init__(self, config: VllmConfig) -> None:
+        super().__init__()
         self.config = config
         self._llm: AsyncLLM | None = None
         self._in_flight: set[str] = set()
@@ -144,7 +137,6 @@ class VllmEngine(Engine):
         self._kv_usage = 0.0
         self._last_record: float | None = None
         self._core_cpu_s: float | None = None
-        self._step_log = StepLog()
 
     async def start(self) -> None:
         c = self.config
@@ -248,9 +240,6 @@ class VllmEngine(Engine):
             return None
         before, self._core_cpu_s = self._core_cpu_s, used
         return None if before is None else used > before + 0.01
-
-    def step_samples(self) -> list[StepSample]:
-        return self._step_log.drain()
 
     async def shutdown(self) -> None:
         llm, self._llm = self._llm, None

@@ -63,7 +63,10 @@ def main() -> int:
     if args.pin_engine is not None:
         from launcher.harness import pin_engine
 
-        pin_engine(args.pin_engine)
+        try:
+            pin_engine(args.pin_engine)
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.model is None:
         from tiny_model import cached_model
 

@@ -462,6 +462,7 @@ def summarise(run: Run, tokens: dict[str, Counter] | None) -> list[dict]:
         outcomes = Counter(q.outcome for q in questions)
         asked = len(questions)
         answered = [q.attempts[0].latency_s for q in questions if q.outcome == "within_slo"]
+        refusals = [q.attempts[0].latency_s for q in questions if q.outcome.startswith("refused")]
         peak = [s for s in run.samples if w.start <= s["t"] < w.end]
         row = {"phase": w.name, "rate": w.rate, "seconds": round(w.seconds, 1), "asked": asked,
                **{k: outcomes[k] for k in ("within_slo", "refused_fast", "refused_slow", "late", "failed",
@@ -471,6 +472,7 @@ def summarise(run: Run, tokens: dict[str, Counter] | None) -> list[dict]:
                "within_slo_per_s": outcomes["within_slo"] / w.seconds,
                "latency_p50_s": statistics.median(answered) if answered else None,
                "latency_max_s": max(answered) if answered else None,
+               "refusal_latency_p50_s": _quantile(refusals, 0.5), "refusal_latency_p90_s": _quantile(refusals, 0.9),
                "refusal_codes": dict(Counter(q.attempts[0].code for q in questions
                                              if q.outcome.startswith("refused"))),
                "lost_submits": sum(1 for q in questions for a in q.attempts
@@ -488,6 +490,12 @@ def summarise(run: Run, tokens: dict[str, Counter] | None) -> list[dict]:
                        wasted_tokens=round(wasted), wasted_pct=100 * wasted / generated if generated else 0.0)
         rows.append(row)
     return rows
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    """The q-quantile of ``values`` (nearest rank), None for none."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
 
 
 def totals(tokens: dict[str, Counter]) -> dict:

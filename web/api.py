@@ -88,8 +88,9 @@ def submit_request() -> Response | tuple[Response, int, dict[str, str]]:
 @bp.get("/requests/<request_id>")
 def get_request(request_id: str) -> tuple[Response, int, dict[str, str]]:
     svc = services()
-    tenant = authenticate(svc.db, svc.recent_keys)
-    row = svc.requests.get(tenant.id, request_id)
+    with svc.db.session() as session:  # the commonest call of all: one transaction for key and row
+        tenant = authenticate(svc.db, svc.recent_keys, session)
+        row = svc.requests.get(tenant.id, request_id, session)
     waits.polled(svc, row)
     headers: dict[str, str] = {}
     wait_s = _preferred_wait(headers)

@@ -24,6 +24,7 @@ from typing import Any
 
 from celery import Celery
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from core.admission.gates import Admission, Ticket
 from core.broker.queues import BrokerEpoch, publish_committed
@@ -182,11 +183,15 @@ class RequestService:
         except Exception:
             log.warning("publish failed; the sweep will publish it", exc_info=True)
 
-    def get(self, tenant_id: uuid.UUID, request_id: str) -> InferenceRequest:
+    def get(self, tenant_id: uuid.UUID, request_id: str, session: Session | None = None) -> InferenceRequest:
+        """The tenant's request, or 404; read in ``session`` when given (the caller's transaction)."""
         rid = _parse_id(request_id)
-        with self.db.session() as session:
-            row = session.scalar(select(InferenceRequest).where(
-                InferenceRequest.id == rid, InferenceRequest.tenant_id == tenant_id))
+        query = select(InferenceRequest).where(InferenceRequest.id == rid, InferenceRequest.tenant_id == tenant_id)
+        if session is not None:
+            row = session.scalar(query)
+        else:
+            with self.db.session() as own:
+                row = own.scalar(query)
         if row is None:
             raise NotFound(f"No request {request_id} for this API key.")
         return row

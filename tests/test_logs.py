@@ -99,6 +99,20 @@ def test_gunicorn_writes_its_lines_in_the_text_format_with_the_call_id(database_
     assert any("gunicorn.error call=- req=-: Listening at" in line for line in lines), lines
 
 
+def test_at_warning_gunicorn_logs_no_call(database_url, scratch_redis_url, tmp_path):
+    """gunicorn keeps its access log at INFO on its own; SLUICE_LOG_LEVEL=WARNING turns it off."""
+    env = service_env(database_url, scratch_redis_url, {"SLUICE_DATA_DIR": str(tmp_path / "data"),
+                                                        "SLUICE_LOG_LEVEL": "WARNING"})
+    web = WebProcess(env, tmp_path)
+    try:
+        for _ in range(3):
+            with urllib.request.urlopen(f"{web.url}/healthz", timeout=10) as response:
+                assert response.status == 200
+    finally:
+        web.stop()
+    lines = web.log_path.read_text().splitlines()
+    assert not any("gunicorn.access" in line or "GET /healthz" in line for line in lines), lines
+
 def _post(url: str, key: str, body: dict) -> tuple[dict, str]:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers={
         "Authorization": f"Bearer {key}", "Content-Type": "application/json"})

@@ -3,6 +3,7 @@ at once with a computed Retry-After; one that can is told its estimated wait."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from contextlib import contextmanager
@@ -12,9 +13,11 @@ from sqlalchemy import event, func, update
 from test_api_errors import assert_envelope as envelope
 
 from core.admission.load import ClassLoad, LoadLevel, counters_key, write_level
+from core.errors import ApiError
 from core.rediskeys import LOAD_LEVEL_KEY
+from core.submit.schemas import SubmitRequestSchema
 from models import ApiKey, Priority
-from models.tenant import hash_key
+from models.tenant import hash_key, tenant_for_key
 from web.services import services
 
 pytestmark = pytest.mark.usefixtures("worker")
@@ -54,6 +57,27 @@ def test_a_request_that_cannot_finish_in_time_is_refused_at_once(promising):
     assert response.headers["x-ratelimit-remaining-requests"] == str(standard.requests_per_minute), "charged nothing"
     assert elapsed < 1.0  # refused in milliseconds (timing goals live in bench/; this only catches a hang)
 
+
+def test_the_deadline_counts_from_planning_and_the_retry_after_from_a_whole_one(promising):
+    """Time the web tier spent on a submit since planning it comes out of its deadline: the
+    promise judges the rest and the row keeps the rest; a retry brings a whole deadline again."""
+    application, client = promising
+    svc = services(application)
+    with svc.db.session() as session:
+        tenant = tenant_for_key(session, client.key)
+    body = SubmitRequestSchema().load({"prompt": "spent", "max_tokens": 100, "deadline_s": 30})
+    # 1,000 tokens ahead at 100/s and its own 2 s: 12 s of 30, but 25 of them went by since planning.
+    publish(application, queued_work=1000, drain_tps=100, seq_tps=50)
+    late = dataclasses.replace(svc.requests.prepare(tenant, body), received=time.monotonic() - 25)
+    with pytest.raises(ApiError) as refused:
+        svc.requests.submit(tenant, body, None, late)
+    assert refused.value.status == 503 and refused.value.code == "overloaded"
+    assert refused.value.headers["Retry-After"] == "1", "12 s fit a whole deadline: retry at once"
+    # 10 s went by: 12 s fit the 20 left, and the row's deadline is 20 s after its creation.
+    early = dataclasses.replace(svc.requests.prepare(tenant, body), received=time.monotonic() - 10)
+    row = svc.requests.submit(tenant, body, None, early).row
+    left = (row.deadline_at - row.created_at).total_seconds()
+    assert 19.0 < left <= 20.0, left
 
 def test_a_longer_deadline_or_a_shorter_answer_is_accepted_with_its_wait(promising):
     application, client = promising

@@ -147,7 +147,8 @@ class Admission:
         """The shared limiter's gates for ``plan`` (its promise included); raises Redis errors."""
         return self.shared.admit(str(plan.request_id), str(tenant.id), limits, plan.reserved_tokens,
                                  plan.priority.value, too_large=too_large, dry_run=dry_run, model=plan.target_model,
-                                 deadline_s=plan.deadline_s, max_tokens=plan.max_tokens)
+                                 deadline_s=plan.deadline_s, max_tokens=plan.max_tokens,
+                                 spent_s=plan.spent_s())
 
     def cancel(self, ticket: Ticket) -> None:
         """Undo an admission whose row was never committed."""

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,6 +63,17 @@ class Plan:
     degradation: tuple[str, ...] = ()  # ladder steps that changed it (core/submit/ladder.py)
     webhook_url: str | None = None  # checked by the SSRF guard (core/delivery/webhooks.py)
     webhook_events: tuple[str, ...] = ()
+    # When this process planned it (time.monotonic): its deadline counts from here, not from the
+    # later moment its row is written, so a web tier slowed by a spike spends its own share of it.
+    received: float = dataclasses.field(default_factory=time.monotonic, compare=False)
+
+    def spent_s(self) -> float:
+        """Seconds of its deadline gone by since it was planned."""
+        return time.monotonic() - self.received
+
+    def deadline_left_s(self) -> float:
+        """What is left of ``deadline_s`` now: the budget admission judges and the row keeps."""
+        return max(0.0, self.deadline_s - self.spent_s())
 
     @property
     def reserved_tokens(self) -> int:
@@ -78,14 +90,15 @@ class Plan:
         return answer_key(self.target_model, self.input, self.params, self.max_tokens)
 
     def row(self) -> InferenceRequest:
-        """The request's row, born ``queued`` (the column default); its deadline on the database clock."""
+        """The request's row, born ``queued`` (the column default); its deadline on the database clock,
+        less the time since it was planned."""
         return InferenceRequest(
             id=self.request_id, tenant_id=self.tenant_id, priority=self.priority, size_class=self.size_class,
             queue=self.queue, model_requested=self.model_requested, model_routed=self.model_routed,
             route_reason=self.route_reason, input=self.input, params=self.params, meta=self.meta,
             conversation_id=self.conversation_id, max_tokens=self.max_tokens, time_limit_s=self.time_limit_s,
             reserved_tokens=self.reserved_tokens, input_tokens=self.input_tokens, attempts=0,
-            deadline_at=func.now() + timedelta(seconds=self.deadline_s),
+            deadline_at=func.now() + timedelta(seconds=self.deadline_left_s()),
             degradation_step=",".join(self.degradation) or None, webhook_url=self.webhook_url,
             webhook_events=list(self.webhook_events) if self.webhook_url else None)
 

@@ -12,7 +12,9 @@
 --       per-request gate's verdict  9 load level max age (ms)  10 reject-batch level  11 shed level
 --       12 dry run (1|0)  13 now in ms ('' = the Redis clock)  14 deadline in ms from now
 --       15 max_tokens  16 tight-promise level  17 the fraction of the deadline promised from it on
---       18 the fraction of the deadline promised below it
+--       18 the fraction of the deadline promised below it  19 ms of the deadline already spent (the
+--       web tier's time since it planned the request): the promise judges what is left, the
+--       Retry-After the whole deadline a retry will bring
 -- Returns {gate, reason, retry_ms, tokens limit, tokens remaining, tokens reset ms,
 --          requests limit, requests remaining, requests reset ms, load level, estimated wait ms};
 --          gate '' = admitted; wait -1 = unknown (no fresh snapshot of the class).
@@ -68,13 +70,15 @@ if snap[3] and now - tonumber(snap[3]) <= tonumber(ARGV[9]) and (tonumber(snap[1
   local seq = tonumber(snap[2]) or 0
   local own = 0
   if seq > 0 then own = tonumber(ARGV[15]) * 1000 / seq end
-  local allowed = tonumber(ARGV[14]) * tonumber(ARGV[18])
-  if load >= tonumber(ARGV[16]) then allowed = tonumber(ARGV[14]) * tonumber(ARGV[17]) end
-  local late = wait + own - allowed
+  local factor = tonumber(ARGV[18])
+  if load >= tonumber(ARGV[16]) then factor = tonumber(ARGV[17]) end
+  local spent = tonumber(ARGV[19]) or 0
+  local late = wait + own - (tonumber(ARGV[14]) - spent) * factor
   if queued <= 0 and room > 0 then late = 0 end
   if gate == '' and late > 0 then
-    -- Retry when the queue will have drained by the excess: computed, not a constant.
-    gate, reason, retry = 'global', 'deadline', math.ceil(late)
+    -- Retry when the queue will have drained by the excess over a whole deadline (a retry brings
+    -- one): computed, not a constant.
+    gate, reason, retry = 'global', 'deadline', math.max(1, math.ceil(late - spent * factor))
   end
 end
 

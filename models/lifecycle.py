@@ -75,6 +75,9 @@ DEADLINE_EXCEEDED = End(Status.EXPIRED, "deadline_exceeded",
                         "Not started before its deadline; dropped instead of computing an answer too late.")
 DEADLINE_RUNNING = End(Status.EXPIRED, "deadline_exceeded",
                        "Still running at its deadline; aborted instead of computing an answer too late.")
+DEADLINE_UNREACHABLE = End(Status.EXPIRED, "deadline_exceeded",
+                           "Its queue wait left too little time to finish by its deadline at the engine's speed; "
+                           "dropped before it started instead of computing an answer too late.")
 
 
 def worker_lost(attempts: int) -> End:

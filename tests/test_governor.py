@@ -4,6 +4,7 @@ the promise sees the engine's room, so an idle platform never locks its door."""
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -77,6 +78,16 @@ def test_the_tightest_pace_in_the_engine_sets_the_limit_and_recent_traffic_keeps
     governor.enter("hopeless", batch=False, deadline_s=1.0, max_tokens=256)
     assert governor.limit() == 256, "the default pace (1 s a token) stands for the realtime traffic"
 
+
+def test_a_request_whose_wait_left_too_little_time_is_not_started():
+    assert Governor(StepCurve(), max_seqs=8, default_pace_s=1.0).can_finish(0.001, 10_000), "unknown: try"
+    governor = Governor(cpu_curve(c=0.0), max_seqs=64, default_pace_s=1.0, clock=Clock())
+    # Alone in the engine a step takes 10 + 1.5 ms: 32 tokens need 0.37 s.
+    assert governor.can_finish(0.5, 32) and not governor.can_finish(0.3, 32)
+    for i in range(31):
+        governor.enter(f"r{i}", batch=False, deadline_s=30.0, max_tokens=32)
+    # Beside 31 others a step takes 10 + 48 ms: 32 tokens need 1.86 s.
+    assert governor.can_finish(1.9, 32) and not governor.can_finish(1.8, 32)
 
 def test_batch_yields_and_is_preempted_newest_first_while_realtime_waits():
     clock = Clock()
@@ -233,3 +244,39 @@ def test_batch_in_a_full_engine_makes_room_for_realtime_and_still_finishes(datab
     finally:
         worker.stop()
         services(application).db.dispose()
+
+
+def test_the_runtime_drops_a_request_its_wait_left_too_little_time_and_runs_one_it_cannot_judge(redis_url):
+    """Not started: the whole deadline would have fit by the curve, what the queue left does not.
+    Run: what is left fits, or even the whole deadline was too short (admission let it in to
+    measure, and the curve may be wrong)."""
+    import redis as redis_lib
+
+    from workers.engines.base import GenerationRequest, SamplingParams
+    from workers.engines.simulated import SimulatedConfig, SimulatedEngine
+    from workers.runtime import EngineRuntime
+
+    client = redis_lib.Redis.from_url(redis_url, decode_responses=True)
+    governor = Governor(cpu_curve(c=0.0), max_seqs=8, default_pace_s=1.0)  # 11.5 ms a step alone
+    runtime = EngineRuntime(SimulatedEngine(SimulatedConfig(speed=1000.0)), client, "test-unreachable",
+                            heartbeat_s=1.0, dead_after_s=10.0, cancel_poll_s=0.5, governor=governor)
+    runtime._loop_thread = threading.Thread(target=runtime._loop.run_forever, daemon=True)
+    runtime._loop_thread.start()
+    runtime._call(runtime.engine.start())
+    try:
+        def run(rid: str, left_s: float, whole_s: float):
+            params = SamplingParams(max_tokens=32, ignore_eos=True)
+            request = GenerationRequest(request_id=rid, prompt="q", params=params)
+            return runtime.run(request, time_limit_s=60.0, deadline_in_s=left_s, deadline_s=whole_s)
+
+        dropped = run("late", left_s=0.2, whole_s=5.0)  # 32 tokens need 0.37 s
+        assert dropped.ended_by == "unreachable" and dropped.output is None
+        assert governor.in_engine() == (0, 0)
+        assert run("in-time", left_s=4.0, whole_s=5.0).ended_by == "finished"
+        assert run("unjudged", left_s=0.2, whole_s=0.3).ended_by == "finished", "the sim is faster than the curve"
+    finally:
+        runtime._call(runtime.engine.shutdown())
+        runtime._loop.call_soon_threadsafe(runtime._loop.stop)
+        runtime._loop_thread.join(timeout=10)
+        runtime._loop.close()
+        client.close()

@@ -41,6 +41,7 @@ DB_UNAVAILABLE = (OperationalError, PoolTimeout)
 ENGINE_PRIORITY = {Priority.REALTIME: 0, Priority.BATCH: 1}
 # How the engine run ended → how the request ends.
 ENDS = {"finished": lc.SUCCEEDED, "timeout": lc.TIME_LIMIT, "deadline": lc.DEADLINE_RUNNING,
+        "unreachable": lc.DEADLINE_UNREACHABLE,
         "cancel": lc.CANCELLED_RUNNING, "engine_abort": lc.ENGINE_SHUTDOWN}
 # A conversation sticks to its worker this long after its last turn started.
 CONVERSATION_TTL_S = 3600

@@ -68,7 +68,8 @@ class RunResult:
     # time.monotonic() when the first token was produced: the row's stamp is the claim's
     # database time plus the offset from the claim, so this host's wall clock never enters it.
     first_token_mono: float | None
-    # "finished" | "timeout" | "deadline" | "cancel" | "shutdown" | "preempted" | "engine_abort"
+    # "finished" | "timeout" | "deadline" | "unreachable" (not started: it could not finish by its
+    # deadline) | "cancel" | "shutdown" | "preempted" | "engine_abort"
     ended_by: str
 
     def first_token_after(self, mono: float) -> float | None:
@@ -193,6 +194,16 @@ class EngineRuntime:
         limit, ends_as = time_limit_s, "timeout"
         if deadline_in_s is not None and deadline_in_s < time_limit_s:
             limit, ends_as = max(0.0, deadline_in_s), "deadline"
+        if (ends_as == "deadline" and deadline_s is not None
+                and not self.governor.can_finish(limit, request.params.max_tokens)
+                and self.governor.can_finish(deadline_s, request.params.max_tokens)):
+            # Its queue wait left too little: run, it would be aborted at the deadline with its
+            # tokens computed for nobody, and slow everything beside it meanwhile. (One whose whole
+            # deadline was too short by the curve runs: admission let it in to measure, and a
+            # curve learned under load may be wrong.)
+            if request.stream:
+                self._token_sink().end(rid, "unreachable")
+            return RunResult(None, None, "unreachable")
         with self._lock:
             if self._handing_back:  # claimed in the instant the stop ran out: never started
                 return RunResult(None, None, "shutdown")

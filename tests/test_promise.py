@@ -224,10 +224,10 @@ def test_a_waiting_clients_patience_is_its_deadline(promising):
     # 500 tokens ahead at 100 tokens/s: 5 s of queue + 2 s of its own = 7 s, inside the 30 s default.
     publish(application, queued_work=500, drain_tps=100, seq_tps=50)
     waiting = {**client.headers, "Prefer": "wait=3"}
-    # A client that waits 3 s (+1 s of grace) is gone before 7 s: refused now, not computed for nobody.
+    # A client that waits 3 s is gone before 7 s: refused now, not computed for nobody.
     refused = client.http.post("/v1/requests", json={"prompt": "q", "max_tokens": 100}, headers=waiting)
     assert envelope(refused, 503, "overloaded")["details"]["reason"] == "deadline"
-    assert refused.headers["Retry-After"] == str(math.ceil(7 - 4)) == "3"
+    assert refused.headers["Retry-After"] == str(math.ceil(7 - 3)) == "4"
     # Its own deadline wins over its patience; a batch request's patience is not a realtime promise.
     named = client.http.post("/v1/requests", json={"prompt": "q", "max_tokens": 100, "deadline_s": 60},
                              headers=waiting)

@@ -103,19 +103,19 @@ class Plan:
             webhook_events=list(self.webhook_events) if self.webhook_url else None)
 
 
-# What a waiting client's patience leaves for the answer to reach it, past the wait it asked for.
-PATIENCE_GRACE_S = 1.0
-
-
 def with_patience(body: dict[str, Any], wait_s: int | None, realtime_deadline_s: float) -> dict[str, Any]:
     """``body`` with the client's patience as its deadline: a realtime request that names no
     ``deadline_s`` and whose client waits ``wait_s`` seconds for the answer (``Prefer: wait``)
-    must finish within that wait (plus :data:`PATIENCE_GRACE_S`), when sooner than the class
-    default. A client gone by then gains nothing from an answer computed later, so the promise
-    judges the request by the time its client will really wait."""
+    must finish within that wait, when sooner than the class default. A client gone by then gains
+    nothing from an answer computed later (one that comes back for it says
+    ``Prefer: respond-async``), so the promise judges the request by the time its client will
+    really wait. No grace past the wait: the deadline counts from planning, a moment after the wait
+    began, so an answer in time always reaches the client still waiting for it. A second of grace
+    had the engine paced and the promise planned for a client already gone (in the 94M incident at
+    half scale, waiting users late in the spike: 10.2% with it, 5.0% without; docs/benchmarks.md)."""
     if not wait_s or "deadline_s" in body or body.get("priority", "realtime") != "realtime":
         return body
-    return {**body, "deadline_s": min(realtime_deadline_s, wait_s + PATIENCE_GRACE_S)}
+    return {**body, "deadline_s": min(realtime_deadline_s, float(wait_s))}
 
 
 def input_chars(body: dict[str, Any]) -> int:

@@ -206,7 +206,7 @@ def start_sluice(args: argparse.Namespace, setup: str, exits: contextlib.ExitSta
         raise RuntimeError(f"creating the tenant: HTTP {created.status} {created.doc}")
     front = SluiceFront(api, created.doc["api_key"], admin_key, deadline=setup != "sluice-defaults",
                         slo_s=args.slo, rt_tokens=args.rt_tokens, batch_tokens=args.batch_tokens,
-                        batch_deadline_s=args.batch_deadline, poll_s=args.poll)
+                        batch_deadline_s=args.batch_deadline, poll_s=args.poll, database_url=database_url)
     deadline = time.monotonic() + 30
     while front.sample()["level"] is None:  # admission promises nothing until the monitor publishes
         if time.monotonic() > deadline:
@@ -405,8 +405,14 @@ def sluice_tokens(front: SluiceFront, run: Run) -> dict[str, Counter]:
     """Per window: output tokens generated, wasted (realtime attempts whose user gave up) and batch.
 
     Rows still queued or running are cancelled first (their users left long ago; batch work was
-    already cut), so every row is read in its final state with the tokens it really generated."""
-    attempts = [a for q in run.questions + run.batch for a in q.attempts if a.request_id]
+    already cut), so every row is read in its final state with the tokens it really generated.
+    A submit whose answer never reached its client (a waiting user who hung up first) is found by
+    its tag: its row's tokens are waste like any other late attempt's."""
+    every = [a for q in run.questions + run.batch for a in q.attempts]
+    found = front.ids_by_tag([a.tag for a in every if not a.request_id])
+    for attempt in every:
+        attempt.request_id = attempt.request_id or found.get(attempt.tag)
+    attempts = [a for a in every if a.request_id]
     views = front.rows([a.request_id for a in attempts])
     open_ids = [i for i, v in views.items() if v.get("status") in ("queued", "running")]
     for request_id in open_ids:

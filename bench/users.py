@@ -142,6 +142,9 @@ class Attempt:
     status: int | None = None  # HTTP status of the submit
     code: str | None = None  # the error code of a refusal or failure
     request_id: str | None = None  # Sluice's row id
+    # Sent as metadata.bench_attempt: finds the row of a submit whose answer never came back (a
+    # waiting client that hung up before the 202), whose tokens are waste too.
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex)
     tokens: int | None = None  # output tokens the client received (vLLM's usage)
     retry_after_s: float = 1.0
 
@@ -183,8 +186,9 @@ class SluiceFront:
     """Users of Sluice's REST API. ``deadline`` sends ``deadline_s`` (the user's stated patience)."""
 
     def __init__(self, api: str, key: str, admin_key: str, *, deadline: bool, slo_s: float, rt_tokens: int,
-                 batch_tokens: int, batch_deadline_s: float, poll_s: float) -> None:
+                 batch_tokens: int, batch_deadline_s: float, poll_s: float, database_url: str | None = None) -> None:
         self.api, self.key, self.admin_key = api, key, admin_key
+        self.database_url = database_url  # the platform's (scratch) database: rows by their tag
         self.deadline, self.slo_s, self.poll_s = deadline, slo_s, poll_s
         self.rt_tokens, self.batch_tokens, self.batch_deadline_s = rt_tokens, batch_tokens, batch_deadline_s
         self._sampler = Http(api, {"Authorization": f"Bearer {admin_key}"})
@@ -198,13 +202,14 @@ class SluiceFront:
         deadline and waits on the connection for up to its patience (``Prefer: wait``, as a page
         that waits for its answer does), polling after that until it gives up."""
         body = {"prompt": prompt, "max_tokens": self.rt_tokens, "priority": "realtime", "ignore_eos": True,
-                **({"deadline_s": self.slo_s} if self.deadline else {})}
+                "metadata": {"bench_attempt": attempt.tag}, **({"deadline_s": self.slo_s} if self.deadline else {})}
         wait = {} if self.deadline else {"Prefer": f"wait={max(1, math.floor(self.slo_s))}"}
         self._run(attempt, body, timeout_s=self.slo_s, poll_s=self.poll_s, stop=None, headers=wait)
 
     def batch(self, attempt: Attempt, number: int, stop: threading.Event) -> None:
         body = {"prompt": batch_prompt(number), "max_tokens": self.batch_tokens, "priority": "batch",
-                "ignore_eos": True, **({"deadline_s": self.batch_deadline_s} if self.deadline else {})}
+                "ignore_eos": True, "metadata": {"bench_attempt": attempt.tag},
+                **({"deadline_s": self.batch_deadline_s} if self.deadline else {})}
         self._run(attempt, body, timeout_s=None, poll_s=1.0, stop=stop)
 
     def _run(self, attempt: Attempt, body: dict, timeout_s: float | None, poll_s: float,
@@ -254,6 +259,18 @@ class SluiceFront:
             queued[one["priority"]] = queued.get(one["priority"], 0) + int(one["queued_tokens"])
         return {"realtime_queued_tokens": queued["realtime"], "batch_queued_tokens": queued["batch"],
                 "level": reply.doc.get("level"), "steps": reply.doc.get("steps")}
+
+    def ids_by_tag(self, tags: list[str]) -> dict[str, str]:
+        """Row ids of the attempts tagged ``tags`` (metadata.bench_attempt), read from the database:
+        the API has no listing, and these are submits whose client never saw the answer."""
+        if not tags or not self.database_url:
+            return {}
+        import psycopg
+
+        with psycopg.connect(self.database_url) as conn:
+            found = conn.execute("SELECT metadata->>'bench_attempt', id::text FROM requests "
+                                 "WHERE metadata->>'bench_attempt' = ANY(%s)", (tags,)).fetchall()
+        return dict(found)
 
     def rows(self, ids: list[str], workers: int = 8) -> dict[str, dict]:
         """The request views of ``ids`` (GET /v1/requests/<id>), read back after the run."""

@@ -64,6 +64,8 @@ Per setup and phase (a question belongs to the phase it arrived in; its first at
                  all output tokens generated in the phase. Sluice: every token of a realtime attempt
                  whose user gave up (rows read back at the end). vllm-server: /metrics
                  generation_tokens minus the tokens delivered (to users in time, and batch)
+  (--json only) refusal latency p50/p90; Sluice: queue wait and inference p50 of the first attempts
+                 answered in time and of the late ones, and how the late ones' rows ended
   peak queue     Sluice: queued tokens, realtime/batch, from GET /v1/admin/load once a second;
                  vllm-server: requests waiting (vllm:num_requests_waiting), it has no token figure
 
@@ -426,6 +428,8 @@ def sluice_tokens(front: SluiceFront, run: Run) -> dict[str, Counter]:
     for attempt in attempts:
         view = views.get(attempt.request_id) or {}
         timings = view.get("timings") or {}
+        attempt.row_status = view.get("status")
+        attempt.queue_wait_s, attempt.inference_s = timings.get("queue_wait_s"), timings.get("inference_s")
         tokens = (view.get("usage") or {}).get("output_tokens") or 0
         started, finished = when(timings.get("started_at")), when(timings.get("finished_at"))
         if view.get("cache_hit") or not tokens or started is None:
@@ -479,6 +483,15 @@ def summarise(run: Run, tokens: dict[str, Counter] | None) -> list[dict]:
                "latency_p50_s": statistics.median(answered) if answered else None,
                "latency_max_s": max(answered) if answered else None,
                "refusal_latency_p50_s": _quantile(refusals, 0.5), "refusal_latency_p90_s": _quantile(refusals, 0.9),
+               # Sluice: where the time of admitted first attempts went, answered in time or late,
+               # and how the late ones' rows ended (why the promise was not kept).
+               **{f"{kind}_{part}_p50_s": _quantile([getattr(q.attempts[0], f"{part}_s") for q in questions
+                                                     if q.outcome == outcome
+                                                     and getattr(q.attempts[0], f"{part}_s") is not None], 0.5)
+                  for kind, outcome in (("answered", "within_slo"), ("late", "late"))
+                  for part in ("queue_wait", "inference")},
+               "late_rows": dict(Counter(q.attempts[0].row_status or "no row" for q in questions
+                                         if q.outcome == "late")),
                "refusal_codes": dict(Counter(q.attempts[0].code for q in questions
                                              if q.outcome.startswith("refused"))),
                "lost_submits": sum(1 for q in questions for a in q.attempts

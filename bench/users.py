@@ -145,6 +145,10 @@ class Attempt:
     # Sent as metadata.bench_attempt: finds the row of a submit whose answer never came back (a
     # waiting client that hung up before the 202), whose tokens are waste too.
     tag: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Sluice: its row as it ended (read back after the run): status, queue wait and inference time.
+    row_status: str | None = None
+    queue_wait_s: float | None = None
+    inference_s: float | None = None
     tokens: int | None = None  # output tokens the client received (vLLM's usage)
     retry_after_s: float = 1.0
 

@@ -80,14 +80,15 @@ def test_the_tightest_pace_in_the_engine_sets_the_limit_and_recent_traffic_keeps
 
 
 def test_a_request_whose_wait_left_too_little_time_is_not_started():
-    assert Governor(StepCurve(), max_seqs=8, default_pace_s=1.0).can_finish(0.001, 10_000), "unknown: try"
+    assert Governor(StepCurve(), max_seqs=8, default_pace_s=1.0).tokens_take_s(10_000) is None, "unknown: try"
     governor = Governor(cpu_curve(c=0.0), max_seqs=64, default_pace_s=1.0, clock=Clock())
     # Alone in the engine a step takes 10 + 1.5 ms: 32 tokens need 0.37 s.
-    assert governor.can_finish(0.5, 32) and not governor.can_finish(0.3, 32)
+    assert 0.3 < governor.tokens_take_s(32) <= 0.5
     for i in range(31):
         governor.enter(f"r{i}", batch=False, deadline_s=30.0, max_tokens=32)
     # Beside 31 others a step takes 10 + 48 ms: 32 tokens need 1.86 s.
-    assert governor.can_finish(1.9, 32) and not governor.can_finish(1.8, 32)
+    assert 1.8 < governor.tokens_take_s(32) <= 1.9
+
 
 def test_batch_yields_and_is_preempted_newest_first_while_realtime_waits():
     clock = Clock()

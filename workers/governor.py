@@ -212,12 +212,12 @@ class Governor:
         base = self.curve.step_s(0)  # a step's fixed part plus its usual prefill share
         return max(1, min(self.max_seqs, int((budget - base) / b)))
 
-    def can_finish(self, seconds: float, max_tokens: int) -> bool:
-        """Whether ``max_tokens`` more tokens fit in ``seconds`` at the step time the engine gives
-        with one sequence more than it holds (at most the limit); True while the curve is unknown."""
+    def tokens_take_s(self, max_tokens: int) -> float | None:
+        """Seconds ``max_tokens`` tokens take at the step time the engine gives with one sequence
+        more than it holds (at most the limit); None while the curve is unknown."""
         total, _ = self.in_engine()
         step = self.curve.step_s(min(total + 1, self.limit()))
-        return step is None or max_tokens * step <= seconds
+        return None if step is None else max_tokens * step
 
     def slot_wait_s(self, limit: int) -> float:
         """How long a request that finds the engine full waits for room, on average: requests in

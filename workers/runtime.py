@@ -194,9 +194,8 @@ class EngineRuntime:
         limit, ends_as = time_limit_s, "timeout"
         if deadline_in_s is not None and deadline_in_s < time_limit_s:
             limit, ends_as = max(0.0, deadline_in_s), "deadline"
-        if (ends_as == "deadline" and deadline_s is not None
-                and not self.governor.can_finish(limit, request.params.max_tokens)
-                and self.governor.can_finish(deadline_s, request.params.max_tokens)):
+        need_s = self.governor.tokens_take_s(request.params.max_tokens) if ends_as == "deadline" else None
+        if need_s is not None and deadline_s is not None and limit < need_s <= deadline_s:
             # Its queue wait left too little: run, it would be aborted at the deadline with its
             # tokens computed for nobody, and slow everything beside it meanwhile. (One whose whole
             # deadline was too short by the curve runs: admission let it in to measure, and a

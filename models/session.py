@@ -69,6 +69,15 @@ class Database:
         with self._sessions.begin() as session:
             yield session
 
+    @contextmanager
+    def joined(self, session: Session | None) -> Iterator[Session]:
+        """``session`` when the caller has one (its transaction goes on), else :meth:`session`."""
+        if session is not None:
+            yield session
+            return
+        with self.session() as own:
+            yield own
+
     def dispose(self) -> None:
         if self._engine is not None:
             self._engine.dispose()

@@ -52,11 +52,8 @@ def authenticate(db: Database, recent: RecentKeys | None = None, session: Sessio
     key = bearer_key()
     # Read before the lookup: a revocation that commits after the lookup bumps the epoch past it.
     epoch = recent.epoch if recent is not None else None
-    if session is not None:
-        tenant = tenant_for_key(session, key)
-    else:
-        with db.session() as own:
-            tenant = tenant_for_key(own, key)
+    with db.joined(session) as lookup:
+        tenant = tenant_for_key(lookup, key)
     if tenant is None:
         raise Unauthorized("Invalid or revoked API key.", headers=_CHALLENGE)
     if tenant.disabled_at is not None:

@@ -186,12 +186,9 @@ class RequestService:
     def get(self, tenant_id: uuid.UUID, request_id: str, session: Session | None = None) -> InferenceRequest:
         """The tenant's request, or 404; read in ``session`` when given (the caller's transaction)."""
         rid = _parse_id(request_id)
-        query = select(InferenceRequest).where(InferenceRequest.id == rid, InferenceRequest.tenant_id == tenant_id)
-        if session is not None:
-            row = session.scalar(query)
-        else:
-            with self.db.session() as own:
-                row = own.scalar(query)
+        with self.db.joined(session) as read:
+            row = read.scalar(select(InferenceRequest).where(
+                InferenceRequest.id == rid, InferenceRequest.tenant_id == tenant_id))
         if row is None:
             raise NotFound(f"No request {request_id} for this API key.")
         return row

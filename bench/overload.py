@@ -485,11 +485,10 @@ def summarise(run: Run, tokens: dict[str, Counter] | None) -> list[dict]:
                "refusal_latency_p50_s": _quantile(refusals, 0.5), "refusal_latency_p90_s": _quantile(refusals, 0.9),
                # Sluice: where the time of admitted first attempts went, answered in time or late,
                # and how the late ones' rows ended (why the promise was not kept).
-               **{f"{kind}_{part}_p50_s": _quantile([getattr(q.attempts[0], f"{part}_s") for q in questions
-                                                     if q.outcome == outcome
-                                                     and getattr(q.attempts[0], f"{part}_s") is not None], 0.5)
-                  for kind, outcome in (("answered", "within_slo"), ("late", "late"))
-                  for part in ("queue_wait", "inference")},
+               "answered_queue_wait_p50_s": _first_p50(questions, "within_slo", "queue_wait_s"),
+               "answered_inference_p50_s": _first_p50(questions, "within_slo", "inference_s"),
+               "late_queue_wait_p50_s": _first_p50(questions, "late", "queue_wait_s"),
+               "late_inference_p50_s": _first_p50(questions, "late", "inference_s"),
                "late_rows": dict(Counter(q.attempts[0].row_status or "no row" for q in questions
                                          if q.outcome == "late")),
                "refusal_codes": dict(Counter(q.attempts[0].code for q in questions
@@ -509,6 +508,13 @@ def summarise(run: Run, tokens: dict[str, Counter] | None) -> list[dict]:
                        wasted_tokens=round(wasted), wasted_pct=100 * wasted / generated if generated else 0.0)
         rows.append(row)
     return rows
+
+
+def _first_p50(questions: list[Question], outcome: str, name: str) -> float | None:
+    """The median of a timing (``name``, read back from the rows) of the first attempts of the
+    questions that ended ``outcome``."""
+    return _quantile([v for q in questions if q.outcome == outcome
+                      for v in [getattr(q.attempts[0], name)] if v is not None], 0.5)
 
 
 def _quantile(values: list[float], q: float) -> float | None:

@@ -113,6 +113,7 @@ def test_at_warning_gunicorn_logs_no_call(database_url, scratch_redis_url, tmp_p
     lines = web.log_path.read_text().splitlines()
     assert not any("gunicorn.access" in line or "GET /healthz" in line for line in lines), lines
 
+
 def _post(url: str, key: str, body: dict) -> tuple[dict, str]:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers={
         "Authorization": f"Bearer {key}", "Content-Type": "application/json"})

@@ -20,6 +20,11 @@ admission, idempotency, the row insert and the publish add to a request) and wit
 already loaded, in this process) to separate the gates from the insert and the publish, and
 last the refusal rate while the published load says every realtime submit must be refused.
 Nothing consumes the queues; the scratch database and the Redis database are dropped at exit.
+
+Each line also gives the web tier's CPU per call (user + system of gunicorn's master and workers
+over the phase, from /proc): in a spike most calls are polls and refusals, and on a small host
+what a poll costs is taken from the refusals that must come back in milliseconds. Compare commits
+by running this in each checkout, one after the other, on a quiet machine.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import psycopg
 import redis
 
@@ -91,13 +97,30 @@ def drive(args: tuple) -> list[float]:
         return [x for chunk in pool.map(client, range(threads)) for x in chunk]
 
 
-def run_phase(port: int, key: str, kind: str, request_id: str, clients: int, procs: int, seconds: float) -> dict:
+def run_phase(port: int, key: str, kind: str, request_id: str, clients: int, procs: int, seconds: float,
+              server_pid: int) -> dict:
     until = time.monotonic() + seconds
     per_proc = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
+    cpu_before = tree_cpu_seconds(server_pid)
     with multiprocessing.Pool(procs) as pool:
         chunks = pool.map(drive, [(port, key, kind, request_id, n, until) for n in per_proc if n])
+    cpu = tree_cpu_seconds(server_pid) - cpu_before
     latencies = sorted(x for chunk in chunks for x in chunk)
-    return {"requests": len(latencies), "per_s": len(latencies) / seconds, **percentiles(latencies)}
+    return {"requests": len(latencies), "per_s": len(latencies) / seconds, **percentiles(latencies),
+            "web_cpu_ms": 1000 * cpu / len(latencies)}
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its children (gunicorn's master and workers)."""
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            cpu = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += cpu.user + cpu.system
+    return total
 
 
 def percentiles(latencies: list[float]) -> dict:
@@ -170,16 +193,17 @@ def measure(args: argparse.Namespace, database_url: str) -> int:
 
         print(f"# {os.cpu_count()} CPUs; gunicorn {args.web_workers} workers x 8 threads; {args.clients} clients "
               f"in {args.client_procs} processes; {args.seconds:g} s per phase; Postgres + Redis local")
-        run_phase(port, key, "baseline", request_id, args.clients, args.client_procs, 3)  # warm up
+        run_phase(port, key, "baseline", request_id, args.clients, args.client_procs, 3, server.pid)  # warm up
         # One client: latency without queueing (what admission adds to a request). Many: throughput.
         for clients in (1, args.clients):
             procs = min(clients, args.client_procs)
-            base = run_phase(port, key, "baseline", request_id, clients, procs, args.seconds)
-            sub = run_phase(port, key, "submit", request_id, clients, procs, args.seconds)
+            base = run_phase(port, key, "baseline", request_id, clients, procs, args.seconds, server.pid)
+            sub = run_phase(port, key, "submit", request_id, clients, procs, args.seconds, server.pid)
             print(f"{clients:3d} clients  baseline GET  {base['per_s']:6.0f} req/s   p50 {base['p50_ms']:6.2f} ms   "
-                  f"p99 {base['p99_ms']:6.2f} ms")
+                  f"p99 {base['p99_ms']:6.2f} ms   web CPU {base['web_cpu_ms']:.2f} ms a call")
             print(f"{clients:3d} clients  submit   POST {sub['per_s']:6.0f} req/s   p50 {sub['p50_ms']:6.2f} ms   "
-                  f"p99 {sub['p99_ms']:6.2f} ms   ({sub['requests']} admitted, all 202)")
+                  f"p99 {sub['p99_ms']:6.2f} ms   web CPU {sub['web_cpu_ms']:.2f} ms a call   "
+                  f"({sub['requests']} admitted, all 202)")
             print(f"{clients:3d} clients  added by submit (POST - GET): p50 {sub['p50_ms'] - base['p50_ms']:+.2f} ms"
                   f"   p99 {sub['p99_ms'] - base['p99_ms']:+.2f} ms")
         gates = time_gates(settings, key, 2000)
@@ -187,9 +211,11 @@ def measure(args: argparse.Namespace, database_url: str) -> int:
               f"p99 {gates['p99_ms']:.2f} ms")
         overload(settings, redis_url, args.seconds)
         for clients in (1, args.clients):
-            ref = run_phase(port, key, "refuse", request_id, clients, min(clients, args.client_procs), args.seconds)
+            ref = run_phase(port, key, "refuse", request_id, clients, min(clients, args.client_procs), args.seconds,
+                            server.pid)
             print(f"{clients:3d} clients  refuse   POST {ref['per_s']:6.0f} req/s   p50 {ref['p50_ms']:6.2f} ms   "
-                  f"p99 {ref['p99_ms']:6.2f} ms   (503 overloaded: the promise at arrival)")
+                  f"p99 {ref['p99_ms']:6.2f} ms   web CPU {ref['web_cpu_ms']:.2f} ms a call   "
+                  "(503 overloaded: the promise at arrival)")
         rows = count_rows(settings)
         print(f"rows written: {rows} (every 202 is a row; no worker ran them)")
         return 0

@@ -81,9 +81,13 @@ if __name__ == "__main__":
 """
 
 
-def prompts(n: int) -> list[str]:
-    # Distinct prompts (no shared prefix beyond chance), so prefix caching does not flatter anyone.
-    return [f"Request {i}: summarise report {i * 7919 % 10007} about queue {i % 13} and its latency." for i in range(n)]
+def prompts(n: int, run: int = 0) -> list[str]:
+    # Distinct prompts (no shared prefix beyond chance), so prefix caching does not flatter anyone;
+    # and new ones each run: Sluice answers a temperature-0 twin of an answered request from its
+    # cache (a second run of the same prompts took 1.5 s instead of 188), and its worker's engine
+    # would hold their prefixes.
+    return [f"Request {i}: summarise report {(i + 31 * run) * 7919 % 10007} about queue {(i + run) % 13} "
+            f"and its latency, run {run}." for i in range(n)]
 
 
 def run_vllm(script: str, args, model: Path, items: list[str]) -> dict:
@@ -180,9 +184,11 @@ def run_through_sluice(app, key: str, items: list[str], tokens: int, *, serial: 
         wait(ids)
     elapsed = time.perf_counter() - began
     with db.session() as session:
-        rows = session.execute(select(InferenceRequest.status, InferenceRequest.output_tokens).where(
+        rows = session.execute(select(InferenceRequest.status, InferenceRequest.output_tokens,
+                                      InferenceRequest.cache_hit).where(
             InferenceRequest.id.in_([uuid.UUID(i) for i in ids]))).all()
     assert all(r.status == Status.SUCCEEDED for r in rows), {r.status for r in rows}
+    assert not any(r.cache_hit for r in rows), "answered from the cache: this run measured no engine"
     http.application  # noqa: B018 - keep the client alive until here
     return {"tokens": sum(r.output_tokens for r in rows), "seconds": elapsed}
 
@@ -227,7 +233,6 @@ def main() -> int:
         from tiny_model import cached_model
 
         args.model = cached_model(ROOT / ".cache", args.shape)
-    items = prompts(args.n)
     print(f"Sluice requests state deadline_s {args.deadline:g} (realtime priority, temperature 0)", flush=True)
     runs: dict[str, list[float]] = {"offline": [], "asyncllm": [], "sluice": [], "serial": []}
 
@@ -238,21 +243,21 @@ def main() -> int:
     kinds = set(args.kinds.split(","))
     if kinds - set(runs):
         parser.error(f"--kinds: unknown {', '.join(sorted(kinds - set(runs)))}; choose from {', '.join(runs)}")
-    for _ in range(args.repeat):
+    for run in range(args.repeat):
         if "offline" in kinds:
-            record("offline", run_vllm(OFFLINE, args, args.model, items))
+            record("offline", run_vllm(OFFLINE, args, args.model, prompts(args.n, run)))
         if "asyncllm" in kinds:
-            record("asyncllm", run_vllm(ASYNC, args, args.model, items))
+            record("asyncllm", run_vllm(ASYNC, args, args.model, prompts(args.n, run)))
     if kinds & {"sluice", "serial"}:
         app, key, _worker, cleanup = sluice_stack(args, args.model)
         try:
-            for _ in range(args.repeat):
+            for run in range(args.repeat):
                 if "sluice" in kinds:
-                    record("sluice", run_through_sluice(app, key, items, args.tokens, serial=False,
+                    record("sluice", run_through_sluice(app, key, prompts(args.n, run), args.tokens, serial=False,
                                                         deadline_s=args.deadline))
                 if "serial" in kinds:
-                    record("serial", run_through_sluice(app, key, prompts(args.serial_n), args.tokens, serial=True,
-                                                        deadline_s=args.deadline))
+                    record("serial", run_through_sluice(app, key, prompts(args.serial_n, args.repeat + run),
+                                                        args.tokens, serial=True, deadline_s=args.deadline))
         finally:
             cleanup()
     rate = {k: statistics.median(v) for k, v in runs.items() if v}

@@ -11,7 +11,8 @@
 Users (bench/users.py) arrive open loop (Poisson). A realtime user asks a short question
 (--rt-tokens), waits at most --slo seconds (the client timeout), and when the page hangs asks
 again, up to --retries times; a refused user (429/503, with Retry-After) does not. A Sluice user
-who polls and gives up just stops polling (closes the page; nothing is cancelled); one that waits
+who polls first comes back when its 202 says the answer is due (retry-after-ms; not with
+--ignore-poll-hints), then every --poll s; when it gives up it just stops polling (closes the page; nothing is cancelled); one that waits
 on the connection hangs up (which cancels its request). Batch jobs
 (--batch-tokens, priority batch) arrive at a steady rate, wait as long as it takes and resubmit
 after Retry-After. Each setup runs, on fresh processes:
@@ -208,7 +209,8 @@ def start_sluice(args: argparse.Namespace, setup: str, exits: contextlib.ExitSta
         raise RuntimeError(f"creating the tenant: HTTP {created.status} {created.doc}")
     front = SluiceFront(api, created.doc["api_key"], admin_key, deadline=setup != "sluice-defaults",
                         slo_s=args.slo, rt_tokens=args.rt_tokens, batch_tokens=args.batch_tokens,
-                        batch_deadline_s=args.batch_deadline, poll_s=args.poll, database_url=database_url)
+                        batch_deadline_s=args.batch_deadline, poll_s=args.poll, database_url=database_url,
+                        follow_hints=not args.ignore_poll_hints)
     deadline = time.monotonic() + 30
     while front.sample()["level"] is None:  # admission promises nothing until the monitor publishes
         if time.monotonic() > deadline:
@@ -684,6 +686,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--slo", type=float, default=5.0, help="realtime SLO = client timeout = deadline_s, seconds")
     parser.add_argument("--retries", type=int, default=2, help="times a user whose page hung asks again")
     parser.add_argument("--poll", type=float, default=0.25, help="Sluice users poll their request this often, s")
+    parser.add_argument("--ignore-poll-hints", action="store_true",
+                        help="Sluice users poll every --poll s from the start, instead of first coming back when "
+                             "the 202's retry-after-ms says the answer is due")
     parser.add_argument("--knee", type=float, default=None, help="knee rate, questions/s (skips the search)")
     parser.add_argument("--knee-setup", choices=SETUPS, default=None,
                         help="setup the knee is searched on (default: vllm-server for vllm, else sluice-ladder-off)")

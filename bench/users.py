@@ -64,6 +64,14 @@ class Reply:
     doc: dict
     headers: http.client.HTTPMessage | None = None
 
+    def due_s(self) -> float | None:
+        """A 202's prediction of when its answer is due (retry-after-ms), None without one."""
+        raw = self.headers.get("retry-after-ms") if self.headers else None
+        try:
+            return int(raw) / 1000 if raw else None
+        except ValueError:
+            return None
+
     def retry_after_s(self, default: float = 1.0) -> float:
         raw = self.headers.get("Retry-After") if self.headers else None
         try:
@@ -190,8 +198,12 @@ class SluiceFront:
     """Users of Sluice's REST API. ``deadline`` sends ``deadline_s`` (the user's stated patience)."""
 
     def __init__(self, api: str, key: str, admin_key: str, *, deadline: bool, slo_s: float, rt_tokens: int,
-                 batch_tokens: int, batch_deadline_s: float, poll_s: float, database_url: str | None = None) -> None:
+                 batch_tokens: int, batch_deadline_s: float, poll_s: float, database_url: str | None = None,
+                 follow_hints: bool = True) -> None:
         self.api, self.key, self.admin_key = api, key, admin_key
+        # A polling user first comes back when the 202 says its answer is due (as the API asks),
+        # then every poll_s; without follow_hints it polls every poll_s from the start.
+        self.follow_hints = follow_hints
         self.database_url = database_url  # the platform's (scratch) database: rows by their tag
         self.deadline, self.slo_s, self.poll_s = deadline, slo_s, poll_s
         self.rt_tokens, self.batch_tokens, self.batch_deadline_s = rt_tokens, batch_tokens, batch_deadline_s
@@ -232,6 +244,9 @@ class SluiceFront:
                 return attempt.end("failed", began, code=_code(reply))
             attempt.request_id = reply.doc["id"]
             view = reply.doc
+            due = reply.due_s() if self.follow_hints and reply.status == 202 and stop is None else None
+            if due and view.get("status") not in TERMINAL:
+                time.sleep(max(0.0, min(due - poll_s, left() - 0.01)))  # the loop's first sleep ends at due
             while view.get("status") not in TERMINAL:
                 if stop is not None and stop.is_set():
                     client.call("POST", f"/v1/requests/{attempt.request_id}/cancel", {}, timeout_s=10)

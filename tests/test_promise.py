@@ -91,6 +91,18 @@ def test_a_longer_deadline_or_a_shorter_answer_is_accepted_with_its_wait(promisi
     assert quick.status_code == 202 and quick.get_json()["estimated_wait_s"] == 5.0
 
 
+def test_a_202_says_when_its_answer_is_due(promising):
+    """A client that polls learns when to come back: its queue wait plus its own output."""
+    application, client = promising
+    # 500 tokens ahead at 100/s, then its 100 at 40/s: due 7.5 s after admission.
+    publish(application, queued_work=500, drain_tps=100, seq_tps=40)
+    accepted = client.submit(prompt="when", max_tokens=100)
+    assert accepted.status_code == 202, accepted.get_json()
+    due_ms = int(accepted.headers["retry-after-ms"])
+    assert 7000 < due_ms <= 7500, due_ms
+    assert accepted.headers["Retry-After"] == str(due_ms // 1000), "whole seconds, never past the prediction"
+
+
 def test_an_empty_queue_with_room_in_an_engine_refuses_nothing_on_the_deadline_ground(promising):
     application, client = promising
     # Speeds learned under an overload (3.65 tokens/s a sequence) would promise 8000 tokens in
@@ -121,6 +133,7 @@ def test_without_the_monitor_nothing_is_promised_and_nothing_refused(promising):
     accepted = client.submit(prompt="no figures", max_tokens=8000)
     assert accepted.status_code == 202
     assert accepted.get_json()["estimated_wait_s"] is None and "Sluice-Estimated-Wait" not in accepted.headers
+    assert "Retry-After" not in accepted.headers, "no prediction, no hint"
 
 
 def test_a_running_request_past_its_deadline_is_aborted_as_expired(client, worker):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from flask import Blueprint, Response, jsonify, request, url_for
 
@@ -60,6 +61,7 @@ def submit_request() -> Response | tuple[Response, int, dict[str, str]]:
         add_quotas(exc, tenant)
         raise
     row = accepted.row
+    due = None if accepted.estimated_finish_s is None else time.monotonic() + accepted.estimated_finish_s
     status_url = _status_url(row)
     headers = {"Location": status_url, **accepted.headers,
                **({"Idempotent-Replayed": "true"} if accepted.replayed else {})}
@@ -82,7 +84,18 @@ def submit_request() -> Response | tuple[Response, int, dict[str, str]]:
         row = waits.until_ended(svc, tenant.id, row, wait_s)
         if row.status.terminal:
             return jsonify(_view_schema.dump(row)), 200, headers
-    return jsonify(body), 202, headers
+    return jsonify(body), 202, {**headers, **poll_hint(due)}
+
+
+def poll_hint(due: float | None) -> dict[str, str]:
+    """When a 202's answer is due, as admission predicted it (its queue wait plus its own output at
+    the speed a sequence gets in the engines): polling before then only costs calls. Retry-After in
+    whole seconds rounded down, so it never points past the prediction; retry-after-ms exact. None
+    without a prediction (no fresh figures from the monitor, or a twin parked on another request)."""
+    if due is None:
+        return {}
+    left_ms = max(0, int((due - time.monotonic()) * 1000))
+    return {"Retry-After": str(left_ms // 1000), "retry-after-ms": str(left_ms)}
 
 
 @bp.get("/requests/<request_id>")

@@ -117,6 +117,10 @@ def _request_paths(spec: APISpec) -> None:
     limit_headers = {f"x-ratelimit-{kind}-{unit}": {"schema": {"type": "string"}}
                      for kind in ("limit", "remaining", "reset") for unit in ("tokens", "requests")}
     retry_headers = {**limit_headers, "Retry-After": {"schema": {"type": "integer"}}}
+    poll_headers = {
+        "Retry-After": {"schema": {"type": "integer"}, "description": "Seconds (rounded down) until the answer is "
+                        "due, as admission predicted it; absent without a prediction."},
+        "retry-after-ms": {"schema": {"type": "integer"}, "description": "The same, in milliseconds."}}
     prefer = {"name": "Prefer", "in": "header", "required": False, "schema": {"type": "string"},
               "description": "`wait=N` (RFC 7240): hold the connection up to N seconds (at most SLUICE_WAIT_MAX_S) "
                              "for the request to end. Other or malformed preferences are ignored."}
@@ -139,7 +143,8 @@ def _request_paths(spec: APISpec) -> None:
                                           "text/event-stream": {"schema": SSE_EVENT}},
                               "headers": {**limit_headers, **applied}},
                       "202": {**_json("Accepted", "Accepted; poll status_url (or it did not end within the "
-                                                  "wait asked for)."), "headers": {**limit_headers, **applied}},
+                                                  "wait asked for), first after Retry-After when it is given."),
+                              "headers": {**limit_headers, **applied, **poll_headers}},
                       **auth_errors,
                       "400": _error("Body is not valid JSON."),
                       "413": _error("Body too large (body_too_large), or input + max_tokens over the context "

@@ -72,6 +72,8 @@ class Ticket:
     headers: dict[str, str] = field(default_factory=dict)
     # The class's queue wait at admission, as the monitor's rates predict it; None when unknown.
     estimated_wait_s: float | None = None
+    # That wait plus the request's own output at the speed a sequence gets: when its answer is due.
+    estimated_finish_s: float | None = None
 
 
 class Admission:
@@ -112,7 +114,8 @@ class Admission:
         if verdict.admitted:
             metrics.ADMITTED.labels(limiter=limiter).inc()
             wait = verdict.wait_ms / 1000 if verdict.wait_ms >= 0 else None
-            return Ticket(str(plan.request_id), str(tenant.id), cost, limiter, headers, wait)
+            finish = verdict.finish_ms / 1000 if verdict.finish_ms >= 0 else None
+            return Ticket(str(plan.request_id), str(tenant.id), cost, limiter, headers, wait, finish)
         metrics.REJECTIONS.labels(gate=verdict.gate, reason=verdict.reason).inc()
         log.info("rejected at the %s gate: %s (%d tokens, %s limiter)", verdict.gate, verdict.reason, cost, limiter)
         raise _rejection(verdict, limits, cost, too_large, headers)

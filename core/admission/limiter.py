@@ -60,6 +60,7 @@ class Verdict:
     requests: Quota
     load_level: int
     wait_ms: int = -1  # the class's estimated queue wait; -1 when the monitor has no fresh figure
+    finish_ms: int = -1  # that wait plus the request's own output at the engines' speed; -1: unknown
 
     @property
     def admitted(self) -> bool:
@@ -114,8 +115,9 @@ class SharedLimiter:
                 "" if now_ms is None else now_ms, deadline_ms, max_tokens, self.tight_level, self.tight_factor,
                 self.promise_factor, int(spent_s * 1000)]
         gate, reason, retry, *numbers = self._admit(keys=keys, args=args)
-        tl, tr, tz, rl, rr, rz, level, wait = (int(n) for n in numbers)
-        return Verdict(_text(gate), _text(reason), int(retry), Quota(tl, tr, tz), Quota(rl, rr, rz), level, wait)
+        tl, tr, tz, rl, rr, rz, level, wait, finish = (int(n) for n in numbers)
+        return Verdict(_text(gate), _text(reason), int(retry), Quota(tl, tr, tz), Quota(rl, rr, rz), level, wait,
+                       finish)
 
     def peek(self, tenant_id: str, limits: Limits, *, now_ms: int | None = None) -> Verdict:
         """The tenant's current quotas, charging nothing."""

@@ -54,6 +54,7 @@ class Accepted:
     estimated_wait_s: float | None = None  # its class's queue wait at admission, when known
     degradation: tuple[str, ...] = ()  # ladder steps that changed it
     cache_hit: bool = False  # answered from the hot cache: already succeeded
+    estimated_finish_s: float | None = None  # when its answer is due, as admission predicted it
 
 
 # Inputs longer than this are run past the tenant gate before they are tokenized.
@@ -120,7 +121,8 @@ class RequestService:
                     raise
             else:
                 self.publish(row)
-                return Accepted(row, False, ticket.headers, ticket.estimated_wait_s, plan.degradation)
+                return Accepted(row, False, ticket.headers, ticket.estimated_wait_s, plan.degradation,
+                                estimated_finish_s=ticket.estimated_finish_s)
         metrics.IDEMPOTENT_REPLAYS.inc()
         bind_request(str(original.id))
         return Accepted(original, True, self.admission.headers(tenant))

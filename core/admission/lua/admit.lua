@@ -16,8 +16,9 @@
 --       web tier's time since it planned the request): the promise judges what is left, the
 --       Retry-After the whole deadline a retry will bring
 -- Returns {gate, reason, retry_ms, tokens limit, tokens remaining, tokens reset ms,
---          requests limit, requests remaining, requests reset ms, load level, estimated wait ms};
---          gate '' = admitted; wait -1 = unknown (no fresh snapshot of the class).
+--          requests limit, requests remaining, requests reset ms, load level, estimated wait ms,
+--          estimated finish ms (the wait plus its own output)};
+--          gate '' = admitted; wait and finish -1 = unknown (no fresh snapshot of the class).
 
 -- clock_ms, refill and full_ms come from buckets.lua, prepended at registration.
 local now = clock_ms(ARGV[13])
@@ -60,7 +61,7 @@ end
 -- Live counters, the monitor's rates (only while fresh); unknown rates promise nothing and
 -- refuse nothing. With nothing queued and room in an engine, nothing is refused on this ground:
 -- the request starts now, at a speed the limit keeps fast enough (an estimate never locks the door).
-local wait = -1
+local wait, finish = -1, -1
 local snap = redis.call('HMGET', KEYS[6], 'drain_tps', 'seq_tps', 'updated_at_ms', 'room', 'slot_wait_s')
 if snap[3] and now - tonumber(snap[3]) <= tonumber(ARGV[9]) and (tonumber(snap[1]) or 0) > 0 then
   local queued = math.max(0, tonumber(redis.call('HGET', KEYS[5], 'queued_work') or '0') or 0)
@@ -69,7 +70,10 @@ if snap[3] and now - tonumber(snap[3]) <= tonumber(ARGV[9]) and (tonumber(snap[1
   if room == 0 then wait = wait + math.floor((tonumber(snap[5]) or 0) * 1000) end
   local seq = tonumber(snap[2]) or 0
   local own = 0
-  if seq > 0 then own = tonumber(ARGV[15]) * 1000 / seq end
+  if seq > 0 then
+    own = tonumber(ARGV[15]) * 1000 / seq
+    finish = math.floor(wait + own)
+  end
   local factor = tonumber(ARGV[18])
   if load >= tonumber(ARGV[16]) then factor = tonumber(ARGV[17]) end
   local spent = tonumber(ARGV[19]) or 0
@@ -111,4 +115,4 @@ if gate == '' and ARGV[12] ~= '1' then
 end
 
 return {gate, reason, retry, tpm, math.max(0, math.floor(tok)), full_ms(tok, tpm),
-        rpm, math.max(0, math.floor(req)), full_ms(req, rpm), load, wait}
+        rpm, math.max(0, math.floor(req)), full_ms(req, rpm), load, wait, finish}

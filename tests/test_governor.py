@@ -12,6 +12,7 @@ import pytest
 from conftest import ApiClient, WorkerProcess, admitted_once_idle, make_settings
 from sqlalchemy import select
 
+from core.admission.load import room_key
 from models import InferenceRequest, Status
 from web.services import services
 from workers.engines.base import StepSample
@@ -172,6 +173,50 @@ def test_a_burst_enters_the_engine_only_as_far_as_its_deadlines_allow(cpu_stack)
     statuses = {r.status for r in rows}
     assert statuses <= {Status.SUCCEEDED, Status.EXPIRED}, statuses
     assert any(r.status == Status.SUCCEEDED for r in rows)
+
+
+def test_the_worker_writes_its_engines_room_as_requests_enter_and_leave(cpu_stack):
+    application, client, worker = cpu_stack
+    svc = services(application)
+    key = room_key("realtime", svc.settings.registry.default.name)
+    me = worker.wait_stats(lambda s: "engine_limit" in s)["worker"]
+
+    def room() -> int | None:
+        raw = svc.redis.hget(key, me)
+        return None if raw is None else int(raw)
+
+    deadline = time.monotonic() + 30
+    while not room() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    idle = room()
+    assert idle, (svc.redis.hgetall(key), worker.stats())
+    # Watched from before the burst (a burst's peak may pass before its last submit returns): the
+    # room falls as requests enter, between the heartbeats (seconds apart), and comes back.
+    seen: list[int | None] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.append(room())
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    ids = [r.get_json()["id"] for r in burst(client, 64)]
+    wait_terminal(application, ids)
+    done.set()
+    watcher.join(5)
+    assert min(r for r in seen if r is not None) < idle, sorted(set(seen))
+    deadline = time.monotonic() + 30
+    while not room() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert room(), (svc.redis.hgetall(key), worker.stats())
+    # A worker the monitor no longer sees alive leaves nothing behind; one that stops cleans up.
+    svc.redis.hset(key, "a-killed-worker", 5)
+    Monitor(svc.settings, svc.redis, svc.db).tick()
+    assert svc.redis.hkeys(key) == [me]
+    worker.stop()
+    assert not svc.redis.exists(key)
 
 
 def test_an_idle_platform_admits_a_default_request_after_an_overload(cpu_stack):

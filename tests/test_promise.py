@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import event, func, update
 from test_api_errors import assert_envelope as envelope
 
-from core.admission.load import ClassLoad, LoadLevel, counters_key, write_level
+from core.admission.load import ClassLoad, LoadLevel, counters_key, room_key, write_level
 from core.errors import ApiError
 from core.rediskeys import LOAD_LEVEL_KEY
 from core.submit.schemas import SubmitRequestSchema
@@ -113,6 +113,26 @@ def test_an_empty_queue_with_room_in_an_engine_refuses_nothing_on_the_deadline_g
     publish(application, queued_work=0, drain_tps=100, seq_tps=3.65, room=0, slot_wait_s=2.0)
     refused = client.submit(prompt="hello there", max_tokens=8000)
     assert envelope(refused, 503, "overloaded")["details"]["reason"] == "deadline"
+
+
+def test_the_engines_live_room_outranks_the_snapshots(promising):
+    """Workers write their room whenever a request enters or leaves an engine; the monitor's
+    snapshot carries it from heartbeats, seconds old. Admission believes the workers."""
+    application, client = promising
+    svc = services(application)
+    key = room_key("realtime", svc.settings.registry.default.name)
+    try:
+        # The snapshot (a heartbeat ago) says an engine has room; both engines just filled up.
+        publish(application, queued_work=0, drain_tps=100, seq_tps=3.65, room=3, slot_wait_s=2.0)
+        svc.redis.hset(key, mapping={"worker-a": 0, "worker-b": 0})
+        refused = client.submit(prompt="hello there", max_tokens=8000)
+        assert envelope(refused, 503, "overloaded")["details"]["estimated_wait_s"] == 2.0, "a slot's wait"
+        # One of them has room again, which the snapshot does not know yet.
+        publish(application, queued_work=0, drain_tps=100, seq_tps=3.65, room=0, slot_wait_s=2.0)
+        svc.redis.hset(key, "worker-b", 1)
+        assert client.submit(prompt="hello there", max_tokens=8000).status_code == 202
+    finally:
+        svc.redis.delete(key)
 
 
 def test_full_engines_add_the_wait_for_a_slot_to_the_promise(promising):

@@ -47,7 +47,15 @@ import redis
 from celery import Celery
 from sqlalchemy import func, select
 
-from core.admission.load import COUNTERS_PREFIX, ClassLoad, LoadLevel, class_name, counters_key, write_level
+from core.admission.load import (
+    COUNTERS_PREFIX,
+    ROOM_PREFIX,
+    ClassLoad,
+    LoadLevel,
+    class_name,
+    counters_key,
+    write_level,
+)
 from core.fleet.lease import Lease, run_leading
 from core.fleet.workers import live_workers
 from core.settings import Settings
@@ -152,6 +160,7 @@ class Monitor:
     def tick(self) -> list[ClassLoad]:
         now = self.clock()
         workers = self._live_workers()
+        self._drop_dead_rooms({w["worker"] for w in workers})
         paused = self.pause.apply(workers) if self.pause is not None else set()
         seq_by_model = self._sequence_speeds(workers, now)
         seconds, micros = self.redis.time()
@@ -176,6 +185,13 @@ class Monitor:
 
     def _live_workers(self) -> list[dict]:
         return live_workers(self.redis, self.settings.worker_heartbeat_s)
+
+    def _drop_dead_rooms(self, live: set[str]) -> None:
+        """The room a worker wrote for admission leaves with it: a killed one never cleans up."""
+        for key in self.redis.scan_iter(match=ROOM_PREFIX + "*", count=200):
+            dead = [w for w in self.redis.hkeys(key) if w not in live]
+            if dead:
+                self.redis.hdel(key, *dead)
 
     def _sequence_speeds(self, workers: list[dict], now: float) -> dict[str, float]:
         """The speed one sequence gets, per model (median over its workers): each worker's own

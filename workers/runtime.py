@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 
 import redis
 
+from core.admission.load import room_key
 from core.delivery.streams import TokenSink
 from core.rediskeys import cancel_key, node_key, worker_key
 from workers.engines import Engine, GenerationOutput, GenerationRequest, SamplingParams
@@ -119,6 +120,11 @@ class EngineRuntime:
         self._preempted: set[str] = set()
         self._slowest_step_s = 0.0
         self._realtime_queues = [q for q in self.info.get("queues", ()) if q.startswith("realtime.")]
+        # The classes this engine serves: where its room goes each time a request enters or leaves.
+        heads = sorted({q.split(".", 1)[0] for q in self.info.get("queues", ())} & {"realtime", "batch"})
+        self._room_keys = [room_key(head, self.info["model"]) for head in heads] if self.info.get("model") else []
+        self._room_written: int | None = None
+        self._room_lock = threading.RLock()  # drain() may run in a signal handler
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -173,6 +179,8 @@ class EngineRuntime:
         with contextlib.suppress(Exception):
             self._call(self.engine.shutdown(), timeout=30)
         with contextlib.suppress(Exception):
+            for key in self._room_keys:
+                self._redis.hdel(key, self.worker_id)
             self._redis.delete(worker_key(self.worker_id))
             owner = json.loads(self._redis.get(node_key(self.node)) or "{}") if self.node else {}
             if owner.get("worker") == self.worker_id:
@@ -209,6 +217,7 @@ class EngineRuntime:
             self._in_flight.add(rid)
         self.governor.enter(rid, batch=request.priority > 0, max_tokens=request.params.max_tokens,
                             deadline_s=next((d for d in (deadline_s, deadline_in_s) if d is not None), time_limit_s))
+        self.write_room()
         try:
             if request.priority > 0 and self._prefill_per_step:
                 self._await_prefill_credit(rid, request.prompt_tokens or 1)
@@ -236,6 +245,27 @@ class EngineRuntime:
                 self._cancelled.discard(rid)
                 self._handed_back.discard(rid)
                 self._preempted.discard(rid)
+            self.write_room()
+
+    def write_room(self, force: bool = False) -> None:
+        """Tell admission how many requests this engine would take in now (its limit less what it
+        holds), when that changed: the promise then sees a full engine at once, not a heartbeat
+        (seconds) later. Best effort: without Redis the heartbeat's figure stands."""
+        if not self._room_keys:
+            return
+        with self._room_lock:  # computed and written in one go: a later figure never loses to an older
+            room = 0 if self.draining.is_set() else max(0, self.limit - self.in_flight())
+            if room == self._room_written and not force:
+                return
+            try:
+                with self._redis.pipeline(transaction=False) as pipe:
+                    for key in self._room_keys:
+                        pipe.hset(key, self.worker_id, room)
+                    pipe.execute()
+                self._room_written = room
+            except redis.RedisError as exc:
+                self._room_written = None
+                log.warning("could not write the engine's room (%s)", type(exc).__name__)
 
     def _await_prefill_credit(self, rid: str, prompt_tokens: int) -> None:
         """A batch request enters the engine while no realtime request runs here, or once the
@@ -283,6 +313,7 @@ class EngineRuntime:
             self.hand_back()
             return
         self.draining.set()
+        self.write_room()  # none: it takes nothing new
         log.warning("stopping: %d requests in flight may finish within %.0fs; the rest are requeued",
                     len(self._in_flight), grace_s)
         threading.Thread(target=self._drain, args=(grace_s,), name="drain", daemon=True).start()
@@ -442,6 +473,7 @@ class EngineRuntime:
         if limit != self.limit:
             log.info("in-engine limit %d -> %d (%s)", self.limit, limit, self._curve_text())
         self.limit, self.limit_peak = limit, max(self.limit_peak, limit)
+        self.write_room()
         try:
             self.on_limit(limit)
         except Exception:
@@ -505,5 +537,6 @@ class EngineRuntime:
                     pipe.execute()
             except Exception:  # this thread must outlive any error, or the sweep declares us dead
                 log.warning("heartbeat: Redis unreachable; retrying", exc_info=True)
+            self.write_room(force=True)  # again, should the monitor have dropped it meanwhile
             if self._stop.wait(self._heartbeat_s):
                 return

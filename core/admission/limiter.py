@@ -24,7 +24,7 @@ from pathlib import Path
 import redis
 from sqlalchemy import select
 
-from core.admission.load import LoadLevel, counters_key, snapshot_key
+from core.admission.load import LoadLevel, counters_key, room_key, snapshot_key
 from core.rediskeys import (
     INFLIGHT_SUFFIX,
     LOAD_LEVEL_KEY,
@@ -107,7 +107,7 @@ class SharedLimiter:
         ``now_ms`` replaces the Redis clock (tests drive time explicitly); leave it None.
         """
         keys = [PLATFORM_BUCKET_KEY, LOAD_LEVEL_KEY, tenant_bucket_key(tenant_id), inflight_key(tenant_id),
-                counters_key(priority, model), snapshot_key(priority, model)]
+                counters_key(priority, model), snapshot_key(priority, model), room_key(priority, model)]
         deadline_ms = 2**53 if deadline_s == float("inf") else int(deadline_s * 1000)
         args = [request_id, cost, self.platform_tokens_per_minute, limits.tokens_per_minute,
                 limits.requests_per_minute, limits.max_concurrent, priority, int(too_large),

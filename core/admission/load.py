@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 
 COUNTERS_PREFIX = "sluice:load:queue:"
 SNAPSHOT_PREFIX = "sluice:load:class:"
+# Hash worker id → requests its engine would take in now, per class it serves: written by each
+# worker whenever a request enters or leaves its engine (workers/runtime.py), so the promise sees
+# a full engine at once instead of a heartbeat later; the monitor drops the fields of dead workers.
+ROOM_PREFIX = "sluice:load:room:"
 
 
 class LoadLevel(enum.IntEnum):
@@ -58,6 +62,10 @@ def counters_key(priority: Priority | str, model: str) -> str:
 
 def snapshot_key(priority: Priority | str, model: str) -> str:
     return SNAPSHOT_PREFIX + class_name(priority, model)
+
+
+def room_key(priority: Priority | str, model: str) -> str:
+    return ROOM_PREFIX + class_name(priority, model)
 
 
 class QueueCounters:

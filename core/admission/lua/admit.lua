@@ -7,6 +7,7 @@
 --
 -- KEYS  1 platform bucket (hash)  2 load level (hash)  3 tenant buckets (hash)  4 tenant in-flight (zset)
 --       5 the request's class counters (hash)  6 the class's monitor snapshot (hash)
+--       7 the class's live room (hash worker → requests its engine would take in now)
 -- ARGV  1 request id  2 cost in tokens  3 platform tokens/min (0 = no cap)  4 tenant tokens/min
 --       5 tenant requests/min  6 tenant max concurrent  7 priority  8 too large (1|0), the
 --       per-request gate's verdict  9 load level max age (ms)  10 reject-batch level  11 shed level
@@ -65,7 +66,14 @@ local wait, finish = -1, -1
 local snap = redis.call('HMGET', KEYS[6], 'drain_tps', 'seq_tps', 'updated_at_ms', 'room', 'slot_wait_s')
 if snap[3] and now - tonumber(snap[3]) <= tonumber(ARGV[9]) and (tonumber(snap[1]) or 0) > 0 then
   local queued = math.max(0, tonumber(redis.call('HGET', KEYS[5], 'queued_work') or '0') or 0)
+  -- Room in the engines: live, as the workers wrote it when a request last entered or left one;
+  -- the snapshot's (a heartbeat old) only where no worker wrote it.
   local room = tonumber(snap[4]) or -1
+  local live = redis.call('HVALS', KEYS[7])
+  if #live > 0 then
+    room = 0
+    for _, r in ipairs(live) do room = room + math.max(0, tonumber(r) or 0) end
+  end
   wait = math.floor(queued * 1000 / tonumber(snap[1]))
   if room == 0 then wait = wait + math.floor((tonumber(snap[5]) or 0) * 1000) end
   local seq = tonumber(snap[2]) or 0

@@ -280,11 +280,6 @@ def test_batch_in_a_full_engine_makes_room_for_realtime_and_still_finishes(datab
         assert all(r.status_code == 202 for r in batch)
         full = worker.wait_stats(lambda s: s.get("batch_in_flight", 0) == 8, timeout=20)
         assert full["batch_in_flight"] == 8, full
-        # Admission sees no room for batch, and the whole engine for realtime: batch makes way.
-        model = services(application).settings.registry.default.name
-        rooms = {head: services(application).redis.hget(room_key(head, model), full["worker"])
-                 for head in ("realtime", "batch")}
-        assert rooms == {"realtime": "8", "batch": "0"}, rooms
         realtime = client.submit(prompt="let me in", max_tokens=8, ignore_eos=True)
         view = client.wait(realtime.get_json()["id"], timeout=60)
         assert view["status"] == "succeeded", view

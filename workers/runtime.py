@@ -122,8 +122,8 @@ class EngineRuntime:
         self._realtime_queues = [q for q in self.info.get("queues", ()) if q.startswith("realtime.")]
         # The classes this engine serves: where its room goes each time a request enters or leaves.
         heads = sorted({q.split(".", 1)[0] for q in self.info.get("queues", ())} & {"realtime", "batch"})
-        self._room_keys = {head: room_key(head, self.info["model"]) for head in heads} if self.info.get("model") else {}
-        self._room_written: dict[str, int] | None = None
+        self._room_keys = [room_key(head, self.info["model"]) for head in heads] if self.info.get("model") else []
+        self._room_written: int | None = None
         self._room_lock = threading.RLock()  # drain() may run in a signal handler
 
     # ------------------------------------------------------------------ lifecycle
@@ -179,7 +179,7 @@ class EngineRuntime:
         with contextlib.suppress(Exception):
             self._call(self.engine.shutdown(), timeout=30)
         with contextlib.suppress(Exception):
-            for key in self._room_keys.values():
+            for key in self._room_keys:
                 self._redis.hdel(key, self.worker_id)
             self._redis.delete(worker_key(self.worker_id))
             owner = json.loads(self._redis.get(node_key(self.node)) or "{}") if self.node else {}
@@ -247,30 +247,22 @@ class EngineRuntime:
                 self._preempted.discard(rid)
             self.write_room()
 
-    def rooms(self) -> dict[str, int]:
-        """Requests of each class this engine would take in now: its limit less what it holds; for
-        realtime, less only the realtime it holds, since batch in the engine is preempted for it."""
-        if self.draining.is_set():
-            return dict.fromkeys(self._room_keys, 0)
-        held = {"realtime": self.realtime_in_flight(), "batch": self.in_flight()}
-        return {head: max(0, self.limit - held[head]) for head in self._room_keys}
-
     def write_room(self, force: bool = False) -> None:
-        """Tell admission how many requests this engine would take in now, when that changed: the
-        promise then sees a full engine at once, not a heartbeat (seconds) later. Best effort:
-        without Redis the heartbeat's figure stands."""
+        """Tell admission how many requests this engine would take in now (its limit less what it
+        holds), when that changed: the promise then sees a full engine at once, not a heartbeat
+        (seconds) later. Best effort: without Redis the heartbeat's figure stands."""
         if not self._room_keys:
             return
         with self._room_lock:  # computed and written in one go: a later figure never loses to an older
-            rooms = self.rooms()
-            if rooms == self._room_written and not force:
+            room = 0 if self.draining.is_set() else max(0, self.limit - self.in_flight())
+            if room == self._room_written and not force:
                 return
             try:
                 with self._redis.pipeline(transaction=False) as pipe:
-                    for head, key in self._room_keys.items():
-                        pipe.hset(key, self.worker_id, rooms[head])
+                    for key in self._room_keys:
+                        pipe.hset(key, self.worker_id, room)
                     pipe.execute()
-                self._room_written = rooms
+                self._room_written = room
             except redis.RedisError as exc:
                 self._room_written = None
                 log.warning("could not write the engine's room (%s)", type(exc).__name__)

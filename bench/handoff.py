@@ -13,8 +13,8 @@ threads; a slot is counted freed by the end that came ``threads`` starts earlier
 threads the ends of a batch that started together free their slots at once and the later starts
 of the next batch include fetching the ones before them. The gap is
 queue wait nobody's estimate counts: the promise at arrival assumes a freed slot is taken at once.
-Needs Postgres and Redis (local defaults or --database-url / --redis-url); creates and drops its
-own database. Prints the gaps' median, p90 and max in milliseconds.
+Needs Postgres and Redis (local defaults or --database-url / --redis); creates and drops its own
+database and takes a free Redis database. Prints the gaps' median, p90 and max in milliseconds.
 """
 
 from __future__ import annotations
@@ -39,30 +39,31 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="worker threads: the engine's limit")
     parser.add_argument("--sim-speed", type=float, default=0.05, help="SLUICE_SIM_SPEED (lower: slower steps)")
     parser.add_argument("--database-url", default="postgresql://postgres@127.0.0.1:5432/postgres")
-    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/12")
+    parser.add_argument("--redis", default="redis://127.0.0.1:6379", help="Redis server (a free db is used)")
     args = parser.parse_args()
 
     from sqlalchemy import select
 
     from core.settings import Settings
     from launcher.database import create_key, upgrade_database
-    from launcher.harness import WorkerProcess, scratch_database
+    from launcher.harness import WorkerProcess, free_redis_db, scratch_database
     from models import InferenceRequest
     from web import create_app, services
 
     with contextlib.ExitStack() as stack:
         db_url = stack.enter_context(scratch_database(args.database_url, "sluice_bench"))
-        upgrade_database(Settings(database_url=db_url).sqlalchemy_url)
-        env = {"DATABASE_URL": db_url, "REDIS_URL": args.redis_url, "SLUICE_ENGINE": "simulated",
+        redis_url = f"{args.redis}/{free_redis_db(args.redis, set())}"
+        env = {"DATABASE_URL": db_url, "REDIS_URL": redis_url, "SLUICE_ENGINE": "simulated",
                "SLUICE_SIM_SPEED": str(args.sim_speed), "SLUICE_LOG_LEVEL": "WARNING",
                "SLUICE_REALTIME_DEADLINE_S": "3600"}
-        app = create_app(Settings.from_env(env))
+        settings = Settings.from_env(env)
+        upgrade_database(settings.sqlalchemy_url)
+        app = create_app(settings)
         svc = services(app)
-        svc.redis.flushdb()
-        stack.callback(svc.redis.flushdb)
+        stack.callback(svc.redis.flushdb)  # the free database this run took, lock included
         stack.callback(svc.db.dispose)
-        key = create_key(Settings(database_url=db_url).sqlalchemy_url, "bench")
-        worker = WorkerProcess(env, args.redis_url, Path(tempfile.mkdtemp(prefix="sluice_handoff_")),
+        key = create_key(settings.sqlalchemy_url, "bench")
+        worker = WorkerProcess(env, redis_url, Path(tempfile.mkdtemp(prefix="sluice_handoff_")),
                                concurrency=args.threads)
         stack.callback(worker.stop)
         http = app.test_client()

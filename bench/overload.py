@@ -14,8 +14,8 @@ again, up to --retries times; a refused user (429/503, with Retry-After) does no
 who polls first comes back when its 202 says the answer is due (retry-after-ms; not with
 --ignore-poll-hints), then every --poll s; when it gives up it just stops polling (closes the
 page; nothing is cancelled); one that waits on the connection hangs up (which cancels its
-request). Batch jobs (--batch-tokens, priority batch) arrive at a steady rate, wait as long as it takes and resubmit
-after Retry-After. Each setup runs, on fresh processes:
+request). Batch jobs (--batch-tokens, priority batch) arrive at a steady rate, wait as long as
+it takes and resubmit after Retry-After. Each setup runs, on fresh processes:
 
   warm    realtime at 0.8 x the knee, 60 s
   spike   3 x the knee, 120 s

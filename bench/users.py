@@ -64,20 +64,22 @@ class Reply:
     doc: dict
     headers: http.client.HTTPMessage | None = None
 
-    def due_s(self) -> float | None:
-        """A 202's prediction of when its answer is due (retry-after-ms), None without one."""
-        raw = self.headers.get("retry-after-ms") if self.headers else None
+    def _number(self, name: str) -> float | None:
+        """The header ``name`` as a number; None when absent or not a number."""
+        raw = self.headers.get(name) if self.headers else None
         try:
-            return int(raw) / 1000 if raw else None
+            return float(raw) if raw else None
         except ValueError:
             return None
 
+    def due_s(self) -> float | None:
+        """A 202's prediction of when its answer is due (retry-after-ms), None without one."""
+        ms = self._number("retry-after-ms")
+        return None if ms is None else ms / 1000
+
     def retry_after_s(self, default: float = 1.0) -> float:
-        raw = self.headers.get("Retry-After") if self.headers else None
-        try:
-            return float(raw) if raw else default
-        except ValueError:
-            return default
+        seconds = self._number("Retry-After")
+        return default if seconds is None else seconds
 
 
 class Http:

@@ -188,10 +188,17 @@ class Monitor:
 
     def _drop_dead_rooms(self, live: set[str]) -> None:
         """The room a worker wrote for admission leaves with it: a killed one never cleans up."""
-        for key in self.redis.scan_iter(match=ROOM_PREFIX + "*", count=200):
-            dead = [w for w in self.redis.hkeys(key) if w not in live]
-            if dead:
-                self.redis.hdel(key, *dead)
+        keys = list(self.redis.scan_iter(match=ROOM_PREFIX + "*", count=200))
+        with self.redis.pipeline(transaction=False) as pipe:  # one round trip for every class
+            for key in keys:
+                pipe.hkeys(key)
+            fields = pipe.execute()
+        with self.redis.pipeline(transaction=False) as pipe:
+            for key, workers in zip(keys, fields, strict=True):
+                dead = [w for w in workers if w not in live]
+                if dead:
+                    pipe.hdel(key, *dead)
+            pipe.execute()
 
     def _sequence_speeds(self, workers: list[dict], now: float) -> dict[str, float]:
         """The speed one sequence gets, per model (median over its workers): each worker's own

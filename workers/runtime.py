@@ -247,6 +247,10 @@ class EngineRuntime:
                 self._preempted.discard(rid)
             self.write_room()
 
+    def room(self) -> int:
+        """Requests this engine would take in now: its limit less the requests it holds."""
+        return max(0, self.limit - self.in_flight())
+
     def write_room(self, force: bool = False) -> None:
         """Tell admission how many requests this engine would take in now (its limit less what it
         holds), when that changed: the promise then sees a full engine at once, not a heartbeat
@@ -254,7 +258,7 @@ class EngineRuntime:
         if not self._room_keys:
             return
         with self._room_lock:  # computed and written in one go: a later figure never loses to an older
-            room = 0 if self.draining.is_set() else max(0, self.limit - self.in_flight())
+            room = 0 if self.draining.is_set() else self.room()
             if room == self._room_written and not force:
                 return
             try:
@@ -497,8 +501,7 @@ class EngineRuntime:
 
     def engine_view(self) -> dict:
         """What the heartbeat reports of the limit: the monitor's promise is computed from it."""
-        view = {"engine_limit": self.limit, "engine_limit_peak": self.limit_peak,
-                "room": max(0, self.limit - self.in_flight()),
+        view = {"engine_limit": self.limit, "engine_limit_peak": self.limit_peak, "room": self.room(),
                 "slot_wait_s": round(self.governor.slot_wait_s(self.limit), 3),
                 "batch_open": self._batch_open, "pace_ms": round(self.governor.pace_s() * 1e3, 2)}
         curve = self.governor.curve

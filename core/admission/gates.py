@@ -113,9 +113,8 @@ class Admission:
         headers = ratelimit_headers(verdict)
         if verdict.admitted:
             metrics.ADMITTED.labels(limiter=limiter).inc()
-            wait = verdict.wait_ms / 1000 if verdict.wait_ms >= 0 else None
-            finish = verdict.finish_ms / 1000 if verdict.finish_ms >= 0 else None
-            return Ticket(str(plan.request_id), str(tenant.id), cost, limiter, headers, wait, finish)
+            return Ticket(str(plan.request_id), str(tenant.id), cost, limiter, headers,
+                          _seconds(verdict.wait_ms), _seconds(verdict.finish_ms))
         metrics.REJECTIONS.labels(gate=verdict.gate, reason=verdict.reason).inc()
         log.info("rejected at the %s gate: %s (%d tokens, %s limiter)", verdict.gate, verdict.reason, cost, limiter)
         raise _rejection(verdict, limits, cost, too_large, headers)
@@ -215,6 +214,11 @@ class Admission:
         return ceiling[0], ceiling[1], (f"This request needs {row.reserved_tokens} tokens ({row.input_tokens} "
                                         f"input + {row.max_tokens} max_tokens), more than {ceiling[2]} of "
                                         f"{ceiling[0]} tokens. Shorten the input or lower max_tokens.")
+
+
+def _seconds(ms: int) -> float | None:
+    """An estimate from the admission script, in seconds; None where it had none (-1)."""
+    return ms / 1000 if ms >= 0 else None
 
 
 def _rejection(verdict: Verdict, limits: Limits, cost: int, too_large, headers: dict[str, str]) -> ApiError:

@@ -133,11 +133,6 @@ class Settings:
         "While a realtime request runs on a worker that serves both, a new batch request starts there only "
         "while fewer batch requests than this run (those running go on): each sequence in the batch slows "
         "the steps realtime decodes in. Unset: half the batch slots (at least 1).")
-    worker_batch_prefill_per_step: int = _field(
-        "SLUICE_WORKER_BATCH_PREFILL_PER_STEP", 32,
-        "While a realtime request runs, batch requests enter the engine only as fast as this many prompt "
-        "tokens per engine step, on average: a prefill is the costliest thing to put in a step realtime "
-        "decodes in (on an H200, 32 tokens of an 8B model's prefill add about a tenth to a decode step).")
     worker_role: str = _field(
         "SLUICE_WORKER_ROLE", "all", "Set by `sluice worker --role`: the worker's role, shown in /readyz.")
     worker_model: str | None = _field(
@@ -366,7 +361,7 @@ class Settings:
                     "shorter_output_tokens", "cache_max_entries", "cache_max_answer_bytes", "job_max_bytes",
                     "job_max_items", "job_max_line_bytes", "job_summary_tokens", "job_window_s",
                     "job_max_window_s", "job_inflight_per_worker", "feeder_interval_s",
-                    "worker_batch_prefill_per_step", "wait_max_s", "stream_idle_ping_s", "stream_max_s",
+                    "wait_max_s", "stream_idle_ping_s", "stream_max_s",
                     "web_worker_connections", "web_threads"]
         for name in positive:
             if getattr(self, name) is not None and getattr(self, name) <= 0:

@@ -106,6 +106,64 @@ def test_batch_yields_and_is_preempted_newest_first_while_realtime_waits():
     assert governor.preempt(0) == ["b7", "b6"]
 
 
+def test_batch_prefill_beside_realtime_is_paid_for_by_the_slack_of_its_steps():
+    """On a compute-bound engine one batch prompt prefilled in a step costs realtime decoding
+    beside it more than a whole step's budget: it waits until the steps realtime lived through
+    left that much time unused, and spends it."""
+    governor = Governor(cpu_curve(), max_seqs=64, default_pace_s=1.0, clock=Clock())
+
+    def prefilled(tokens: int) -> None:  # the engine's step that prefilled a prompt, on the curve
+        governor.curve.add(StepSample(0.010 + 0.0015 * 4 + 0.001 * tokens, 4, tokens))
+
+    assert governor.take_prefill(200), "no realtime in the engine: batch prefills at once"
+    prefilled(200)
+    governor.enter("rt", batch=False, deadline_s=5.0, max_tokens=32)  # pace 156 ms: budget 109 ms a step
+    budget = governor.step_budget_s()
+    assert budget == pytest.approx(0.7 * 5.0 / 32)
+    assert not governor.take_prefill(200), "nothing banked: a 200-token prompt costs ~0.2 s"
+    governor.earn_prefill([StepSample(budget + 0.01, 4)] * 50)
+    assert not governor.take_prefill(200), "steps at or over budget leave no slack"
+    governor.earn_prefill([StepSample(budget - 0.05, 4)] * 6)  # ~0.29 s banked
+    assert governor.take_prefill(200)
+    prefilled(200)
+    assert not governor.take_prefill(200), "the prefill spent the bank"
+    governor.earn_prefill([StepSample(budget - 0.05, 4)] * 6)
+    governor.earn_prefill([StepSample(budget, 4)] * 300)
+    assert not governor.take_prefill(200), "slack of steps long past fades from the bank"
+    governor.leave("rt")
+    governor.earn_prefill([])
+    assert governor.take_prefill(200)
+    assert not governor.take_prefill(200), "one prompt's prefill at a time, while it costs over a step budget"
+    prefilled(200)
+    assert governor.take_prefill(200)
+    for _ in range(5):
+        governor.curve.add(StepSample(0.016, 4))  # never seen prefilled (cached, aborted): not waited for
+    assert governor.take_prefill(20) and governor.take_prefill(20), "small prompts share a step's budget"
+
+
+def test_batch_prefill_does_not_lower_the_limit_realtime_prefill_does():
+    a, b, c = 0.010, 0.0015, 0.001
+
+    def limit_after(prompt_tokens: int, batch: bool) -> int:
+        """The limit once every fourth step prefilled ``prompt_tokens``, of batch or realtime work."""
+        governor = Governor(cpu_curve(a, b, c), max_seqs=256, default_pace_s=1.0, clock=Clock())
+        governor.enter("rt", batch=False, deadline_s=5.0, max_tokens=32)
+        governor.leave("rt")  # its pace stays in force (recent traffic); the engine is empty
+        for _ in range(60):
+            if batch:
+                assert governor.take_prefill(prompt_tokens)
+            governor.curve.add(StepSample(a + b * 4 + c * prompt_tokens, 4, prompt_tokens))
+            for _ in range(3):
+                governor.curve.add(StepSample(a + b * 4, 4))
+        return governor.limit()
+
+    none = limit_after(0, batch=False)
+    assert none == 66, "(109 ms budget - 10 ms) / 1.5 ms a sequence"
+    assert limit_after(200, batch=True) == none
+    # 50 prompt tokens a step of realtime's own: ~50 ms of each step, (109 - 60) / 1.5 ≈ 33.
+    assert 30 <= limit_after(200, batch=False) <= 36
+
+
 def test_the_monitor_sums_the_governed_engines_and_waits_for_a_slot_only_when_all_are_full():
     from workers.monitor import engines
 

@@ -22,7 +22,10 @@ which every request in it meets its own deadline, not the one with the best thro
 
 The worker carries the limit out as its Celery prefetch count (the consumer holds at most that
 many unacknowledged messages: each one is a request in the engine), and tells batch work to yield
-(:meth:`Governor.batch_yields`, :meth:`Governor.preempt`) while realtime needs the engine.
+(:meth:`Governor.batch_yields`, :meth:`Governor.preempt`) while realtime needs the engine. Beside
+realtime, a batch prompt is prefilled only with the time the steps realtime lived through left
+unused (:meth:`Governor.earn_prefill`, :meth:`Governor.take_prefill`): on a compute-bound engine
+one prompt in a step can cost the realtime decoding in it more than its whole margin.
 Pure logic with an injectable clock: ``tests/test_governor.py`` drives it without an engine.
 """
 
@@ -53,6 +56,13 @@ SAFETY = 0.7
 # The paces of requests that entered this long ago still count: the traffic they came with is
 # likely still arriving.
 MEMORY_S = 60.0
+# Batch prefill credit: each step hands on this share of what it had banked (the rest fades), so
+# the bank holds about the slack of the last 1 / (1 - BANK_KEEP) steps, which the realtime requests
+# in the engine now mostly lived through, not slack left by requests long gone.
+BANK_KEEP = 1.0 - 1.0 / 32
+# Batch prompt tokens released to the engine are looked for in this many steps' prefill; later
+# they are taken as never prefilled (cached, or aborted before the engine saw them).
+PENDING_STEPS = 4
 
 
 class StepCurve:
@@ -66,6 +76,9 @@ class StepCurve:
         self._weight = 0.0
         self._coef: tuple[float, float, float] | None = None
         self._prompt_mean = 0.0  # prompt tokens per step, smoothed: the prefill share of a step
+        self._batch_mean = 0.0  # of which batch prompts, smoothed the same way
+        self._batch_pending = 0  # batch prompt tokens released to the engine, not yet seen prefilled
+        self._pending_age = 0
         self.samples = 0
         self._lock = threading.Lock()
 
@@ -80,8 +93,33 @@ class StepCurve:
                     self._xx[i][j] = self._xx[i][j] * self._decay + x[i] * x[j]
             self._weight = self._weight * self._decay + 1.0
             self._prompt_mean = 0.98 * self._prompt_mean + 0.02 * sample.prompt_tokens
+            batch = min(self._batch_pending, sample.prompt_tokens)
+            self._batch_pending -= batch
+            self._pending_age += 1
+            if self._pending_age > PENDING_STEPS:
+                self._batch_pending = 0
+            self._batch_mean = 0.98 * self._batch_mean + 0.02 * batch
             self.samples += 1
             self._coef = None
+
+    def note_batch_prefill(self, prompt_tokens: int) -> None:
+        """A batch prompt of ``prompt_tokens`` was let into the engine: the prefill of the next steps
+        is (up to that many tokens) batch work, paced by the slack realtime leaves, not traffic the
+        in-engine limit must make room for."""
+        with self._lock:
+            self._batch_pending += max(0, prompt_tokens)
+            self._pending_age = 0
+
+    def batch_pending(self) -> int:
+        """Batch prompt tokens let into the engine and not yet seen prefilled."""
+        with self._lock:
+            return self._batch_pending
+
+    def realtime_prompt_mean(self) -> float:
+        """Prompt tokens per step, smoothed, less those of batch prompts: the prefill that comes
+        with the traffic the limit is set for."""
+        with self._lock:
+            return max(0.0, self._prompt_mean - self._batch_mean)
 
     def coefficients(self) -> tuple[float, float, float] | None:
         """(a, b, c) in seconds, seconds per sequence and seconds per prompt token; None before
@@ -161,6 +199,7 @@ class Governor:
         self.clock = clock
         self._in_engine: dict[str, _Entry] = {}
         self._recent: deque[tuple[float, float]] = deque()  # (entered, pace) of recent realtime entries
+        self._credit_s = 0.0  # batch prefill credit beside realtime, seconds of engine time
         self._lock = threading.Lock()
 
     def enter(self, request_id: str, *, batch: bool, deadline_s: float | None, max_tokens: int) -> None:
@@ -209,8 +248,50 @@ class Governor:
         b = coef[1]
         if b <= 0:
             return self.max_seqs
-        base = self.curve.step_s(0)  # a step's fixed part plus its usual prefill share
+        # A step's fixed part plus the prefill realtime arrivals bring; batch prefill is fitted into
+        # the slack that leaves (earn_prefill), so it never lowers the limit.
+        base = self.curve.step_s(0, self.curve.realtime_prompt_mean())
         return max(1, min(self.max_seqs, int((budget - base) / b)))
+
+    def step_budget_s(self) -> float:
+        """The longest a step may take now: ``safety`` × the governing pace."""
+        return self.safety * self.pace_s()
+
+    def earn_prefill(self, steps: list[StepSample]) -> None:
+        """Bank batch prefill credit from the steps just taken, while realtime runs: each step
+        earns its slack, the step budget less what the step really took, in seconds of engine
+        time. The bank fades (``BANK_KEEP``): it holds the slack of steps that the realtime requests
+        in the engine now lived through, which they can give up and still finish in time."""
+        budget = self.step_budget_s() if steps else math.inf
+        with self._lock:
+            if not any(not e.batch for e in self._in_engine.values()):
+                self._credit_s = 0.0  # nobody to keep the slack for
+                return
+            if not math.isfinite(budget):
+                return
+            for step in steps:
+                self._credit_s = self._credit_s * BANK_KEEP + max(0.0, budget - step.seconds)
+
+    def take_prefill(self, prompt_tokens: int) -> bool:
+        """Whether a batch prompt of ``prompt_tokens`` may be prefilled now, its price by the curve
+        being c × its tokens. Beside realtime once the bank holds that price, which it spends (a
+        prompt the bank never holds waits until the realtime has left the engine); without
+        realtime at once, but never more than one step budget of batch prefill at a time (or one
+        prompt, if larger), so that realtime arriving meanwhile waits for one prefill, not for a
+        wave of them in one long step."""
+        coef = self.curve.coefficients()
+        price = coef[2] if coef is not None else 0.0
+        cost = price * max(0, prompt_tokens)
+        pending = price * self.curve.batch_pending()
+        if pending > 0 and pending + cost > self.step_budget_s():
+            return False
+        with self._lock:
+            if any(not e.batch for e in self._in_engine.values()):
+                if self._credit_s < cost:
+                    return False
+                self._credit_s -= cost
+        self.curve.note_batch_prefill(prompt_tokens)
+        return True
 
     def tokens_take_s(self, max_tokens: int) -> float | None:
         """Seconds ``max_tokens`` tokens take at the step time the engine gives with one sequence

@@ -83,8 +83,7 @@ class EngineRuntime:
 
     def __init__(self, engine: Engine, redis_client: redis.Redis, worker_id: str, *,
                  heartbeat_s: float, dead_after_s: float, cancel_poll_s: float,
-                 governor: Governor, watchdog_s: float = 30.0, info: dict | None = None,
-                 batch_prefill_per_step: int | None = None) -> None:
+                 governor: Governor, watchdog_s: float = 30.0, info: dict | None = None) -> None:
         self.engine = engine
         self.worker_id = worker_id
         self._redis = redis_client
@@ -105,10 +104,6 @@ class EngineRuntime:
         self._threads: list[threading.Thread] = []
         self.cold_start_s: float | None = None
         self.seq_tps: float | None = None  # decode tokens per second one sequence gets, smoothed
-        # Batch prefill beside realtime: credit in prompt tokens, earned per engine step (None: no limit).
-        self._prefill_per_step = batch_prefill_per_step
-        self._prefill_credit = 0.0
-        self._credit_steps: int | None = None
         self._sink: TokenSink | None = None  # token increments of streaming requests, to Redis
         self.governor = governor  # also knows which requests in flight are batch work
         self.on_limit = lambda limit: None  # the worker sets its prefetch count here
@@ -219,8 +214,14 @@ class EngineRuntime:
                             deadline_s=next((d for d in (deadline_s, deadline_in_s) if d is not None), time_limit_s))
         self.write_room()
         try:
-            if request.priority > 0 and self._prefill_per_step:
-                self._await_prefill_credit(rid, request.prompt_tokens or 1)
+            if request.priority > 0 and not self._await_prefill_credit(rid, request.prompt_tokens or 1):
+                # Never reached the engine: handed back (preempted, stopped) or ended (cancelled).
+                with self._lock:
+                    ended = ("shutdown" if rid in self._handed_back else "preempted" if rid in self._preempted
+                             and rid not in self._cancelled else "cancel")
+                if request.stream:
+                    self._token_sink().end(rid, ended)
+                return RunResult(None, None, ended)
             # The engine ends every stream by limit + ABORT_GRACE_S; past that the loop itself
             # is stuck and the watchdog is about to restart this worker.
             try:
@@ -271,27 +272,17 @@ class EngineRuntime:
                 self._room_written = None
                 log.warning("could not write the engine's room (%s)", type(exc).__name__)
 
-    def _await_prefill_credit(self, rid: str, prompt_tokens: int) -> None:
-        """A batch request enters the engine while no realtime request runs here, or once the
-        engine has stepped enough since the last batch prefill: each step earns
-        ``batch_prefill_per_step`` tokens of credit (at most 64 steps' worth banked), and a prefill
-        spends its prompt's tokens (a long prompt runs the credit negative: the next waits longer).
-        A cancel or a stop ends the wait; the run then ends at once in the engine."""
-        burst = 64 * self._prefill_per_step
-        while True:
-            steps = self.engine.stats().steps
+    def _await_prefill_credit(self, rid: str, prompt_tokens: int) -> bool:
+        """Wait until the governor lets this batch prompt be prefilled (``Governor.take_prefill``:
+        at once while no realtime runs here, beside realtime once the slack of the engine's steps
+        pays for it). False when it must not start at all: cancelled, stopped, or preempted while
+        it waited."""
+        while not self.governor.take_prefill(prompt_tokens):
             with self._lock:
-                if self._credit_steps is not None:
-                    self._prefill_credit = min(burst, self._prefill_credit
-                                               + (steps - self._credit_steps) * self._prefill_per_step)
-                self._credit_steps = steps
-                if (rid in self._cancelled or self._handing_back or self._prefill_credit > 0
-                        or self.realtime_in_flight() == 0):
-                    # A debt is bounded: a burst admitted while realtime was idle stalls batch work
-                    # beside the next realtime request for at most 64 steps.
-                    self._prefill_credit = max(-burst, self._prefill_credit - prompt_tokens)
-                    return
+                if rid in self._cancelled or rid in self._preempted or self._handing_back:
+                    return False
             time.sleep(PREFILL_WAIT_S)
+        return True
 
     def _token_sink(self) -> TokenSink:
         with self._lock:
@@ -452,9 +443,11 @@ class EngineRuntime:
 
     def _learn_steps(self) -> None:
         self._slowest_step_s *= 0.99  # the slowest step seen lately, fading
-        for sample in self.engine.step_samples():
+        samples = self.engine.step_samples()
+        for sample in samples:
             self.governor.curve.add(sample)
             self._slowest_step_s = max(self._slowest_step_s, sample.seconds)
+        self.governor.earn_prefill(samples)
 
     def _realtime_queued(self) -> int:
         """Realtime messages waiting in the broker on the realtime queues this worker reads: the

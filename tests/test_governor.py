@@ -384,3 +384,53 @@ def test_the_runtime_drops_a_request_its_wait_left_too_little_time_and_runs_one_
         runtime._loop_thread.join(timeout=10)
         runtime._loop.close()
         client.close()
+
+
+def test_a_batch_request_waiting_beside_realtime_for_prefill_is_handed_back_if_preempted(redis_url):
+    """Beside a realtime request whose steps leave no slack, a batch prompt waits outside the
+    engine; preempted meanwhile, it ends `preempted` (handed back, requeued) without the engine
+    ever seeing it; once the realtime has left, batch prefills at once."""
+    import redis as redis_lib
+
+    from workers.engines.base import GenerationRequest, SamplingParams
+    from workers.engines.simulated import SimulatedConfig, SimulatedEngine
+    from workers.runtime import EngineRuntime
+
+    client = redis_lib.Redis.from_url(redis_url, decode_responses=True)
+    governor = Governor(cpu_curve(), max_seqs=8, default_pace_s=1.0)
+    runtime = EngineRuntime(SimulatedEngine(SimulatedConfig(speed=1.0)), client, "test-prefill-wait",
+                            heartbeat_s=1.0, dead_after_s=10.0, cancel_poll_s=0.5, governor=governor)
+    runtime._loop_thread = threading.Thread(target=runtime._loop.run_forever, daemon=True)
+    runtime._loop_thread.start()
+    runtime._call(runtime.engine.start())
+
+    def request(rid: str, priority: int, max_tokens: int) -> GenerationRequest:
+        return GenerationRequest(request_id=rid, prompt="q " * 200, priority=priority, prompt_tokens=400,
+                                 params=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            realtime = pool.submit(runtime.run, request("rt", 0, 4000), 60.0)
+            deadline = time.monotonic() + 10
+            while governor.in_engine() != (1, 0) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            batch = pool.submit(runtime.run, request("batch", 1, 8), 60.0)
+            while governor.in_engine() != (2, 1) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.2)
+            assert not batch.done(), "no slack banked: the 400-token prompt (~0.4 s by the curve) waits"
+            assert runtime.engine.stats().prompt_tokens == 400, "only the realtime prompt reached the engine"
+            with runtime._lock:
+                runtime._preempted.add("batch")  # what govern_once does when realtime needs the room
+            assert batch.result(timeout=5).ended_by == "preempted"
+            assert runtime.engine.stats().prompt_tokens == 400
+            runtime._call(runtime.engine.abort("rt"))
+            assert realtime.result(timeout=10).ended_by == "engine_abort", "aborted, cancelled by nobody"
+        assert governor.in_engine() == (0, 0)
+        assert runtime.run(request("alone", 1, 4), 60.0).ended_by == "finished", "no realtime: at once"
+    finally:
+        runtime._call(runtime.engine.shutdown())
+        runtime._loop.call_soon_threadsafe(runtime._loop.stop)
+        runtime._loop_thread.join(timeout=10)
+        runtime._loop.close()
+        client.close()

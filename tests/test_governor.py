@@ -4,6 +4,7 @@ the promise sees the engine's room, so an idle platform never locks its door."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,31 @@ def cpu_curve(a: float = 0.010, b: float = 0.0015, c: float = 0.001) -> StepCurv
     for tokens in (100, 400, 800):
         curve.add(StepSample(a + b * 4 + c * tokens, 4, tokens))
     return curve
+
+
+@contextlib.contextmanager
+def sim_runtime(redis_url: str, governor: Governor, speed: float, worker_id: str):
+    """An engine runtime over the simulated engine at ``speed``, its loop running but none of its
+    housekeeping threads (the governor learns nothing unless a test feeds it)."""
+    import redis as redis_lib
+
+    from workers.engines.simulated import SimulatedConfig, SimulatedEngine
+    from workers.runtime import EngineRuntime
+
+    client = redis_lib.Redis.from_url(redis_url, decode_responses=True)
+    runtime = EngineRuntime(SimulatedEngine(SimulatedConfig(speed=speed)), client, worker_id,
+                            heartbeat_s=1.0, dead_after_s=10.0, cancel_poll_s=0.5, governor=governor)
+    loop_thread = threading.Thread(target=runtime._loop.run_forever, daemon=True)
+    loop_thread.start()
+    runtime._call(runtime.engine.start())
+    try:
+        yield runtime
+    finally:
+        runtime._call(runtime.engine.shutdown())
+        runtime._loop.call_soon_threadsafe(runtime._loop.stop)
+        loop_thread.join(timeout=10)
+        runtime._loop.close()
+        client.close()
 
 
 def test_the_step_curve_learns_the_price_of_a_sequence_and_of_a_prompt_token():
@@ -354,20 +380,10 @@ def test_the_runtime_drops_a_request_its_wait_left_too_little_time_and_runs_one_
     """Not started: the whole deadline would have fit by the curve, what the queue left does not.
     Run: what is left fits, or even the whole deadline was too short (admission let it in to
     measure, and the curve may be wrong)."""
-    import redis as redis_lib
-
     from workers.engines.base import GenerationRequest, SamplingParams
-    from workers.engines.simulated import SimulatedConfig, SimulatedEngine
-    from workers.runtime import EngineRuntime
 
-    client = redis_lib.Redis.from_url(redis_url, decode_responses=True)
     governor = Governor(cpu_curve(c=0.0), max_seqs=8, default_pace_s=1.0)  # 11.5 ms a step alone
-    runtime = EngineRuntime(SimulatedEngine(SimulatedConfig(speed=1000.0)), client, "test-unreachable",
-                            heartbeat_s=1.0, dead_after_s=10.0, cancel_poll_s=0.5, governor=governor)
-    runtime._loop_thread = threading.Thread(target=runtime._loop.run_forever, daemon=True)
-    runtime._loop_thread.start()
-    runtime._call(runtime.engine.start())
-    try:
+    with sim_runtime(redis_url, governor, 1000.0, "test-unreachable") as runtime:
         def run(rid: str, left_s: float, whole_s: float):
             params = SamplingParams(max_tokens=32, ignore_eos=True)
             request = GenerationRequest(request_id=rid, prompt="q", params=params)
@@ -378,59 +394,36 @@ def test_the_runtime_drops_a_request_its_wait_left_too_little_time_and_runs_one_
         assert governor.in_engine() == (0, 0)
         assert run("in-time", left_s=4.0, whole_s=5.0).ended_by == "finished"
         assert run("unjudged", left_s=0.2, whole_s=0.3).ended_by == "finished", "the sim is faster than the curve"
-    finally:
-        runtime._call(runtime.engine.shutdown())
-        runtime._loop.call_soon_threadsafe(runtime._loop.stop)
-        runtime._loop_thread.join(timeout=10)
-        runtime._loop.close()
-        client.close()
 
 
 def test_a_batch_request_waiting_beside_realtime_for_prefill_is_handed_back_if_preempted(redis_url):
     """Beside a realtime request whose steps leave no slack, a batch prompt waits outside the
     engine; preempted meanwhile, it ends `preempted` (handed back, requeued) without the engine
     ever seeing it; once the realtime has left, batch prefills at once."""
-    import redis as redis_lib
-
     from workers.engines.base import GenerationRequest, SamplingParams
-    from workers.engines.simulated import SimulatedConfig, SimulatedEngine
-    from workers.runtime import EngineRuntime
 
-    client = redis_lib.Redis.from_url(redis_url, decode_responses=True)
     governor = Governor(cpu_curve(), max_seqs=8, default_pace_s=1.0)
-    runtime = EngineRuntime(SimulatedEngine(SimulatedConfig(speed=1.0)), client, "test-prefill-wait",
-                            heartbeat_s=1.0, dead_after_s=10.0, cancel_poll_s=0.5, governor=governor)
-    runtime._loop_thread = threading.Thread(target=runtime._loop.run_forever, daemon=True)
-    runtime._loop_thread.start()
-    runtime._call(runtime.engine.start())
 
     def request(rid: str, priority: int, max_tokens: int) -> GenerationRequest:
         return GenerationRequest(request_id=rid, prompt="q " * 200, priority=priority, prompt_tokens=400,
                                  params=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            realtime = pool.submit(runtime.run, request("rt", 0, 4000), 60.0)
-            deadline = time.monotonic() + 10
-            while governor.in_engine() != (1, 0) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            batch = pool.submit(runtime.run, request("batch", 1, 8), 60.0)
-            while governor.in_engine() != (2, 1) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            time.sleep(0.2)
-            assert not batch.done(), "no slack banked: the 400-token prompt (~0.4 s by the curve) waits"
-            assert runtime.engine.stats().prompt_tokens == 400, "only the realtime prompt reached the engine"
-            with runtime._lock:
-                runtime._preempted.add("batch")  # what govern_once does when realtime needs the room
-            assert batch.result(timeout=5).ended_by == "preempted"
-            assert runtime.engine.stats().prompt_tokens == 400
-            runtime._call(runtime.engine.abort("rt"))
-            assert realtime.result(timeout=10).ended_by == "engine_abort", "aborted, cancelled by nobody"
+    with sim_runtime(redis_url, governor, 1.0, "test-prefill-wait") as runtime, ThreadPoolExecutor(2) as pool:
+        realtime = pool.submit(runtime.run, request("rt", 0, 4000), 60.0)
+        deadline = time.monotonic() + 10
+        while governor.in_engine() != (1, 0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        batch = pool.submit(runtime.run, request("batch", 1, 8), 60.0)
+        while governor.in_engine() != (2, 1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert not batch.done(), "no slack banked: the 400-token prompt (~0.4 s by the curve) waits"
+        assert runtime.engine.stats().prompt_tokens == 400, "only the realtime prompt reached the engine"
+        with runtime._lock:
+            runtime._preempted.add("batch")  # what govern_once does when realtime needs the room
+        assert batch.result(timeout=5).ended_by == "preempted"
+        assert runtime.engine.stats().prompt_tokens == 400
+        runtime._call(runtime.engine.abort("rt"))
+        assert realtime.result(timeout=10).ended_by == "engine_abort", "aborted, cancelled by nobody"
         assert governor.in_engine() == (0, 0)
         assert runtime.run(request("alone", 1, 4), 60.0).ended_by == "finished", "no realtime: at once"
-    finally:
-        runtime._call(runtime.engine.shutdown())
-        runtime._loop.call_soon_threadsafe(runtime._loop.stop)
-        runtime._loop_thread.join(timeout=10)
-        runtime._loop.close()
-        client.close()

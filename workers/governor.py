@@ -253,6 +253,10 @@ class Governor:
         base = self.curve.step_s(0, self.curve.realtime_prompt_mean())
         return max(1, min(self.max_seqs, int((budget - base) / b)))
 
+    def _realtime_here(self) -> bool:
+        """Whether a realtime request is in the engine (the caller holds the lock)."""
+        return any(not e.batch for e in self._in_engine.values())
+
     def step_budget_s(self) -> float:
         """The longest a step may take now: ``safety`` × the governing pace."""
         return self.safety * self.pace_s()
@@ -262,15 +266,13 @@ class Governor:
         earns its slack, the step budget less what the step really took, in seconds of engine
         time. The bank fades (``BANK_KEEP``): it holds the slack of steps that the realtime requests
         in the engine now lived through, which they can give up and still finish in time."""
-        budget = self.step_budget_s() if steps else math.inf
+        budget = self.step_budget_s()
         with self._lock:
-            if not any(not e.batch for e in self._in_engine.values()):
+            if not self._realtime_here():
                 self._credit_s = 0.0  # nobody to keep the slack for
-                return
-            if not math.isfinite(budget):
-                return
-            for step in steps:
-                self._credit_s = self._credit_s * BANK_KEEP + max(0.0, budget - step.seconds)
+            elif math.isfinite(budget):
+                for step in steps:
+                    self._credit_s = self._credit_s * BANK_KEEP + max(0.0, budget - step.seconds)
 
     def take_prefill(self, prompt_tokens: int) -> bool:
         """Whether a batch prompt of ``prompt_tokens`` may be prefilled now, its price by the curve
@@ -286,7 +288,7 @@ class Governor:
         if pending > 0 and pending + cost > self.step_budget_s():
             return False
         with self._lock:
-            if any(not e.batch for e in self._in_engine.values()):
+            if self._realtime_here():
                 if self._credit_s < cost:
                     return False
                 self._credit_s -= cost

@@ -216,9 +216,7 @@ class EngineRuntime:
         try:
             if request.priority > 0 and not self._await_prefill_credit(rid, request.prompt_tokens or 1):
                 # Never reached the engine: handed back (preempted, stopped) or ended (cancelled).
-                with self._lock:
-                    ended = ("shutdown" if rid in self._handed_back else "preempted" if rid in self._preempted
-                             and rid not in self._cancelled else "cancel")
+                ended = self._why_stopped(rid)
                 if request.stream:
                     self._token_sink().end(rid, ended)
                 return RunResult(None, None, ended)
@@ -228,13 +226,8 @@ class EngineRuntime:
                 result = self._call(self._run(request, limit, ends_as), timeout=limit + ABORT_GRACE_S + 30)
             except EngineDead as exc:
                 self._die(str(exc))
-            if result.ended_by == "cancel" and rid in self._handed_back:
-                result = RunResult(result.output, result.first_token_mono, "shutdown")
-            elif result.ended_by == "cancel" and rid in self._preempted and rid not in self._cancelled:
-                result = RunResult(result.output, result.first_token_mono, "preempted")
-            elif result.ended_by == "cancel" and rid not in self._cancelled:
-                # Aborted, but nobody cancelled it: the engine is shutting down.
-                result = RunResult(result.output, result.first_token_mono, "engine_abort")
+            if result.ended_by == "cancel":  # aborted in the engine: by whom?
+                result = RunResult(result.output, result.first_token_mono, self._why_stopped(rid))
             self._learn_speed(result)
             if request.stream:
                 self._token_sink().end(rid, result.ended_by)
@@ -247,6 +240,17 @@ class EngineRuntime:
                 self._handed_back.discard(rid)
                 self._preempted.discard(rid)
             self.write_room()
+
+    def _why_stopped(self, rid: str) -> str:
+        """How a request that was stopped ends: handed back by a stop (``shutdown``) or by a
+        preemption (``preempted``), both requeued; cancelled by its client (``cancel``); else it was
+        aborted by nobody here, so the engine is shutting down (``engine_abort``)."""
+        with self._lock:
+            if rid in self._handed_back:
+                return "shutdown"
+            if rid in self._cancelled:
+                return "cancel"
+            return "preempted" if rid in self._preempted else "engine_abort"
 
     def room(self) -> int:
         """Requests this engine would take in now: its limit less the requests it holds."""

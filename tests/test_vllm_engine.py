@@ -35,7 +35,7 @@ def tiny_model() -> Path:
 def vllm_env(tiny_model) -> dict[str, str]:
     return {
         "SLUICE_ENGINE": "vllm", "SLUICE_MODEL": MODEL, "SLUICE_MODEL_PATH": str(tiny_model),
-        "SLUICE_MAX_CONTEXT_TOKENS": "2048", "SLUICE_LARGE_THRESHOLD_TOKENS": "4096",
+        "SLUICE_MAX_CONTEXT_TOKENS": "16384", "SLUICE_LARGE_THRESHOLD_TOKENS": "32768",
         "SLUICE_VLLM_ENFORCE_EAGER": "1", "SLUICE_VLLM_DTYPE": "float32",
         "SLUICE_VLLM_KV_CACHE_BYTES": str(128 * 2**20), "SLUICE_VLLM_MAX_NUM_SEQS": "4",
         "SLUICE_VLLM_MAX_NUM_BATCHED_TOKENS": "2048",
@@ -115,20 +115,20 @@ def test_max_tokens_and_stop_are_honoured(api):
 
 def test_cancel_aborts_in_the_engine_and_frees_kv(api, engine):
     aborted = engine.stats()["aborted"]
-    request_id = api.submit(prompt="A very long story", max_tokens=1500, ignore_eos=True).get_json()["id"]
+    request_id = api.submit(prompt="A very long story", max_tokens=6000, ignore_eos=True).get_json()["id"]
     api.wait(request_id, statuses={"running"})
     assert engine.wait_stats(lambda s: s["kv_used_tokens"] > 0)["kv_used_tokens"] > 0
     assert api.cancel(request_id).status_code == 200
     view = api.wait(request_id, timeout=30)
-    assert view["status"] == "cancelled" and view["usage"]["output_tokens"] < 1500
+    assert view["status"] == "cancelled" and view["usage"]["output_tokens"] < 6000
     stats = engine.wait_stats(lambda s: s["aborted"] > aborted and s["kv_used_tokens"] == 0 and s["running"] == 0)
     assert stats["aborted"] > aborted and stats["kv_used_tokens"] == 0 and stats["running"] == 0
 
 
 def test_time_limit_aborts_in_the_engine_and_frees_kv(api, engine):
-    view = api.wait(api.submit(prompt="Another long story", max_tokens=1500, ignore_eos=True, time_limit_s=1)
+    view = api.wait(api.submit(prompt="Another long story", max_tokens=6000, ignore_eos=True, time_limit_s=1)
                     .get_json()["id"], timeout=30)
-    assert view["status"] == "timed_out" and view["usage"]["output_tokens"] < 1500
+    assert view["status"] == "timed_out" and view["usage"]["output_tokens"] < 6000
     stats = engine.wait_stats(lambda s: s["kv_used_tokens"] == 0 and s["running"] == 0)
     assert stats["kv_used_tokens"] == 0 and stats["running"] == 0
     assert api.wait(api.submit(prompt="still serving", max_tokens=2).get_json()["id"])["status"] == "succeeded"
@@ -150,31 +150,40 @@ def test_second_turn_of_a_conversation_hits_the_prefix_cache(api, engine):
 def test_realtime_overtakes_queued_batch_work(api, engine):
     # Four batch fillers hold every engine slot (max_num_seqs=4, and so the worker's in-engine
     # limit): three more batch requests wait in the broker behind them. A realtime request must not
-    # wait for a filler to end (1,600+ tokens): the worker stops reading batch queues, preempts its
-    # newest filler (handed back, requeued, no attempt spent) and takes the realtime request first.
+    # wait for a filler to end: the worker stops reading batch queues, preempts its newest filler
+    # (handed back, requeued, no attempt spent) and takes the realtime request first.
+    # The fillers are long (6,000 steps: seconds even where a step takes under a millisecond), so
+    # that none can end on its own before the realtime request arrives and free a slot for it: a
+    # filler that did would let realtime in with no preemption. The queued batch requests are
+    # published right behind them (the broker hands out a queue's messages in order), so the
+    # realtime request follows the last filler's claim by one poll, not by a round of submits.
     fill = [api.submit(prompt=f"batch filler {i}", max_tokens=n, ignore_eos=True, priority="batch")
-            .get_json()["id"] for i, n in enumerate((1600, 1700, 1800, 1900))]
+            .get_json()["id"] for i, n in enumerate((6000, 6100, 6200, 6300))]
+    queued_batch = [api.submit(prompt=f"queued batch {i}", max_tokens=4, priority="batch").get_json()["id"]
+                    for i in range(3)]
     for request_id in fill:
         view = api.wait(request_id, statuses={"running", *TERMINAL})
         assert view["status"] == "running", view
     assert engine.stats()["engine_limit"] <= 4, "the limit never passes the engine's own batch cap"
-    queued_batch = [api.submit(prompt=f"queued batch {i}", max_tokens=4, priority="batch").get_json()["id"]
-                    for i in range(3)]
     # The realtime request holds its slot for 64 steps: a queued batch request can only start when
-    # it ends (or when a filler does, 1,600 steps on). A first token is stamped as started_at (the
+    # it ends (or when a filler does, 6,000 steps on). A first token is stamped as started_at (the
     # database clock at the claim) plus the worker's monotonic offset from the claim's return, which
     # is off by the claim's round trip (a few ms to tens of ms on a loaded machine, per request):
     # 64 steps keep the order the assertion reads well clear of that noise.
     realtime = api.submit(prompt="urgent", max_tokens=64, ignore_eos=True, priority="realtime").get_json()["id"]
-    views = {i: api.wait(i, timeout=180) for i in [*fill, *queued_batch, realtime]}
-    assert {v["status"] for v in views.values()} == {"succeeded"}, "the preempted filler was requeued and finished"
+    views = {i: api.wait(i, timeout=60) for i in [realtime, *queued_batch]}
+    assert {v["status"] for v in views.values()} == {"succeeded"}
     assert "preempting" in engine.log_path.read_text()
     first_token = {i: v["timings"]["first_token_at"] for i, v in views.items()}
-    order = sorted([*(("filler", i) for i in fill), *(("queued batch", i) for i in queued_batch),
-                    ("realtime", realtime)], key=lambda named: first_token[named[1]])
     assert all(first_token[realtime] < first_token[i] for i in queued_batch), "; ".join(
         f"{name}: started {views[i]['timings']['started_at'][11:23]} first token {first_token[i][11:23]} "
-        f"finished {views[i]['timings']['finished_at'][11:23]}" for name, i in order)
+        f"finished {views[i]['timings']['finished_at'][11:23]}"
+        for name, i in sorted([*(("queued batch", i) for i in queued_batch), ("realtime", realtime)],
+                              key=lambda named: first_token[named[1]]))
+    # The preempted filler was requeued, not lost: every filler runs to its end.
+    fillers = [api.wait(i, timeout=240) for i in fill]
+    assert {v["status"] for v in fillers} == {"succeeded"}, fillers
+    assert {v["usage"]["output_tokens"] for v in fillers} == {6000, 6100, 6200, 6300}
 
 
 def test_a_stream_relays_vllm_tokens_and_leaving_it_aborts_the_request(api, engine):
@@ -190,7 +199,7 @@ def test_a_stream_relays_vllm_tokens_and_leaving_it_aborts_the_request(api, engi
     assert done["status"] == "succeeded" and done["usage"]["output_tokens"] == 24
     assert "".join(t["text"] for t in tokens) == done["output"]["text"]
     # A client that leaves mid-stream: vLLM aborts the sequence and frees its KV.
-    response = api.http.post("/v1/requests", json={"prompt": "nobody reads this", "max_tokens": 1900,
+    response = api.http.post("/v1/requests", json={"prompt": "nobody reads this", "max_tokens": 6000,
                                                    "ignore_eos": True, "stream": True},
                              headers=api.headers, buffered=False)
     chunks, seen = iter(response.response), b""
@@ -198,7 +207,7 @@ def test_a_stream_relays_vllm_tokens_and_leaving_it_aborts_the_request(api, engi
         seen += next(chunks)
     response.close()
     view = api.wait(sse_events([seen])[0][1]["id"], timeout=60)
-    assert view["status"] == "cancelled" and view["usage"]["output_tokens"] < 1900
+    assert view["status"] == "cancelled" and view["usage"]["output_tokens"] < 6000
     stats = engine.wait_stats(lambda s: s["kv_used_tokens"] == 0 and s["running"] == 0)
     assert stats["kv_used_tokens"] == 0 and stats["running"] == 0
 

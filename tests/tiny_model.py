@@ -6,8 +6,9 @@ downloaded: the tokenizer is trained on deterministic text generated here. The w
 (fixed seed), so the model's output is gibberish, but it is a real transformer with a real KV cache.
 
 Shape: hidden 128, 4 heads (head_dim 32, the smallest the vLLM CPU attention backend accepts),
-2 layers, vocab 1024, context 2048. Building takes a few seconds; the result is reused when the
-directory already holds a model with the same ``BUILD_VERSION``.
+2 layers, vocab 1024, context 16384 (RoPE: a long context costs no weights, and it lets one test
+request hold an engine slot for many seconds on a fast machine). Building takes a few seconds; the
+result is reused when the directory already holds a model with the same ``BUILD_VERSION``.
 
 ``shape="92m"`` builds the same model at a size where the engine's arithmetic, not its overhead,
 sets the step time on a CPU (hidden 768, 12 heads, 12 layers, MLP 2304: ~94M parameters, ~375 MB
@@ -26,7 +27,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-BUILD_VERSION = "sluice-tiny-llama-v1"
+BUILD_VERSION = "sluice-tiny-llama-v2"
 MARKER = ".sluice-tiny-model"
 
 VOCAB_SIZE = 1024
@@ -34,7 +35,7 @@ HIDDEN_SIZE = 128
 NUM_HEADS = 4
 NUM_LAYERS = 2
 INTERMEDIATE_SIZE = 256
-MAX_POSITIONS = 2048
+MAX_POSITIONS = 16384
 SEED = 1234
 # name → (hidden, heads, layers, MLP width)
 SHAPES = {"tiny": (HIDDEN_SIZE, NUM_HEADS, NUM_LAYERS, INTERMEDIATE_SIZE), "92m": (768, 12, 12, 2304)}

@@ -86,7 +86,8 @@ def build_services(settings: Settings) -> Services:
     twins = Twins(admission.redis, lifecycle, publisher, epoch, healthy=lambda: admission.redis_healthy)
     lifecycle.on_end(twins.leader_ended)
     answers = AnswerCache(admission.redis, ttl_s=settings.cache_ttl_s, max_entries=settings.cache_max_entries,
-                          max_bytes=settings.cache_max_answer_bytes, healthy=lambda: admission.redis_healthy)
+                          max_bytes=settings.cache_max_answer_bytes, healthy=lambda: admission.redis_healthy,
+                          shared_tenants=settings.cache_shared_tenants)
     requests = RequestService(db, planner, ladder, admission, publisher, epoch, lifecycle, answers, twins)
     return Services(settings=settings, db=db, redis=redis_client(settings.redis_url),
                     publisher=publisher, broker=celery_publisher(settings, fail_fast=False), admission=admission,

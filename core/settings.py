@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -249,6 +250,10 @@ class Settings:
         "SLUICE_CACHE_MAX_ENTRIES", 10_000, "Answers the hot cache holds at most (oldest evicted).")
     cache_max_answer_bytes: int = _field(
         "SLUICE_CACHE_MAX_ANSWER_BYTES", 65_536, "Answers larger than this are not cached.")
+    cache_shared_tenants_spec: str = _field(
+        "SLUICE_CACHE_SHARED_TENANTS", "",
+        "Tenant ids (comma-separated) whose requests share one answer cache and compute identical "
+        "requests once between them; every other tenant's answers are its own.")
     idempotency_window_s: float = _field(
         "SLUICE_IDEMPOTENCY_WINDOW_S", 86400.0, "How long an Idempotency-Key is remembered.")
     redis_timeout_s: float = _field(
@@ -427,12 +432,22 @@ class Settings:
         if self.default_tier not in tiers:
             raise SettingsError(f"SLUICE_DEFAULT_TIER {self.default_tier!r} is not one of SLUICE_TIERS "
                                 f"({', '.join(tiers)})")
+        try:
+            self.cache_shared_tenants  # noqa: B018 - parsed once here, so a typo stops the start
+        except ValueError:
+            raise SettingsError("SLUICE_CACHE_SHARED_TENANTS: a comma-separated list of tenant ids (UUIDs), "
+                                "as `sluice tenants list` shows them") from None
         unknown = set(self.ladder) - set(LADDER_STEPS)
         if unknown:
             raise SettingsError(f"SLUICE_LADDER_STEPS: unknown steps {', '.join(sorted(unknown))}; "
                                 f"choose from {', '.join(LADDER_STEPS)}")
         if self.admin_key is not None and len(self.admin_key) < 16:
             raise SettingsError("SLUICE_ADMIN_KEY must be at least 16 characters")
+
+    @functools.cached_property
+    def cache_shared_tenants(self) -> frozenset[str]:
+        """The tenants of SLUICE_CACHE_SHARED_TENANTS, as canonical id strings."""
+        return frozenset(str(uuid.UUID(t.strip())) for t in self.cache_shared_tenants_spec.split(",") if t.strip())
 
     @property
     def ladder(self) -> tuple[str, ...]:

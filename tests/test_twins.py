@@ -49,7 +49,8 @@ def test_identical_requests_in_flight_are_computed_once(client, app):
             InferenceRequest.tenant_id == tenant_id, InferenceRequest.attempts > 0)).all()
     assert [str(i) for i in ran] == [leader], "a twin was computed too"
     svc = services(app)
-    key = answer_key(svc.settings.registry.default.name, {"prompt": body["prompt"]}, {"temperature": 0}, 400)
+    key = answer_key(str(tenant_id), svc.settings.registry.default.name, {"prompt": body["prompt"]},
+                     {"temperature": 0}, 400)
     assert not svc.redis.exists(LEADER_PREFIX + key.split(":")[-1]), "the leader key outlived the leader"
 
 
@@ -69,7 +70,8 @@ def test_a_twin_parked_on_a_leader_that_just_ended_settles_itself(client, app):
     svc = services(app)
     # A finished leader whose answer never reached the cache, but whose leader key is still there.
     leader = client.wait(client.submit(**body).get_json()["id"])
-    key = answer_key(svc.settings.registry.default.name, {"prompt": body["prompt"]}, {"temperature": 0}, 8)
+    key = answer_key(str(row(app, leader["id"]).tenant_id), svc.settings.registry.default.name,
+                     {"prompt": body["prompt"]}, {"temperature": 0}, 8)
     svc.redis.delete(key)
     svc.redis.set(LEADER_PREFIX + key.split(":")[-1], leader["id"], ex=30)
     twin = client.submit(**body)
@@ -97,3 +99,33 @@ def test_the_sweep_settles_twins_whose_leader_ended_without_its_hook(app, client
     settled = row(app, str(twin.id))
     assert settled.status == Status.SUCCEEDED and settled.output_text == "the answer" and settled.cache_hit
     assert settled.enqueued_at is None, "a parked twin is never published"
+
+
+def test_parked_twins_are_charged_to_their_tenant(isolated_app, new_client):
+    """A twin holds a row and a concurrency slot, and runs if its leader ends without an answer:
+    it passes its tenant's gates like any request. Sixty twins of a 1,500-token request from a
+    tenant allowed four at once are four requests in all, never sixty running when the first is
+    cancelled. (No worker: the leader stays queued, which is enough to park on it.)"""
+    from admission_support import set_limits
+    from test_api_errors import assert_envelope
+
+    application = isolated_app()
+    client = new_client(application)
+    set_limits(application, client, max_concurrent=4, requests_per_minute=100)
+    body = {"prompt": f"X {uuid.uuid4()}", "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+            "priority": "batch", "deadline_s": 3600}
+    answers = [client.submit(**body) for _ in range(10)]
+    assert [a.status_code for a in answers] == [202] * 4 + [429] * 6
+    for refused in answers[4:]:
+        assert_envelope(refused, 429, "tenant_concurrency_limit")
+    leader, *twins = (a.get_json()["id"] for a in answers[:4])
+    assert {str(row(application, t).follows_id) for t in twins} == {leader}
+    for kind in ("requests", "tokens"):  # every one was charged
+        remaining = [int(a.headers[f"x-ratelimit-remaining-{kind}"]) for a in answers[:4]]
+        assert remaining == sorted(remaining, reverse=True) and len(set(remaining)) == 4, (kind, remaining)
+    # The leader cancelled, its twins are un-parked into plain queued requests: they keep the slots
+    # they were charged, so the tenant has one slot free, not four.
+    assert client.cancel(leader).status_code == 200
+    assert {row(application, t).status for t in twins} == {Status.QUEUED}
+    assert client.submit(**{**body, "prompt": f"another {uuid.uuid4()}"}).status_code == 202
+    assert_envelope(client.submit(**{**body, "prompt": f"one more {uuid.uuid4()}"}), 429, "tenant_concurrency_limit")

@@ -20,7 +20,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from core.observe import metrics
 from core.rediskeys import conversation_key
-from core.submit.answers import AnswerCache, answer_key
+from core.submit.answers import AnswerCache, answer_key, cache_scope
 from core.submit.twins import Twins
 from models import Priority, Status
 from models import lifecycle as lc
@@ -75,7 +75,8 @@ def execute(lifecycle: Lifecycle, redis_client: redis.Redis, runtime: EngineRunt
                              ex=CONVERSATION_TTL_S)
         except Exception:
             log.warning("could not record conversation affinity; the next turn may miss the prefix cache")
-    key = answer_key(runtime.info["model"], claimed.input, claimed.params, claimed.max_tokens)
+    key = answer_key(cache_scope(claimed.tenant_id, answers.shared_tenants if answers else frozenset()),
+                     runtime.info["model"], claimed.input, claimed.params, claimed.max_tokens)
     try:
         run(lifecycle, runtime, claimed, claimed_mono, key, answers, publish)
     finally:

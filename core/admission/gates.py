@@ -100,13 +100,24 @@ class Admission:
     def limits_for(self, tenant: Tenant) -> Limits:
         return effective_limits(self.settings.tiers, self.settings.default_tier, tenant)
 
-    def admit(self, tenant: Tenant, plan: Plan) -> Ticket:
-        """Pass the plan through the gates and reserve its tokens, or raise the rejection."""
+    def admit(self, tenant: Tenant, plan: Plan, charge: str = "full") -> Ticket:
+        """Pass the plan through the gates and reserve its tokens, or raise the rejection.
+
+        ``charge``: ``full`` for a request the engine will run; ``twin`` for one parked on an
+        identical request in flight, which takes a row and a concurrency slot and runs if its
+        leader ends without an answer, so the tenant's gates charge it as any request (not the
+        global gate: it adds no work to the engines while it waits); ``hit`` for one the cache
+        answers, which costs a row and a round trip: one request of the tenant's rate, no tokens
+        and no slot. Every path to a row is charged to its tenant (``SharedLimiter.admit``)."""
         limits = self.limits_for(tenant)
         cost = plan.reserved_tokens
         too_large = self._too_large(limits, plan)
-        verdict = self._shared(lambda: self._gates(tenant, limits, plan, too_large=too_large is not None))
+        verdict = self._shared(lambda: self._gates(tenant, limits, plan, too_large=too_large is not None,
+                                                   charge=charge))
         limiter = "shared"
+        if verdict is None and charge == "hit":  # the cache answered through Redis a moment ago
+            return Ticket(str(plan.request_id), str(tenant.id), 0, "local_floor",
+                          ratelimit_headers(self.floor.peek(str(tenant.id), limits)))
         if verdict is None:
             verdict, limiter = self.floor.admit(str(tenant.id), limits, cost, plan.priority.value,
                                                 too_large=too_large is not None), "local_floor"
@@ -145,12 +156,12 @@ class Admission:
         raise _rejection(verdict, limits, 0, None, ratelimit_headers(verdict))
 
     def _gates(self, tenant: Tenant, limits: Limits, plan: Plan, *, too_large: bool = False,
-               dry_run: bool = False) -> Verdict:
+               dry_run: bool = False, charge: str = "full") -> Verdict:
         """The shared limiter's gates for ``plan`` (its promise included); raises Redis errors."""
         return self.shared.admit(str(plan.request_id), str(tenant.id), limits, plan.reserved_tokens,
                                  plan.priority.value, too_large=too_large, dry_run=dry_run, model=plan.target_model,
                                  deadline_s=plan.deadline_s, max_tokens=plan.max_tokens,
-                                 spent_s=plan.spent_s())
+                                 spent_s=plan.spent_s(), charge=charge)
 
     def cancel(self, ticket: Ticket) -> None:
         """Undo an admission whose row was never committed."""

@@ -97,8 +97,12 @@ class SharedLimiter:
     def admit(self, request_id: str, tenant_id: str, limits: Limits, cost: int, priority: str, *,
               too_large: bool = False, dry_run: bool = False, now_ms: int | None = None,
               model: str = "", deadline_s: float = float("inf"), max_tokens: int = 0,
-              spent_s: float = 0.0) -> Verdict:
+              spent_s: float = 0.0, charge: str = "full") -> Verdict:
         """Run the gates for one request; when it passes, charge every limit and count it in flight.
+
+        ``charge`` says what the request will cost (``admit.lua``, ARGV 20): ``full`` for work for
+        the engine; ``twin`` for one parked on an identical request in flight (the tenant's gates
+        only); ``hit`` for one answered from the cache (one request of the tenant's rate).
 
         ``model``, ``deadline_s`` and ``max_tokens`` feed the promise: refused at once (gate
         global, reason deadline) when its class's queue says it cannot finish in time; ``spent_s``
@@ -113,7 +117,7 @@ class SharedLimiter:
                 limits.requests_per_minute, limits.max_concurrent, priority, int(too_large),
                 self.load_level_max_age_ms, self.reject_batch_level, self.shed_level, int(dry_run),
                 "" if now_ms is None else now_ms, deadline_ms, max_tokens, self.tight_level, self.tight_factor,
-                self.promise_factor, int(spent_s * 1000)]
+                self.promise_factor, int(spent_s * 1000), charge]
         gate, reason, retry, *numbers = self._admit(keys=keys, args=args)
         tl, tr, tz, rl, rr, rz, level, wait, finish = (int(n) for n in numbers)
         return Verdict(_text(gate), _text(reason), int(retry), Quota(tl, tr, tz), Quota(rl, rr, rz), level, wait,

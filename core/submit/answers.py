@@ -1,7 +1,11 @@
 """The hot answer cache: a request the platform answered recently is answered again from Redis.
 
-The key is the target model, the input (prompt or messages, canonical JSON) and every parameter
-that changes the output (max_tokens, temperature, top_p, seed, stop, ignore_eos), hashed. A
+The key is the tenant, the target model, the input (prompt or messages, canonical JSON) and every
+parameter that changes the output (max_tokens, temperature, top_p, seed, stop, ignore_eos), hashed.
+The tenant is in it so that no tenant learns what another sent (a hit says that exact prompt was
+asked lately) or gets another's sampled answer at the ``cached_answer`` level; an operator may name
+tenants that share one cache (SLUICE_CACHE_SHARED_TENANTS: teams of one company asking the same
+questions), which then share their twins too (``core/submit/twins.py`` keys on the same digest). A
 worker stores each succeeded answer. Admission serves one without touching a GPU when the
 request is deterministic (temperature 0), or, at the ``CACHED_ANSWERS`` level and above, for any
 request whose exact twin was answered (a retry storm of one question costs one inference).
@@ -16,6 +20,7 @@ import hashlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -28,8 +33,20 @@ INDEX_KEY = "sluice:answers"  # sorted set: key → time stored, for eviction
 OUTPUT_PARAMS = ("temperature", "top_p", "seed", "stop", "ignore_eos")
 
 
-def answer_key(model: str, request_input: dict[str, Any], params: dict[str, Any], max_tokens: int) -> str:
-    material = json.dumps({"model": model, "input": request_input, "max_tokens": max_tokens,
+SHARED_SCOPE = "shared"
+
+
+def cache_scope(tenant_id: uuid.UUID | str, shared_tenants: frozenset[str] = frozenset()) -> str:
+    """Whose answers a tenant's requests may be answered with: its own, or the shared scope of the
+    tenants the operator named."""
+    tenant = str(tenant_id)
+    return SHARED_SCOPE if tenant in shared_tenants else tenant
+
+
+def answer_key(scope: str, model: str, request_input: dict[str, Any], params: dict[str, Any],
+               max_tokens: int) -> str:
+    """The cache key (and twin digest) of an answer within ``scope`` (:func:`cache_scope`)."""
+    material = json.dumps({"scope": scope, "model": model, "input": request_input, "max_tokens": max_tokens,
                            "params": {k: params[k] for k in OUTPUT_PARAMS if k in params}},
                           sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return ANSWER_PREFIX + hashlib.sha256(material.encode()).hexdigest()
@@ -41,8 +58,9 @@ def deterministic(params: dict[str, Any]) -> bool:
 
 class AnswerCache:
     def __init__(self, client: redis.Redis, *, ttl_s: float, max_entries: int, max_bytes: int,
-                 healthy: Callable[[], bool] = lambda: True) -> None:
+                 healthy: Callable[[], bool] = lambda: True, shared_tenants: frozenset[str] = frozenset()) -> None:
         self.redis = client
+        self.shared_tenants = shared_tenants  # the tenants that share one scope (cache_scope)
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self.max_bytes = max_bytes

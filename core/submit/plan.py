@@ -28,7 +28,7 @@ from core.errors import InvalidRequest
 from core.rediskeys import conversation_key, node_key
 from core.registry import ModelSpec
 from core.settings import Settings
-from core.submit.answers import answer_key
+from core.submit.answers import answer_key, cache_scope
 from core.submit.tokens import ChatTemplateError, TokenCounters
 from models import InferenceRequest, Priority, SizeClass
 
@@ -61,6 +61,7 @@ class Plan:
     input_tokens: int
     deadline_s: float
     degradation: tuple[str, ...] = ()  # ladder steps that changed it (core/submit/ladder.py)
+    cache_scope: str = ""  # whose cached answers and twins it may share (core/submit/answers.py)
     webhook_url: str | None = None  # checked by the SSRF guard (core/delivery/webhooks.py)
     webhook_events: tuple[str, ...] = ()
     # When this process planned it (time.monotonic): its deadline counts from here, not from the
@@ -87,7 +88,8 @@ class Plan:
     @functools.cached_property
     def answer_key(self) -> str:
         """Its hot-cache key (``core/submit/answers.py``), which also names its twins (``core/submit/twins.py``)."""
-        return answer_key(self.target_model, self.input, self.params, self.max_tokens)
+        return answer_key(self.cache_scope or str(self.tenant_id), self.target_model, self.input, self.params,
+                          self.max_tokens)
 
     def row(self) -> InferenceRequest:
         """The request's row, born ``queued`` (the column default); its deadline on the database clock,
@@ -161,7 +163,8 @@ class Planner:
             conversation_id=conversation_id, max_tokens=max_tokens, time_limit_s=float(time_limit),
             input_tokens=input_tokens, deadline_s=body.get("deadline_s", default_deadline),
             webhook_url=body.get("webhook_url"),
-            webhook_events=tuple(body.get("webhook_events", DEFAULT_EVENTS)) if "webhook_url" in body else ())
+            webhook_events=tuple(body.get("webhook_events", DEFAULT_EVENTS)) if "webhook_url" in body else (),
+            cache_scope=cache_scope(tenant_id, settings.cache_shared_tenants))
 
     def reroute(self, plan: Plan, model: ModelSpec, reason: str) -> Plan | None:
         """``plan`` sent to ``model`` instead (counted with its tokenizer, on its queues), or None

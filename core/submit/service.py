@@ -10,8 +10,9 @@ A submit is four steps, each its own method:
 
 A retried submit with the same ``Idempotency-Key`` skips all four and answers with the request
 the first one created. A request the hot answer cache can answer (``core/submit/answers.py``) is
-inserted already succeeded after the plan, and skips admit and publish; one whose identical twin
-is in flight is parked on it (``core/submit/twins.py``) and takes its answer.
+inserted already succeeded after the plan, charged one request of its tenant's rate, and skips
+publish; one whose identical twin is in flight is charged to its tenant like any request, parked
+on it (``core/submit/twins.py``) and takes its answer.
 """
 
 from __future__ import annotations
@@ -130,39 +131,48 @@ class RequestService:
     def from_cache(self, plan: Plan, tenant: Tenant, key: idempotency.Key | None) -> Accepted | None:
         """The request answered from the hot cache, or None. A deterministic request is served from
         it whenever its twin was answered; any other only at the cached_answer level. No GPU is
-        used, so neither admission's gates nor its quotas apply."""
+        used, so only the tenant's request rate is charged (a hit still costs a row and a round
+        trip): the global gate, tokens and concurrency are not."""
         if not self._cacheable(plan):
             return None
         answer = self.answers.get(plan.answer_key)
         if answer is None:
             return None
+        ticket = self.admission.admit(tenant, plan, charge="hit")
         if not deterministic(plan.params):
             plan = dataclasses.replace(plan, degradation=(*plan.degradation, "cached_answer"))
         row = plan.row()
         self.lifecycle.answer(row, answer, also=_claiming(key, row))
         metrics.CACHE_HITS.inc()
         log.info("answered from the hot cache")
-        return Accepted(row, False, self.admission.headers(tenant), None, plan.degradation, cache_hit=True)
+        return Accepted(row, False, ticket.headers, None, plan.degradation, cache_hit=True)
 
     def _cacheable(self, plan: Plan) -> bool:
         return deterministic(plan.params) or self.ladder.answers_samples_from_cache()
 
     def follow(self, plan: Plan, tenant: Tenant, key: idempotency.Key | None) -> Accepted | None:
         """Park the request on its identical twin in flight (``core/submit/twins.py``), or None when it
-        has none and now leads. A parked twin is accepted (its row is committed) but never queued:
-        it costs no GPU, so, like a cache hit, it passes no admission gate."""
+        has none and now leads. A parked twin is accepted (its row is committed) but never queued.
+        It is charged to its tenant like any request (tokens, the request rate, a concurrency slot:
+        it holds a row and runs if its leader ends without an answer; refunded when it takes the
+        leader's answer), but passes no global gate: it adds no work to the engines while it waits."""
         if not self._cacheable(plan):
             return None
         leader = self.twins.lead(plan.answer_key, plan.request_id, plan.deadline_s)
         if leader is None:
             return None
+        ticket = self.admission.admit(tenant, plan, charge="twin")
         self.twins.park_on(leader, plan.deadline_s)
         row = plan.row()
         row.follows_id = leader
-        self.lifecycle.accept(row, also=_claiming(key, row))
+        try:
+            self.lifecycle.accept(row, also=_claiming(key, row))
+        except BaseException:
+            self.admission.cancel(ticket)  # no row was written, so nothing stays reserved
+            raise
         log.info("parked on its twin %s, already in flight", leader)
         self.twins.settle(leader)  # the leader may have ended before this row existed
-        return Accepted(row, False, self.admission.headers(tenant), None, plan.degradation)
+        return Accepted(row, False, ticket.headers, None, plan.degradation)
 
     def insert(self, plan: Plan, ticket: Ticket, key: idempotency.Key | None) -> InferenceRequest:
         """Commit the row (and claim the idempotency key with it); on failure, undo the admission."""

@@ -16,6 +16,11 @@
 --       18 the fraction of the deadline promised below it  19 ms of the deadline already spent (the
 --       web tier's time since it planned the request): the promise judges what is left, the
 --       Retry-After the whole deadline a retry will bring
+--       20 what is charged: 'full' (a request for the engine: every gate), 'twin' (parked on an
+--       identical request in flight: the tenant's gates only, since it waits for an answer being
+--       computed anyway, but it holds a row and a slot, and runs if its leader ends without an
+--       answer) or 'hit' (answered from the cache: one request of the tenant's rate, no tokens,
+--       no slot, since it ends at once)
 -- Returns {gate, reason, retry_ms, tokens limit, tokens remaining, tokens reset ms,
 --          requests limit, requests remaining, requests reset ms, load level, estimated wait ms,
 --          estimated finish ms (the wait plus its own output)};
@@ -40,6 +45,7 @@ end
 local cost = tonumber(ARGV[2])
 local ptpm, tpm, rpm = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local gate, reason, retry = '', '', 0
+local full, hit = ARGV[20] == 'full', ARGV[20] == 'hit'
 
 -- 1. Global: the degradation level (only while fresh) and the platform's token rate. A request
 -- larger than a whole bucket asks only for a full bucket here: the per-request gate rejects it.
@@ -48,7 +54,9 @@ local lv = redis.call('HMGET', KEYS[2], 'level', 'updated_at_ms')
 if lv[1] and lv[2] and now - tonumber(lv[2]) <= tonumber(ARGV[9]) then load = tonumber(lv[1]) or 0 end
 local ptok, pt = 0, now
 if ptpm > 0 then ptok, pt = bucket(KEYS[1], 'tok', ptpm) end
-if load >= tonumber(ARGV[11]) then
+if not full then
+  -- no global gate: it uses no engine now
+elseif load >= tonumber(ARGV[11]) then
   gate, reason = 'global', 'shed'
 elseif load >= tonumber(ARGV[10]) and ARGV[7] == 'batch' then
   gate, reason = 'global', 'batch_paused'
@@ -64,7 +72,7 @@ end
 -- the request starts now, at a speed the limit keeps fast enough (an estimate never locks the door).
 local wait, finish = -1, -1
 local snap = redis.call('HMGET', KEYS[6], 'drain_tps', 'seq_tps', 'updated_at_ms', 'room', 'slot_wait_s')
-if snap[3] and now - tonumber(snap[3]) <= tonumber(ARGV[9]) and (tonumber(snap[1]) or 0) > 0 then
+if full and snap[3] and now - tonumber(snap[3]) <= tonumber(ARGV[9]) and (tonumber(snap[1]) or 0) > 0 then
   local queued = math.max(0, tonumber(redis.call('HGET', KEYS[5], 'queued_work') or '0') or 0)
   -- Room in the engines: live, as the workers wrote it when a request last entered or left one;
   -- the snapshot's (a heartbeat old) only where no worker wrote it.
@@ -98,11 +106,11 @@ end
 local tok, tt = bucket(KEYS[3], 'tok', tpm)
 local req, rt = bucket(KEYS[3], 'req', rpm)
 if gate == '' then
-  if tok < math.min(cost, tpm) then
+  if not hit and tok < math.min(cost, tpm) then
     gate, reason, retry = 'tenant', 'tokens_per_minute', wait_ms(tok, math.min(cost, tpm), tpm)
   elseif req < 1 then
     gate, reason, retry = 'tenant', 'requests_per_minute', wait_ms(req, 1, rpm)
-  elseif redis.call('ZCARD', KEYS[4]) >= tonumber(ARGV[6]) then
+  elseif not hit and redis.call('ZCARD', KEYS[4]) >= tonumber(ARGV[6]) then
     gate, reason = 'tenant', 'concurrency'
   end
 end
@@ -111,15 +119,16 @@ end
 if gate == '' and ARGV[8] == '1' then gate, reason = 'request', 'too_large' end
 
 if gate == '' and ARGV[12] ~= '1' then
+  if hit then cost = 0 end
   tok, req = tok - cost, req - 1
   redis.call('HSET', KEYS[3], 'tok', tok, 'tok_t', tt, 'tok_cap', tpm, 'req', req, 'req_t', rt)
   redis.call('PEXPIRE', KEYS[3], math.max(full_ms(tok, tpm), full_ms(req, rpm)) + 60000)
-  if ptpm > 0 then
+  if ptpm > 0 and full then
     ptok = ptok - cost
     redis.call('HSET', KEYS[1], 'tok', ptok, 'tok_t', pt, 'tok_cap', ptpm)
     redis.call('PEXPIRE', KEYS[1], full_ms(ptok, ptpm) + 60000)
   end
-  redis.call('ZADD', KEYS[4], now, ARGV[1])
+  if not hit then redis.call('ZADD', KEYS[4], now, ARGV[1]) end
 end
 
 return {gate, reason, retry, tpm, math.max(0, math.floor(tok)), full_ms(tok, tpm),

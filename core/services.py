@@ -76,7 +76,7 @@ def build_services(settings: Settings) -> Services:
     # Web requests publish through a fail-fast app; workers and the sweep keep the patient one.
     publisher = celery_publisher(settings, fail_fast=True)
     # A request with a webhook: its start and its end become signed deliveries (core/delivery/webhooks.py).
-    webhooks = Webhooks(settings, db, publisher)
+    webhooks = Webhooks(settings, db, publisher, admission.redis)
     lifecycle.on_move(webhooks.moved)
     planner = Planner(settings, TokenCounters(), admission.redis, lambda: admission.redis_healthy)
     ladder = Ladder(settings, planner, LoadReader(settings, admission))

@@ -214,6 +214,10 @@ class Settings:
         "receivers can switch without rejecting a delivery.")
     webhook_concurrency: int = _field(
         "SLUICE_WEBHOOK_CONCURRENCY", 16, "Deliveries a `sluice worker --role webhooks` process sends at once.")
+    webhook_actions_per_minute: int = _field(
+        "SLUICE_WEBHOOK_ACTIONS_PER_MINUTE", 60,
+        "Webhook redeliveries and secret rotations a tenant may ask for per minute, together; past it they get "
+        "429 rate_limited with Retry-After. 0: no limit.")
 
     # Admission (tokens = estimated input + max_tokens)
     tiers_spec: str = _field(
@@ -412,6 +416,8 @@ class Settings:
                 raise SettingsError(f"{_env(name)} must be > 0, got {getattr(self, name)!r}")
         if self.webhook_rotation_grace_s < 0:
             raise SettingsError("SLUICE_WEBHOOK_ROTATION_GRACE_S must be >= 0 (0 = the old secret stops at once)")
+        if self.webhook_actions_per_minute < 0:
+            raise SettingsError("SLUICE_WEBHOOK_ACTIONS_PER_MINUTE must be >= 0 (0 = no limit)")
         try:
             self.webhook_allow_list  # noqa: B018 - parse once, now, so a bad entry fails at start
         except ValueError as exc:

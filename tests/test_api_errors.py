@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import uuid
 
@@ -72,6 +73,8 @@ def test_malformed_json_and_content_type(client):
     ({"prompt": "lone \ud800 surrogate"}, "prompt"),
     ({"messages": [{"role": "user", "content": "\u0000"}]}, "messages"),
     ({"prompt": "a", "metadata": {"k": "\u0000"}}, "metadata"),
+    ({"prompt": "a", "metadata": {"k\ud800": "v"}}, "metadata"),
+    ({"prompt": "a", "metadata": {"k": "lone \udfff"}}, "metadata"),
     ({"prompt": "a", "conversation_id": "c\u0000"}, "conversation_id"),
     ({"prompt": "a", "deadline_s": 1e12}, "deadline_s"),
     ({"messages": []}, "messages"),
@@ -91,6 +94,56 @@ def test_oversized_body_and_prompt(app, client):
     if small_app_limit > chars:  # only reachable when the char cap is below the body cap
         error = assert_envelope(client.submit(prompt="x" * small_app_limit), 422, "invalid_request")
         assert "prompt" in error["details"]
+
+
+def test_chunked_body_over_the_limit_is_413_like_a_sized_one(app, client):
+    """A body sent chunked (no Content-Length), as gunicorn passes it on (wsgi.input_terminated):
+    over the limit it is refused as too large, not cut at the limit and parsed as broken JSON."""
+    limit = services(app).settings.max_body_bytes
+    chunked = {**client.headers, "Content-Type": "application/json", "Transfer-Encoding": "chunked"}
+
+    def send(body: bytes):
+        return client.http.post("/v1/requests", input_stream=io.BytesIO(body), headers=chunked,
+                                environ_overrides={"wsgi.input_terminated": True})
+
+    over = b'{"prompt": "' + b"x" * limit + b'"}'
+    error = assert_envelope(send(over), 413, "body_too_large")
+    assert str(limit) in error["message"]
+    exactly = b'{"prompt": "' + b"x" * (limit - 14) + b'"}'
+    assert len(exactly) == limit
+    assert send(exactly).status_code != 413  # read whole and parsed: the limit itself is allowed
+    assert send(b'{"prompt": "chunked and small"}').status_code == 202
+
+
+def test_a_limit_in_other_digits_than_ascii_is_refused(client):
+    """The digit "²" passes str.isdigit() and fails int(); so does a number longer than int() parses."""
+    for limit in ("²", "١٠", "9" * 5000, "5\n"):
+        assert_envelope(client.http.get("/v1/jobs", query_string={"limit": limit}, headers=client.headers),
+                        422, "invalid_request")
+        batches = client.http.get("/v1/batches", query_string={"limit": limit}, headers=client.headers)
+        assert batches.status_code == 400 and batches.get_json()["error"]["param"] == "limit"
+    assert client.http.get("/v1/jobs?limit=5", headers=client.headers).status_code == 200
+
+
+def test_a_wait_of_thousands_of_digits_is_clamped_not_a_500(client, worker):
+    """Past the digits int() parses (4,300), and in another call past float()'s range: the wait is
+    the maximum, for a submit that waits and for one that comes back (respond-async)."""
+    maximum = int(services(client.http.application).settings.wait_max_s)
+    for prefer in (f"wait={'9' * 4400}", f"respond-async, wait={'9' * 4400}", f"wait={'9' * 400}"):
+        response = client.http.post("/v1/requests", json={"prompt": "wait long", "max_tokens": 4},
+                                    headers={**client.headers, "Prefer": prefer})
+        assert response.status_code == 200, response.get_json()
+        assert response.headers["Preference-Applied"] == f"wait={maximum}"
+        polled = client.http.get(f"/v1/requests/{response.get_json()['id']}",
+                                 headers={**client.headers, "Prefer": prefer})
+        assert polled.status_code == 200 and polled.headers["Preference-Applied"] == f"wait={maximum}"
+
+
+def test_a_dashboard_file_name_the_filesystem_refuses_is_404(isolated_app):
+    http = isolated_app(admin_key="an-admin-key-of-16+").test_client()
+    assert http.get("/dashboard/static/dashboard.js").status_code == 200
+    for name in ("x%00.js", "dashboard.js%00", "%ED%A0%80.js", "a" * 300 + ".js", "..%2F..%2Fetc%2Fpasswd"):
+        assert_envelope(http.get(f"/dashboard/static/{name}"), 404, "not_found")
 
 
 def test_unknown_route_and_wrong_method(client):

@@ -187,6 +187,22 @@ def test_bad_uploads_are_refused_with_reasons_and_leave_nothing_behind(bulk, new
     assert client.http.post(f"/v1/jobs/{mine.get_json()['id']}/cancel", headers=client.headers).status_code == 404
 
 
+def test_metadata_postgres_cannot_store_is_refused_by_name(client):
+    """JSON can spell a NUL or a lone surrogate, which a jsonb column refuses: 422 naming
+    metadata, before the file is read, never a 500 from the insert."""
+    good = jsonl([{"custom_id": "a", "text": "one"}])
+    for metadata in ('{"k": "\\u0000"}', '{"\\u0000": "v"}', '{"k": "\\ud800"}', '{"\\udfff": "v"}'):
+        response = client.http.post("/v1/jobs", query_string={"metadata": metadata}, data=good,
+                                    headers={**client.headers, **JSONL})
+        error = response.get_json()["error"]
+        assert response.status_code == 422 and error["code"] == "invalid_request", error
+        assert set(error["details"]) == {"metadata"} and "NUL" in error["details"]["metadata"][0]
+    # A raw NUL (%00) in the query, inside the JSON string, is refused the same way.
+    raw = client.http.post("/v1/jobs?metadata=%7B%22k%22%3A%22%00%22%7D", data=good,
+                           headers={**client.headers, **JSONL})
+    assert raw.status_code == 422 and set(raw.get_json()["error"]["details"]) == {"metadata"}
+
+
 def test_cancel_keeps_finished_results_and_stops_the_rest(bulk, new_client):
     client = new_client(bulk.app)
     lines = [{"custom_id": f"c{i}", "text": doc(i, 40)} for i in range(600)]
@@ -350,3 +366,4 @@ def test_a_feeder_that_died_between_naming_and_creating_requests_loses_nothing(b
     made = bulk.sql("SELECT id, status FROM requests WHERE metadata->>'job_id' = :j", j=job["id"])
     assert [(str(row[0]), row[1]) for row in made] == [(str(named), "succeeded")]
     assert bulk.lines(client, job["id"])[0]["output"]
+

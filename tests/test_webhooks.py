@@ -6,6 +6,7 @@ with the standardwebhooks library. Backoff is a fifth of a second here, so retri
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from sqlalchemy import func, update
 from standardwebhooks import Webhook, WebhookVerificationError
 from werkzeug.serving import make_server
 
+from core.delivery import ssrf
 from core.rediskeys import SWEEP_LAST_KEY
 from models import Delivery, DeliveryStatus
 from web import create_app
@@ -32,7 +34,9 @@ from web.services import services
 
 ENV = {"SLUICE_WEBHOOK_ALLOW": "127.0.0.2", "SLUICE_WEBHOOK_BACKOFF_S": "0.2", "SLUICE_WEBHOOK_TIMEOUT_S": "5",
        "SLUICE_WEBHOOK_RETRY_FOR_S": "30", "SLUICE_WEBHOOK_PROGRESS_S": "0.5", "SLUICE_SIM_SPEED": "4",
-       "SLUICE_MAX_CONTEXT_TOKENS": "512", "SLUICE_FEEDER_INTERVAL_S": "0.2", "SLUICE_JOB_INFLIGHT_PER_WORKER": "2"}
+       "SLUICE_MAX_CONTEXT_TOKENS": "512", "SLUICE_FEEDER_INTERVAL_S": "0.2", "SLUICE_JOB_INFLIGHT_PER_WORKER": "2",
+       # Above what any test but the limit's own asks of one tenant (a rotation and two redeliveries).
+       "SLUICE_WEBHOOK_ACTIONS_PER_MINUTE": "5"}
 PROMPT = {"prompt": "Say something about harbours.", "max_tokens": 8}
 
 
@@ -283,6 +287,15 @@ def test_a_job_webhook_gets_started_and_completed(hooks, new_client):
     ("https://169.254.169.254/latest/meta-data/", "metadata"),
     ("https://[fd00:ec2::254]/", "metadata"),
     ("https://[::ffff:127.0.0.1]/", "loopback"),
+    # An IPv6 address that carries an IPv4 one reaches it: judged by it.
+    ("https://[2002:a9fe:a9fe::]/latest/meta-data/", "metadata"),  # 6to4
+    ("https://[2002:7f00:1::]/", "loopback"),
+    ("https://[2002:0a00:0001::]/", "private"),
+    ("https://[2001:0:4136:e378:8000:63bf:f5ff:fffe]/", "private"),  # Teredo, client 10.0.0.1
+    ("https://[2001:0:4136:e378:8000:63bf:5601:5601]/", "metadata"),  # Teredo, client 169.254.169.254
+    ("https://[64:ff9b::a9fe:a9fe]/", "metadata"),  # NAT64
+    ("https://[fec0::1]/", "private"),  # site-local, which the standard library calls global
+    ("http://[2002:808:808::]/hook", "not_https"),  # 6to4 of 8.8.8.8: public, so only the scheme refuses it
     ("https://localhost/hook", "loopback"),  # a name that resolves to a refused address
     ("https://0.0.0.0/", "unspecified"),
     ("http://8.8.8.8/hook", "not_https"),
@@ -299,6 +312,32 @@ def test_ssrf_targets_are_refused_at_submit(hooks, new_client, url, reason):
     job = client.http.post("/v1/jobs", query_string={"webhook_url": url}, data=b'{"custom_id": "a", "text": "b"}\n',
                            headers={**client.headers, "Content-Type": "application/jsonl"})
     assert job.status_code == 422 and job.get_json()["error"]["code"] == "webhook_url_refused"
+
+
+@pytest.mark.parametrize("address, reason", [
+    ("2002:a9fe:a9fe::", "metadata"), ("2002:7f00:1::", "loopback"), ("2002:a00:1::", "private"),
+    ("2002:808:808::", None),  # 6to4 of a public address is public, on every Python version
+    ("fec0::1", "private"),
+    ("2001:0:4136:e378:8000:63bf:f5ff:fffe", "private"),  # Teredo: server 65.54.227.120, client 10.0.0.1
+    ("2001:0:a9fe:a9fe:0:0:f7f7:f7f7", "metadata"),  # Teredo: server 169.254.169.254, client 8.8.8.8
+    ("2001:0:4136:e378:8000:63bf:f7f7:f7f7", "private"),  # Teredo of public addresses: the prefix refuses it
+    ("::ffff:127.0.0.1", "loopback"), ("::ffff:8.8.8.8", None),
+    ("::127.0.0.1", "loopback"), ("::8.8.8.8", "reserved"),  # IPv4-compatible
+    ("64:ff9b::a9fe:a9fe", "metadata"), ("64:ff9b::808:808", None),
+    ("64:ff9b:1::a00:1", "private"), ("64:ff9b:1::808:808", "private"),  # local-use NAT64
+    ("::1", "loopback"), ("::", "unspecified"), ("2606:4700::1111", None),
+])
+def test_the_ssrf_guard_judges_the_ipv4_address_an_ipv6_address_carries(address, reason):
+    assert ssrf.refusal(ipaddress.ip_address(address)) == reason
+    url = f"https://[{address}]/hook"
+    if reason is None:
+        assert str(ssrf.check(url, ssrf.AllowList()).address) == str(ipaddress.ip_address(address))
+    else:
+        with pytest.raises(ssrf.Refused) as refused:
+            ssrf.check(url, ssrf.AllowList())
+        assert refused.value.reason == reason
+        # The operator's allow-list still lets an internal receiver through, as before.
+        assert ssrf.check(url, ssrf.AllowList.parse(address)).port == 443
 
 
 def test_a_webhook_url_must_be_short_and_the_tenant_must_have_a_secret(hooks, new_client):
@@ -340,3 +379,47 @@ def test_a_delivery_whose_message_was_lost_is_sent_again_by_the_sweep(hooks, new
             status=DeliveryStatus.PENDING, next_attempt_at=func.now() - timedelta(minutes=1)))
     assert hooks.receiver.wait(path, 2)[1][0]["webhook-id"] == delivery["id"]
     assert hooks.wait_delivery(client, "succeeded", request_id=request_id)["attempts"] == 2
+
+
+def test_a_rotation_while_the_previous_secret_signs_is_refused_and_both_keep_signing(hooks, new_client):
+    client = hooks.client(new_client)
+    first = client.secret
+    second = client.http.post("/v1/webhooks/secret/rotate", headers=client.headers)
+    assert second.status_code == 201
+    until = second.get_json()["previous_valid_until"]
+    assert until is not None
+    third = client.http.post("/v1/webhooks/secret/rotate", headers=client.headers)
+    assert third.status_code == 409
+    error = third.get_json()["error"]
+    assert error["code"] == "rotation_in_progress" and "until" in error["message"], error
+    assert datetime.fromisoformat(error["details"]["previous_valid_until"]) == datetime.fromisoformat(until)
+    # The refused rotation changed nothing: the first secret still verifies beside the second.
+    path = hooks.receiver.path()
+    client.submit(**PROMPT, webhook_url=hooks.receiver.url + path)
+    delivery = hooks.receiver.wait(path, 1)[0]
+    new = second.get_json()["secret"]
+    assert verified(new, delivery)["type"] == "request.completed" and verified(first, delivery)
+
+
+def test_redeliveries_and_rotations_are_rate_limited_per_tenant(hooks, new_client):
+    client = hooks.client(new_client)  # its first rotation: one of the five
+    for _ in range(4):
+        answer = client.http.post(f"/v1/webhooks/deliveries/{uuid.uuid4()}/redeliver", headers=client.headers)
+        assert answer.status_code == 404  # counted all the same: asking is what the limit bounds
+    for path in (f"/v1/webhooks/deliveries/{uuid.uuid4()}/redeliver", "/v1/webhooks/secret/rotate"):
+        limited = client.http.post(path, headers=client.headers)
+        assert limited.status_code == 429, limited.get_json()
+        assert limited.get_json()["error"]["code"] == "rate_limited"
+        assert 1 <= int(limited.headers["Retry-After"]) <= 60
+    other = hooks.client(new_client)
+    assert other.http.post(f"/v1/webhooks/deliveries/{uuid.uuid4()}/redeliver",
+                           headers=other.headers).status_code == 404
+
+
+@pytest.mark.parametrize("limit", ["\u00b2", "\u0661\u0662", "0", "101", "-1", " 5"])
+def test_a_delivery_list_limit_must_be_ascii_digits_from_1_to_100(hooks, new_client, limit):
+    client = hooks.client(new_client, secret=False)
+    answer = client.http.get("/v1/webhooks/deliveries", query_string={"limit": limit}, headers=client.headers)
+    assert answer.status_code == 422, answer.get_data(as_text=True)
+    error = answer.get_json()["error"]
+    assert error["code"] == "invalid_request" and "limit" in error["details"]

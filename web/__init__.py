@@ -12,6 +12,7 @@ from core.observe.logs import current_call_id, current_request_id
 from core.services import start_services
 from core.settings import Settings
 from web import admin, api, dashboard, errors, health, jobs_api, metrics, webhooks_api
+from web.bodies import Request
 from web.openai import batches_api as openai_batches_api
 from web.openai import chat as openai_api
 from web.services import EXTENSION, Services, services
@@ -21,6 +22,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     svc = start_services(settings)
     settings = svc.settings
     app = Flask("sluice")
+    app.request_class = Request  # a chunked body over the limit is 413 too, not a truncated one
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False
     app.extensions[EXTENSION] = svc

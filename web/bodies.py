@@ -3,17 +3,43 @@ two halves of a list route, its ``limit`` parameter in and its page out."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import flask
 from flask import Response, jsonify, request
 from marshmallow import Schema, ValidationError
+from werkzeug.exceptions import RequestEntityTooLarge
 
 from web.errors import ApiError, InvalidRequest
 
 # Nothing Sluice accepts nests deeper; a body that does is refused before anything recurses on it
 # (the JSON encoder of the idempotency hash, Postgres's JSONB, marshmallow).
 MAX_DEPTH = 32
+# A number as a query parameter may write it: ASCII digits only (str.isdigit() also takes "²",
+# which int() refuses), few enough that int() never meets its limit of 4,300 digits.
+_WHOLE_NUMBER = re.compile(r"[0-9]{1,9}")
+
+
+class Request(flask.Request):
+    """Flask's request, except that a streamed body (``Transfer-Encoding: chunked``, no
+    Content-Length) longer than ``max_content_length`` is refused with 413, as one that declares
+    its length is.
+
+    Werkzeug reads such a body through a stream capped at the limit and stops there without a
+    word, so a parser was handed the first MiB of a larger document (400 ``malformed_json``
+    instead of 413 ``body_too_large``). Only a read that found the cap full asks the server for one
+    byte more: a body of exactly the limit is still accepted."""
+
+    def get_data(self, cache: bool = True, as_text: bool = False,  # type: ignore[override]
+                 parse_form_data: bool = False) -> bytes | str:
+        data = super().get_data(cache=cache, as_text=False, parse_form_data=parse_form_data)
+        limit = self.max_content_length
+        if (self.content_length is None and limit is not None and len(data) >= limit
+                and "wsgi.input_terminated" in self.environ and self.input_stream.read(1)):
+            raise RequestEntityTooLarge()
+        return data.decode(errors="replace") if as_text else data
 
 
 def json_object() -> dict[str, Any]:
@@ -57,10 +83,19 @@ def validated(schema: Schema, body: dict[str, Any]) -> dict[str, Any]:
 
 def page_limit(default: int = 20, most: int = 100) -> int:
     """The ``limit`` query parameter of a list route: a whole number from 1 to ``most``."""
-    raw = request.args.get("limit", str(default))
-    if not raw.isdigit() or not 1 <= int(raw) <= most:
+    limit = whole_number(request.args.get("limit", str(default)), 1, most)
+    if limit is None:
         raise InvalidRequest(f"limit must be a whole number from 1 to {most}.", details={"limit": [f"1 to {most}."]})
-    return int(raw)
+    return limit
+
+
+def whole_number(raw: str, low: int, high: int) -> int | None:
+    """``raw`` as a whole number from ``low`` to ``high`` (at most 9 digits), or None: ASCII digits
+    only, no sign, no spaces."""
+    if not _WHOLE_NUMBER.fullmatch(raw):
+        return None
+    number = int(raw)
+    return number if low <= number <= high else None
 
 
 def list_page(rows: Sequence[Any], limit: int, view: Callable[[Any], dict[str, Any]] | None = None, *,

@@ -11,6 +11,7 @@ counters (all its processes, ``core/observe/metrics.py``).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,9 @@ from web.services import services
 
 STATIC = Path(__file__).resolve().parent / "static"
 _TYPES = {".html": "text/html", ".js": "text/javascript"}
+# What a name of one of those files can look like. Anything else (a NUL, which the filesystem
+# calls refuse with ValueError; a name too long for it; a path) is no file of the page.
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\.[a-z]{1,8}")
 TIMING_WINDOW_S = 60  # the queue wait / inference figures cover requests that ended this recently
 page_bp = Blueprint("dashboard", __name__)
 data_bp = Blueprint("dashboard_data", __name__, url_prefix="/v1/admin")
@@ -46,7 +50,10 @@ def asset(name: str) -> Response:
 
 
 def _static(name: str, max_age: int) -> Response:
-    """One of the page's few small files, read whole (no open file handed to the server)."""
+    """One of the page's few small files, read whole (no open file handed to the server); 404 for
+    any other name."""
+    if not _NAME.fullmatch(name):
+        raise NotFound("No such file of the operator page.")
     path = (STATIC / name).resolve()
     if path.parent != STATIC or path.suffix not in _TYPES or not path.is_file():
         raise NotFound("No such file of the operator page.")

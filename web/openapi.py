@@ -271,6 +271,9 @@ def _webhook_paths(spec: APISpec) -> None:
                    "403": _error("The key's tenant is disabled (tenant_disabled).")}
     delivery = {"name": "delivery_id", "in": "path", "required": True, "schema": {"type": "string", "format": "uuid"}}
     missing = {"404": _error("No such delivery for this key.")}
+    limited = {"429": {**_error("More than SLUICE_WEBHOOK_ACTIONS_PER_MINUTE redeliveries and rotations in a "
+                                "minute (rate_limited); retry after Retry-After."),
+                       "headers": {"Retry-After": {"schema": {"type": "integer"}}}}}
     uuid_query = {"type": "string", "format": "uuid"}
     spec.path(path="/v1/webhooks/deliveries", operations={"get": {
         "summary": "Webhook deliveries of the tenant's requests and jobs, newest first",
@@ -292,13 +295,18 @@ def _webhook_paths(spec: APISpec) -> None:
     spec.path(path="/v1/webhooks/deliveries/{delivery_id}/redeliver", operations={"post": {
         "summary": "Send a delivery again now, with the same webhook-id and body and a new retry window",
         "security": [{"bearer": []}], "parameters": [delivery],
-        "responses": {"202": _json("DeliveryView", "Queued for an attempt."), **auth_errors, **missing}}})
+        "responses": {"202": _json("DeliveryView", "Queued for an attempt."), **auth_errors, **missing,
+                      **limited}}})
     spec.path(path="/v1/webhooks/secret/rotate", operations={"post": {
         "summary": "A new webhook signing secret (the first, or the next), shown only in this answer",
         "description": "Deliveries are signed with it from now on; after a rotation the previous secret adds a "
-                       "second signature for SLUICE_WEBHOOK_ROTATION_GRACE_S, so receivers can switch.",
+                       "second signature for SLUICE_WEBHOOK_ROTATION_GRACE_S, so receivers can switch; "
+                       "another rotation is refused until then.",
         "security": [{"bearer": []}],
-        "responses": {"201": _json("WebhookSecret", "The new secret."), **auth_errors}}})
+        "responses": {"201": _json("WebhookSecret", "The new secret."), **auth_errors,
+                      "409": _error("The previous secret's grace still runs (rotation_in_progress); "
+                                    "`details.previous_valid_until` says until when."),
+                      **limited}}})
 
 
 def _service_paths(spec: APISpec) -> None:

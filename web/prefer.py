@@ -11,13 +11,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 APPLIED_HEADER = "Preference-Applied"
+# A wait longer than this (over 31 years) reads as this: the server clamps it to its own maximum
+# anyway, and a number of thousands of digits is past what int() parses (and past float()'s range
+# well before that), which once turned an accepted submit into a 500.
+WAIT_CEILING_S = 10**9
 
 
 def wait_seconds(headers: Iterable[str]) -> int | None:
     """The ``wait=N`` preference among all ``Prefer`` header values, or None.
 
     Preferences are comma-separated, names case-insensitive, values optionally quoted;
-    parameters after ``;`` are ignored. The first well-formed ``wait`` wins."""
+    parameters after ``;`` are ignored. The first well-formed ``wait`` (ASCII digits) wins; one
+    over :data:`WAIT_CEILING_S` reads as that ceiling."""
     for header in headers:
         for preference in header.split(","):
             name, _, value = preference.split(";", 1)[0].partition("=")
@@ -25,7 +30,8 @@ def wait_seconds(headers: Iterable[str]) -> int | None:
                 continue
             value = value.strip().strip('"')
             if value.isascii() and value.isdigit():
-                return int(value)
+                digits = value.lstrip("0")
+                return int(digits or "0") if len(digits) < len(str(WAIT_CEILING_S)) else WAIT_CEILING_S
     return None
 
 

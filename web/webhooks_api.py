@@ -6,6 +6,9 @@
     POST /v1/webhooks/deliveries/<id>/redeliver    send it again now (same webhook-id and body)
     POST /v1/webhooks/secret/rotate                a new signing secret, shown once; the previous
                                                    one signs too for SLUICE_WEBHOOK_ROTATION_GRACE_S
+                                                   (409 rotation_in_progress until that ends)
+
+Redeliveries and rotations share a per-tenant limit, SLUICE_WEBHOOK_ACTIONS_PER_MINUTE (429).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from core.ids import uuid_or_404
 from core.submit.schemas import SafeString
 from models import Delivery, DeliveryStatus
 from web.auth import authenticate
-from web.bodies import list_page
+from web.bodies import list_page, whole_number
 from web.errors import InvalidRequest
 from web.services import services
 
@@ -80,8 +83,8 @@ def list_deliveries() -> Response:
     svc = services()
     tenant = authenticate(svc.db, svc.recent_keys)
     args, problems = request.args, {}
-    raw = args.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= 100:
+    limit = whole_number(args.get("limit", "20"), 1, 100)
+    if limit is None:
         problems["limit"] = ["A whole number from 1 to 100."]
     ids = {name: _uuid(args.get(name), name, problems) for name in ("request_id", "job_id", "before")}
     status = args.get("status")
@@ -89,9 +92,8 @@ def list_deliveries() -> Response:
         problems["status"] = [f"One of {', '.join(s.value for s in DeliveryStatus)}."]
     if problems:
         raise InvalidRequest("Invalid query parameters; see details.", details=problems)
-    limit = int(raw)
     rows = svc.webhooks.list(tenant.id, limit + 1, request_id=ids["request_id"], job_id=ids["job_id"],
-                                 status=DeliveryStatus(status) if status else None, before=ids["before"])
+                             status=DeliveryStatus(status) if status else None, before=ids["before"])
     return list_page(rows, limit, view)
 
 

@@ -8,6 +8,11 @@ goes to the address that was checked (``Target.address``), so a name that resolv
 public address for the check and a private one for the connection (DNS rebinding) gains
 nothing. Redirects are followed by the sender one hop at a time, each target checked again.
 
+The address rules are the standard library's classification (``ipaddress``), not a list of
+our own, plus the IPv4 address an IPv6 address may carry: IPv4-mapped and -compatible, 6to4,
+Teredo (server and client) and NAT64 addresses are judged by the IPv4 address they lead to,
+since ``[2002:a9fe:a9fe::]`` reaches 169.254.169.254 wherever the host has a 6to4 route.
+
 An operator lets webhooks reach internal receivers with an allow-list (SLUICE_WEBHOOK_ALLOW):
 host names and networks (CIDRs) that skip the address rules and may use plain http.
 """
@@ -27,11 +32,17 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 # Instance metadata services: AWS, GCP and Azure (IPv4 and AWS's IPv6), Alibaba, AWS ECS tasks.
 METADATA = frozenset(ipaddress.ip_address(a) for a in (
     "169.254.169.254", "fd00:ec2::254", "100.100.100.200", "169.254.170.2"))
+# NAT64's well-known prefix (RFC 6052) and the local-use one (RFC 8215), whose translator is an
+# operator's own and so reaches only what that network does.
 NAT64 = ipaddress.ip_network("64:ff9b::/96")
+NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
 _HOST_NAME = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*\.?")
-# Why an address is refused, in the order the checks run; the words go into messages.
+# Why an address is refused, in the order the checks run; the words go into messages. Site-local
+# (fec0::/10) is the deprecated forerunner of unique-local addresses: private, though the standard
+# library calls it global.
 _KINDS = (("loopback", "is_loopback"), ("unspecified", "is_unspecified"), ("link_local", "is_link_local"),
-          ("multicast", "is_multicast"), ("private", "is_private"), ("reserved", "is_reserved"))
+          ("multicast", "is_multicast"), ("private", "is_private"), ("private", "is_site_local"),
+          ("reserved", "is_reserved"))
 
 
 class Refused(ValueError):
@@ -117,18 +128,49 @@ def _literal(host: str) -> bool:
 
 
 def refusal(address: IPAddress) -> str | None:
-    """Why ``address`` may not be reached (``loopback``, ``private``, …), or None: it is public."""
+    """Why ``address`` may not be reached (``loopback``, ``private``, …), or None: it is public.
+
+    An IPv6 address that carries an IPv4 address is refused for whatever refuses that IPv4
+    address. IPv4-mapped, 6to4 and well-known-prefix NAT64 addresses are then judged by it
+    alone: their packets go to it, so a public one is as reachable as the IPv4 address itself
+    (whatever a Python version's ``is_global`` says of the prefix). Teredo, IPv4-compatible and
+    local-use NAT64 addresses are judged by their prefix as well, which none of them passes."""
     if address in METADATA:
         return "metadata"
     if address.version == 6:
-        embedded = address.ipv4_mapped or (ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
-                                           if address in NAT64 else None)
-        if embedded is not None:  # ::ffff:127.0.0.1 reaches 127.0.0.1
-            return refusal(embedded)
+        carried, decisive = _carried(address)
+        for embedded in carried:
+            reason = refusal(embedded)
+            if reason is not None:
+                return reason
+        if decisive:
+            return None
+        if address in NAT64_LOCAL:  # reserved to Python 3.11, private to 3.13: the same word on both
+            return "private"
     for kind, attribute in _KINDS:
-        if getattr(address, attribute):
+        if getattr(address, attribute, False):  # IPv4 addresses have no is_site_local
             return kind
     return None if address.is_global else "not_public"
+
+
+def _carried(address: ipaddress.IPv6Address) -> tuple[tuple[ipaddress.IPv4Address, ...], bool]:
+    """The IPv4 addresses ``address`` leads to, and whether they alone decide where it goes."""
+    low32 = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+    if address.ipv4_mapped is not None:
+        return (address.ipv4_mapped,), True
+    if address.sixtofour is not None:
+        return (address.sixtofour,), True
+    if address in NAT64:
+        return (low32,), True
+    if address.teredo is not None:
+        return address.teredo, False  # (server, client)
+    # A local-use prefix may place the IPv4 address elsewhere (RFC 6052 §2.2); the /96 layout is the
+    # one judged, and the prefix refuses the rest.
+    if address in NAT64_LOCAL:
+        return (low32,), False
+    if int(address) >> 32 == 0 and int(address) > 1:  # IPv4-compatible ::a.b.c.d, not :: or ::1
+        return (low32,), False
+    return (), False
 
 
 _WORDS = {"metadata": "a cloud metadata service", "loopback": "a loopback address",

@@ -10,7 +10,8 @@ This module is the web side: it checks a URL at submit (``core/delivery/ssrf.py`
 ``webhook_url_refused`` naming the reason), turns lifecycle moves into delivery rows (the
 lifecycle hook :meth:`Webhooks.moved`, run after commit in whichever process moved the row),
 publishes them onto the ``webhooks`` queue once committed, and lists, redelivers and rotates
-secrets for the API and the CLI. Sending, retrying and the sweep's part are
+secrets for the API and the CLI; a tenant's redeliveries and rotations share a per-minute limit
+(SLUICE_WEBHOOK_ACTIONS_PER_MINUTE, a Redis counter per tenant). Sending, retrying and the sweep's part are
 ``workers/webhooks.py``'s, in a worker of its own: a dead receiver never holds a GPU worker.
 """
 
@@ -23,14 +24,17 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import redis
 from celery import Celery
-from sqlalchemy import case, func, select, tuple_, update
+from sqlalchemy import case, func, or_, select, tuple_, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
+from core.admission.gates import RateLimited
 from core.broker.queues import DELIVER_TASK, WEBHOOKS_QUEUE
 from core.delivery import ssrf
-from core.errors import InvalidRequest, NotFound
+from core.errors import Conflict, InvalidRequest, NotFound
+from core.rediskeys import TENANT_LIMIT_PREFIX
 from core.settings import Settings
 from core.submit.schemas import RequestViewSchema
 from models import Delivery, DeliveryStatus, InferenceRequest, Status, Tenant, delivery_lifecycle
@@ -41,6 +45,9 @@ log = logging.getLogger(__name__)
 
 JOB_EVENTS = ("started", "progress", "completed")
 DEFAULT_EVENTS = ("completed",)
+# A tenant's redeliveries and rotations in the current window: a counter that expires with it.
+ACTIONS_SUFFIX = ":webhook_actions"
+ACTIONS_WINDOW_S = 60
 _view = RequestViewSchema()
 
 
@@ -72,10 +79,13 @@ def payload(event: str, data: dict[str, Any]) -> dict[str, Any]:
 class Webhooks:
     """Delivery rows and tenants' secrets in one database; publishes through ``publisher``."""
 
-    def __init__(self, settings: Settings, db: Database, publisher: Celery) -> None:
+    def __init__(self, settings: Settings, db: Database, publisher: Celery, redis_client: redis.Redis) -> None:
         self.settings = settings
         self.db = db
         self.publisher = publisher
+        # The web tier's admission client (one short timeout, no retries): a hung Redis costs a
+        # redelivery or a rotation at most SLUICE_REDIS_TIMEOUT_S, then lets it through.
+        self.redis = redis_client
 
     # ------------------------------------------------------------------ events
 
@@ -145,7 +155,10 @@ class Webhooks:
         return row
 
     def redeliver(self, tenant_id: uuid.UUID | None, delivery_id: uuid.UUID) -> Delivery:
-        """Send a delivery again now, whatever its status, with a new retry window; same id and body."""
+        """Send a delivery again now, whatever its status, with a new retry window; same id and body.
+        A tenant's call counts against its actions per minute (:meth:`count_action`)."""
+        if tenant_id is not None:
+            self.count_action(tenant_id)
         with self.db.session() as session:
             row = delivery_lifecycle.redeliver(session, delivery_id, tenant_id, self.settings.webhook_retry_for_s)
         if row is None:
@@ -157,13 +170,57 @@ class Webhooks:
     def rotate(self, tenant_id: uuid.UUID) -> tuple[str, datetime | None]:
         """A new signing secret for the tenant (its first, or the next); the previous one goes on
         signing beside it for SLUICE_WEBHOOK_ROTATION_GRACE_S. The secret and until when the
-        previous one signs."""
+        previous one signs.
+
+        Refused (409 ``rotation_in_progress``, saying when it ends) while an earlier rotation's
+        grace runs: only two secrets sign at once, so a rotation then would drop the one that
+        receivers which have not switched yet still verify with. Counts against the tenant's
+        actions per minute (:meth:`count_action`)."""
+        self.count_action(tenant_id)
         secret = new_secret()
         grace = func.now() + timedelta(seconds=self.settings.webhook_rotation_grace_s)
         with self.db.session() as session:
-            previous_until = session.scalar(update(Tenant).where(Tenant.id == tenant_id).values(
-                webhook_previous_secret=Tenant.webhook_secret, webhook_secret=secret,
-                webhook_previous_until=case((Tenant.webhook_secret.is_not(None), grace), else_=None))
-                .returning(Tenant.webhook_previous_until))
+            # One statement decides, so two rotations at once cannot both pass the check.
+            rotated = session.execute(update(Tenant).where(
+                Tenant.id == tenant_id,
+                or_(Tenant.webhook_previous_until.is_(None), Tenant.webhook_previous_until <= func.now()))
+                .values(webhook_previous_secret=Tenant.webhook_secret, webhook_secret=secret,
+                        webhook_previous_until=case((Tenant.webhook_secret.is_not(None), grace), else_=None))
+                .returning(Tenant.webhook_previous_until)).first()
+            grace_ends = None if rotated is not None else session.scalar(
+                select(Tenant.webhook_previous_until).where(Tenant.id == tenant_id))
+        if rotated is None:
+            if grace_ends is None:
+                raise NotFound("No such tenant.")
+            raise Conflict(f"The previous webhook secret still signs beside the current one until "
+                           f"{grace_ends.isoformat()} (the last rotation's grace); rotating now would stop "
+                           "signing with a secret receivers may still verify with. Rotate again after then.",
+                           code="rotation_in_progress", details={"previous_valid_until": grace_ends.isoformat()})
         log.info("webhook secret rotated for tenant %s", tenant_id)
-        return secret, previous_until
+        return secret, rotated.webhook_previous_until
+
+    def count_action(self, tenant_id: uuid.UUID) -> None:
+        """Count a redelivery or a rotation of the tenant's; 429 ``rate_limited`` with Retry-After
+        (to the end of its window) once SLUICE_WEBHOOK_ACTIONS_PER_MINUTE were asked for in one.
+        When Redis does not answer, the call goes through uncounted: the limit guards against a
+        flood, and refusing every rotation during an outage would guard nothing."""
+        limit = self.settings.webhook_actions_per_minute
+        if not limit:
+            return
+        key = TENANT_LIMIT_PREFIX + str(tenant_id) + ACTIONS_SUFFIX
+        try:
+            # The window starts with its first action; the transaction keeps the counter and its
+            # expiry together, so a counter never outlives its window.
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.set(key, 0, ex=ACTIONS_WINDOW_S, nx=True)
+            pipe.incr(key)
+            pipe.ttl(key)
+            _, count, ttl = pipe.execute()
+        except redis.RedisError as exc:
+            log.warning("webhook action limit not checked for tenant %s: Redis %s", tenant_id, type(exc).__name__)
+            return
+        if count > limit:
+            retry_s = max(1, ttl)
+            raise RateLimited(f"Rate limit reached: {limit} webhook redeliveries and secret rotations per minute; "
+                              f"retry after {retry_s} s.", headers={"Retry-After": str(retry_s)},
+                              details={"limit": "webhook_actions_per_minute", "limit_per_minute": limit})

@@ -18,6 +18,7 @@ from core.settings import Settings
 from core.submit.tokens import estimate_text_tokens
 from core.tenants.tiers import effective_limits
 from models import Tenant
+from models.request import storable
 
 # A document request's prompt leaves this many tokens of room beyond the instruction and the
 # summary: the separator between them, and the model's special tokens.
@@ -75,10 +76,12 @@ def parse_params(settings: Settings, args: dict[str, str], tenant: Tenant) -> Jo
             metadata = json.loads(args["metadata"])
         except ValueError:
             metadata = None  # type: ignore[assignment]
+        # JSON may spell a NUL or a lone surrogate (\u0000, \ud800), which Postgres cannot store.
         if not isinstance(metadata, dict) or len(metadata) > 16 or not all(
                 isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
-                for k, v in metadata.items()):
-            problems["metadata"] = ["Must be a JSON object of at most 16 string values."]
+                and storable(k) and storable(v) for k, v in metadata.items()):
+            problems["metadata"] = ["Must be a JSON object of at most 16 string values (keys up to 64 characters, "
+                                    "values up to 512), with no NUL character or unpaired surrogate."]
     if model is not None and not problems:
         limits = effective_limits(settings.tiers, settings.default_tier, tenant)
         room = chunk_budget(model.context_tokens, limits.max_request_tokens, estimate_text_tokens(instruction), 0)

@@ -172,6 +172,18 @@ class Settings:
         "SLUICE_JOB_MAX_BYTES", 2_147_483_648,
         "Largest job file accepted (POST /v1/jobs); larger gets 413 before the upload is read.")
     job_max_items: int = _field("SLUICE_JOB_MAX_ITEMS", 5_000_000, "Most lines one job file may hold.")
+    job_max_open_per_tenant: int = _field(
+        "SLUICE_JOB_MAX_OPEN_PER_TENANT", 20, "Jobs (and OpenAI batches) a tenant may have unfinished at once.")
+    job_max_stored_items_per_tenant: int = _field(
+        "SLUICE_JOB_MAX_STORED_ITEMS_PER_TENANT", 20_000_000,
+        "Job lines a tenant may keep stored over all its jobs (finished ones count until retention deletes them).")
+    upload_stall_s: float = _field(
+        "SLUICE_UPLOAD_STALL_S", 30.0,
+        "An upload (POST /v1/jobs, /v1/files) that sends nothing for this long is cut off with 408.")
+    upload_min_bytes_per_s: int = _field(
+        "SLUICE_UPLOAD_MIN_BYTES_PER_S", 65_536,
+        "After the first SLUICE_UPLOAD_STALL_S, an upload slower than this on average is cut off with 408 "
+        "(0: no minimum rate).")
     job_max_line_bytes: int = _field(
         "SLUICE_JOB_MAX_LINE_BYTES", 16_777_216, "Longest line (one document) a job file may hold.")
     job_summary_tokens: int = _field(
@@ -369,7 +381,8 @@ class Settings:
                     "idempotency_window_s", "redis_timeout_s", "local_floor_tokens_per_minute",
                     "shorter_output_tokens", "cache_max_entries", "cache_max_answer_bytes", "job_max_bytes",
                     "job_max_items", "job_max_line_bytes", "job_summary_tokens", "job_window_s",
-                    "job_max_window_s", "job_inflight_per_worker", "feeder_interval_s",
+                    "job_max_window_s", "job_inflight_per_worker", "feeder_interval_s", "job_max_open_per_tenant",
+                    "job_max_stored_items_per_tenant", "upload_stall_s",
                     "wait_max_s", "stream_idle_ping_s", "stream_max_s",
                     "web_worker_connections", "web_threads"]
         for name in positive:
@@ -382,6 +395,8 @@ class Settings:
             raise SettingsError("SLUICE_AUTH_CACHE_S must be >= 0 (0 = every refusal asks Postgres)")
         if self.cache_ttl_s < 0:
             raise SettingsError("SLUICE_CACHE_TTL_S must be >= 0 (0 = no hot answer cache)")
+        if self.upload_min_bytes_per_s < 0:
+            raise SettingsError("SLUICE_UPLOAD_MIN_BYTES_PER_S must be >= 0 (0 = no minimum rate)")
         if self.worker_batch_beside_realtime is not None and self.worker_batch_beside_realtime < 1:
             raise SettingsError("SLUICE_WORKER_BATCH_BESIDE_REALTIME must be >= 1")
         if self.worker_realtime_threads is not None and self.worker_realtime_threads < 0:

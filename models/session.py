@@ -38,10 +38,13 @@ class Database:
         # Never put bound parameters (prompts, outputs) into exception messages and logs.
         engine_kw.setdefault("hide_parameters", True)
         # Bounded waits: a partitioned or stuck database must fail a web request or a worker
-        # step in seconds, not hang it for the kernel's TCP timeouts.
+        # step in seconds, not hang it for the kernel's TCP timeouts. A transaction left idle (its
+        # process stuck, or waiting on anything but the database) is ended by the server after a
+        # minute instead of holding its connection and locks: nothing in Sluice waits on a client
+        # or an engine inside a transaction (uploads are spooled first: web/uploads.py).
         engine_kw.setdefault("connect_args", {
             "connect_timeout": 5,
-            "options": "-c statement_timeout=15000 -c lock_timeout=5000",
+            "options": "-c statement_timeout=15000 -c lock_timeout=5000 -c idle_in_transaction_session_timeout=60000",
             "tcp_user_timeout": 10000,
         })
         self.dispose()

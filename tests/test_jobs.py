@@ -6,8 +6,10 @@ The model's context is 512 tokens here, so a 12 KB document is summarised by map
 
 from __future__ import annotations
 
+import functools
 import io
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -367,3 +369,71 @@ def test_a_feeder_that_died_between_naming_and_creating_requests_loses_nothing(b
     assert [(str(row[0]), row[1]) for row in made] == [(str(named), "succeeded")]
     assert bulk.lines(client, job["id"])[0]["output"]
 
+
+def test_a_tenants_jobs_share_its_budget_and_its_limits(isolated_app, new_client):
+    """Job intake is charged across the tenant's unfinished jobs, not per job; it is refused while
+    the tenant is over its request limits, past its unfinished jobs and past its stored lines. (No
+    feeder here: every accepted job stays unfinished.)"""
+    from admission_support import set_limits
+
+    application = isolated_app(job_max_open_per_tenant=3, job_max_stored_items_per_tenant=60)
+    client = new_client(application)
+    submit = functools.partial(Bulk(application, "", "", None).submit, client)
+    lines = jsonl([{"custom_id": str(i), "text": doc(i, 30)} for i in range(20)])
+    first = submit(lines, completion_window="1h", summary_tokens=50)
+    assert first.status_code == 201, first.get_json()
+    priced = first.get_json()["estimated_tokens"]
+    # A window's budget that holds one such job and a half: alone the second would fit, not beside the first.
+    set_limits(application, client, tokens_per_minute=math.ceil(1.5 * priced / 60))
+    second = submit(lines, completion_window="1h", summary_tokens=50)
+    error = second.get_json()["error"]
+    assert second.status_code == 422 and error["code"] == "job_over_token_budget", error
+    assert error["details"]["open_jobs_tokens"] == priced and error["details"]["estimated_tokens"] == priced
+    set_limits(application, client, tokens_per_minute=10**7)
+    assert submit(lines, completion_window="1h", summary_tokens=50).status_code == 201  # 40 lines stored
+    # 20 more lines would be 60, the most this tenant may store: but 21 are over it.
+    over = submit(jsonl([{"custom_id": str(i), "text": doc(i, 5)} for i in range(21)]))
+    assert over.status_code == 429 and over.get_json()["error"]["code"] == "job_storage_full"
+    assert "Retry-After" in over.headers
+    assert submit(jsonl([{"custom_id": str(i), "text": doc(i, 5)} for i in range(20)])).status_code == 201
+    # Three unfinished jobs, the most: the next is refused before its file is read.
+    too_many = submit(jsonl([{"custom_id": "x", "text": "one more"}]))
+    assert too_many.status_code == 429 and too_many.get_json()["error"]["code"] == "too_many_open_jobs"
+    assert too_many.get_json()["error"]["details"] == {"open_jobs": 3, "limit": 3}
+
+
+def test_a_job_is_refused_while_its_tenant_is_rate_limited(isolated_app, new_client):
+    from admission_support import set_limits
+
+    application = isolated_app()
+    client = new_client(application)
+    set_limits(application, client, requests_per_minute=2)
+    for i in range(2):
+        assert client.submit(prompt=f"use the rate {i}", max_tokens=4).status_code == 202
+    refused = Bulk(application, "", "", None).submit(client, jsonl([{"custom_id": "a", "text": "one"}]))
+    assert refused.status_code == 429 and refused.get_json()["error"]["code"] == "rate_limited"
+    assert "Retry-After" in refused.headers
+
+
+def test_a_big_job_is_loaded_in_short_statements_and_its_repeats_found(isolated_app, new_client, monkeypatch):
+    """50,000 lines in COPY statements of 10,000 rows, three custom_ids repeated across statements:
+    accepted, the repeats listed by line. (The duplicate check once joined the window query to every
+    line of the job just loaded and ran it per line: minutes for 100,000 lines, past any timeout.)"""
+    from admission_support import set_limits
+
+    from core.jobs import intake
+
+    monkeypatch.setattr(intake, "COPY_CHUNK_ROWS", 10_000)
+    application = isolated_app()
+    client = new_client(application)
+    set_limits(application, client, tokens_per_minute=10**9)
+    lines = [{"custom_id": f"d{i}", "text": f"a short document number {i}"} for i in range(50_000)]
+    lines += [{"custom_id": f"d{i}", "text": "said again"} for i in (5, 12_345, 49_999)]
+    answer = Bulk(application, "", "", None).submit(client, jsonl(lines), on_invalid="skip", completion_window="7d")
+    assert answer.status_code == 201, answer.get_json()
+    view = answer.get_json()
+    assert view["counts"]["total"] == 50_000 and view["counts"]["invalid"] == 3
+    errors = client.http.get(f"/v1/jobs/{view['id']}/errors", headers=client.headers).get_data(as_text=True)
+    repeats = sorted((e["line"], e["error"]["code"]) for e in map(json.loads, errors.splitlines()))
+    assert repeats == [(50_001, "duplicate_custom_id"), (50_002, "duplicate_custom_id"),
+                       (50_003, "duplicate_custom_id")], repeats

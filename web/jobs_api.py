@@ -19,6 +19,7 @@ from web.auth import authenticate
 from web.bodies import list_page, page_limit
 from web.errors import ApiError
 from web.services import services
+from web.uploads import spooled_body
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1")
 
@@ -34,11 +35,15 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
         raise ApiError(f"Send the file itself as the body with Content-Type: application/jsonl (one JSON object "
                        f"per line); got {request.mimetype or 'none'}.", code="unsupported_media_type", status=415)
     params = svc.jobs.params(request.args.to_dict(), tenant)
+    svc.jobs.check_intake(tenant)  # refused before its body is read: rate-limited, too many jobs or items
     request.max_content_length = limit
-    try:
-        job = svc.jobs.submit(tenant, params, request.stream)
-    except TooLargeWhileReading as exc:
-        raise _too_large(f"The file is larger than {limit} bytes", limit) from exc
+    # The whole file first, then the database: a slow client holds no pooled connection (web/uploads.py).
+    with spooled_body(svc.settings, limit, lambda: _too_large(f"The file is larger than {limit} bytes", limit)) \
+            as body:
+        try:
+            job = svc.jobs.submit(tenant, params, body)
+        except TooLargeWhileReading as exc:
+            raise _too_large(f"The file is larger than {limit} bytes", limit) from exc
     return jsonify(job), 201, {"Location": f"/v1/jobs/{job['id']}"}
 
 

@@ -231,8 +231,14 @@ def _job_paths(spec: APISpec, settings: Settings | None) -> None:
             "requestBody": {"required": True, "content": {"application/jsonl": {"schema": JOB_FILE}}},
             "responses": {"201": _json("JobView", "Accepted: its items are queued for the feeder."), **auth_errors,
                           "400": _error("The body could not be read."),
+                          "408": _error("The upload stopped arriving (body_timeout): nothing for "
+                                        "SLUICE_UPLOAD_STALL_S, or slower than SLUICE_UPLOAD_MIN_BYTES_PER_S."),
                           "413": _error("The file is over SLUICE_JOB_MAX_BYTES or SLUICE_JOB_MAX_ITEMS lines."),
                           "415": _error("The body is not sent as application/jsonl."),
+                          "429": {**_error("Over the tenant's request limits (rate_limited, "
+                                           "tenant_concurrency_limit), its unfinished jobs (too_many_open_jobs) or "
+                                           "its stored lines (job_storage_full); retry after Retry-After."),
+                                  "headers": {"Retry-After": {"schema": {"type": "integer"}}}},
                           "422": _error("Unknown or invalid parameters; an empty file (empty_file); bad lines "
                                         "(invalid_lines, no_valid_lines: `details.lines` lists them by line "
                                         "number); over the tenant's token budget for the window "

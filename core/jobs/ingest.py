@@ -58,6 +58,7 @@ class Tally:
     invalid: int = 0
     bytes: int = 0
     input_tokens: int = 0  # the documents' estimate, bytes ÷ 4
+    timings: dict[str, float] = field(default_factory=dict)  # how long the intake's statements took
     errors: list[dict[str, Any]] = field(default_factory=list)
 
     def error(self, line: int, custom_id: str | None, code: str, message: str) -> None:

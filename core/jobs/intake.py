@@ -1,9 +1,18 @@
 """Submitting a bulk job: its upload read into items, or refused with nothing kept.
 
-A submit writes the job row first (``validating``, so a long upload shows), then reads the
-upload into its items in one transaction (``core/jobs/ingest.py``). A refused upload (too large,
-bad lines when the caller refuses those, no valid line, over the tenant's token budget)
-rolls the items back and deletes the job row: nothing half-written stays. A web process that
+A submit is checked against the tenant's standing first (:func:`check_standing`: its open jobs
+and stored items), then writes the job row (``validating``, so a long upload shows), then reads
+the upload, already spooled to local storage by the web tier, into its items in one transaction
+(``core/jobs/ingest.py``). A refused upload (too large, bad lines when the caller refuses those,
+no valid line, over the tenant's token budget with its other open jobs, over its stored items)
+rolls the items back and deletes the job row: nothing half-written stays.
+
+The items go in through COPY, a new statement every ``COPY_CHUNK_S`` seconds (or ``COPY_CHUNK_ROWS``
+rows), so that no statement runs longer than a small share of the connection's statement timeout
+whatever the file's size (a million-line file in one COPY, parsed as it went and with its per-row
+foreign-key check, ran into the 15 s timeout).
+The statements that work on the whole job at once (the duplicate check, the admission) get a
+budget of their own that grows with the job (``SET LOCAL statement_timeout``). A web process that
 dies mid-upload leaves a ``validating`` job with no items, which the feeder fails
 (``upload_interrupted``) after ``STALE_UPLOAD_S`` (``core/jobs/settle.py``). A job cancelled
 while its file is read keeps the cancel: its lines are dropped, and it ends ``cancelled``.
@@ -12,10 +21,12 @@ while its file is read keeps the cancel: its lines are dropped, and it ends ``ca
 from __future__ import annotations
 
 import logging
+import time
 import uuid
+from dataclasses import dataclass
 from typing import IO, Any
 
-from sqlalchemy import delete
+from sqlalchemy import delete, func, select, text
 
 from core.errors import ApiError, InvalidRequest
 from core.jobs import ingest
@@ -25,7 +36,7 @@ from core.settings import Settings
 from core.submit.tokens import estimate_text_tokens
 from core.tenants.tiers import effective_limits
 from models import Tenant, job_lifecycle
-from models.job import ItemStatus, Job, JobStatus
+from models.job import LIVE_JOB, ItemStatus, Job, JobStatus
 from models.session import Database
 
 log = logging.getLogger(__name__)
@@ -34,6 +45,16 @@ JSONL_TYPES = ("application/jsonl", "application/x-ndjson", "application/x-jsonl
                "application/jsonlines", "text/jsonl")
 # An upload still ``validating`` this long after its job was created has no process reading it.
 STALE_UPLOAD_S = 3600
+# A COPY statement is open while this process parses the lines it carries (~0.25 ms a line here),
+# so it ends after this many seconds or rows, whichever comes first: a small share of the 15 s
+# statement timeout every connection has (models/session.py), however slow the parsing.
+COPY_CHUNK_S = 2.0
+COPY_CHUNK_ROWS = 50_000
+# The statements over a whole job's items: the connection's timeout, and this much more per line.
+BASE_STATEMENT_MS = 15_000
+WHOLE_JOB_MS_PER_ITEM = 0.1
+# When to ask again after a refusal for too many unfinished jobs or stored lines.
+OPEN_JOBS_RETRY_S = 60
 
 
 class _NotValidating(Exception):
@@ -59,8 +80,10 @@ def submit(settings: Settings, db: Database, tenant: Tenant, params: JobParams, 
         with db.session() as session:
             session.execute(delete(Job).where(Job.id == job.id))
         raise
-    log.info("job accepted: %d items, %d invalid lines, %d bytes, ~%d tokens", tally.valid, tally.invalid,
-             tally.bytes, job.estimated_tokens)
+    log.info("job accepted: %d items, %d invalid lines, %d bytes, ~%d tokens; slowest COPY %.2f s of %.0f s, "
+             "duplicate check %.2f s of %.0f s", tally.valid, tally.invalid, tally.bytes, job.estimated_tokens,
+             tally.timings["slowest_copy_s"], BASE_STATEMENT_MS / 1000, tally.timings["duplicates_s"],
+             tally.timings["whole_job_budget_s"])
     return job.id
 
 
@@ -77,8 +100,7 @@ def _load(settings: Settings, db: Database, tenant: Tenant, job: Job, params: Jo
     tally, priced = ingest.Tally(), 0
     with db.session() as session:
         conn = session.connection().connection.driver_connection
-        with conn.cursor().copy(f"COPY job_items ({', '.join(ingest.COPY_COLUMNS)}) FROM STDIN") as copy:
-            copy.set_types(list(ingest.COPY_TYPES))
+        with _ChunkedCopy(conn) as copy:
             for number, raw in ingest.lines(stream, settings.job_max_bytes, settings.job_max_line_bytes, tally):
                 tally.lines += 1
                 if tally.lines > settings.job_max_items:
@@ -107,17 +129,115 @@ def _load(settings: Settings, db: Database, tenant: Tenant, job: Job, params: Jo
                     priced += tokens + body.get("max_completion_tokens", body.get("max_tokens",
                                                                                   settings.default_max_tokens))
                 copy.write_row(ingest.copy_row(job.id, number, custom_id, ItemStatus.PENDING, doc, body, tokens))
+        whole_ms = _whole_job_budget_ms(tally.lines)
+        session.execute(text(f"SET LOCAL statement_timeout = {whole_ms}"))
+        began = time.monotonic()
         duplicates = job_lifecycle.invalidate_duplicates(session, job.id)
+        tally.timings = {"slowest_copy_s": copy.slowest_s, "duplicates_s": time.monotonic() - began,
+                         "whole_job_budget_s": whole_ms / 1000}
         for line, custom_id, first in duplicates:
             tally.valid -= 1
             tally.error(line, custom_id, "duplicate_custom_id", f"custom_id first appears on line {first}.")
         _refuse_bad_file(tally, params)
-        _refuse_over_budget(tally, priced, params, limits)
+        # One tenant's intakes judged one at a time from here to their commit: two files sent at once
+        # cannot both fit in what is left of its budget and storage.
+        session.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:key, 0))"),
+                        {"key": f"job-intake:{tenant.id}"})
+        others = _standing(session, tenant.id, excluding=job.id)
+        _refuse_over_storage(settings, others, tally.lines)
+        _refuse_over_budget(tally, priced, others.open_tokens, params, limits)
         if not job_lifecycle.admit(session, job.id, params.completion_window_s, total_items=tally.valid,
                                    invalid_lines=tally.invalid, input_bytes=tally.bytes, estimated_tokens=priced):
             raise _NotValidating  # its lines roll back; the job stays as the cancel (or stale check) left it
     job.estimated_tokens = priced
     return tally
+
+
+class _ChunkedCopy:
+    """``COPY job_items FROM STDIN``, ended and begun again every ``COPY_CHUNK_S`` or ``COPY_CHUNK_ROWS``."""
+
+    def __init__(self, conn) -> None:
+        self._cursor = conn.cursor()
+        self._manager = None  # the cursor's copy() context, while a COPY is open
+        self._copy = None
+        self._rows = 0
+        self._began = 0.0
+        self.slowest_s = 0.0  # the longest one COPY statement took
+
+    def __enter__(self) -> _ChunkedCopy:
+        return self
+
+    def write_row(self, row: tuple) -> None:
+        if self._copy is None:
+            self._began = time.monotonic()
+            self._manager = self._cursor.copy(f"COPY job_items ({', '.join(ingest.COPY_COLUMNS)}) FROM STDIN")
+            self._copy = self._manager.__enter__()
+            self._copy.set_types(list(ingest.COPY_TYPES))
+        self._copy.write_row(row)
+        self._rows += 1
+        if self._rows >= COPY_CHUNK_ROWS or time.monotonic() - self._began >= COPY_CHUNK_S:
+            self._end(None, None, None)
+
+    def _end(self, *exc_info) -> None:
+        manager, self._manager, self._copy, self._rows = self._manager, None, None, 0
+        if manager is not None:
+            manager.__exit__(*exc_info)
+            self.slowest_s = max(self.slowest_s, time.monotonic() - self._began)
+
+    def __exit__(self, *exc_info) -> None:
+        self._end(*exc_info)
+        self._cursor.close()
+
+
+def _whole_job_budget_ms(lines: int) -> int:
+    """The statement timeout of the statements over a whole job's items: the connection's own
+    for a small job, and ``WHOLE_JOB_MS_PER_ITEM`` more for each line (a margin of several times
+    over what a million lines took here)."""
+    return int(BASE_STATEMENT_MS + WHOLE_JOB_MS_PER_ITEM * lines)
+
+
+@dataclass(frozen=True)
+class Standing:
+    """What a tenant already has: its unfinished jobs, their estimated tokens, its stored lines."""
+
+    open_jobs: int
+    open_tokens: int
+    stored_items: int
+
+
+def _standing(session, tenant_id: uuid.UUID, excluding: uuid.UUID | None = None) -> Standing:
+    open_ = Job.status.in_((JobStatus.VALIDATING, *LIVE_JOB))
+    others = (Job.tenant_id == tenant_id, *(() if excluding is None else (Job.id != excluding,)))
+    row = session.execute(select(
+        func.count().filter(open_),
+        func.coalesce(func.sum(Job.estimated_tokens).filter(open_), 0),
+        func.coalesce(func.sum(Job.total_items + Job.invalid_lines).filter(Job.redacted_at.is_(None)), 0),
+    ).where(*others)).one()
+    return Standing(int(row[0]), int(row[1]), int(row[2]))
+
+
+def check_standing(settings: Settings, db: Database, tenant: Tenant) -> None:
+    """Refuse a new job before its file is read when the tenant already has as many unfinished
+    jobs as it may (``SLUICE_JOB_MAX_OPEN_PER_TENANT``) or stores as many lines as it may
+    (``SLUICE_JOB_MAX_STORED_ITEMS_PER_TENANT``)."""
+    with db.session() as session:
+        standing = _standing(session, tenant.id)
+    if standing.open_jobs >= settings.job_max_open_per_tenant:
+        raise ApiError(f"You have {standing.open_jobs} unfinished jobs, the most a tenant may have "
+                       f"(SLUICE_JOB_MAX_OPEN_PER_TENANT); submit this one when one of them ends.",
+                       code="too_many_open_jobs", status=429, headers={"Retry-After": str(OPEN_JOBS_RETRY_S)},
+                       details={"open_jobs": standing.open_jobs, "limit": settings.job_max_open_per_tenant})
+    _refuse_over_storage(settings, standing, 0)
+
+
+def _refuse_over_storage(settings: Settings, standing: Standing, lines: int) -> None:
+    cap = settings.job_max_stored_items_per_tenant
+    if standing.stored_items + max(lines, 1) > cap:
+        raise ApiError(f"Your jobs store {standing.stored_items} lines; with {lines or 'this'} more that is over "
+                       f"the {cap} a tenant may keep (SLUICE_JOB_MAX_STORED_ITEMS_PER_TENANT) until retention "
+                       "removes finished jobs.", code="job_storage_full", status=429,
+                       headers={"Retry-After": str(OPEN_JOBS_RETRY_S)},
+                       details={"stored_items": standing.stored_items, "lines": lines, "limit": cap})
 
 
 def _refuse_bad_file(tally: ingest.Tally, params: JobParams) -> None:
@@ -133,16 +253,20 @@ def _refuse_bad_file(tally: ingest.Tally, params: JobParams) -> None:
                              details=details)
 
 
-def _refuse_over_budget(tally: ingest.Tally, priced: int, params: JobParams, limits) -> None:
+def _refuse_over_budget(tally: ingest.Tally, priced: int, others: int, params: JobParams, limits) -> None:
+    """The job, with the tokens the tenant's other unfinished jobs still have priced, must fit in
+    what its tokens-per-minute limit admits over the job's window."""
     minutes = params.completion_window_s / 60
     budget = int(limits.tokens_per_minute * minutes)
-    if priced > budget:
-        need = priced / limits.tokens_per_minute * 60
+    if priced + others > budget:
+        need = (priced + others) / limits.tokens_per_minute * 60
+        with_others = f" on top of the {others} your unfinished jobs have" if others else ""
         raise InvalidRequest(
-            f"This job needs about {priced} tokens; your limit of {limits.tokens_per_minute} tokens per minute "
-            f"admits {budget} in its {human(params.completion_window_s)} window. It needs a window of at least "
-            f"{human(need)}, a higher limit, or a smaller file.", code="job_over_token_budget",
-            details={"estimated_tokens": priced, "tokens_per_minute": limits.tokens_per_minute,
+            f"This job needs about {priced} tokens{with_others}; your limit of {limits.tokens_per_minute} tokens "
+            f"per minute admits {budget} in its {human(params.completion_window_s)} window. It needs a window of at "
+            f"least {human(need)}, a higher limit, or a smaller file.", code="job_over_token_budget",
+            details={"estimated_tokens": priced, "open_jobs_tokens": others,
+                     "tokens_per_minute": limits.tokens_per_minute,
                      "completion_window_s": params.completion_window_s, "budget_tokens": budget,
                      "items": tally.valid})
 

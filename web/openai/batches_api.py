@@ -21,6 +21,7 @@ from web.auth import authenticate
 from web.bodies import list_page, page_limit
 from web.errors import ApiError
 from web.services import services
+from web.uploads import spooled_body
 
 bp = Blueprint("openai_batches", __name__, url_prefix="/v1")
 # The multipart envelope around the file: boundaries, part headers, the purpose field.
@@ -48,7 +49,9 @@ def upload_file() -> tuple[Response, int]:
         raise ApiError("Send the file as multipart/form-data with the parts file and purpose=batch.",
                        code="unsupported_media_type", status=415)
     request.max_content_length = limit + FORM_OVERHEAD_BYTES
-    file = _files().upload(tenant, request.stream, boundary.encode())
+    # The whole form first, then the database: a slow client holds no pooled connection (web/uploads.py).
+    with spooled_body(svc.settings, limit + FORM_OVERHEAD_BYTES, lambda: too_large(limit)) as body:
+        file = _files().upload(tenant, body, boundary.encode())
     return jsonify(file_view(file)), 200
 
 

@@ -70,6 +70,7 @@ def add_paths(spec: APISpec) -> None:
         "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": form}}},
         "responses": {"200": _json("OpenAIFile", "The stored file."), **auth,
                       "400": _error("Another purpose (invalid_purpose), no file part, an unreadable form."),
+                      "408": _error("The upload stopped arriving (body_timeout)."),
                       "413": _error("Over SLUICE_JOB_MAX_BYTES (file_too_large)."),
                       "415": _error("Not multipart/form-data.")}}})
     spec.path(path="/v1/files/{file_id}", operations={"get": {
@@ -87,7 +88,10 @@ def add_paths(spec: APISpec) -> None:
                                **auth, **no_file,
                                "400": _error("Invalid fields; a file with no valid line (no_valid_lines), empty "
                                              "(empty_file) or over the tenant's token budget "
-                                             "(job_over_token_budget).")}},
+                                             "(job_over_token_budget)."),
+                               "429": {**_error("Over the tenant's request limits, its unfinished jobs "
+                                                "(too_many_open_jobs) or its stored lines (job_storage_full)."),
+                                       "headers": {"Retry-After": {"schema": {"type": "integer"}}}}}},
         "get": {**common, "summary": "The tenant's batches, newest first",
                 "parameters": [{"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1,
                                                                            "maximum": 100}},

@@ -437,3 +437,24 @@ def test_a_big_job_is_loaded_in_short_statements_and_its_repeats_found(isolated_
     repeats = sorted((e["line"], e["error"]["code"]) for e in map(json.loads, errors.splitlines()))
     assert repeats == [(50_001, "duplicate_custom_id"), (50_002, "duplicate_custom_id"),
                        (50_003, "duplicate_custom_id")], repeats
+
+
+def test_a_statement_past_its_timeout_is_a_503_not_a_500(isolated_app, new_client, monkeypatch):
+    """A real statement timeout (the whole-job budget squeezed to 1 ms): the client is told to
+    retry, with nothing half-written left."""
+    from admission_support import set_limits, tenant_id_of
+
+    from core.jobs import intake
+
+    monkeypatch.setattr(intake, "_whole_job_budget_ms", lambda lines: 1)
+    application = isolated_app()
+    client = new_client(application)
+    set_limits(application, client, tokens_per_minute=10**9)
+    lines = jsonl([{"custom_id": f"d{i}", "text": f"document {i}"} for i in range(20_000)])
+    answer = Bulk(application, "", "", None).submit(client, lines, completion_window="7d")
+    assert answer.status_code == 503 and answer.headers["Retry-After"] == "5"
+    assert answer.get_json()["error"]["message"].startswith("The request store took too long")
+    with services(application).db.session() as session:
+        left = session.execute(text("SELECT count(*) FROM jobs WHERE tenant_id = :t"),
+                               {"t": tenant_id_of(application, client)}).scalar()
+    assert left == 0

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import psycopg
 from flask import Blueprint, Flask, Response, current_app, jsonify
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as SQLAlchemyTimeoutError
@@ -71,6 +72,11 @@ def register_error_handlers(target: Flask | Blueprint, *,
         return render(status, code, message, headers=headers)
 
     def _database_unavailable(exc: Exception) -> Response:
+        cause = getattr(exc, "orig", exc)
+        if isinstance(cause, psycopg.errors.QueryCanceled):  # a statement past its timeout
+            log.error("database statement timed out: %s", type(cause).__name__)
+            return render(503, "service_unavailable", "The request store took too long over this call; "
+                          "retry shortly.", headers={"Retry-After": "5"})
         log.error("database unavailable: %s", type(exc).__name__)
         return render(503, "service_unavailable", "The request store is unreachable right now; retry shortly.",
                       headers={"Retry-After": "5"})
@@ -85,6 +91,8 @@ def register_error_handlers(target: Flask | Blueprint, *,
 
     target.register_error_handler(HTTPException, _http_error)
     target.register_error_handler(OperationalError, _database_unavailable)
+    # The driver's own, from work on its connection outside SQLAlchemy (a job's COPY).
+    target.register_error_handler(psycopg.OperationalError, _database_unavailable)
     target.register_error_handler(SQLAlchemyTimeoutError, _database_unavailable)
     target.register_error_handler(Exception, _unexpected)
 

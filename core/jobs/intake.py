@@ -45,9 +45,10 @@ JSONL_TYPES = ("application/jsonl", "application/x-ndjson", "application/x-jsonl
                "application/jsonlines", "text/jsonl")
 # An upload still ``validating`` this long after its job was created has no process reading it.
 STALE_UPLOAD_S = 3600
-# A COPY statement is open while this process parses the lines it carries (~0.25 ms a line here),
-# so it ends after this many seconds or rows, whichever comes first: a small share of the 15 s
-# statement timeout every connection has (models/session.py), however slow the parsing.
+# A COPY statement is open while this process parses the lines it carries (~10 µs a line of a few
+# hundred bytes here, far more for long documents), so it ends after this many seconds or rows,
+# whichever comes first: a small share of the 15 s statement timeout every connection has
+# (models/session.py), however slow the parsing.
 COPY_CHUNK_S = 2.0
 COPY_CHUNK_ROWS = 50_000
 # The statements over a whole job's items: the connection's timeout, and this much more per line.

@@ -10,10 +10,11 @@ rolls the items back and deletes the job row: nothing half-written stays.
 The items go in through COPY, a new statement every ``COPY_CHUNK_S`` seconds (or ``COPY_CHUNK_ROWS``
 rows), so that no statement runs longer than a small share of the connection's statement timeout
 whatever the file's size (a million-line file in one COPY, parsed as it went and with its per-row
-foreign-key check, ran into the 15 s timeout).
-The statements that work on the whole job at once (the duplicate check, the admission) get a
-budget of their own that grows with the job (``SET LOCAL statement_timeout``). A web process that
-dies mid-upload leaves a ``validating`` job with no items, which the feeder fails
+foreign-key check, ran into the 15 s timeout). The statements that work on the whole job at once
+(the duplicate check, the admission) get a budget of their own that grows with the job
+(``SET LOCAL statement_timeout``).
+
+A web process that dies while it reads the file leaves a ``validating`` job with no items, which the feeder fails
 (``upload_interrupted``) after ``STALE_UPLOAD_S`` (``core/jobs/settle.py``). A job cancelled
 while its file is read keeps the cancel: its lines are dropped, and it ends ``cancelled``.
 """

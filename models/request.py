@@ -104,7 +104,7 @@ class InferenceRequest(Base):
     error_code: Mapped[str | None] = mapped_column(String(64))
     error_message: Mapped[str | None] = mapped_column(String(500))
     # Degradation steps that changed the request at admission (core/submit/ladder.py), comma-separated.
-    degradation_step: Mapped[str | None] = mapped_column(String(32))
+    degradation_step: Mapped[str | None] = mapped_column(Text)
     # Answered without an engine run of its own: from the hot answer cache (core/submit/answers.py),
     # or from the identical request it followed (follows_id).
     cache_hit: Mapped[bool] = mapped_column(default=False)

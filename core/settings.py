@@ -173,7 +173,7 @@ class Settings:
         "Largest job file accepted (POST /v1/jobs); larger gets 413 before the upload is read.")
     job_max_items: int = _field("SLUICE_JOB_MAX_ITEMS", 5_000_000, "Most lines one job file may hold.")
     job_max_open_per_tenant: int = _field(
-        "SLUICE_JOB_MAX_OPEN_PER_TENANT", 20, "Jobs (and OpenAI batches) a tenant may have unfinished at once.")
+        "SLUICE_JOB_MAX_OPEN_PER_TENANT", 100, "Jobs (and OpenAI batches) a tenant may have unfinished at once.")
     job_max_stored_items_per_tenant: int = _field(
         "SLUICE_JOB_MAX_STORED_ITEMS_PER_TENANT", 20_000_000,
         "Job lines a tenant may keep stored over all its jobs (finished ones count until retention deletes them).")

@@ -174,7 +174,7 @@ def test_bad_uploads_are_refused_with_reasons_and_leave_nothing_behind(bulk, new
         assert sized.status_code == 413 and "1000" in sized.get_json()["error"]["message"]
         streamed = tight.post("/v1/jobs", input_stream=io.BytesIO(big), headers={**client.headers, **JSONL},
                               environ_overrides={"wsgi.input_terminated": True})
-        assert streamed.status_code == 413
+        assert streamed.status_code == 413 and streamed.get_json()["error"]["code"] == "file_too_large"
     finally:
         services(small).db.dispose()
 

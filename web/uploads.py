@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import IO
 
 from flask import request
-from werkzeug.exceptions import ClientDisconnected
+from werkzeug.exceptions import ClientDisconnected, RequestEntityTooLarge
 
 from core.errors import ApiError
 from core.settings import Settings
@@ -74,6 +74,8 @@ def spooled_body(settings: Settings, limit: int, too_large: Callable[[], ApiErro
         while True:
             try:
                 chunk = request.stream.read(CHUNK_BYTES)
+            except RequestEntityTooLarge:  # a body without a length, past request.max_content_length
+                raise too_large() from None
             except (ClientDisconnected, OSError):
                 if progress.cut:
                     raise _timeout(progress) from None

@@ -13,17 +13,19 @@ is only taken for cache hits.
 from __future__ import annotations
 
 import uuid
+from datetime import UTC, datetime
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from sqlalchemy import func, update
 from test_ladder import MODELS, warm
 
 from core.admission.load import LoadLevel, write_level
 from core.rediskeys import LOAD_LEVEL_KEY
 from core.settings import LADDER_STEPS
 from core.submit.answers import answer_key, cache_scope
-from models import InferenceRequest
+from models import InferenceRequest, Status
 from web.services import services
 
 # Which steps each level turns on (core/admission/load.py steps_in_force): a step's rank.
@@ -34,7 +36,9 @@ SWITCHES = ("light_model,shorter_output,cached_answer,reject_batch,tight_promise
 
 @pytest.fixture
 def apps(isolated_app):
-    """An app per (steps switched on, light model in the registry), made on first use."""
+    """An app per (steps switched on, light model in the registry), made on first use. Afterwards
+    the rows the test left queued (no worker ran them; many are parked twins) are cancelled: the
+    database is shared, and another test's sweep or count must not meet them."""
     made: dict[tuple[str, bool], object] = {}
 
     def app(switches: str, light: bool):
@@ -42,7 +46,13 @@ def apps(isolated_app):
             made[switches, light] = isolated_app(ladder_steps=switches, **({"models_json": MODELS} if light else {}))
         return made[switches, light]
 
-    return app
+    began = datetime.now(UTC)
+    yield app
+    if made:
+        with services(next(iter(made.values()))).db.session() as session:
+            session.execute(update(InferenceRequest).where(
+                InferenceRequest.status == Status.QUEUED, InferenceRequest.created_at >= began)
+                .values(status=Status.CANCELLED, finished_at=func.now()))
 
 
 def at_level(application, level: LoadLevel, light_warm: bool) -> None:

@@ -59,8 +59,16 @@ def test_a_window_pauses_batch_on_shared_workers_and_resumes_after_a_scheduler_r
         # Long enough that a loaded machine still checks the batch request inside the window.
         window = book(**{"from": iso(-1), "until": iso(20), "note": "launch"})
         assert window["state"] == "active" and window["role"] is None
-        monitor(application).tick()
-        view = load(application)
+        # A worker counts as paused once it answered the command (within 0.5 s), and a worker whose
+        # remote-control consumer is not listening yet, or is slow on a loaded machine, is asked
+        # again at a later tick: tick until it answered, not once.
+        deadline = time.monotonic() + 60
+        while True:
+            monitor(application).tick()
+            view = load(application)
+            if view["paused_for_reservations"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         assert [r["id"] for r in view["reservations"]] == [window["id"]]
         assert len(view["paused_for_reservations"]) == 1
         batch_class = next(c for c in view["classes"] if c["priority"] == "batch")

@@ -63,6 +63,11 @@ def tenant_bucket_key(tenant_id: str) -> str:
     return TENANT_LIMIT_PREFIX + tenant_id
 
 
+def webhook_actions_key(tenant_id: str) -> str:
+    """A tenant's webhook redeliveries and rotations in the current minute (a counter)."""
+    return TENANT_LIMIT_PREFIX + tenant_id + ":webhook_actions"
+
+
 def inflight_key(tenant_id: str) -> str:
     """Sorted set of a tenant's admitted, unfinished request ids, scored by admission time (ms)."""
     return TENANT_LIMIT_PREFIX + tenant_id + INFLIGHT_SUFFIX

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from flask import Blueprint, Response, jsonify, request, stream_with_context
 
-from core.jobs.ingest import TooLarge as TooLargeWhileReading
 from core.jobs.intake import JSONL_TYPES
 from web.auth import authenticate
 from web.bodies import list_page, page_limit
@@ -40,10 +39,7 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
     # The whole file first, then the database: a slow client holds no pooled connection (web/uploads.py).
     with spooled_body(svc.settings, limit, lambda: _too_large(f"The file is larger than {limit} bytes", limit)) \
             as body:
-        try:
-            job = svc.jobs.submit(tenant, params, body)
-        except TooLargeWhileReading as exc:
-            raise _too_large(f"The file is larger than {limit} bytes", limit) from exc
+        job = svc.jobs.submit(tenant, params, body)
     return jsonify(job), 201, {"Location": f"/v1/jobs/{job['id']}"}
 
 

@@ -34,7 +34,7 @@ from core.admission.gates import RateLimited
 from core.broker.queues import DELIVER_TASK, WEBHOOKS_QUEUE
 from core.delivery import ssrf
 from core.errors import Conflict, InvalidRequest, NotFound
-from core.rediskeys import TENANT_LIMIT_PREFIX
+from core.rediskeys import webhook_actions_key
 from core.settings import Settings
 from core.submit.schemas import RequestViewSchema
 from models import Delivery, DeliveryStatus, InferenceRequest, Status, Tenant, delivery_lifecycle
@@ -45,8 +45,7 @@ log = logging.getLogger(__name__)
 
 JOB_EVENTS = ("started", "progress", "completed")
 DEFAULT_EVENTS = ("completed",)
-# A tenant's redeliveries and rotations in the current window: a counter that expires with it.
-ACTIONS_SUFFIX = ":webhook_actions"
+# A tenant's redeliveries and rotations are counted per window of this length.
 ACTIONS_WINDOW_S = 60
 _view = RequestViewSchema()
 
@@ -207,7 +206,7 @@ class Webhooks:
         limit = self.settings.webhook_actions_per_minute
         if not limit:
             return
-        key = TENANT_LIMIT_PREFIX + str(tenant_id) + ACTIONS_SUFFIX
+        key = webhook_actions_key(str(tenant_id))
         try:
             # The window starts with its first action; the transaction keeps the counter and its
             # expiry together, so a counter never outlives its window.

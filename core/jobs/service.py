@@ -52,13 +52,13 @@ class JobService:
     def check_intake(self, tenant: Tenant) -> None:
         """Refuse a new job at once, before its file is read: the tenant is over its request limits
         (what POST /v1/requests would answer 429 now also refuses a job), or already has as many
-        unfinished jobs or stored lines as it may (``intake.check_standing``)."""
+        unfinished jobs or stored lines as it may (``intake.check_standing``). Each door calls it
+        before :meth:`submit`: the upload route before it reads the body, a batch before its file."""
         self.requests.admission.refuse_over_limits(tenant)
         intake.check_standing(self.settings, self.db, tenant)
 
     def submit(self, tenant: Tenant, params: JobParams, stream: IO[bytes]) -> dict[str, Any]:
         """Create a job from an upload (refused with nothing kept, or admitted); its view."""
-        self.check_intake(tenant)
         return self.get(tenant.id, str(intake.submit(self.settings, self.db, tenant, params, stream)))
 
     # ------------------------------------------------------------------ read

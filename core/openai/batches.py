@@ -75,6 +75,7 @@ class BatchService:
         if metadata:
             args["metadata"] = json.dumps(metadata)
         params = dataclasses.replace(self.jobs.params(args, tenant), endpoint=body["endpoint"])
+        self.jobs.check_intake(tenant)
         job = self.jobs.submit(tenant, params, ChunkReader(self.files.chunks(file.id)))
         with self.db.session() as session:
             session.add(Batch(job_id=uuid.UUID(job["id"]), input_file_id=file.id, endpoint=body["endpoint"]))

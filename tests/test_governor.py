@@ -244,9 +244,12 @@ def test_a_burst_enters_the_engine_only_as_far_as_its_deadlines_allow(cpu_stack)
     application, client, worker = cpu_stack
     limit = worker.wait_stats(lambda s: "engine_limit" in s)["engine_limit"]
     assert 4 <= limit < 64, f"the compute-bound engine's limit for 32 tokens in 2 s: {worker.stats()}"
-    responses = burst(client, 64)  # no monitor: nothing is refused, the limit alone holds the engine
-    assert all(r.status_code == 202 for r in responses), [r.get_json() for r in responses if r.status_code != 202]
-    ids = [r.get_json()["id"] for r in responses]
+    # No monitor: the promise stands on the worker's own capacity (its heartbeat), and refuses
+    # what its queue cannot finish in 2 s; the limit holds the engine against what it admits.
+    responses = burst(client, 64)
+    refused = [r.get_json()["error"] for r in responses if r.status_code != 202]
+    assert all(e["code"] == "overloaded" and e["details"]["estimated_from"] == "workers" for e in refused), refused
+    ids = [r.get_json()["id"] for r in responses if r.status_code == 202]
     rows = wait_terminal(application, ids)
     stats = worker.stats()
     # The warm-up burst ran 16 sequences together; the 64 requests never ran more than the limit.
@@ -286,7 +289,7 @@ def test_the_worker_writes_its_engines_room_as_requests_enter_and_leave(cpu_stac
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    ids = [r.get_json()["id"] for r in burst(client, 64)]
+    ids = [r.get_json()["id"] for r in burst(client, 64, deadline_s=60) if r.status_code == 202]
     wait_terminal(application, ids)
     done.set()
     watcher.join(5)

@@ -272,7 +272,7 @@ def test_the_feeder_keeps_the_queue_bounded_and_pauses_while_degraded(bulk, new_
         made = bulk.sql("SELECT count(*) FROM requests WHERE metadata->>'job_id' = :j", j=job["id"])[0][0]
         time.sleep(2.0)
         assert bulk.sql("SELECT count(*) FROM requests WHERE metadata->>'job_id' = :j", j=job["id"])[0][0] == made
-        assert bulk.job(client, job["id"])["feeder"]["paused"] == "degradation level 1"
+        assert bulk.job(client, job["id"])["feeder"]["paused"].startswith("degradation level 1 on ")
 
         write_level(r, LoadLevel.NORMAL)
         deadline = time.monotonic() + 10
@@ -292,16 +292,33 @@ def test_the_feeder_pauses_while_a_peak_reservation_is_in_force(bulk):
     from models.reservation import book, cancel
 
     feeder = Feeder(bulk.svc)
-    assert feeder._paused() is None
+    assert feeder._paused([]) == (None, [])
     with bulk.svc.db.session() as session:
         now = datetime.now(UTC)
         booked = book(session, now - timedelta(seconds=5), now + timedelta(minutes=5), None, "jobs test", ("all",))
     try:
-        assert Feeder(bulk.svc)._paused() == "peak reservation in force"
+        assert Feeder(bulk.svc)._paused([]) == ("peak reservation in force", [])
     finally:
         with bulk.svc.db.session() as session:
             cancel(session, booked.id)
-    assert Feeder(bulk.svc)._paused() is None
+    assert Feeder(bulk.svc)._paused([]) == (None, [])
+
+
+def test_the_feeder_holds_back_only_the_jobs_of_a_degraded_class(bulk):
+    """Levels are per class (issue 21, defect 3): a job whose model's realtime class is degraded
+    waits; a job of a calm model goes on being fed."""
+    from models.job import Job
+
+    busy, calm = Job(model="busy-model", priority="batch"), Job(model="calm-model", priority="batch")
+    r = redis_lib.Redis.from_url(bulk.redis_url)
+    write_level(r, LoadLevel.SHORTER_OUTPUT, classes={"realtime:busy-model": 2})
+    try:
+        feeder = Feeder(bulk.svc)
+        feeder.svc.requests.ladder.reader._read_at = float("-inf")  # read the levels now
+        paused, feeding = feeder._paused([busy, calm])
+        assert paused == "degradation level 2 on batch:busy-model" and feeding == [calm]
+    finally:
+        write_level(r, LoadLevel.NORMAL)
 
 
 def test_a_worker_killed_mid_job_loses_nothing(bulk, new_client):

@@ -53,7 +53,7 @@ def test_below_its_level_or_switched_off_a_step_changes_nothing(isolated_app, ne
 def test_light_model_takes_realtime_requests_that_named_no_model_while_warm(isolated_app, new_client):
     application = isolated_app(models_json=MODELS)
     client = new_client(application)
-    write_level(services(application).redis, LoadLevel.LIGHT_MODEL)
+    write_level(services(application).redis, LoadLevel.LIGHT_MODEL, classes={"realtime:simulated-llama-8b": 1})
     cold = client.submit(prompt="no light worker yet", max_tokens=16)
     assert "Sluice-Degradation" not in cold.headers
     warm(application, "llama-light")
@@ -74,3 +74,38 @@ def test_reject_batch_switched_off_keeps_batch_flowing_at_level_4(isolated_app, 
     client = new_client(application)
     write_level(services(application).redis, LoadLevel.REJECT_BATCH)
     assert client.submit(prompt="batch", max_tokens=8, priority="batch").status_code == 202
+
+
+def test_each_class_is_judged_by_its_own_level(isolated_app, new_client):
+    """One model shedding (issue 21, defect 3): its realtime and batch traffic are refused, the
+    other model's traffic is neither refused nor degraded, and neither is a batch request of a
+    model whose own realtime class is calm."""
+    application = isolated_app(models_json=MODELS)
+    client = new_client(application)
+    write_level(services(application).redis, LoadLevel.SHED, classes={"realtime:simulated-llama-8b": 6})
+    shed = client.submit(prompt="main is shedding", max_tokens=1000)
+    assert shed.status_code == 503 and shed.get_json()["error"]["details"]["reason"] == "shed"
+    batch = client.submit(prompt="main's batch", max_tokens=1000, priority="batch", model="simulated-llama-8b")
+    assert batch.status_code == 503 and batch.get_json()["error"]["details"]["reason"] == "shed"
+    for priority in ("realtime", "batch"):
+        other = client.submit(prompt=f"light is calm ({priority})", max_tokens=1000, model="llama-light",
+                              priority=priority)
+        assert other.status_code == 202, other.get_json()
+        assert "Sluice-Degradation" not in other.headers
+        assert client.get(other.get_json()["id"]).get_json()["max_tokens"] == 1000
+
+    write_level(services(application).redis, LoadLevel.REJECT_BATCH, classes={"realtime:simulated-llama-8b": 4})
+    assert client.submit(prompt="batch behind busy realtime", max_tokens=8, priority="batch",
+                         model="simulated-llama-8b").status_code == 503
+    assert client.submit(prompt="batch of a calm model", max_tokens=8, priority="batch",
+                         model="llama-light").status_code == 202
+
+
+def test_the_light_model_takes_nothing_while_as_loaded_as_the_main_one(isolated_app, new_client):
+    application = isolated_app(models_json=MODELS)
+    warm(application, "llama-light")
+    write_level(services(application).redis, LoadLevel.LIGHT_MODEL,
+                classes={"realtime:simulated-llama-8b": 1, "realtime:llama-light": 1})
+    client = new_client(application)
+    response = client.submit(prompt="both are busy", max_tokens=16)
+    assert response.status_code == 202 and "Sluice-Degradation" not in response.headers

@@ -1,7 +1,8 @@
 """The degradation ladder over every combination it can meet: never a 5xx, and the row says which
 steps changed the request.
 
-Level × the steps switched on × a light model in the registry (warm or not) × the answer cached
+Level (of the main model's class alone, or of every class) × the steps switched on × a light
+model in the registry (warm or not) × the answer cached
 or not × the native or the OpenAI route × the request's shape (priority, a model named or not,
 long or short max_tokens, sampled or not). One request is submitted to find the row its twin
 will have; when the case wants it cached, that row's answer is put in the cache under the key a
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 from sqlalchemy import func, update
 from test_ladder import MODELS, warm
 
-from core.admission.load import LoadLevel, write_level
+from core.admission.load import SNAPSHOT_PREFIX, LoadLevel, write_level
 from core.rediskeys import LOAD_LEVEL_KEY
 from core.settings import LADDER_STEPS
 from core.submit.answers import answer_key, cache_scope
@@ -55,15 +56,15 @@ def apps(isolated_app):
                 .values(status=Status.CANCELLED, finished_at=func.now()))
 
 
-def at_level(application, level: LoadLevel, light_warm: bool) -> None:
+def at_level(application, level: LoadLevel, light_warm: bool, everywhere: bool) -> None:
+    """The main model's realtime class at ``level``; every class there too when ``everywhere``
+    (the light model as loaded as the main one takes nothing off it), else the rest calm."""
     svc = services(application)
-    svc.redis.delete(LOAD_LEVEL_KEY)
+    svc.redis.delete(LOAD_LEVEL_KEY, *svc.redis.scan_iter(match=SNAPSHOT_PREFIX + "*"))
     if level:
-        write_level(svc.redis, level)
+        write_level(svc.redis, level, classes=None if everywhere else {"realtime:simulated-llama-8b": level})
     if light_warm:
         warm(application, "llama-light")
-    else:
-        svc.redis.delete(*svc.redis.keys("sluice:load:snapshot:*") or ["-"])
     svc.requests.ladder.reader._read_at = float("-inf")  # read the level now, not within 0.5 s
 
 
@@ -76,18 +77,18 @@ def row_of(application, request_id: str) -> InferenceRequest:
 @given(switches=st.sampled_from(SWITCHES), light=st.booleans(), light_warm=st.booleans(),
        level=st.sampled_from(list(LoadLevel)), cached=st.booleans(), openai=st.booleans(),
        batch=st.booleans(), named=st.booleans(), max_tokens=st.sampled_from([16, 1000]),
-       temperature=st.sampled_from([0.0, 0.7]))
+       temperature=st.sampled_from([0.0, 0.7]), everywhere=st.booleans())
 # The longest: light_model,shorter_output then cached_answer, 40 characters, past the 32 the column
 # once held (a DataError, a 500, on a retry answered from the cache in an overload), on each route.
 @example(switches=SWITCHES[0], light=True, light_warm=True, level=LoadLevel.CACHED_ANSWERS, cached=True,
-         openai=False, batch=False, named=False, max_tokens=1000, temperature=0.7)
+         openai=False, batch=False, named=False, max_tokens=1000, temperature=0.7, everywhere=False)
 @example(switches=SWITCHES[0], light=True, light_warm=True, level=LoadLevel.CACHED_ANSWERS, cached=True,
-         openai=True, batch=False, named=False, max_tokens=1000, temperature=0.7)
+         openai=True, batch=False, named=False, max_tokens=1000, temperature=0.7, everywhere=False)
 def test_no_combination_of_the_ladder_answers_5xx_but_503(apps, new_client, switches, light, light_warm, level, cached,
-                                                  openai, batch, named, max_tokens, temperature):
+                                                  openai, batch, named, max_tokens, temperature, everywhere):
     application = apps(switches, light)
     client = new_client(application)
-    at_level(application, level, light and light_warm)
+    at_level(application, level, light and light_warm, everywhere)
     question = f"what is a sluice? {uuid.uuid4()}"
     body = {"prompt": question, "max_tokens": max_tokens, "temperature": temperature,
             "priority": "batch" if batch else "realtime", **({"model": "simulated-llama-8b"} if named else {})}
@@ -134,7 +135,10 @@ def test_no_combination_of_the_ladder_answers_5xx_but_503(apps, new_client, swit
         assert twin.headers.get("Sluice-Cache") == "hit"
     assert twin.headers.get("Sluice-Degradation") == (row.degradation_step or None)
 
-    every_step = (switches in SWITCHES[:2] and light and light_warm and level >= LoadLevel.CACHED_ANSWERS and cached
+    if "light_model" in steps:
+        assert not everywhere, "the light model took traffic while as loaded as the main one"
+    every_step = (switches in SWITCHES[:2] and light and light_warm and not everywhere
+                  and level >= LoadLevel.CACHED_ANSWERS and cached
                   and not named and max_tokens > 128 and temperature > 0 and (openai or not batch))
     if every_step and level < LoadLevel.SHED:
         assert steps == ["light_model", "shorter_output", "cached_answer"], steps

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import event, func, update
 from test_api_errors import assert_envelope as envelope
 
-from core.admission.load import ClassLoad, LoadLevel, counters_key, room_key, write_level
+from core.admission.load import ClassLoad, LoadLevel, capacity_key, counters_key, room_key, write_level
 from core.errors import ApiError
 from core.rediskeys import LOAD_LEVEL_KEY
 from core.submit.schemas import SubmitRequestSchema
@@ -50,7 +50,8 @@ def test_a_request_that_cannot_finish_in_time_is_refused_at_once(promising):
     response = client.submit(prompt="late", max_tokens=100)
     elapsed = time.perf_counter() - began
     error = envelope(response, 503, "overloaded")
-    assert error["details"] == {"gate": "global", "reason": "deadline", "estimated_wait_s": 50.0}
+    assert error["details"] == {"gate": "global", "reason": "deadline", "estimated_wait_s": 50.0,
+                                "estimated_from": "monitor"}
     # Retry when the queue has drained by the excess: 50 s wait + 2 s of its own − 30 s.
     assert int(response.headers["Retry-After"]) == math.ceil(50 + 100 / 50 - 30) == 22
     standard = services(application).settings.tiers["standard"]
@@ -148,12 +149,46 @@ def test_full_engines_add_the_wait_for_a_slot_to_the_promise(promising):
     assert int(refused.headers["Retry-After"]) == 5
 
 
-def test_without_the_monitor_nothing_is_promised_and_nothing_refused(promising):
-    _, client = promising
+def test_without_the_monitor_the_live_workers_figures_keep_the_promise(promising):
+    """Issue 21, defect 2: with the monitor away (no snapshot) the promise stands on the capacity
+    the live workers' heartbeats state; a worker whose heartbeat stopped counts no more; with
+    neither, nothing is promised and nothing refused on that ground."""
+    application, client = promising
+    svc = services(application)
+    model = svc.settings.registry.default.name
     accepted = client.submit(prompt="no figures", max_tokens=8000)
     assert accepted.status_code == 202
     assert accepted.get_json()["estimated_wait_s"] is None and "Sluice-Estimated-Wait" not in accepted.headers
     assert "Retry-After" not in accepted.headers, "no prediction, no hint"
+
+    seconds, micros = svc.redis.time()
+    now_ms = seconds * 1000 + micros // 1000
+    capacity, room = capacity_key("realtime", model), room_key("realtime", model)
+    try:
+        # Two engines drain 50 tokens/s each (10 and 12 tokens/s a sequence); both are full.
+        svc.redis.hset(capacity, mapping={"w1": f"{now_ms} 50 10 0", "w2": f"{now_ms} 50 12 0"})
+        svc.redis.hset(room, mapping={"w1": 0, "w2": 0})
+        svc.redis.hset(counters_key("realtime", model), "queued_work", 4000)
+        # 4,000 tokens at 100 tokens/s: 40 s, then 100 tokens at the slower sequence's 10 tokens/s.
+        refused = client.submit(prompt="a burst with the monitor dead", max_tokens=100)
+        details = envelope(refused, 503, "overloaded")["details"]
+        assert details == {"gate": "global", "reason": "deadline", "estimated_wait_s": 40.0,
+                           "estimated_from": "workers"}
+        assert int(refused.headers["Retry-After"]) == 40 + 10 - 30
+        # w2 stopped beating a minute ago: only w1's 50 tokens/s are left, the wait doubles.
+        svc.redis.hset(capacity, "w2", f"{now_ms - 60_000} 50 12 0")
+        refused = client.submit(prompt="fewer workers", max_tokens=100)
+        assert envelope(refused, 503, "overloaded")["details"]["estimated_wait_s"] == 80.0
+        # 900 tokens queued: 18 s, and 10 s of its own, inside the 30 s deadline.
+        svc.redis.hset(counters_key("realtime", model), "queued_work", 900)
+        fits = client.submit(prompt="fits", max_tokens=100)
+        assert fits.status_code == 202 and fits.get_json()["estimated_wait_s"] == 18.0
+        # Nothing queued and room in the live engine: it starts now, whatever its length.
+        svc.redis.hset(counters_key("realtime", model), "queued_work", 0)
+        svc.redis.hset(room, "w1", 2)
+        assert client.submit(prompt="starts now", max_tokens=8000).status_code == 202
+    finally:
+        svc.redis.delete(capacity, room)
 
 
 def test_a_running_request_past_its_deadline_is_aborted_as_expired(client, worker):

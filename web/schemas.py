@@ -203,7 +203,9 @@ class ReservationViewSchema(Schema):
 
 
 class LoadViewSchema(Schema):
-    level = fields.Integer(allow_none=True, metadata={"description": "The platform level admission reads."})
+    level = fields.Integer(allow_none=True, metadata={
+        "description": "The platform's level: the highest realtime class's (each request is judged by its "
+                       "own class's level, under classes)."})
     steps = fields.List(SafeString(), metadata={
         "description": "The degradation steps this level turns on, of those switched on (SLUICE_LADDER_STEPS)."})
     monitor = SafeString()

@@ -10,7 +10,8 @@ over within a lease if it dies. Each tick it reads, without touching Postgres:
 From those it publishes per class, with a short TTL: the drain rate, the speed one running
 sequence gets, the room left in the engines and the wait for a slot while they are full, the
 estimated wait (queued work ÷ drain rate, plus that slot wait) and a degradation level.
-The platform level admission reads is the highest realtime level.
+Admission judges each request by its own class's level (a batch request also by its model's
+realtime level); the platform's level, the highest realtime one, is what the operator sees.
 
 Workers that govern their engines (``workers/governor.py``) report their in-engine limit, the
 speed each sequence gets at it (from the step curve learned from every engine step) and their
@@ -48,7 +49,9 @@ from celery import Celery
 from sqlalchemy import func, select
 
 from core.admission.load import (
+    CAPACITY_PREFIX,
     COUNTERS_PREFIX,
+    PRIOR_SHARE,
     ROOM_PREFIX,
     ClassLoad,
     LoadLevel,
@@ -69,11 +72,6 @@ LEADER_KEY = "sluice:monitor:leader"
 TICK_S = 1.0
 WINDOW_S = 10.0  # drain is measured over this much history ...
 MEASURE_MIN_S = 2.0  # ... once a backlog has lasted this long
-# Before any backlog was measured, the share of threads × one sequence's speed taken as the
-# capacity: a sequence's speed is measured at the batch sizes seen so far, and a full batch
-# runs each sequence slower (H200 calibration, 8B decode at L=512: a step takes 4.6 ms at B=1,
-# 8.3 ms at B=128, 11.5 ms at B=256).
-PRIOR_SHARE = 0.6
 RECOUNT_S = 30.0
 # Estimated wait ÷ the class's deadline at which each level (1..6) is entered; a level is left
 # only after the ratio stayed below DOWN_FACTOR × its threshold for HOLD_S. Shedding waits for
@@ -180,15 +178,18 @@ class Monitor:
         for load in loads:
             load.write(self.redis, ttl)
         level = max((load.level for load in loads if load.priority == Priority.REALTIME.value), default=0)
-        write_level(self.redis, LoadLevel(level), ttl_s=ttl)
+        write_level(self.redis, LoadLevel(level), ttl_s=ttl,
+                    classes={class_name(load.priority, load.model): load.level for load in loads})
         return loads
 
     def _live_workers(self) -> list[dict]:
         return live_workers(self.redis, self.settings.worker_heartbeat_s)
 
     def _drop_dead_rooms(self, live: set[str]) -> None:
-        """The room a worker wrote for admission leaves with it: a killed one never cleans up."""
-        keys = list(self.redis.scan_iter(match=ROOM_PREFIX + "*", count=200))
+        """The room and capacity a worker wrote for admission leave with it: a killed one never
+        cleans up (admission also skips capacity entries older than a heartbeat allows)."""
+        keys = [*self.redis.scan_iter(match=ROOM_PREFIX + "*", count=200),
+                *self.redis.scan_iter(match=CAPACITY_PREFIX + "*", count=200)]
         with self.redis.pipeline(transaction=False) as pipe:  # one round trip for every class
             for key in keys:
                 pipe.hkeys(key)

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 
 import redis
 
-from core.admission.load import room_key
+from core.admission.load import capacity_entry, capacity_key, room_key
 from core.delivery.streams import TokenSink
 from core.rediskeys import cancel_key, node_key, worker_key
 from workers.engines import Engine, GenerationOutput, GenerationRequest, SamplingParams
@@ -118,6 +118,9 @@ class EngineRuntime:
         # The classes this engine serves: where its room goes each time a request enters or leaves.
         heads = sorted({q.split(".", 1)[0] for q in self.info.get("queues", ())} & {"realtime", "batch"})
         self._room_keys = [room_key(head, self.info["model"]) for head in heads] if self.info.get("model") else []
+        # ... and where each heartbeat states what it drains: the promise's figures while the monitor is away.
+        self._capacity_keys = ([capacity_key(head, self.info["model"]) for head in heads]
+                               if self.info.get("model") else [])
         self._room_written: int | None = None
         self._room_lock = threading.RLock()  # drain() may run in a signal handler
 
@@ -174,7 +177,7 @@ class EngineRuntime:
         with contextlib.suppress(Exception):
             self._call(self.engine.shutdown(), timeout=30)
         with contextlib.suppress(Exception):
-            for key in self._room_keys:
+            for key in (*self._room_keys, *self._capacity_keys):
                 self._redis.hdel(key, self.worker_id)
             self._redis.delete(worker_key(self.worker_id))
             owner = json.loads(self._redis.get(node_key(self.node)) or "{}") if self.node else {}
@@ -313,6 +316,9 @@ class EngineRuntime:
             return
         self.draining.set()
         self.write_room()  # none: it takes nothing new
+        with contextlib.suppress(redis.RedisError):  # nor does it drain anything new
+            for key in self._capacity_keys:
+                self._redis.hdel(key, self.worker_id)
         log.warning("stopping: %d requests in flight may finish within %.0fs; the rest are requeued",
                     len(self._in_flight), grace_s)
         threading.Thread(target=self._drain, args=(grace_s,), name="drain", daemon=True).start()
@@ -529,8 +535,15 @@ class EngineRuntime:
                              cold_start_s=self.cold_start_s, seq_tps=self.seq_tps, at=time.time(),
                              **self.engine_view())
                 ttl = max(1, int(self._dead_after_s))
+                seconds, micros = self._redis.time()  # the clock admission compares the entry with
+                capacity = None if self.draining.is_set() else capacity_entry(stats, seconds * 1000 + micros // 1000)
                 with self._redis.pipeline(transaction=False) as pipe:
                     pipe.set(worker_key(self.worker_id), json.dumps(stats), ex=ttl)
+                    for key in self._capacity_keys:
+                        if capacity is None:
+                            pipe.hdel(key, self.worker_id)
+                        else:
+                            pipe.hset(key, self.worker_id, capacity)
                     if self.node:
                         pipe.set(node_key(self.node), json.dumps(
                             {"worker": self.worker_id, "queues": self.info.get("queues", [])}), ex=ttl)

@@ -88,7 +88,8 @@ class Admission:
                                     reject_batch="reject_batch" in settings.ladder, shed="shed" in settings.ladder,
                                     tight_promise_factor=(settings.tight_promise_factor
                                                           if "tight_promise" in settings.ladder else None),
-                                    promise_factor=settings.promise_factor)
+                                    promise_factor=settings.promise_factor,
+                                    capacity_max_age_s=2.5 * settings.worker_heartbeat_s)
         self.floor = LocalFloor(settings.local_floor_tokens_per_minute)
         self.breaker = RedisBreaker()
 
@@ -235,7 +236,9 @@ def _seconds(ms: int) -> float | None:
 def _rejection(verdict: Verdict, limits: Limits, cost: int, too_large, headers: dict[str, str]) -> ApiError:
     details = {"gate": verdict.gate, "reason": verdict.reason}
     if verdict.reason == "deadline":
-        details["estimated_wait_s"] = verdict.wait_ms / 1000
+        # estimated_from: "monitor" (its published rates) or "workers" (the monitor is away: the
+        # capacity the live workers' heartbeats state).
+        details.update(estimated_wait_s=verdict.wait_ms / 1000, estimated_from=verdict.basis)
     if verdict.gate == "request":
         limit, name, message = too_large
         return RequestTooLarge(message, headers=headers,

@@ -24,7 +24,7 @@ from pathlib import Path
 import redis
 from sqlalchemy import select
 
-from core.admission.load import LoadLevel, counters_key, room_key, snapshot_key
+from core.admission.load import LoadLevel, capacity_key, class_name, counters_key, room_key, snapshot_key
 from core.rediskeys import (
     INFLIGHT_SUFFIX,
     LOAD_LEVEL_KEY,
@@ -59,8 +59,9 @@ class Verdict:
     tokens: Quota
     requests: Quota
     load_level: int
-    wait_ms: int = -1  # the class's estimated queue wait; -1 when the monitor has no fresh figure
+    wait_ms: int = -1  # the class's estimated queue wait; -1 when no fresh figure stands
     finish_ms: int = -1  # that wait plus the request's own output at the engines' speed; -1: unknown
+    basis: str = ""  # what the estimate stood on: "monitor", "workers" (the monitor away) or ""
 
     @property
     def admitted(self) -> bool:
@@ -78,7 +79,8 @@ def unused_tokens(reserved: int, input_tokens: int, output_tokens: int | None, s
 class SharedLimiter:
     def __init__(self, client: redis.Redis, *, platform_tokens_per_minute: int = 0,
                  load_level_max_age_s: float = 30.0, reject_batch: bool = True, shed: bool = True,
-                 tight_promise_factor: float | None = None, promise_factor: float = 1.0) -> None:
+                 tight_promise_factor: float | None = None, promise_factor: float = 1.0,
+                 capacity_max_age_s: float = 12.5) -> None:
         self.redis = client
         self.platform_tokens_per_minute = platform_tokens_per_minute
         self.load_level_max_age_ms = int(load_level_max_age_s * 1000)
@@ -91,6 +93,9 @@ class SharedLimiter:
         self.tight_factor = tight_promise_factor or 1.0
         # At every level, the share of its deadline a request must be predicted to finish in.
         self.promise_factor = promise_factor
+        # While the monitor is away, a worker's capacity entry counts for this long after its
+        # heartbeat wrote it (the patience ``live_workers`` has: 2.5 heartbeats).
+        self.capacity_max_age_ms = int(capacity_max_age_s * 1000)
         self._admit = client.register_script(_script("admit.lua"))
         self._release = client.register_script(_script("release.lua"))
 
@@ -105,23 +110,26 @@ class SharedLimiter:
         only); ``hit`` for one answered from the cache (one request of the tenant's rate).
 
         ``model``, ``deadline_s`` and ``max_tokens`` feed the promise: refused at once (gate
-        global, reason deadline) when its class's queue says it cannot finish in time; ``spent_s``
+        global, reason deadline) when its class's queue says it cannot finish in time, on the
+        monitor's figures or, while it is away, the live workers' own; ``spent_s``
         of the deadline already went by (the promise judges the rest; Retry-After the whole).
         Raises redis errors (timeouts included) to the caller, which falls back to its floor.
         ``now_ms`` replaces the Redis clock (tests drive time explicitly); leave it None.
         """
         keys = [PLATFORM_BUCKET_KEY, LOAD_LEVEL_KEY, tenant_bucket_key(tenant_id), inflight_key(tenant_id),
-                counters_key(priority, model), snapshot_key(priority, model), room_key(priority, model)]
+                counters_key(priority, model), snapshot_key(priority, model), room_key(priority, model),
+                capacity_key(priority, model)]
         deadline_ms = 2**53 if deadline_s == float("inf") else int(deadline_s * 1000)
         args = [request_id, cost, self.platform_tokens_per_minute, limits.tokens_per_minute,
                 limits.requests_per_minute, limits.max_concurrent, priority, int(too_large),
                 self.load_level_max_age_ms, self.reject_batch_level, self.shed_level, int(dry_run),
                 "" if now_ms is None else now_ms, deadline_ms, max_tokens, self.tight_level, self.tight_factor,
-                self.promise_factor, int(spent_s * 1000), charge]
-        gate, reason, retry, *numbers = self._admit(keys=keys, args=args)
+                self.promise_factor, int(spent_s * 1000), charge, self.capacity_max_age_ms,
+                class_name(priority, model), class_name("realtime", model)]
+        gate, reason, retry, *numbers, basis = self._admit(keys=keys, args=args)
         tl, tr, tz, rl, rr, rz, level, wait, finish = (int(n) for n in numbers)
         return Verdict(_text(gate), _text(reason), int(retry), Quota(tl, tr, tz), Quota(rl, rr, rz), level, wait,
-                       finish)
+                       finish, _text(basis))
 
     def peek(self, tenant_id: str, limits: Limits, *, now_ms: int | None = None) -> Verdict:
         """The tenant's current quotas, charging nothing."""

@@ -12,9 +12,18 @@ degradation ladder reason about):
 * **Snapshots** (``sluice:load:class:<priority>:<model>``, a hash with a short TTL), written by
   the load monitor every second: drain rate, per-sequence speed, room in the engines, estimated
   wait, level.
-* **The level** (``LOAD_LEVEL_KEY``): the highest realtime class level, which admission's Lua
-  gate reads. A missing or stale level counts as NORMAL, so a dead monitor can never leave the
-  platform shedding; the local rules apply instead.
+* **Room and capacity** (``sluice:load:room:…`` and ``sluice:load:capacity:…``, hashes worker id
+  → figure), written by the workers themselves: the requests each engine would take in now
+  (whenever a request enters or leaves it) and, with each heartbeat, the work per second the
+  engine drains at its limit and the speed a sequence gets there (:func:`capacity_entry`). They
+  are what the promise falls back on while the monitor is away (its snapshots expired): the
+  admission script sums the entries of workers whose heartbeat is recent, so a burst with the
+  monitor dead is still refused in milliseconds, not queued for minutes.
+* **The levels** (``LOAD_LEVEL_KEY``, a hash): each class's level under its class name, and the
+  platform's (``level``: the highest realtime class's) for the operator. Admission judges a
+  request by its own class's level (a batch request also by its model's realtime level, which
+  ``reject_batch`` protects). A missing or stale level counts as NORMAL, so a dead monitor can
+  never leave the platform shedding; the promise on the workers' own figures applies instead.
 """
 
 from __future__ import annotations
@@ -40,6 +49,16 @@ SNAPSHOT_PREFIX = "sluice:load:class:"
 # worker whenever a request enters or leaves its engine (workers/runtime.py), so the promise sees
 # a full engine at once instead of a heartbeat later; the monitor drops the fields of dead workers.
 ROOM_PREFIX = "sluice:load:room:"
+# Hash worker id → "<at ms> <drain tps> <seq tps> <slot wait s>", per class it serves: written with
+# each heartbeat (workers/runtime.py), read by admission while the monitor is away.
+CAPACITY_PREFIX = "sluice:load:capacity:"
+# A level written for every class at once (``write_level`` without classes: operators and tests).
+ALL_CLASSES = "*"
+# Before any backlog was measured, the share of threads × one sequence's speed taken as a
+# class's capacity: a sequence's speed is measured at the batch sizes seen so far, and a full batch
+# runs each sequence slower (H200 calibration, 8B decode at L=512: a step takes 4.6 ms at B=1,
+# 8.3 ms at B=128, 11.5 ms at B=256).
+PRIOR_SHARE = 0.6
 
 
 class LoadLevel(enum.IntEnum):
@@ -66,6 +85,30 @@ def snapshot_key(priority: Priority | str, model: str) -> str:
 
 def room_key(priority: Priority | str, model: str) -> str:
     return ROOM_PREFIX + class_name(priority, model)
+
+
+def capacity_key(priority: Priority | str, model: str) -> str:
+    return CAPACITY_PREFIX + class_name(priority, model)
+
+
+def capacity_entry(beat: dict, at_ms: int) -> str | None:
+    """A worker's capacity as its heartbeat ``beat`` states it, in the form admission's script
+    reads (``at_ms drain_tps seq_tps slot_wait_s``); None while it knows no speed yet.
+
+    A governed engine (it times its steps) drains its limit × the speed a sequence gets at the
+    limit, as the monitor counts it; one that cannot time its steps, each thread decoding one
+    sequence at the speed its finished runs got, discounted for a full batch (PRIOR_SHARE)."""
+    if beat.get("limit_seq_tps"):
+        seq = float(beat["limit_seq_tps"])
+        drain = beat.get("engine_limit", 0) * seq
+    elif beat.get("seq_tps"):
+        seq = float(beat["seq_tps"])
+        drain = beat.get("threads", 0) * seq * PRIOR_SHARE
+    else:
+        return None
+    if drain <= 0:
+        return None
+    return f"{at_ms} {drain:.3f} {seq:.3f} {float(beat.get('slot_wait_s') or 0.0):.3f}"
 
 
 class QueueCounters:
@@ -158,14 +201,35 @@ def _typed(kind: object, value: str):
     return int(value) if kind == "int" else float(value) if kind == "float" else value
 
 
-def write_level(client: redis.Redis, level: LoadLevel, ttl_s: float = 60.0) -> None:
-    """Publish ``level`` now (what the load monitor does; tests and operators use it too).
+def write_level(client: redis.Redis, level: LoadLevel, ttl_s: float = 60.0,
+                classes: dict[str, int] | None = None) -> None:
+    """Publish the levels now, replacing what was there: ``classes`` (class name → level) and
+    ``level`` as the platform's (what the load monitor does), or, without ``classes``, ``level``
+    for every class at once (operators and tests).
 
     The timestamp comes from the Redis clock, the one the admission script compares it with.
     """
     seconds, micros = client.time()
-    client.hset(LOAD_LEVEL_KEY, mapping={"level": int(level), "updated_at_ms": seconds * 1000 + micros // 1000})
-    client.pexpire(LOAD_LEVEL_KEY, int(ttl_s * 1000))
+    fields = {name: int(one) for name, one in (classes if classes is not None else {ALL_CLASSES: level}).items()}
+    with client.pipeline(transaction=True) as pipe:  # readers never see a half-written set
+        pipe.delete(LOAD_LEVEL_KEY)
+        pipe.hset(LOAD_LEVEL_KEY, mapping={**fields, "level": int(level),
+                                           "updated_at_ms": seconds * 1000 + micros // 1000})
+        pipe.pexpire(LOAD_LEVEL_KEY, int(ttl_s * 1000))
+        pipe.execute()
+
+
+def class_level(levels: dict[str, str], priority: Priority | str, model: str) -> int:
+    """A class's level in the published hash (``LOAD_LEVEL_KEY``): its own, or the level written
+    for every class; a batch class is also at its model's realtime level (what ``reject_batch``
+    protects). 0 for a class the monitor does not know. Freshness is the caller's to check."""
+    def one(name: str) -> int:
+        raw = levels.get(name, levels.get(ALL_CLASSES))
+        return int(raw) if raw is not None else 0
+    level = one(class_name(priority, model))
+    if Priority(priority) == Priority.BATCH:
+        level = max(level, one(class_name(Priority.REALTIME, model)))
+    return level
 
 
 def steps_in_force(level: int, enabled: tuple[str, ...]) -> list[str]:

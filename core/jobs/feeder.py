@@ -40,7 +40,7 @@ from core.jobs.settle import Settler
 from core.jobs.stages import Running, Stages
 from core.rediskeys import FEEDER_STATE_KEY
 from core.services import Services
-from models import InferenceRequest, Tenant
+from models import InferenceRequest, Priority, Tenant
 from models.job import LIVE_JOB, ItemStatus, Job, JobItem, JobStatus
 from models.reservation import active
 
@@ -107,12 +107,12 @@ class Feeder:
                 running_jobs.add(job.id)
                 in_flight[(job.model, job.priority)] += next_stage
         self.settler.settle(jobs, running_jobs)
-        paused = self._paused()
+        feeding = [j for j in jobs.values() if j.status == JobStatus.IN_PROGRESS]
+        paused, feeding = self._paused(feeding)
         capacity = self.scheduler.capacity()
         fed = 0
-        if not paused:
-            fed = self.scheduler.feed([j for j in jobs.values() if j.status == JobStatus.IN_PROGRESS], tenants,
-                                      capacity, in_flight)
+        if feeding:
+            fed = self.scheduler.feed(feeding, tenants, capacity, in_flight)
         report = {"at": time.time(), "paused": paused or "", "in_flight": sum(in_flight.values()),
                   "capacity": sum(capacity.values()), "fed": fed, "advanced": advanced}
         try:
@@ -157,11 +157,15 @@ class Feeder:
             return {row.id: row for row in session.execute(
                 select(*_REQUEST_COLUMNS).where(InferenceRequest.id.in_(ids)))}
 
-    def _paused(self) -> str | None:
-        """Why feeding stops now: the platform is degraded, or a peak reservation is in force."""
-        level, _ = self.svc.requests.ladder.reader.current()  # the level admission applies (a stale one: 0)
-        if level > 0:
-            return f"degradation level {int(level)}"
+    def _paused(self, feeding: list[Job]) -> tuple[str | None, list[Job]]:
+        """Why feeding stops now, and the jobs it goes on for: a job's class is degraded (its own
+        level, or its model's realtime level: bulk work uses idle capacity only), or a peak
+        reservation is in force (no job is fed)."""
+        levels, _ = self.svc.requests.ladder.reader.current()  # the levels admission applies (stale: 0)
+        held = {(j.priority, j.model): levels.of(j.priority, j.model) for j in feeding}
+        held = {cls: level for cls, level in held.items() if level > 0}
+        if held:
+            feeding = [j for j in feeding if (j.priority, j.model) not in held]
         read_at, in_force = self._reservations
         if self.clock() - read_at >= READ_RESERVATIONS_S:
             try:
@@ -170,7 +174,11 @@ class Feeder:
                 self._reservations = (self.clock(), in_force)
             except Exception:
                 log.warning("reservations not read; keeping the last known", exc_info=True)
-        return "peak reservation in force" if in_force else None
-
+        if in_force:
+            return "peak reservation in force", []
+        if held:
+            return "degradation level " + ", ".join(
+                f"{int(level)} on {Priority(p).value}:{m}" for (p, m), level in sorted(held.items())), feeding
+        return None, feeding
 
 __all__ = ["Feeder", "LEADER_KEY"]

@@ -10,9 +10,12 @@ every level. Each step is switched on or off in
 SLUICE_LADDER_STEPS. A degraded request's row says which steps changed it (``degradation_step``)
 and so does the answer (the ``Sluice-Degradation`` header).
 
-The level comes from Redis, read at most every ``REFRESH_S`` per process and only while
+Each request is judged by the level of the class it arrives for (priority × the model it would
+run on before any step: a request naming no model, the default), so one overloaded model degrades
+only its own traffic. The light model takes a class's traffic only while its own class is
+calmer. The levels come from Redis, read at most every ``REFRESH_S`` per process and only while
 admission's breaker says Redis answers: with no level (no monitor, stale figures, Redis away)
-nothing is degraded, and the local rules of admission apply.
+nothing is degraded, and the promise on the workers' own figures (or the local floor) applies.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ import dataclasses
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 
 from core.admission.gates import Admission
-from core.admission.load import LoadLevel, snapshot_key
+from core.admission.load import LoadLevel, class_level, snapshot_key
 from core.rediskeys import LOAD_LEVEL_KEY
 from core.settings import Settings
 from core.submit.plan import Plan, Planner
@@ -35,8 +39,23 @@ REFRESH_S = 0.5
 HEADER = "Sluice-Degradation"
 
 
+@dataclass(frozen=True)
+class Levels:
+    """The levels the monitor last published (``LOAD_LEVEL_KEY``); none when stale or away."""
+
+    published: dict[str, str] = field(default_factory=dict)
+
+    def of(self, priority: Priority | str, model: str) -> LoadLevel:
+        return LoadLevel(min(class_level(self.published, priority, model), max(LoadLevel)))
+
+    @property
+    def platform(self) -> LoadLevel:
+        """The highest realtime class's level: what the operator sees."""
+        return LoadLevel(int(self.published.get("level", 0)))
+
+
 class LoadReader:
-    """The published level and whether the light model has warm realtime workers, cached briefly."""
+    """The published levels and whether the light model has warm realtime workers, cached briefly."""
 
     def __init__(self, settings: Settings, admission: Admission, clock=time.monotonic) -> None:
         self.settings = settings
@@ -44,32 +63,33 @@ class LoadReader:
         self.clock = clock
         self.light = settings.registry.light
         self._read_at = float("-inf")
-        self._level, self._light_warm = LoadLevel.NORMAL, False
+        self._levels, self._light_warm = Levels(), False
         self._lock = threading.Lock()
 
-    def current(self) -> tuple[LoadLevel, bool]:
+    def current(self) -> tuple[Levels, bool]:
         with self._lock:
             if self.clock() - self._read_at >= REFRESH_S:
                 self._read_at = self.clock()
-                self._level, self._light_warm = self._read()
-            return self._level, self._light_warm
+                self._levels, self._light_warm = self._read()
+            return self._levels, self._light_warm
 
-    def _read(self) -> tuple[LoadLevel, bool]:
+    def _read(self) -> tuple[Levels, bool]:
         if not self.admission.redis_healthy:
-            return LoadLevel.NORMAL, False
+            return Levels(), False
         try:
             with self.admission.redis.pipeline(transaction=False) as pipe:
-                pipe.hmget(LOAD_LEVEL_KEY, "level", "updated_at_ms")
+                pipe.hgetall(LOAD_LEVEL_KEY)
                 if self.light is not None:
                     pipe.hget(snapshot_key(Priority.REALTIME, self.light.name), "workers")
-                (level, updated_ms), *light = pipe.execute()
+                published, *light = pipe.execute()
         except Exception:  # the gate's own Redis call will open the breaker if Redis is away
-            log.warning("could not read the load level; degrading nothing")
-            return LoadLevel.NORMAL, False
+            log.warning("could not read the load levels; degrading nothing")
+            return Levels(), False
         max_age_ms = self.settings.load_level_max_age_s * 1000
+        updated_ms = published.get("updated_at_ms")
         fresh = updated_ms is not None and time.time() * 1000 - int(updated_ms) <= max_age_ms
         warm = bool(light) and int(light[0] or 0) > 0
-        return (LoadLevel(int(level)) if level is not None and fresh else LoadLevel.NORMAL), warm
+        return (Levels(published) if fresh else Levels()), warm
 
 
 class Ladder:
@@ -78,20 +98,25 @@ class Ladder:
         self.planner = planner
         self.reader = reader
 
-    def answers_samples_from_cache(self) -> bool:
-        """Step 3 (cached_answer) in force: a sampled request too may be answered by its cached twin."""
-        return self.reader.current()[0] >= LoadLevel.CACHED_ANSWERS and "cached_answer" in self.settings.ladder
+    def answers_samples_from_cache(self, plan: Plan) -> bool:
+        """Step 3 (cached_answer) in force for ``plan``'s class: a sampled request too may be
+        answered by its cached twin."""
+        return (plan.priority == Priority.REALTIME and "cached_answer" in self.settings.ladder
+                and self.reader.current()[0].of(plan.priority, self._arrived_for(plan)) >= LoadLevel.CACHED_ANSWERS)
 
     def apply(self, plan: Plan, model_named: bool) -> Plan:
-        """``plan`` with the steps the current level calls for; unchanged for batch work."""
+        """``plan`` with the steps its class's level calls for; unchanged for batch work."""
         if plan.priority != Priority.REALTIME:
             return plan
-        level, light_warm = self.reader.current()
+        levels, light_warm = self.reader.current()
+        level = levels.of(plan.priority, plan.target_model)
         steps = self.settings.ladder
+        light = self.reader.light
         applied: list[str] = []
         if (level >= LoadLevel.LIGHT_MODEL and "light_model" in steps and light_warm and not model_named
-                and self.reader.light is not None and plan.route_reason is None):
-            rerouted = self.planner.reroute(plan, self.reader.light, "light_model")
+                and light is not None and plan.route_reason is None
+                and levels.of(plan.priority, light.name) < level):  # relief, not another overload
+            rerouted = self.planner.reroute(plan, light, "light_model")
             if rerouted is not None:
                 plan = rerouted
                 applied.append("light_model")
@@ -102,3 +127,9 @@ class Ladder:
         if applied:
             plan = dataclasses.replace(plan, degradation=tuple(applied))
         return plan
+
+    def _arrived_for(self, plan: Plan) -> str:
+        """The model whose class ``plan`` arrived in: before the light-model step moved it."""
+        if "light_model" in plan.degradation:
+            return self.settings.registry.default.name
+        return plan.target_model

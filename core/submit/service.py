@@ -148,7 +148,7 @@ class RequestService:
         return Accepted(row, False, ticket.headers, None, plan.degradation, cache_hit=True)
 
     def _cacheable(self, plan: Plan) -> bool:
-        return deterministic(plan.params) or self.ladder.answers_samples_from_cache()
+        return deterministic(plan.params) or self.ladder.answers_samples_from_cache(plan)
 
     def follow(self, plan: Plan, tenant: Tenant, key: idempotency.Key | None) -> Accepted | None:
         """Park the request on its identical twin in flight (``core/submit/twins.py``), or None when it

@@ -5,9 +5,11 @@
 -- 60 s. It is two hash fields, the level <f> and the time <f>_t (ms) the level was computed for;
 -- a missing bucket is full (keys expire only after they would have refilled).
 --
--- KEYS  1 platform bucket (hash)  2 load level (hash)  3 tenant buckets (hash)  4 tenant in-flight (zset)
+-- KEYS  1 platform bucket (hash)  2 load levels (hash: class → level, '*', updated_at_ms)
+--       3 tenant buckets (hash)  4 tenant in-flight (zset)
 --       5 the request's class counters (hash)  6 the class's monitor snapshot (hash)
 --       7 the class's live room (hash worker → requests its engine would take in now)
+--       8 the class's capacity (hash worker → 'at_ms drain_tps seq_tps slot_wait_s', heartbeats)
 -- ARGV  1 request id  2 cost in tokens  3 platform tokens/min (0 = no cap)  4 tenant tokens/min
 --       5 tenant requests/min  6 tenant max concurrent  7 priority  8 too large (1|0), the
 --       per-request gate's verdict  9 load level max age (ms)  10 reject-batch level  11 shed level
@@ -21,10 +23,15 @@
 --       computed anyway, but it holds a row and a slot, and runs if its leader ends without an
 --       answer) or 'hit' (answered from the cache: one request of the tenant's rate, no tokens,
 --       no slot, since it ends at once)
+--       21 how old (ms) a worker's capacity entry may be and still count (its heartbeat's patience)
+--       22 the request's class name  23 its model's realtime class name (a batch request is also
+--       at that level: reject_batch protects realtime on the same engines)
 -- Returns {gate, reason, retry_ms, tokens limit, tokens remaining, tokens reset ms,
 --          requests limit, requests remaining, requests reset ms, load level, estimated wait ms,
---          estimated finish ms (the wait plus its own output)};
---          gate '' = admitted; wait and finish -1 = unknown (no fresh snapshot of the class).
+--          estimated finish ms (the wait plus its own output), what the estimate stood on};
+--          gate '' = admitted; wait and finish -1 = unknown (no fresh figures for the class);
+--          basis 'monitor' (its snapshot), 'workers' (the monitor is away: the live workers' own
+--          capacity entries) or '' (neither: nothing promised, nothing refused on that ground).
 
 -- clock_ms, refill and full_ms come from buckets.lua, prepended at registration.
 local now = clock_ms(ARGV[13])
@@ -49,9 +56,13 @@ local full, hit = ARGV[20] == 'full', ARGV[20] == 'hit'
 
 -- 1. Global: the degradation level (only while fresh) and the platform's token rate. A request
 -- larger than a whole bucket asks only for a full bucket here: the per-request gate rejects it.
+-- The level is the request's class's own (or the one written for every class: '*').
 local load = 0
-local lv = redis.call('HMGET', KEYS[2], 'level', 'updated_at_ms')
-if lv[1] and lv[2] and now - tonumber(lv[2]) <= tonumber(ARGV[9]) then load = tonumber(lv[1]) or 0 end
+local lv = redis.call('HMGET', KEYS[2], 'updated_at_ms', ARGV[22], ARGV[23], '*')
+if lv[1] and now - tonumber(lv[1]) <= tonumber(ARGV[9]) then
+  load = tonumber(lv[2] or lv[4]) or 0
+  if ARGV[7] == 'batch' then load = math.max(load, tonumber(lv[3] or lv[4]) or 0) end
+end
 local ptok, pt = 0, now
 if ptpm > 0 then ptok, pt = bucket(KEYS[1], 'tok', ptpm) end
 if not full then
@@ -67,24 +78,52 @@ end
 -- The promise: the work queued ahead of it in its class (their max_tokens) over the class's
 -- drain rate, plus the wait for room in an engine while the engines are full, plus its own output
 -- at the speed one sequence gets at the engines' in-engine limit, must fit before its deadline.
--- Live counters, the monitor's rates (only while fresh); unknown rates promise nothing and
--- refuse nothing. With nothing queued and room in an engine, nothing is refused on this ground:
--- the request starts now, at a speed the limit keeps fast enough (an estimate never locks the door).
-local wait, finish = -1, -1
+-- Live counters and room; the rates from the monitor's snapshot while fresh, else (the monitor
+-- is away) from the capacity entries of workers whose heartbeat is recent: their drains summed,
+-- the slowest sequence speed. No figures promise nothing and refuse nothing. With nothing queued
+-- and room in an engine, nothing is refused on this ground: the request starts now, at a speed
+-- the limit keeps fast enough (an estimate never locks the door).
+local wait, finish, basis = -1, -1, ''
+local drain, seq, room, slot_wait = 0, 0, -1, 0
+local rooms = {}
+local raw_rooms = redis.call('HGETALL', KEYS[7])
+for i = 1, #raw_rooms, 2 do rooms[raw_rooms[i]] = math.max(0, tonumber(raw_rooms[i + 1]) or 0) end
 local snap = redis.call('HMGET', KEYS[6], 'drain_tps', 'seq_tps', 'updated_at_ms', 'room', 'slot_wait_s')
-if full and snap[3] and now - tonumber(snap[3]) <= tonumber(ARGV[9]) and (tonumber(snap[1]) or 0) > 0 then
-  local queued = math.max(0, tonumber(redis.call('HGET', KEYS[5], 'queued_work') or '0') or 0)
+if snap[3] and now - tonumber(snap[3]) <= tonumber(ARGV[9]) then
+  basis = 'monitor'
+  drain, seq = tonumber(snap[1]) or 0, tonumber(snap[2]) or 0
+  room, slot_wait = tonumber(snap[4]) or -1, tonumber(snap[5]) or 0
   -- Room in the engines: live, as the workers wrote it when a request last entered or left one;
   -- the snapshot's (a heartbeat old) only where no worker wrote it.
-  local room = tonumber(snap[4]) or -1
-  local live = redis.call('HVALS', KEYS[7])
-  if #live > 0 then
+  if #raw_rooms > 0 then
     room = 0
-    for _, r in ipairs(live) do room = room + math.max(0, tonumber(r) or 0) end
+    for _, r in pairs(rooms) do room = room + r end
   end
-  wait = math.floor(queued * 1000 / tonumber(snap[1]))
-  if room == 0 then wait = wait + math.floor((tonumber(snap[5]) or 0) * 1000) end
-  local seq = tonumber(snap[2]) or 0
+else
+  local caps = redis.call('HGETALL', KEYS[8])
+  local workers, all_full, full_wait = 0, true, nil
+  for i = 1, #caps, 2 do
+    local at, d, s, sw = string.match(caps[i + 1], '^(%S+) (%S+) (%S+) (%S+)$')
+    if at and now - tonumber(at) <= tonumber(ARGV[21]) and (tonumber(d) or 0) > 0 then
+      workers = workers + 1
+      drain = drain + tonumber(d)
+      if seq == 0 or tonumber(s) < seq then seq = tonumber(s) end
+      local r = rooms[caps[i]] or 0
+      if room < 0 then room = 0 end
+      room = room + r
+      if r > 0 then all_full = false
+      elseif full_wait == nil or tonumber(sw) < full_wait then full_wait = tonumber(sw) end
+    end
+  end
+  if workers > 0 then
+    basis = 'workers'
+    if all_full then slot_wait = full_wait or 0 end
+  end
+end
+if full and drain > 0 then
+  local queued = math.max(0, tonumber(redis.call('HGET', KEYS[5], 'queued_work') or '0') or 0)
+  wait = math.floor(queued * 1000 / drain)
+  if room == 0 then wait = wait + math.floor(slot_wait * 1000) end
   local own = 0
   if seq > 0 then
     own = tonumber(ARGV[15]) * 1000 / seq
@@ -132,4 +171,4 @@ if gate == '' and ARGV[12] ~= '1' then
 end
 
 return {gate, reason, retry, tpm, math.max(0, math.floor(tok)), full_ms(tok, tpm),
-        rpm, math.max(0, math.floor(req)), full_ms(req, rpm), load, wait, finish}
+        rpm, math.max(0, math.floor(req)), full_ms(req, rpm), load, wait, finish, basis}

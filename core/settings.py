@@ -115,6 +115,15 @@ class Settings:
         "SLUICE_SIM_WEDGE_AFTER_S", None,
         "Fault injection: the simulated engine's loop blocks for good this long after start (a hung "
         "GPU call), so the watchdog's exit and the restart can be tested. Unset: never.")
+    sim_stall_after_s: float | None = _field(
+        "SLUICE_SIM_STALL_AFTER_S", None,
+        "Fault injection: this long after start the simulated engine stops taking steps while its loop "
+        "still answers (an engine core that stopped scheduling), so the progress watchdog can be "
+        "tested. Unset: never.")
+    sim_die_after_s: float | None = _field(
+        "SLUICE_SIM_DIE_AFTER_S", None,
+        "Fault injection: this long after start the simulated engine dies and says so (as vLLM's "
+        "EngineDeadError does), failing what it runs with EngineDead. Unset: never.")
     worker_watchdog_s: float = _field(
         "SLUICE_WORKER_WATCHDOG_S", 30.0,
         "A worker whose engine loop does not answer, or whose engine takes no step with work scheduled, this "

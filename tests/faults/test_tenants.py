@@ -8,8 +8,6 @@ to ``$SLUICE_FAULT_REPORT`` like ``test_ledger.py``.
 
 from __future__ import annotations
 
-import json
-import os
 import socket
 import time
 import uuid
@@ -17,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 from conftest import WorkerProcess, service_env
-from test_ledger import settle
+from test_ledger import ledger, settle
 
 from core.settings import Settings
 from launcher.database import create_key
@@ -27,13 +25,6 @@ from web import create_app
 from web.services import services
 
 TRICKLERS = 30
-
-
-def ledger(line: dict) -> None:
-    print(json.dumps(line))
-    if os.environ.get("SLUICE_FAULT_REPORT"):
-        with open(os.environ["SLUICE_FAULT_REPORT"], "a") as fh:
-            fh.write(json.dumps(line) + "\n")
 
 
 def trickle(port: int, key: str, path: str, content_type: str) -> socket.socket:

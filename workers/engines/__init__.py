@@ -18,7 +18,9 @@ def load_engine(settings: Settings, model: ModelSpec) -> Engine:
 
         return SimulatedEngine(dataclasses.replace(PROFILES[settings.sim_profile], model_name=model.name,
                                                    speed=settings.sim_speed, wedge_after_s=settings.sim_wedge_after_s,
-                                                   starve_after_s=settings.sim_starve_after_s))
+                                                   starve_after_s=settings.sim_starve_after_s,
+                                                   stall_after_s=settings.sim_stall_after_s,
+                                                   die_after_s=settings.sim_die_after_s))
     if settings.engine == "vllm":
         if not model.path:
             raise ValueError(f"model {model.name!r} has no path: set SLUICE_MODEL_PATH or its registry path")

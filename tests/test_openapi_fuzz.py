@@ -19,6 +19,7 @@ from conftest import WorkerProcess, make_settings
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
+from schemathesis.checks import not_a_server_error
 from schemathesis.config import SchemathesisConfig
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 from sqlalchemy import delete, func, select, update
@@ -114,6 +115,17 @@ def test_every_operation_answers_as_documented(fuzz_app):
     assert sum(cases.values()) >= 1000, (sum(cases.values()), len(cases))
 
 
+def overloaded(response) -> bool:
+    """A 503 ``overloaded`` with a Retry-After: admission refused the request for the load."""
+    if response.status_code != 503:
+        return False
+    try:
+        code = json.loads(response.content)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return code == "overloaded" and any(name.lower() == "retry-after" for name in response.headers)
+
+
 def fuzz_operation(operation, tenant_key: str, cases: dict[str, int]) -> None:
     label = f"{operation.method.upper()} {operation.path}"
     key = ADMIN_KEY if operation.path.startswith(("/admin", "/v1/admin")) else tenant_key
@@ -134,8 +146,14 @@ def fuzz_operation(operation, tenant_key: str, cases: dict[str, int]) -> None:
                 value = case.body.get(name)
                 if isinstance(value, int | float) and not isinstance(value, bool) and value > SHORT:
                     case.body[name] = SHORT
-        excluded = [positive_data_acceptance] if label in CROSS_FIELD_RULES else None
-        case.call_and_validate(headers=headers, excluded_checks=excluded)
+        excluded = [positive_data_acceptance] if label in CROSS_FIELD_RULES else []
+        response = case.call(headers=headers)
+        if overloaded(response):
+            # The promise refused it (a deadline its class's queue cannot keep): the platform's load,
+            # not the data, answered as documented. Every other check still runs on the answer.
+            excluded = [*excluded, not_a_server_error, positive_data_acceptance]
+        case.validate_response(response, headers=headers, excluded_checks=excluded or None,
+                               transport_kwargs={"headers": dict(headers)})
 
     answers_as_documented()
 

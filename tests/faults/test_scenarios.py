@@ -386,6 +386,27 @@ def test_a_flood_on_one_model_leaves_the_other_untouched(stack):
         monitor.stop()
 
 
+def both_warm(application, client, model: str) -> ClassLoad:
+    """The class once both of its workers are warm at the scenario's deadline and counted."""
+    measured_rate(application, client, model)
+    deadline = time.monotonic() + 10
+    while realtime_load(application, model).workers < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return realtime_load(application, model)
+
+
+def down_to_one(application, model: str, within_s: float) -> tuple[float, float] | None:
+    """After a worker was lost: how long until the monitor counted one worker, and the drain it
+    then published; None if it did not within ``within_s``."""
+    began = time.monotonic()
+    while time.monotonic() - began < within_s:
+        one = realtime_load(application, model)
+        if one is not None and one.workers == 1:
+            return time.monotonic() - began, one.drain_tps
+        time.sleep(0.1)
+    return None
+
+
 @needs_namespaces
 def test_a_node_lost_under_load(hosts, stack, database_url, tmp_path):
     """Scenario 5, the host killed: two workers, each on a host of its own, share the load at about
@@ -398,23 +419,12 @@ def test_a_node_lost_under_load(hosts, stack, database_url, tmp_path):
     model = services(application).settings.registry.default.name
     monitor = MonitorThread(application)
     try:
-        measured_rate(application, client, model)  # both workers warm, at the scenario's deadline
-        deadline = time.monotonic() + 10
-        while realtime_load(application, model).workers < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        both = realtime_load(application, model)
+        both = both_warm(application, client, model)
         with Levels(application) as levels, Load(client, every_s=1 / (0.9 * both.drain_tps / MAX_TOKENS),
                                                  max_tokens=MAX_TOKENS, prefix="node") as load:
             time.sleep(4)
             procs[0].kill()
-            killed_at = time.monotonic()
-            survivor = None
-            while time.monotonic() - killed_at < 5:
-                one = realtime_load(application, model)
-                if one is not None and one.workers == 1:
-                    survivor = (time.monotonic() - killed_at, one.drain_tps)
-                    break
-                time.sleep(0.1)
+            survivor = down_to_one(application, model, within_s=5)
             # At 1.8 times the survivor's capacity its queue fills (to what its deadlines allow)
             # in about 20 s; from then on the excess is refused.
             time.sleep(26)
@@ -459,23 +469,12 @@ def test_a_node_partitioned_under_load(hosts, stack, database_url, tmp_path):
     model = services(application).settings.registry.default.name
     monitor = MonitorThread(application)
     try:
-        measured_rate(application, client, model)
-        deadline = time.monotonic() + 10
-        while realtime_load(application, model).workers < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        both = realtime_load(application, model)
+        both = both_warm(application, client, model)
         with Levels(application) as levels, Load(client, every_s=1 / (0.9 * both.drain_tps / MAX_TOKENS),
                                                  max_tokens=MAX_TOKENS, prefix="partition") as load:
             time.sleep(4)
             lost.cut()
-            cut_at = time.monotonic()
-            survivor = None
-            while time.monotonic() - cut_at < 10:
-                one = realtime_load(application, model)
-                if one is not None and one.workers == 1:
-                    survivor = (time.monotonic() - cut_at, one.drain_tps)
-                    break
-                time.sleep(0.1)
+            survivor = down_to_one(application, model, within_s=10)
             time.sleep(26)
             refused_in_partition = sum(load.refused.values())
             lost.heal()

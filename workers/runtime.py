@@ -116,11 +116,12 @@ class EngineRuntime:
         self._slowest_step_s = 0.0
         self._realtime_queues = [q for q in self.info.get("queues", ()) if q.startswith("realtime.")]
         # The classes this engine serves: where its room goes each time a request enters or leaves.
-        heads = sorted({q.split(".", 1)[0] for q in self.info.get("queues", ())} & {"realtime", "batch"})
-        self._room_keys = [room_key(head, self.info["model"]) for head in heads] if self.info.get("model") else []
+        model = self.info.get("model")
+        queues = self.info.get("queues", ()) if model else ()
+        heads = sorted({q.split(".", 1)[0] for q in queues} & {"realtime", "batch"})
+        self._room_keys = [room_key(head, model) for head in heads]
         # ... and where each heartbeat states what it drains: the promise's figures while the monitor is away.
-        self._capacity_keys = ([capacity_key(head, self.info["model"]) for head in heads]
-                               if self.info.get("model") else [])
+        self._capacity_keys = [capacity_key(head, model) for head in heads]
         self._room_written: int | None = None
         self._room_lock = threading.RLock()  # drain() may run in a signal handler
 

@@ -31,6 +31,7 @@ from redis.retry import Retry
 from core.admission.limiter import SharedLimiter, Verdict
 from core.admission.local_floor import LocalFloor, RedisBreaker
 from core.errors import ApiError
+from core.fleet.workers import HEARTBEAT_PATIENCE
 from core.observe import submit_metrics as metrics
 from core.rediskeys import redis_client
 from core.settings import Settings
@@ -89,7 +90,7 @@ class Admission:
                                     tight_promise_factor=(settings.tight_promise_factor
                                                           if "tight_promise" in settings.ladder else None),
                                     promise_factor=settings.promise_factor,
-                                    capacity_max_age_s=2.5 * settings.worker_heartbeat_s)
+                                    capacity_max_age_s=HEARTBEAT_PATIENCE * settings.worker_heartbeat_s)
         self.floor = LocalFloor(settings.local_floor_tokens_per_minute)
         self.breaker = RedisBreaker()
 

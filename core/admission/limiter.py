@@ -80,7 +80,7 @@ class SharedLimiter:
     def __init__(self, client: redis.Redis, *, platform_tokens_per_minute: int = 0,
                  load_level_max_age_s: float = 30.0, reject_batch: bool = True, shed: bool = True,
                  tight_promise_factor: float | None = None, promise_factor: float = 1.0,
-                 capacity_max_age_s: float = 12.5) -> None:
+                 capacity_max_age_s: float = 0.0) -> None:
         self.redis = client
         self.platform_tokens_per_minute = platform_tokens_per_minute
         self.load_level_max_age_ms = int(load_level_max_age_s * 1000)
@@ -94,7 +94,7 @@ class SharedLimiter:
         # At every level, the share of its deadline a request must be predicted to finish in.
         self.promise_factor = promise_factor
         # While the monitor is away, a worker's capacity entry counts for this long after its
-        # heartbeat wrote it (the patience ``live_workers`` has: 2.5 heartbeats).
+        # heartbeat wrote it (admission passes the patience ``live_workers`` has; 0: never).
         self.capacity_max_age_ms = int(capacity_max_age_s * 1000)
         self._admit = client.register_script(_script("admit.lua"))
         self._release = client.register_script(_script("release.lua"))

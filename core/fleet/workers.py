@@ -11,11 +11,15 @@ import time
 
 from core.rediskeys import WORKER_PREFIX
 
+# A worker is alive while its last heartbeat is at most this many heartbeat intervals old; what it
+# wrote for admission (its capacity entry) counts for as long.
+HEARTBEAT_PATIENCE = 2.5
+
 
 def live_workers(redis, heartbeat_s: float) -> list[dict]:
     """Warm workers whose last heartbeat is recent: a silent one leaves capacity at once,
     before its heartbeat key expires."""
-    return [w for w in warm_workers(redis) if w.get("heartbeat_age_s", 0) <= 2.5 * heartbeat_s]
+    return [w for w in warm_workers(redis) if w.get("heartbeat_age_s", 0) <= HEARTBEAT_PATIENCE * heartbeat_s]
 
 
 def warm_workers(redis) -> list[dict]:

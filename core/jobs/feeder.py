@@ -162,10 +162,8 @@ class Feeder:
         level, or its model's realtime level: bulk work uses idle capacity only), or a peak
         reservation is in force (no job is fed)."""
         levels, _ = self.svc.requests.ladder.reader.current()  # the levels admission applies (stale: 0)
-        held = {(j.priority, j.model): levels.of(j.priority, j.model) for j in feeding}
-        held = {cls: level for cls, level in held.items() if level > 0}
-        if held:
-            feeding = [j for j in feeding if (j.priority, j.model) not in held]
+        held = {(j.priority, j.model): level for j in feeding if (level := levels.of(j.priority, j.model)) > 0}
+        feeding = [j for j in feeding if (j.priority, j.model) not in held]
         read_at, in_force = self._reservations
         if self.clock() - read_at >= READ_RESERVATIONS_S:
             try:

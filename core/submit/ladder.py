@@ -48,11 +48,6 @@ class Levels:
     def of(self, priority: Priority | str, model: str) -> LoadLevel:
         return LoadLevel(min(class_level(self.published, priority, model), max(LoadLevel)))
 
-    @property
-    def platform(self) -> LoadLevel:
-        """The highest realtime class's level: what the operator sees."""
-        return LoadLevel(int(self.published.get("level", 0)))
-
 
 class LoadReader:
     """The published levels and whether the light model has warm realtime workers, cached briefly."""

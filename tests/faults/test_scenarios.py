@@ -208,6 +208,8 @@ class Host:
         inside = f"sl{os.getpid() % 100000}g{n}"
         subnet = f"10.231.{(os.getpid() * 7 + n) % 250}"
         self.address = f"{subnet}.1"
+        self._closed = threading.Event()
+        self._sockets: list[socket.socket] = []
         _ip("netns", "add", self.name)
         try:
             _ip("link", "add", self.link, "type", "veth", "peer", "name", inside)
@@ -220,8 +222,6 @@ class Host:
         except BaseException:
             self.close()
             raise
-        self._closed = threading.Event()
-        self._sockets: list[socket.socket] = []
         self.urls = [self._relay(url) for url in urls]
         self.wrap = ("ip", "netns", "exec", self.name)
 
@@ -232,11 +232,10 @@ class Host:
         _ip("link", "set", self.link, "up")
 
     def close(self) -> None:
-        if hasattr(self, "_closed"):
-            self._closed.set()
-            for sock in self._sockets:
-                with contextlib.suppress(OSError):
-                    sock.close()
+        self._closed.set()
+        for sock in self._sockets:
+            with contextlib.suppress(OSError):
+                sock.close()
         with contextlib.suppress(subprocess.CalledProcessError):
             _ip("link", "del", self.link)  # its peer goes with it
         with contextlib.suppress(subprocess.CalledProcessError):
@@ -248,8 +247,8 @@ class Host:
         self._sockets.append(server)
         port = server.getsockname()[1]
         threading.Thread(target=self._accept, args=(server, (parts.hostname, parts.port)), daemon=True).start()
-        netloc = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""
-        return urlunsplit(parts._replace(netloc=f"{netloc}{self.address}:{port}"))
+        userinfo, at, _ = parts.netloc.rpartition("@")
+        return urlunsplit(parts._replace(netloc=f"{userinfo}{at}{self.address}:{port}"))
 
     def _accept(self, server: socket.socket, upstream: tuple[str, int]) -> None:
         while not self._closed.is_set():

@@ -136,8 +136,9 @@ if full and drain > 0 then
   if queued <= 0 and room > 0 then late = 0 end
   if gate == '' and late > 0 then
     -- Retry when the queue will have drained by the excess over a whole deadline (a retry brings
-    -- one): computed, not a constant.
-    gate, reason, retry = 'global', 'deadline', math.max(1, math.ceil(late - spent * factor))
+    -- one): computed, not a constant. Worked out from the whole deadline, not as late − spent ×
+    -- factor, whose float rounding could add a millisecond (and a second to Retry-After).
+    gate, reason, retry = 'global', 'deadline', math.max(1, math.ceil(wait + own - tonumber(ARGV[14]) * factor))
   end
 end
 

@@ -13,6 +13,14 @@ Four runs, each of N prompts generating exactly --tokens tokens (ignore_eos, tem
 Reports output tokens/s for each and the ratios. Needs Postgres and Redis (local defaults or
 --database-url / --redis-url); creates and drops its own database.
 
+    python bench/batching.py --structured          # json_schema vs free text: Sluice and vLLM's server
+
+--structured measures what structured decoding costs instead: the same N prompts, all at once,
+each as free text (ignore_eos) and each under a JSON schema (``response_format`` json_schema, the
+grammar compiled by xgrammar, compact JSON), through Sluice (POST /v1/requests, one worker) and
+through vLLM's own OpenAI server (``/v1/completions``, the same engine arguments), side by side.
+A constrained answer ends when its JSON does, so each rate counts the tokens really generated.
+
 On a CPU host the engine's arithmetic and Sluice's own work (web tier, Postgres, Celery) share
 the same cores, which a GPU host does not do. --pin-engine 0 gives vLLM core 0 and everything
 else the other cores (Postgres and Redis, started outside, still float), for a fairer picture.
@@ -106,6 +114,119 @@ def run_vllm(script: str, args, model: Path, items: list[str]) -> dict:
     return json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith('{"tokens"')))
 
 
+# What --structured asks for: short fields, so a random model's answer ends within --tokens.
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["title", "tags", "score", "done"],
+          "properties": {"title": {"type": "string", "maxLength": 32},
+                         "tags": {"type": "array", "minItems": 3, "maxItems": 3,
+                                  "items": {"type": "string", "maxLength": 16}},
+                         "score": {"type": "integer", "minimum": 0, "maximum": 100}, "done": {"type": "boolean"}}}
+
+
+def structured_body(structured: bool, tokens: int) -> dict:
+    """The sampling fields both fronts get: free text of exactly ``tokens``, or a JSON schema."""
+    if structured:
+        return {"max_tokens": tokens, "temperature": 0,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "report", "schema": SCHEMA}}}
+    return {"max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+
+
+def vllm_server(args, model: Path):
+    """vLLM's own OpenAI server on a free port, with the engine arguments a Sluice worker uses
+    (compact JSON under a schema, as Sluice's worker sets it); (base URL, stop)."""
+    import socket
+
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--served-model-name", "bench-model", "--host", "127.0.0.1", "--port", str(port),
+            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_batched_tokens),
+            "--max-model-len", str(args.max_model_len), "--dtype", args.dtype, "--enable-prefix-caching",
+            "--scheduling-policy", "priority",
+            "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
+            *(["--enforce-eager"] if args.eager else []),
+            *(["--kv-cache-memory-bytes", str(args.kv_bytes)] if args.kv_bytes else [])]
+    log = open(tempfile.mktemp(prefix="vllm-server-", suffix=".log"), "w")  # noqa: SIM115 - closed in stop
+    server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd="/tmp")
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                break
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"vLLM's server did not start; see {log.name}")
+        time.sleep(1)
+
+    def stop() -> None:
+        server.terminate()
+        server.wait(60)
+        log.close()
+
+    return base, stop
+
+
+def run_through_server(base: str, items: list[str], tokens: int, structured: bool) -> dict:
+    import httpx
+
+    def one(prompt: str) -> int:
+        answer = httpx.post(base + "/v1/completions", timeout=3600,
+                            json={"model": "bench-model", "prompt": prompt, **structured_body(structured, tokens)})
+        answer.raise_for_status()
+        body = answer.json()
+        if structured:
+            json.loads(body["choices"][0]["text"], strict=False)  # it is JSON, or the run measured nothing
+        return body["usage"]["completion_tokens"]
+
+    began = time.perf_counter()
+    with ThreadPoolExecutor(len(items)) as pool:
+        tokens_out = sum(pool.map(one, items))
+    return {"tokens": tokens_out, "seconds": time.perf_counter() - began}
+
+
+def structured_runs(args) -> int:
+    """--structured: json_schema vs free text, through Sluice and through vLLM's server."""
+    runs: dict[str, list[float]] = {f"{front}-{kind}": [] for front in ("server", "sluice")
+                                    for kind in ("text", "json")}
+
+    def record(name: str, result: dict) -> None:
+        runs[name].append(result["tokens"] / result["seconds"])
+        print(f"{name:12s} {result['tokens']} tokens in {result['seconds']:.2f}s", flush=True)
+
+    base, stop = vllm_server(args, args.model)
+    try:
+        run_through_server(base, prompts(2, 99), args.tokens, True)  # warm-up: the first grammar compiles
+        for run in range(args.repeat):
+            for kind in ("text", "json"):
+                record(f"server-{kind}", run_through_server(base, prompts(args.n, 2 * run + (kind == "json")),
+                                                            args.tokens, kind == "json"))
+    finally:
+        stop()
+    app, key, _worker, cleanup = sluice_stack(args, args.model)
+    try:
+        run_through_sluice(app, key, prompts(2, 98), args.tokens, serial=False, deadline_s=args.deadline,
+                           body=structured_body(True, args.tokens))
+        for run in range(args.repeat):
+            for kind in ("text", "json"):
+                record(f"sluice-{kind}", run_through_sluice(
+                    app, key, prompts(args.n, 2 * run + (kind == "json") + 50), args.tokens, serial=False,
+                    deadline_s=args.deadline, body=structured_body(kind == "json", args.tokens)))
+    finally:
+        cleanup()
+    rate = {k: statistics.median(v) for k, v in runs.items() if v}
+    print(f"\n{args.n} prompts, at most {args.tokens} tokens, model {args.model.name}, "
+          f"max_num_seqs {args.max_num_seqs}, median of {args.repeat}")
+    for k, v in rate.items():
+        print(f"  {k:12s} {v:10.1f} output tokens/s")
+    print(f"  json / text: server {rate['server-json'] / rate['server-text']:.2f}, "
+          f"sluice {rate['sluice-json'] / rate['sluice-text']:.2f}")
+    print(f"  sluice / server: text {rate['sluice-text'] / rate['server-text']:.2f}, "
+          f"json {rate['sluice-json'] / rate['server-json']:.2f}")
+    return 0
+
+
 def sluice_stack(args, model: Path):
     """Scratch database + Redis db + one vLLM worker; returns (app, tenant key, worker, cleanup)."""
     from core.settings import Settings
@@ -143,7 +264,8 @@ def sluice_stack(args, model: Path):
     return app, key, worker, cleanup
 
 
-def run_through_sluice(app, key: str, items: list[str], tokens: int, *, serial: bool, deadline_s: float) -> dict:
+def run_through_sluice(app, key: str, items: list[str], tokens: int, *, serial: bool, deadline_s: float,
+                       body: dict | None = None) -> dict:
     from sqlalchemy import func, select
 
     from models import InferenceRequest, Status
@@ -156,9 +278,9 @@ def run_through_sluice(app, key: str, items: list[str], tokens: int, *, serial: 
     terminal = [s for s in Status if s.terminal]
 
     def submit(prompt: str) -> str:
-        body = {"prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
-                "deadline_s": deadline_s, "time_limit_s": min(deadline_s, 120)}
-        response = app.test_client().post("/v1/requests", json=body, headers=headers)
+        asked = {"prompt": prompt, **(body or structured_body(False, tokens)), "deadline_s": deadline_s,
+                 "time_limit_s": min(deadline_s, 120)}
+        response = app.test_client().post("/v1/requests", json=asked, headers=headers)
         assert response.status_code == 202, response.get_json()
         return response.get_json()["id"]
 
@@ -218,6 +340,8 @@ def main() -> int:
                              "the engine's in-engine limit follows it)")
     parser.add_argument("--shape", choices=("tiny", "92m"), default="tiny",
                         help="without --model: the random Llama tests/tiny_model.py builds")
+    parser.add_argument("--structured", action="store_true",
+                        help="json_schema vs free text, through Sluice and vLLM's own server (not the four runs)")
     parser.add_argument("--database-url", default="postgresql://postgres@127.0.0.1:5432/postgres")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/13")
     args = parser.parse_args()
@@ -234,6 +358,8 @@ def main() -> int:
 
         args.model = cached_model(ROOT / ".cache", args.shape)
     print(f"Sluice requests state deadline_s {args.deadline:g} (realtime priority, temperature 0)", flush=True)
+    if args.structured:
+        return structured_runs(args)
     runs: dict[str, list[float]] = {"offline": [], "asyncllm": [], "sluice": [], "serial": []}
 
     def record(kind: str, result: dict) -> None:

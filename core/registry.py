@@ -18,6 +18,9 @@ import re
 from dataclasses import dataclass
 
 ALL_ROLES = ("realtime", "batch", "large", "all")
+# How `tool_choice: auto` can read tool calls out of a model's free text (core/submit/sampling.py):
+# hermes = <tool_call>{"name": ..., "arguments": ...}</tool_call>, as Hermes, Qwen and others write them.
+TOOL_PARSERS = ("hermes",)
 # Model names end up in queue names (`realtime.small.<model>`, 64 characters at most).
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,47}$")
 
@@ -33,6 +36,9 @@ class ModelSpec:
     role: str = "main"  # main | light | long
     context_tokens: int = 8192
     worker_roles: tuple[str, ...] = ALL_ROLES
+    # How `tool_choice: auto` reads tool calls out of this model's free text (TOOL_PARSERS);
+    # None: auto is refused for it, required and named functions still work.
+    tool_parser: str | None = None
 
 
 @dataclass(frozen=True)
@@ -72,12 +78,13 @@ def parse_registry(models_json: str | None, *, name: str, path: str | None, cont
     for i, entry in enumerate(raw):
         if not isinstance(entry, dict) or "name" not in entry:
             raise RegistryError(f"SLUICE_MODELS[{i}] must be an object with at least a name")
-        unknown = set(entry) - {"name", "path", "role", "context_tokens", "worker_roles"}
+        unknown = set(entry) - {"name", "path", "role", "context_tokens", "worker_roles", "tool_parser"}
         if unknown:
             raise RegistryError(f"SLUICE_MODELS[{i}] has unknown keys: {', '.join(sorted(unknown))}")
         spec = ModelSpec(name=entry["name"], path=entry.get("path"), role=entry.get("role", "main"),
                          context_tokens=entry.get("context_tokens", context_tokens),
-                         worker_roles=tuple(entry.get("worker_roles", ALL_ROLES)))
+                         worker_roles=tuple(entry.get("worker_roles", ALL_ROLES)),
+                         tool_parser=entry.get("tool_parser"))
         _check(spec, i)
         models.append(spec)
     names = [m.name for m in models]
@@ -95,5 +102,7 @@ def _check(spec: ModelSpec, i: int) -> None:
         raise RegistryError(f"SLUICE_MODELS[{i}].role must be main, light or long")
     if not isinstance(spec.context_tokens, int) or isinstance(spec.context_tokens, bool) or spec.context_tokens < 16:
         raise RegistryError(f"SLUICE_MODELS[{i}].context_tokens must be an integer ≥ 16")
+    if spec.tool_parser is not None and spec.tool_parser not in TOOL_PARSERS:
+        raise RegistryError(f"SLUICE_MODELS[{i}].tool_parser must be one of {', '.join(TOOL_PARSERS)}")
     if not set(spec.worker_roles) <= set(ALL_ROLES):
         raise RegistryError(f"SLUICE_MODELS[{i}].worker_roles must be among {', '.join(ALL_ROLES)}")

@@ -80,6 +80,12 @@ DEADLINE_UNREACHABLE = End(Status.EXPIRED, "deadline_exceeded",
                            "dropped before it started instead of computing an answer too late.")
 
 
+def invalid_constraint(reason: str) -> End:
+    """The engine could not compile the request's structured-output constraint."""
+    return End(Status.FAILED, "invalid_response_format",
+               f"The engine cannot decode under this response_format or tool schema: {reason}"[:500])
+
+
 def worker_lost(attempts: int) -> End:
     return End(Status.FAILED, "worker_lost", f"The worker running this died {attempts} times; gave up.")
 
@@ -167,6 +173,18 @@ def _moved(source: Status | None, row: Any) -> Moved:
     return Moved(row[0], row[1], source, *row[2:])
 
 
+def stored_choices(output: Any) -> list[dict[str, Any]] | None:
+    """The engine output's choices (``GenerationOutput.choices``: n > 1, or logprobs asked) as the
+    ``choices`` column keeps them; None for a plain answer."""
+    if not getattr(output, "choices", None):
+        return None
+    return [{"text": storable_text(c.text), "finish_reason": c.finish_reason, "output_tokens": c.output_tokens,
+             "logprobs": None if c.logprobs is None else
+             [{"token": storable_text(t.token), "logprob": t.logprob,
+               "top": [[storable_text(token), logprob] for token, logprob in t.top]} for t in c.logprobs]}
+            for c in output.choices]
+
+
 def about(request_id: uuid.UUID) -> dict[str, str]:
     """``extra=`` for a log line about one request, from code that may run outside its context
     (the sweep acts on many rows): the log format shows it as the line's request id."""
@@ -208,6 +226,7 @@ class Lifecycle:
         row.status, row.cache_hit, row.model_used = Status.SUCCEEDED, True, row.target_model
         row.started_at = row.first_token_at = row.finished_at = db_now()
         row.output_text, row.finish_reason = answer["text"], answer.get("finish_reason")
+        row.choices = answer.get("choices")
         row.input_tokens, row.output_tokens = answer.get("input_tokens", row.input_tokens), answer["output_tokens"]
         # No engine time: admission refunds the whole reservation (started_at is what says so).
         self._insert(row, also, ran=False)
@@ -301,6 +320,7 @@ class Lifecycle:
                 rows = session.execute(
                     _ending(Status.QUEUED, SUCCEEDED, *parked, leader.c.id == _t.follows_id)
                     .values(cache_hit=True, model_used=leader.c.model_used, output_text=leader.c.output_text,
+                            choices=leader.c.choices,
                             input_tokens=leader.c.input_tokens, output_tokens=leader.c.output_tokens,
                             finish_reason=leader.c.finish_reason, started_at=db_now(), first_token_at=db_now())
                     .returning(*_MOVED_COLUMNS)).all()
@@ -344,7 +364,7 @@ class Lifecycle:
         if output is not None:
             values.update(output_text=storable_text(output.text), output_tokens=output.output_tokens,
                           input_tokens=output.prompt_tokens, cached_tokens=output.cached_tokens,
-                          finish_reason=output.finish_reason)
+                          finish_reason=output.finish_reason, choices=stored_choices(output))
         with self._moving() as moved, self.db.session() as session:
             row = session.execute(_ending(Status.RUNNING, end, _t.id == request_id, _t.worker == worker)
                                   .values(**values).returning(*_MOVED_COLUMNS)).one_or_none()

@@ -99,7 +99,11 @@ class InferenceRequest(Base):
     input_tokens: Mapped[int]  # estimate at admission; the engine's count once it ran
     output_tokens: Mapped[int | None]
     cached_tokens: Mapped[int | None]
-    output_text: Mapped[str | None] = mapped_column(Text)
+    output_text: Mapped[str | None] = mapped_column(Text)  # the first choice's text
+    # Set when the answer holds more than one text: every choice (n > 1) and each token's log
+    # probabilities (logprobs asked): [{text, finish_reason, output_tokens, logprobs}], the first
+    # choice being output_text's. Null for a plain answer.
+    choices: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONB)
     finish_reason: Mapped[str | None] = mapped_column(String(16))
     error_code: Mapped[str | None] = mapped_column(String(64))
     error_message: Mapped[str | None] = mapped_column(String(500))

@@ -229,3 +229,42 @@ def test_tenants_see_only_their_own_batches_and_files(platform):
     page = owner.batches.list(limit=1)
     assert [b.id for b in page.data] == [second.id] and page.has_more
     assert [b.id for b in owner.batches.list(limit=1)] == [second.id, first.id]  # the SDK pages with ?after=
+
+
+def test_a_batch_mixing_structured_output_tools_and_choices_answers_each_line_right(platform):
+    """200 lines: plain chat, a json_schema, forced tool calls, and n = 2 with logprobs; every line's
+    answer is what the same call to /v1/chat/completions would give (issue 22)."""
+    import jsonschema
+
+    schema = {"type": "object", "required": ["city", "rank"], "additionalProperties": False,
+              "properties": {"city": {"type": "string"}, "rank": {"type": "integer", "minimum": 1}}}
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "required": ["term"], "properties": {"term": {"type": "string"}}}}}
+    extras = {"plain": {}, "schema": {"response_format": {"type": "json_schema",
+                                                          "json_schema": {"name": "city", "schema": schema}}},
+              "tools": {"tools": [tool], "tool_choice": "required"}, "choices": {"n": 2, "logprobs": True,
+                                                                                 "top_logprobs": 2}}
+    lines = []
+    for i in range(200):
+        kind = list(extras)[i % 4]
+        line = chat_line(f"{kind}-{i}", f"line {i}", max_tokens=60)
+        line["body"].update(extras[kind])
+        lines.append(line)
+    client = platform.client()
+    done = wait(client, submit(client, lines).id, timeout=300)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 200, 0)
+    for line in lines_of(client, done.output_file_id):
+        kind, answer = line["custom_id"].split("-")[0], line["response"]["body"]
+        choices = answer["choices"]
+        if kind == "plain":
+            assert len(choices) == 1 and choices[0]["message"]["content"].startswith("[simulated]")
+        elif kind == "schema":
+            jsonschema.validate(json.loads(choices[0]["message"]["content"]), schema)
+        elif kind == "tools":
+            (call,) = choices[0]["message"]["tool_calls"]
+            assert call["function"]["name"] == "lookup" and choices[0]["finish_reason"] == "tool_calls"
+            jsonschema.validate(json.loads(call["function"]["arguments"]), tool["function"]["parameters"])
+        else:
+            assert [c["index"] for c in choices] == [0, 1]
+            assert all(len(t["top_logprobs"]) == 2 for c in choices for t in c["logprobs"]["content"])
+            assert answer["usage"]["completion_tokens"] == sum(len(c["logprobs"]["content"]) for c in choices)

@@ -100,12 +100,18 @@ def waiting_call(app, key: str, path: str = "/v1/chat/completions", body: dict |
 
 def test_400_invalid_body_names_the_field(client):
     http, headers = client.http, client.headers
-    error = openai_error(http.post("/v1/chat/completions", json={**CHAT, "n": 2}, headers=headers),
+    error = openai_error(http.post("/v1/chat/completions", json={**CHAT, "n": 17}, headers=headers),
                          400, "invalid_request_error", "invalid_request")
-    assert error["param"] == "n" and "n must be 1" in error["message"]  # OpenAI has no details: they are here
-    error = openai_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "logprobs": 2},
+    assert error["param"] == "n" and "16" in error["message"]  # OpenAI has no details: they are here
+    error = openai_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "best_of": 2},
                                    headers=headers), 400, "invalid_request_error", "invalid_request")
-    assert error["param"] == "logprobs"
+    assert error["param"] == "best_of"
+    error = openai_error(http.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b"]},
+                                   headers=headers), 400, "invalid_request_error", "invalid_request")
+    assert error["param"] == "prompt"
+    error = openai_error(http.post("/v1/chat/completions", json={**CHAT, "stream": True, "n": 2}, headers=headers),
+                         400, "invalid_request_error", "invalid_request")
+    assert error["param"] == "n" and "stream" in error["message"]
     error = openai_error(http.post("/v1/completions", json={"model": "gpt-17", "prompt": "hi"}, headers=headers),
                          400, "invalid_request_error", "invalid_request")
     assert error["param"] == "model" and MODEL in error["message"]  # the native check, as OpenAI's shape
@@ -130,9 +136,9 @@ def test_a_file_with_no_valid_line_is_refused_with_the_line_checks_of_the_front(
     an invalid line, with the code ingest gives it."""
     http, headers = client.http, client.headers
     lines = [{"custom_id": "n", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"messages": [{"role": "user", "content": "hi"}], "n": 3}},
+              "body": {"messages": [{"role": "user", "content": "hi"}], "audio": {"voice": "alloy"}}},
              {"custom_id": "tools", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"messages": [{"role": "user", "content": "hi"}], "tools": []}},
+              "body": {"messages": [{"role": "user", "content": "hi"}], "prediction": {"type": "content"}}},
              {"custom_id": "stream", "method": "POST", "url": "/v1/completions",
               "body": {"prompt": "p", "stream": True}},
              {"custom_id": "temperature", "method": "POST", "url": "/v1/completions",
@@ -301,7 +307,7 @@ def test_503_when_the_database_is_out_of_reach(redis_dbs):
 def test_the_sdk_raises_the_exception_of_each_status(client, app):
     openai, sdk_client = sdk(app, client.key)
     with pytest.raises(openai.BadRequestError) as bad:
-        sdk_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2)
+        sdk_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=17)
     assert (bad.value.type, bad.value.code, bad.value.param) == ("invalid_request_error", "invalid_request", "n")
     with pytest.raises(openai.NotFoundError) as missing:
         sdk_client.batches.retrieve("batch_" + "0" * 32)

@@ -15,6 +15,7 @@ from apispec.ext.marshmallow import MarshmallowPlugin
 from marshmallow import fields, validate
 
 from core.settings import Settings
+from core.submit.sampling import document_rules
 from web import schemas
 from web.admin import ReservationSchema, TenantCreateSchema, TenantLimitsSchema
 from web.openai import batches_spec as openai_batches_spec
@@ -98,6 +99,7 @@ def build_spec(version: str, settings: Settings | None = None) -> dict:
     openai_spec.finish(document, settings)
     document["components"]["schemas"]["SubmitRequest"]["oneOf"] = schemas.SubmitRequestSchema.OPENAPI_ONE_OF
     document["components"]["schemas"]["SubmitRequest"]["dependentRequired"] = {"webhook_events": ["webhook_url"]}
+    document_rules(document["components"]["schemas"])
     if settings is not None:
         submit = document["components"]["schemas"]["SubmitRequest"]["properties"]
         submit["time_limit_s"]["maximum"] = settings.time_limit_s

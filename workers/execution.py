@@ -8,6 +8,7 @@ can never make a request run twice or reach two terminal states.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -21,12 +22,15 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from core.observe import metrics
 from core.rediskeys import conversation_key
 from core.submit.answers import AnswerCache, answer_key, cache_scope
+from core.submit.sampling import decoding
+from core.submit.tokens import message_text
 from core.submit.twins import Twins
 from models import Priority, Status
 from models import lifecycle as lc
 from models.lifecycle import Claimed, Ended, Lifecycle, Requeued
 from models.request import storable_text
 from workers.engines import GenerationRequest, SamplingParams
+from workers.engines.base import Constraint, ConstraintError
 from workers.runtime import EngineRuntime, RunResult
 
 log = logging.getLogger(__name__)
@@ -91,6 +95,11 @@ def run(lifecycle: Lifecycle, runtime: EngineRuntime, claimed: Claimed, claimed_
     try:
         whole = None if claimed.deadline_in_s is None else claimed.deadline_in_s + claimed.queue_wait_s
         result = runtime.run(generation_request(claimed), claimed.time_limit_s, claimed.deadline_in_s, whole)
+    except ConstraintError as exc:  # the request's fault, not the engine's
+        log.info("constraint refused by the engine: %s", exc)
+        end = lc.invalid_constraint(str(exc))
+        with_db_retries(lambda: lifecycle.finish(request_id, runtime.worker_id, end))
+        return
     except Exception:
         log.exception("engine error")
         with_db_retries(lambda: lifecycle.finish(request_id, runtime.worker_id, lc.ENGINE_ERROR))
@@ -120,7 +129,8 @@ def run(lifecycle: Lifecycle, runtime: EngineRuntime, claimed: Claimed, claimed_
     if answers is not None and ended is not None and ended.status == Status.SUCCEEDED and result.output:
         out = result.output
         answers.put(key, {"text": storable_text(out.text), "finish_reason": out.finish_reason,
-                          "input_tokens": out.prompt_tokens, "output_tokens": out.output_tokens})
+                          "input_tokens": out.prompt_tokens, "output_tokens": out.output_tokens,
+                          "choices": lc.stored_choices(out)})
 
 
 def _observe(claimed: Claimed, model: str, result: RunResult, claimed_mono: float) -> None:
@@ -143,20 +153,33 @@ def finish(lifecycle: Lifecycle, request_id: uuid.UUID, worker_id: str, model: s
 
 
 def generation_request(claimed: Claimed) -> GenerationRequest:
-    params = claimed.params
+    params, tools = claimed.params, claimed.input.get("tools")
+    constraint = decoding(params, tools)
     return GenerationRequest(
         request_id=str(claimed.id), prompt=render_prompt(claimed.input),
-        params=SamplingParams(max_tokens=claimed.max_tokens, temperature=params.get("temperature", 1.0),
-                              top_p=params.get("top_p", 1.0), seed=params.get("seed"),
-                              stop=tuple(params.get("stop", ())), ignore_eos=params.get("ignore_eos", False)),
+        params=SamplingParams(
+            max_tokens=claimed.max_tokens, temperature=params.get("temperature", 1.0),
+            top_p=params.get("top_p", 1.0), seed=params.get("seed"), stop=tuple(params.get("stop", ())),
+            ignore_eos=params.get("ignore_eos", False), n=params.get("n", 1), top_k=params.get("top_k"),
+            min_p=params.get("min_p", 0.0),
+            presence_penalty=params.get("presence_penalty", 0.0),
+            frequency_penalty=params.get("frequency_penalty", 0.0),
+            repetition_penalty=params.get("repetition_penalty", 1.0),
+            logit_bias=tuple((int(token), bias) for token, bias in params.get("logit_bias", {}).items()),
+            min_tokens=params.get("min_tokens", 0), logprobs=params.get("logprobs"),
+            constraint=None if constraint is None else Constraint(
+                constraint[0], json.dumps(constraint[1]) if constraint[0] == "json"
+                else tuple(constraint[1]) if constraint[0] == "choice" else constraint[1])),
         priority=ENGINE_PRIORITY[claimed.priority], prompt_tokens=claimed.input_tokens,
         messages=tuple(claimed.input["messages"]) if "messages" in claimed.input else None,
-        stream=bool(params.get("stream")))
+        stream=bool(params.get("stream")), tools=tuple(tools) if tools else None)
 
 
 def render_prompt(request_input: dict[str, Any]) -> str:
     """Flatten chat messages into one prompt (engines with a chat template replace this)."""
     if "prompt" in request_input:
         return request_input["prompt"]
-    lines = [f"{m['role']}: {m['content']}" for m in request_input["messages"]]
+    lines = [f"{m['role']}: {message_text(m)}" for m in request_input["messages"]]
+    if request_input.get("tools"):
+        lines.insert(0, "tools: " + json.dumps(request_input["tools"]))
     return "\n".join(lines) + "\nassistant:"

@@ -388,12 +388,14 @@ class EngineRuntime:
         """Fold one run's decode speed (tokens after the first, per second) into ``seq_tps``,
         the speed one sequence gets, which the heartbeat reports to the load monitor."""
         out, first = result.output, result.first_token_mono
-        if out is None or first is None or out.output_tokens < 2:
+        # One sequence's tokens: n choices decode side by side, each at a sequence's speed.
+        tokens = max((c.output_tokens for c in out.choices), default=out.output_tokens) if out else 0
+        if first is None or tokens < 2:
             return
         elapsed = time.monotonic() - first
         if elapsed <= 0:
             return
-        rate = (out.output_tokens - 1) / elapsed
+        rate = (tokens - 1) / elapsed
         self.seq_tps = rate if self.seq_tps is None else 0.8 * self.seq_tps + 0.2 * rate
 
     def _call(self, coro, timeout: float | None = None):

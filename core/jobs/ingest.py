@@ -23,7 +23,8 @@ from typing import IO, Any
 from psycopg.types.json import Jsonb
 
 from core.openai.shapes import CHAT_URL, URLS, OpenAIBodyError, to_native
-from core.submit.tokens import MESSAGE_OVERHEAD_TOKENS, estimate_text_tokens
+from core.submit.plan import request_input_of
+from core.submit.tokens import estimate_input_tokens, estimate_text_tokens
 from models.job import ItemStatus
 from models.request import storable
 
@@ -135,7 +136,7 @@ def _openai_line(obj: dict[str, Any], served: set[str]) -> tuple[dict[str, Any],
     if not isinstance(body, dict):
         raise LineError("invalid_body", "body must be a JSON object.")
     try:  # the front's own check (core/openai/shapes.py), as a batch line
-        to_native(body, url == CHAT_URL, batch=True)
+        _, native = to_native(body, url == CHAT_URL, batch=True)
     except OpenAIBodyError as exc:
         message = exc.problems("body.")
         raise LineError("unsupported_fields" if set(exc.details) <= exc.unsupported else "invalid_body",
@@ -143,11 +144,7 @@ def _openai_line(obj: dict[str, Any], served: set[str]) -> tuple[dict[str, Any],
     if "model" in body and body["model"] not in served:
         raise LineError("unknown_model", f"Unknown model {_names([body['model']])}; this platform serves: "
                         f"{', '.join(sorted(served))}.")
-    if url == CHAT_URL:
-        tokens = sum(estimate_text_tokens(m["content"]) + MESSAGE_OVERHEAD_TOKENS for m in body["messages"])
-    else:
-        tokens = estimate_text_tokens(body["prompt"])
-    return {**body, "url": url}, tokens
+    return {**body, "url": url}, estimate_input_tokens(request_input_of(native))
 
 
 def _names(values) -> str:

@@ -28,7 +28,7 @@ from core.errors import InvalidRequest, NotFound
 from core.ids import uuid_or_404
 from core.jobs.service import JobService
 from core.openai.files import ChunkReader, FileStore, parse_id, unix
-from core.openai.shapes import CHAT_URL, URLS
+from core.openai.shapes import CHAT_URL, URLS, choices
 from models import Batch, InferenceRequest, ItemStatus, Job, JobItem, JobStatus, Tenant
 from models.request import storable
 from models.session import Database
@@ -109,7 +109,8 @@ class BatchService:
         request_id = JobItem.requests[1]
         query = (select(JobItem.line, JobItem.custom_id, JobItem.result, JobItem.finish_reason, JobItem.input_tokens,
                         JobItem.output_tokens, JobItem.error_code, JobItem.error_message, JobItem.finished_at,
-                        request_id.label("request_id"),
+                        request_id.label("request_id"), InferenceRequest.choices, InferenceRequest.params,
+                        InferenceRequest.input["tools"].label("tools"),
                         func.coalesce(InferenceRequest.model_used, InferenceRequest.model_requested,
                                       job.model).label("model"))
                  .outerjoin(InferenceRequest, InferenceRequest.id == request_id)
@@ -196,15 +197,10 @@ def output_line(job: Job, batch: Batch, row) -> dict[str, Any]:
                 "error": {"code": row.error_code, "message": row.error_message}}
     usage = {"prompt_tokens": row.input_tokens, "completion_tokens": row.output_tokens,
              "total_tokens": row.input_tokens + row.output_tokens}
-    rid = row.request_id.hex
-    if batch.endpoint == CHAT_URL:
-        body = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": unix(row.finished_at),
-                "model": row.model, "choices": [{"index": 0, "message": {"role": "assistant", "content": row.result},
-                                                 "finish_reason": row.finish_reason, "logprobs": None}],
-                "usage": usage}
-    else:
-        body = {"id": f"cmpl-{rid}", "object": "text_completion", "created": unix(row.finished_at),
-                "model": row.model, "choices": [{"index": 0, "text": row.result, "finish_reason": row.finish_reason,
-                                                 "logprobs": None}], "usage": usage}
+    rid, chat = row.request_id.hex, batch.endpoint == CHAT_URL
+    body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "object": "chat.completion" if chat else "text_completion",
+            "created": unix(row.finished_at), "model": row.model,
+            "choices": choices(str(row.request_id), row.result, row.finish_reason, row.choices, row.params or {},
+                               row.tools, chat), "usage": usage}
     return {"id": line_id, "custom_id": row.custom_id,
             "response": {"status_code": 200, "request_id": str(row.request_id), "body": body}, "error": None}

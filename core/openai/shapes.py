@@ -5,9 +5,11 @@ mapping of an OpenAI body: the front, a batch line and the feeder all use it. (E
 shape are the web tier's: ``web/openai/errors.py``.)
 
 Only the translation lives here; admission, queues, the ladder and the request table are the
-native ones (``web/openai/chat.py`` calls ``RequestService.submit``). Fields OpenAI has and Sluice
-cannot honour (``n`` > 1, logprobs, tools, penalties) are refused by name, never ignored: a
-client must not believe it got what it did not.
+native ones (``web/openai/chat.py`` calls ``RequestService.submit``). Structured output, tools,
+``n``, logprobs and the penalties map onto the native fields of the same names
+(``core/submit/sampling.py``); fields OpenAI has and Sluice cannot honour (``audio``,
+``prediction``, ``suffix``, ``best_of``, a list of prompts, ...) are refused by name, never ignored:
+a client must not believe it got what it did not. ``docs/openai.md`` lists every field.
 """
 
 from __future__ import annotations
@@ -15,9 +17,19 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from marshmallow import Schema, ValidationError, fields, validate, validates_schema
+from marshmallow import Schema, ValidationError, fields, pre_load, validate, validates_schema
 
 from core.errors import InvalidRequest
+from core.submit.sampling import (
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_TOOLS,
+    LogitBiasField,
+    ResponseFormatSchema,
+    ToolChoiceField,
+    ToolSchema,
+    tool_calls,
+)
 from core.submit.schemas import (
     ChatMessageSchema,
     SafeString,
@@ -39,7 +51,8 @@ MAX_METADATA = 16  # pairs, as OpenAI and the native request take them
 # Fields a batch line's body may not set: the job decides how its requests run.
 NOT_IN_BATCH = {"stream": "A batch line cannot stream; leave stream out or false.",
                 "stream_options": "A batch line cannot stream.",
-                "service_tier": "A batch line runs at its job's priority; leave service_tier out."}
+                "service_tier": "A batch line runs at its job's priority; leave service_tier out.",
+                "echo": "A batch line's answer does not repeat its prompt; leave echo out."}
 UNKNOWN_FIELD = "Unknown field."  # marshmallow's message for a field a schema does not have
 
 
@@ -58,8 +71,34 @@ class StreamOptionsSchema(Schema):
 
 
 class OpenAIChatMessageSchema(ChatMessageSchema):
-    role = SafeString(required=True, validate=validate.OneOf(["system", "developer", "user", "assistant"]),
+    role = SafeString(required=True, validate=validate.OneOf(["system", "developer", "user", "assistant", "tool"]),
                       metadata={"description": "`developer` is taken as `system`."})
+    content = fields.Raw(allow_none=True, metadata={
+        "description": "A string, or a list of text parts ({type: text, text}), joined. Required, except on an "
+                       "assistant message with tool_calls."})
+    name = SafeString(validate=validate.Length(min=1, max=64),
+                      metadata={"description": "Accepted and not used (no chat template reads it)."})
+
+    @pre_load
+    def _text_parts(self, data, **kwargs):
+        """OpenAI's content parts, text only, as one string (what the native message holds)."""
+        if isinstance(data, dict) and isinstance(data.get("content"), list):
+            parts = data["content"]
+            if not parts or not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                    for p in parts):
+                raise ValidationError("Content parts must be text parts ({\"type\": \"text\", \"text\": ...}); "
+                                      "images, audio and files are not served.", "content")
+            data = {**data, "content": "".join(p["text"] for p in parts)}
+        return data
+
+    @validates_schema
+    def _content_is_text(self, data, **kwargs):
+        content = data.get("content")
+        if content is not None:
+            try:
+                SafeString(validate=validate.Length(min=1)).deserialize(content)
+            except ValidationError as exc:
+                raise ValidationError(exc.messages, "content") from None
 
 
 class _CommonSchema(Schema):
@@ -71,8 +110,17 @@ class _CommonSchema(Schema):
     temperature = StrictFloat(validate=validate.Range(min=0, max=2))
     top_p = StrictFloat(validate=validate.Range(min=0, max=1, min_inclusive=False))
     stop = StopField(metadata={"description": "A string or up to 4 strings."})
-    n = StrictInteger(validate=validate.Equal(1, error="Sluice generates one choice per request: n must be 1."))
+    n = StrictInteger(validate=validate.Range(min=1, max=MAX_N), metadata={
+        "description": f"Choices, 1 to {MAX_N}: one engine request; priced n × max_tokens."})
     seed = StrictInteger(validate=validate.Range(min=0, max=2**63 - 1))
+    presence_penalty = StrictFloat(validate=validate.Range(min=-2, max=2))
+    frequency_penalty = StrictFloat(validate=validate.Range(min=-2, max=2))
+    logit_bias = LogitBiasField()
+    repetition_penalty = StrictFloat(validate=validate.Range(min=0, max=2, min_inclusive=False),
+                                     metadata={"description": "vLLM extension."})
+    top_k = StrictInteger(validate=validate.Range(min=1, max=1_000_000), metadata={"description": "vLLM extension."})
+    min_p = StrictFloat(validate=validate.Range(min=0, max=1), metadata={"description": "vLLM extension."})
+    min_tokens = StrictInteger(validate=validate.Range(min=0), metadata={"description": "vLLM extension."})
     user = SafeString(validate=validate.Length(min=1, max=512),
                       metadata={"description": "Kept as the request's metadata `user`."})
     stream = StrictBoolean()
@@ -108,12 +156,34 @@ class ChatCompletionRequestSchema(_CommonSchema):
 
     messages = fields.List(fields.Nested(OpenAIChatMessageSchema), required=True,
                            validate=validate.Length(min=1, max=256))
+    response_format = fields.Nested(ResponseFormatSchema, metadata={
+        "description": "text, json_object, json_schema (checked at submit), and vLLM's regex and choice."})
+    tools = fields.List(fields.Nested(ToolSchema), validate=validate.Length(min=1, max=MAX_TOOLS))
+    tool_choice = ToolChoiceField()
+    parallel_tool_calls = StrictBoolean()
+    logprobs = StrictBoolean(metadata={"description": "Each output token's log probability."})
+    top_logprobs = StrictInteger(validate=validate.Range(min=0, max=MAX_LOGPROBS),
+                                 metadata={"description": "With logprobs: this many alternatives per token."})
+
+    @validates_schema
+    def _top_needs_logprobs(self, data, **kwargs):
+        if "top_logprobs" in data and not data.get("logprobs"):
+            raise ValidationError("top_logprobs needs logprobs: true.", "top_logprobs")
 
 
 class CompletionRequestSchema(_CommonSchema):
     """Body of POST /v1/completions (a single string prompt)."""
 
-    prompt = SafeString(required=True, validate=validate.Length(min=1))
+    prompt = SafeString(required=True, validate=validate.Length(min=1), metadata={
+        "description": "One string; a list of prompts is refused (send one request per prompt)."})
+    logprobs = StrictInteger(validate=validate.Range(min=0, max=MAX_LOGPROBS), allow_none=True,
+                             metadata={"description": "Each token's log probability and this many alternatives."})
+    echo = StrictBoolean(metadata={"description": "Put the prompt before the completion's text."})
+
+    @validates_schema
+    def _echo_alone(self, data, **kwargs):
+        if data.get("echo") and data.get("logprobs") is not None:
+            raise ValidationError("echo with logprobs (the prompt's own logprobs) is not served.", "echo")
 
 
 class OpenAIBodyError(InvalidRequest):
@@ -178,7 +248,7 @@ def to_native(body: dict[str, Any], chat: bool, default_model: str | None = None
     except ValidationError as exc:
         details = exc.messages if isinstance(exc.messages, dict) else {"_schema": exc.messages}
         raise OpenAIBodyError(details, {name for name, why in details.items()
-                                        if why == [UNKNOWN_FIELD] or name == "n"}) from None
+                                        if why == [UNKNOWN_FIELD]}) from None
     refused = {name: [why] for name, why in NOT_IN_BATCH.items() if batch and asked.get(name)}
     if refused:
         raise OpenAIBodyError(refused, set(refused))
@@ -200,14 +270,20 @@ def native_body(asked: dict[str, Any], default_model: str | None) -> dict[str, A
     model = asked.get("model")
     body: dict[str, Any] = {} if model is None or model == default_model else {"model": model}
     if "messages" in asked:
-        body["messages"] = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
-                            for m in asked["messages"]]
+        body["messages"] = [{**{k: v for k, v in m.items() if k != "name"},
+                             "role": "system" if m["role"] == "developer" else m["role"]} for m in asked["messages"]]
+        if asked.get("logprobs"):
+            body["logprobs"] = asked.get("top_logprobs", 0)
     else:
         body["prompt"] = asked["prompt"]
+        if asked.get("logprobs") is not None:
+            body["logprobs"] = asked["logprobs"]
     max_tokens = asked.get("max_completion_tokens", asked.get("max_tokens"))
     if max_tokens is not None:
         body["max_tokens"] = max_tokens
-    for name in ("temperature", "top_p", "stop", "seed", "ignore_eos"):
+    for name in ("temperature", "top_p", "stop", "seed", "ignore_eos", "n", "presence_penalty", "frequency_penalty",
+                 "logit_bias", "repetition_penalty", "min_tokens", "top_k", "min_p", "response_format", "tools",
+                 "tool_choice", "parallel_tool_calls"):
         if asked.get(name) is not None:
             body[name] = asked[name]
     if "service_tier" in asked:
@@ -241,22 +317,70 @@ def finish_reason(row: InferenceRequest) -> str:
     return _FINISH.get(row.finish_reason or "stop", "stop")
 
 
-def completion(row: InferenceRequest, chat: bool) -> dict[str, Any]:
+def choices(request_id: str, text: str | None, finish: str | None, stored: list[dict[str, Any]] | None,
+            params: dict[str, Any], tools: list[dict[str, Any]] | None, chat: bool,
+            echo: str | None = None) -> list[dict[str, Any]]:
+    """An answer's OpenAI choices: each of its ``n`` texts (``stored``: the row's ``choices``,
+    else the one ``text``), with its logprobs in the endpoint's shape and, on chat, the tool
+    calls read out of it (``core/submit/sampling.py tool_calls``). ``echo``: the prompt, put
+    before each completion's text."""
+    stored = stored or [{"text": text or "", "finish_reason": finish, "logprobs": None}]
+    out = []
+    for i, choice in enumerate(stored):
+        reason, logprobs = _FINISH.get(choice["finish_reason"] or "stop", "stop"), choice.get("logprobs")
+        if not chat:
+            out.append({"index": i, "text": (echo or "") + choice["text"], "finish_reason": reason,
+                        "logprobs": None if logprobs is None else _completion_logprobs(logprobs, len(echo or ""))})
+            continue
+        message: dict[str, Any] = {"role": "assistant", "content": choice["text"]}
+        called = tool_calls(request_id if i == 0 else f"{request_id}/{i}", params, tools, choice["text"],
+                            params.get("tool_parser"))
+        if called is not None:
+            message["content"], message["tool_calls"] = called[1], called[0]
+            # As OpenAI: a function the request named ends with stop; a call the model chose, tool_calls.
+            if reason == "stop" and not isinstance(params.get("tool_choice"), dict):
+                reason = "tool_calls"
+        out.append({"index": i, "message": message, "finish_reason": reason,
+                    "logprobs": None if logprobs is None else {"content": [_chat_logprob(t) for t in logprobs],
+                                                               "refusal": None}})
+    return out
+
+
+def _chat_logprob(token: dict[str, Any]) -> dict[str, Any]:
+    return {"token": token["token"], "logprob": token["logprob"], "bytes": list(token["token"].encode()),
+            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in token["top"]]}
+
+
+def _completion_logprobs(tokens: list[dict[str, Any]], offset: int) -> dict[str, Any]:
+    offsets, at = [], offset
+    for token in tokens:
+        offsets.append(at)
+        at += len(token["token"])
+    return {"tokens": [t["token"] for t in tokens], "token_logprobs": [t["logprob"] for t in tokens],
+            "top_logprobs": [dict(t["top"]) for t in tokens], "text_offset": offsets}
+
+
+def row_choices(row: InferenceRequest, chat: bool, echo: bool = False) -> list[dict[str, Any]]:
+    return choices(str(row.id), row.output_text, row.finish_reason, row.choices, row.params,
+                   row.input.get("tools"), chat, row.input.get("prompt") if echo else None)
+
+
+def completion(row: InferenceRequest, chat: bool, echo: bool = False) -> dict[str, Any]:
     """A succeeded row as a ``chat.completion`` or ``text_completion`` object."""
-    text = row.output_text or ""
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text})
     return {**_header(row, chat, "chat.completion" if chat else "text_completion"),
-            "choices": [{**choice, "finish_reason": finish_reason(row), "logprobs": None}],
-            "usage": usage(row), "sluice": extension(row)}
+            "choices": row_choices(row, chat, echo), "usage": usage(row), "sluice": extension(row)}
 
 
 def chunk(row: InferenceRequest, chat: bool, text: str | None = None, finish: str | None = None,
-          first: bool = False) -> dict[str, Any]:
-    """One streamed chunk: a text increment, or (``finish``) the end of the choice."""
+          first: bool = False, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One streamed chunk: a text increment, the tool calls (each whole, in one delta), or
+    (``finish``) the end of the choice."""
     if chat:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
         if text is not None:
             delta["content"] = text
+        if calls:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
         choice: dict[str, Any] = {"index": 0, "delta": delta}
     else:
         choice = {"index": 0, "text": text or ""}

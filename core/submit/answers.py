@@ -1,7 +1,8 @@
 """The hot answer cache: a request the platform answered recently is answered again from Redis.
 
-The key is the tenant, the target model, the input (prompt or messages, canonical JSON) and every
-parameter that changes the output (max_tokens, temperature, top_p, seed, stop, ignore_eos), hashed.
+The key is the tenant, the target model, the input (prompt or messages and tools, canonical JSON) and
+every parameter that changes the output (max_tokens and ``OUTPUT_PARAMS``: sampling, ``n``, logprobs,
+penalties, ``response_format``, ``tool_choice``), hashed.
 The tenant is in it so that no tenant learns what another sent (a hit says that exact prompt was
 asked lately) or gets another's sampled answer at the ``cached_answer`` level; an operator may name
 tenants that share one cache (SLUICE_CACHE_SHARED_TENANTS: teams of one company asking the same
@@ -30,7 +31,11 @@ log = logging.getLogger(__name__)
 
 ANSWER_PREFIX = "sluice:answer:"
 INDEX_KEY = "sluice:answers"  # sorted set: key → time stored, for eviction
-OUTPUT_PARAMS = ("temperature", "top_p", "seed", "stop", "ignore_eos")
+# Every submit field that changes the answer: the request's params (core/submit/plan.py keeps these);
+# with the model, the input (tools included) and max_tokens, its key.
+OUTPUT_PARAMS = ("temperature", "top_p", "seed", "stop", "ignore_eos", "n", "logprobs", "top_k", "min_p",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+                 "response_format", "tool_choice", "parallel_tool_calls")
 
 
 SHARED_SCOPE = "shared"

@@ -28,13 +28,15 @@ from core.errors import InvalidRequest
 from core.rediskeys import conversation_key, node_key
 from core.registry import ModelSpec
 from core.settings import Settings
-from core.submit.answers import answer_key, cache_scope
+from core.submit.answers import OUTPUT_PARAMS, answer_key, cache_scope
+from core.submit.sampling import check_tools
 from core.submit.tokens import ChatTemplateError, TokenCounters
 from models import InferenceRequest, Priority, SizeClass
 
 log = logging.getLogger(__name__)
 
-SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "ignore_eos")
+# Everything that changes the answer (the hot cache and twins key on all of them).
+SAMPLING_FIELDS = OUTPUT_PARAMS
 # How the client takes the answer; kept with the sampling parameters (the worker streams when
 # `stream` is set; `detach` and `abandon_after_s` are read by core/delivery/waits.py).
 DELIVERY_FIELDS = ("stream", "detach", "abandon_after_s")
@@ -77,9 +79,14 @@ class Plan:
         return max(0.0, self.deadline_s - self.spent_s())
 
     @property
+    def choices(self) -> int:
+        return self.params.get("n", 1)
+
+    @property
     def reserved_tokens(self) -> int:
-        """What admission prices: input tokens plus every output token the request may use."""
-        return self.input_tokens + self.max_tokens
+        """What admission prices: input tokens plus every output token the request may use
+        (``max_tokens`` for each of its ``n`` choices)."""
+        return self.input_tokens + self.choices * self.max_tokens
 
     @property
     def target_model(self) -> str:
@@ -122,7 +129,24 @@ def with_patience(body: dict[str, Any], wait_s: int | None, realtime_deadline_s:
 
 def input_chars(body: dict[str, Any]) -> int:
     """Characters of a validated submit body's input: its prompt, or its messages' contents."""
-    return sum(len(m["content"]) for m in body["messages"]) if "messages" in body else len(body["prompt"])
+    return (sum(len(m.get("content") or "") for m in body["messages"]) if "messages" in body
+            else len(body["prompt"]))
+
+
+def reader(body: dict[str, Any], model: ModelSpec) -> dict[str, str]:
+    """How the answer's tool calls will be read, kept on the request: the parser of the model that
+    runs it, for tools whose choice is left to the model (``auto``)."""
+    if body.get("tools") and body.get("tool_choice", "auto") == "auto" and model.tool_parser:
+        return {"tool_parser": model.tool_parser}
+    return {}
+
+
+def request_input_of(body: dict[str, Any]) -> dict[str, Any]:
+    """What the engine is given to continue: the prompt, or the messages with the tools the chat
+    template renders beside them."""
+    if "messages" not in body:
+        return {"prompt": body["prompt"]}
+    return {"messages": body["messages"], **({"tools": body["tools"]} if body.get("tools") else {})}
 
 
 class Planner:
@@ -141,14 +165,14 @@ class Planner:
         model = self._check(body, max_tokens, time_limit)
         if "webhook_url" in body:
             check_url(body["webhook_url"], settings.webhook_allow_list)
-        request_input = {"messages": body["messages"]} if "messages" in body else {"prompt": body["prompt"]}
+        request_input = request_input_of(body)
         input_tokens = self._count(model, request_input)
         requested, route_reason = model, None
         if "model" not in body and input_tokens + max_tokens > model.context_tokens:
             model, input_tokens = self._longer_model(model, input_tokens, request_input, max_tokens)
             route_reason = "long_context" if model is not requested else None
         priority = Priority(body["priority"])
-        size_class, queue = self._shared_queue(priority, input_tokens + max_tokens, model)
+        size_class, queue = self._shared_queue(priority, input_tokens + body.get("n", 1) * max_tokens, model)
         conversation_id = body.get("conversation_id")
         if conversation_id and self.redis_healthy():  # with Redis away, don't spend its timeout on affinity
             queue = self._conversation_queue(tenant_id, conversation_id, queue) or queue
@@ -158,7 +182,7 @@ class Planner:
             model_requested=requested.name, model_routed=model.name if route_reason else None,
             route_reason=route_reason, input=request_input,
             params={k: body[k] for k in SAMPLING_FIELDS if k in body} | {k: body[k] for k in DELIVERY_FIELDS
-                                                                       if body.get(k)},
+                                                                       if body.get(k)} | reader(body, model),
             meta=body.get("metadata", {}),
             conversation_id=conversation_id, max_tokens=max_tokens, time_limit_s=float(time_limit),
             input_tokens=input_tokens, deadline_s=body.get("deadline_s", default_deadline),
@@ -170,14 +194,16 @@ class Planner:
         """``plan`` sent to ``model`` instead (counted with its tokenizer, on its queues), or None
         when it does not fit that model's context or belongs to a conversation (whose turns stay
         with the worker holding its prefix cache)."""
-        if plan.conversation_id:
-            return None
+        if plan.conversation_id or check_tools({**plan.params, **plan.input}, model.tool_parser):
+            return None  # (nor to a model whose tool-call parser the request needs and it lacks)
         input_tokens = self._count(model, plan.input)
         if input_tokens + plan.max_tokens > model.context_tokens:
             return None
-        size_class, queue = self._shared_queue(plan.priority, input_tokens + plan.max_tokens, model)
+        size_class, queue = self._shared_queue(plan.priority, input_tokens + plan.choices * plan.max_tokens, model)
+        params = {k: v for k, v in plan.params.items() if k != "tool_parser"} | reader(
+            {**plan.params, **plan.input}, model)
         return dataclasses.replace(plan, model_routed=model.name, route_reason=reason, input_tokens=input_tokens,
-                                   size_class=size_class, queue=queue)
+                                   size_class=size_class, queue=queue, params=params)
 
     def _shared_queue(self, priority: Priority, reserved_tokens: int, model: ModelSpec) -> tuple[SizeClass, str]:
         """The size class a reservation prices into, and the model's shared queue for it."""
@@ -196,6 +222,13 @@ class Planner:
         if model is None:
             served = ", ".join(m.name for m in registry.models)
             problems["model"] = [f"Unknown model {body['model']!r}; this platform serves: {served}."]
+        if model is not None:
+            problems.update(check_tools(body, model.tool_parser))
+            vocab = self.counters.for_model(model).vocab_size if "logit_bias" in body else None
+            outside = sorted((t for t in body.get("logit_bias", {}) if vocab is not None and int(t) >= vocab), key=int)
+            if outside:
+                problems["logit_bias"] = [f"Token ids must be below {vocab}, this model's vocabulary: "
+                                          f"{', '.join(outside[:5])} are not."]
         chars = input_chars(body)
         if chars > settings.max_prompt_chars:
             problems["prompt" if "prompt" in body else "messages"] = [

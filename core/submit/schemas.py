@@ -9,53 +9,43 @@ because a client that sends those has a bug we should tell it about, not guess a
 from __future__ import annotations
 
 import hashlib
-import numbers
 
 from marshmallow import Schema, ValidationError, fields, pre_dump, validate, validates_schema
 
 from core.broker.queues import DIRECT_PREFIX
-from models.request import storable
-
-
-class StrictInteger(fields.Integer):
-    """A JSON integer: no strings, no booleans. ``5.0`` is one too (JSON Schema says so)."""
-
-    def _validated(self, value):
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise self.make_error("invalid")
-        return super()._validated(value)
-
-
-class StrictFloat(fields.Float):
-    def _validated(self, value):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise self.make_error("invalid")
-        return super()._validated(value)
-
-
-class SafeString(fields.String):
-    """A string PostgreSQL can store: no NUL, no lone UTF-16 surrogates (both valid in JSON)."""
-
-    def _deserialize(self, value, attr, data, **kwargs):
-        text = super()._deserialize(value, attr, data, **kwargs)
-        if not storable(text):
-            raise ValidationError("Must not contain the NUL character (\\u0000)." if "\x00" in text
-                                  else "Must be valid Unicode (no unpaired surrogates).")
-        return text
-
-
-class StrictBoolean(fields.Boolean):
-    def _deserialize(self, value, attr, data, **kwargs):
-        if not isinstance(value, bool):
-            raise self.make_error("invalid", input=value)
-        return value
+from core.submit.fields import SafeString, StrictBoolean, StrictFloat, StrictInteger
+from core.submit.sampling import (
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_TOOLS,
+    LogitBiasField,
+    ResponseFormatSchema,
+    ToolCallSchema,
+    ToolChoiceField,
+    ToolSchema,
+    tool_calls,
+)
 
 
 class ChatMessageSchema(Schema):
-    role = SafeString(required=True, validate=validate.OneOf(["system", "user", "assistant"]))
-    content = SafeString(required=True, validate=validate.Length(min=1))
+    role = SafeString(required=True, validate=validate.OneOf(["system", "user", "assistant", "tool"]))
+    content = SafeString(allow_none=True, validate=validate.Length(min=1), metadata={
+        "description": "Required, except on an assistant message that carries tool_calls."})
+    tool_calls = fields.List(fields.Nested(ToolCallSchema), validate=validate.Length(min=1, max=MAX_TOOLS),
+                             metadata={"description": "An assistant message: the calls it made."})
+    tool_call_id = SafeString(validate=validate.Length(min=1, max=128),
+                              metadata={"description": "A tool message: the call it answers."})
+
+    @validates_schema
+    def _by_role(self, data, **kwargs):
+        role = data["role"]
+        if "tool_calls" in data and role != "assistant":
+            raise ValidationError("Only an assistant message carries tool_calls.", "tool_calls")
+        if ("tool_call_id" in data) != (role == "tool"):
+            raise ValidationError("A tool message, and only one, names the tool_call_id it answers.",
+                                  "tool_call_id")
+        if data.get("content") is None and not data.get("tool_calls"):
+            raise ValidationError("Missing data for required field.", "content")
 
 
 class SubmitRequestSchema(Schema):
@@ -79,6 +69,30 @@ class SubmitRequestSchema(Schema):
                        metadata={"description": "Up to 4 strings that end generation when produced."})
     ignore_eos = StrictBoolean(metadata={"description": "Keep generating past end-of-sequence up to max_tokens "
                                                         "(fixed-length benchmarks)."})
+    n = StrictInteger(validate=validate.Range(min=1, max=MAX_N), metadata={
+        "description": "Choices to generate, computed as one engine request sharing the prompt's KV; "
+                       "admission prices n × max_tokens."})
+    logprobs = StrictInteger(validate=validate.Range(min=0, max=MAX_LOGPROBS), metadata={
+        "description": "Return each output token's log probability and this many likeliest alternatives."})
+    top_k = StrictInteger(validate=validate.Range(min=1, max=1_000_000),
+                          metadata={"description": "Sample only among the k likeliest tokens."})
+    min_p = StrictFloat(validate=validate.Range(min=0, max=1),
+                        metadata={"description": "Drop tokens less likely than min_p × the likeliest one's."})
+    presence_penalty = StrictFloat(validate=validate.Range(min=-2, max=2))
+    frequency_penalty = StrictFloat(validate=validate.Range(min=-2, max=2))
+    repetition_penalty = StrictFloat(validate=validate.Range(min=0, max=2, min_inclusive=False))
+    logit_bias = LogitBiasField(metadata={"description": "Token id → bias added to its logit, in [-100, 100]."})
+    min_tokens = StrictInteger(validate=validate.Range(min=0),
+                               metadata={"description": "Generate at least this many tokens before a stop."})
+    response_format = fields.Nested(ResponseFormatSchema, metadata={
+        "description": "Constrain the output: json_object, json_schema (validated at submit), regex or choice."})
+    tools = fields.List(fields.Nested(ToolSchema), validate=validate.Length(min=1, max=MAX_TOOLS), metadata={
+        "description": "Functions the model may call (with `messages`); the calls come back in output.tool_calls."})
+    tool_choice = ToolChoiceField(metadata={
+        "description": "none, auto (needs the model's tool-call parser), required, or "
+                       "{\"type\": \"function\", \"function\": {\"name\": ...}}; the last two are enforced by "
+                       "structured decoding. Default: auto with tools."})
+    parallel_tool_calls = StrictBoolean(metadata={"description": "false: at most one call (default true)."})
     deadline_s = StrictFloat(validate=validate.Range(min=0, max=7 * 86400, min_inclusive=False),
                              metadata={"description": "Seconds from submission by which it must finish. Refused at "
                                                       "once (503) when the queue says it cannot; `expired` if not "
@@ -123,6 +137,13 @@ class SubmitRequestSchema(Schema):
             raise ValidationError("Give exactly one of `prompt` or `messages`.", "_schema")
         if "webhook_events" in data and "webhook_url" not in data:
             raise ValidationError("Events are sent to a webhook_url; give one.", "webhook_events")
+        if "tools" in data and "messages" not in data:
+            raise ValidationError("Tools go with `messages`.", "tools")
+        if data.get("min_tokens", 0) > data.get("max_tokens", data.get("min_tokens", 0)):
+            raise ValidationError("Must be at most max_tokens.", "min_tokens")
+        if data.get("stream") and (data.get("n", 1) > 1 or "logprobs" in data):
+            raise ValidationError("A stream carries one choice's text; ask for n > 1 or logprobs without "
+                                  "stream.", "n" if data.get("n", 1) > 1 else "logprobs")
 
 
 class UsageSchema(Schema):
@@ -145,8 +166,14 @@ class TimingsSchema(Schema):
 
 
 class OutputSchema(Schema):
-    text = SafeString()
+    text = SafeString(metadata={"description": "The (first) choice's text."})
     finish_reason = SafeString(allow_none=True)
+    choices = fields.List(fields.Dict(), metadata={
+        "description": "With n > 1 or logprobs: every choice, {index, text, finish_reason, output_tokens, logprobs: "
+                       "[{token, logprob, top: [[token, logprob], ...]}] or null}."})
+    tool_calls = fields.List(fields.Dict(), metadata={
+        "description": "With tools: the calls the (first) choice holds, as OpenAI's "
+                       "({id, type: function, function: {name, arguments}}); absent when it holds none."})
 
 
 class RequestErrorSchema(Schema):
@@ -162,6 +189,19 @@ def worker_tag(worker: str | None) -> str | None:
 def public_queue(queue: str) -> str:
     """A queue's name as a tenant sees it: a worker's own queue is named after its host."""
     return "direct" if queue.startswith(DIRECT_PREFIX) else queue
+
+
+def output_view(row) -> dict:
+    """A finished row's answer: its text, every choice when there are several (or logprobs), the
+    tool calls its text holds."""
+    view = {"text": row.output_text or "", "finish_reason": row.finish_reason}
+    if row.choices:
+        view["choices"] = [{"index": i, **choice} for i, choice in enumerate(row.choices)]
+    called = tool_calls(str(row.id), row.params, row.input.get("tools"), row.output_text or "",
+                        row.params.get("tool_parser"))
+    if called is not None:
+        view["tool_calls"] = called[0]
+    return view
 
 
 class RequestViewSchema(Schema):
@@ -214,7 +254,7 @@ class RequestViewSchema(Schema):
             "model_used": row.model_used, "model_routed": row.model_routed, "route_reason": row.route_reason,
             "degradation_step": row.degradation_step,
             "max_tokens": row.max_tokens, "time_limit_s": row.time_limit_s,
-            "output": {"text": row.output_text or "", "finish_reason": row.finish_reason} if done else None,
+            "output": output_view(row) if done else None,
             "usage": {"input_tokens": row.input_tokens, "output_tokens": row.output_tokens,
                       "cached_tokens": row.cached_tokens, "reserved_tokens": row.reserved_tokens},
             "timings": {"created_at": row.created_at, "enqueued_at": row.enqueued_at, "started_at": row.started_at,

@@ -33,10 +33,17 @@ def estimate_text_tokens(text: str) -> int:
     return max(1, math.ceil(len(text.encode()) / BYTES_PER_TOKEN))
 
 
+def message_text(message: dict[str, Any]) -> str:
+    """What a message says, as a count without a template sees it: its content and the calls it made."""
+    calls = message.get("tool_calls")
+    return (message.get("content") or "") + (json.dumps(calls) if calls else "")
+
+
 def estimate_input_tokens(request_input: dict[str, Any]) -> int:
     if "messages" in request_input:
-        return sum(estimate_text_tokens(m["content"]) + MESSAGE_OVERHEAD_TOKENS
-                   for m in request_input["messages"])
+        return (sum(estimate_text_tokens(message_text(m)) + MESSAGE_OVERHEAD_TOKENS
+                    for m in request_input["messages"])
+                + (estimate_text_tokens(json.dumps(request_input["tools"])) if request_input.get("tools") else 0))
     return estimate_text_tokens(request_input["prompt"])
 
 
@@ -84,6 +91,11 @@ class TokenCounter:
                              if isinstance(v := config.get(k), str)}
 
     @property
+    def vocab_size(self) -> int | None:
+        """Token ids this model has (None without its tokenizer)."""
+        return None if self.tokenizer is None else self.tokenizer.get_vocab_size()
+
+    @property
     def exact(self) -> bool:
         return self.tokenizer is not None
 
@@ -93,11 +105,11 @@ class TokenCounter:
         if "prompt" in request_input:
             return len(self.tokenizer.encode(request_input["prompt"]).ids)
         if self.chat_template is None:
-            return sum(len(self.tokenizer.encode(m["content"], add_special_tokens=False).ids)
+            return sum(len(self.tokenizer.encode(message_text(m), add_special_tokens=False).ids)
                        + MESSAGE_OVERHEAD_TOKENS for m in request_input["messages"])
-        try:
+        try:  # tools as the engine's chat template gets them (a template that ignores them counts none)
             text = self.chat_template.render(messages=request_input["messages"], add_generation_prompt=True,
-                                             **self._special)
+                                             tools=request_input.get("tools"), **self._special)
         except _TemplateRefusal:  # the engine would fail on the same template: say so now
             raise ChatTemplateError(ChatTemplateError.REFUSED) from None
         except Exception as exc:

@@ -84,14 +84,14 @@ def _create(chat: bool) -> Response | tuple[Response, int, dict[str, str]]:
     asked, row, headers = _submit(svc, tenant, chat)
     if asked.get("stream"):
         include_usage = bool((asked.get("stream_options") or {}).get("include_usage"))
-        return Response(stream_with_context(_chunks(svc, row, chat, include_usage)), 200,
+        return Response(stream_with_context(_chunks(svc, row, chat, include_usage, bool(asked.get("echo")))), 200,
                         {**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                         mimetype="text/event-stream")
     deadline_s = ((row.deadline_at - row.created_at).total_seconds()
                   if row.deadline_at and row.created_at else svc.settings.stream_max_s)
     row = waits.until_ended(svc, tenant.id, row, min(deadline_s + WAIT_GRACE_S, svc.settings.stream_max_s))
     if row.status == Status.SUCCEEDED:
-        return jsonify(shapes.completion(row, chat)), 200, headers
+        return jsonify(shapes.completion(row, chat, bool(asked.get("echo")))), 200, headers
     if not row.status.terminal:  # past its deadline yet not expired (a stuck sweep): give it up
         try:
             svc.requests.cancel(tenant.id, str(row.id))
@@ -126,6 +126,10 @@ def _submit(svc: Services, tenant: Tenant, chat: bool) -> tuple[dict[str, Any], 
 
 def _ended(row: InferenceRequest, headers: dict[str, str]) -> ApiError:
     """The error a row that ended without an answer is reported as (never retried by the SDK)."""
+    if row.error_code == "invalid_response_format":  # the request's constraint, not the platform, failed it
+        return ApiError("The engine cannot decode under this request's response_format or tools; see details.",
+                        code=row.error_code, status=400, details={"response_format": [row.error_message or ""]},
+                        headers={**headers, **NO_RETRY})
     status = shapes.ENDED.get(row.status.value, 500)
     message = f"The request ended {row.status.value}" + (f": {row.error_message}" if row.error_message else ".")
     return ApiError(message, code=row.error_code or row.status.value, status=status,
@@ -136,17 +140,23 @@ def _data(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'), default=str)}\n\n"
 
 
-def _chunks(svc: Services, row: InferenceRequest, chat: bool, include_usage: bool) -> Iterator[str]:
+def _chunks(svc: Services, row: InferenceRequest, chat: bool, include_usage: bool, echo: bool) -> Iterator[str]:
     """The stream: a first chunk at once, one per increment, the finish, usage if asked, [DONE].
 
+    An answer that may be tool calls is not relayed token by token (its JSON is no message
+    content): the calls come whole in one chunk at the end, as OpenAI's stream may send them.
     OpenAI's stream cannot take text back, so a request that starts over on another worker
     (``requeued``) ends the stream with an error and is cancelled; so is one whose client left."""
     yield _data(shapes.chunk(row, chat, first=True))
+    if echo:
+        yield _data(shapes.chunk(row, chat, text=row.input["prompt"]))
+    calls = chat and bool(row.input.get("tools")) and row.params.get("tool_choice") != "none"
     moves = relay(svc, row)
     try:
         for kind, value in moves:
             if kind == "token":
-                yield _data(shapes.chunk(row, chat, text=value[0]))
+                if not calls:
+                    yield _data(shapes.chunk(row, chat, text=value[0]))
             elif kind == "ping":
                 yield ": ping\n\n"
             elif kind == "requeued":  # ending here closes the relay, which cancels the request
@@ -154,14 +164,18 @@ def _chunks(svc: Services, row: InferenceRequest, chat: bool, include_usage: boo
                                        "stream cannot show; it was cancelled. Send it again.", 500, "requeued"))
                 return
             elif kind == "done":
-                yield from _last_chunks(value, chat, include_usage)
+                yield from _last_chunks(value, chat, include_usage, calls)
     finally:
         moves.close()  # a client that left mid-stream: the relay abandons its request
 
 
-def _last_chunks(row: InferenceRequest, chat: bool, include_usage: bool) -> Iterator[str]:
+def _last_chunks(row: InferenceRequest, chat: bool, include_usage: bool, calls: bool) -> Iterator[str]:
     if row.status == Status.SUCCEEDED:
-        yield _data(shapes.chunk(row, chat, finish=shapes.finish_reason(row)))
+        (choice,) = shapes.row_choices(row, chat)
+        if calls:  # what the model wrote: the calls, or the text it answered with instead
+            message = choice["message"]
+            yield _data(shapes.chunk(row, chat, text=message["content"], calls=message.get("tool_calls")))
+        yield _data(shapes.chunk(row, chat, finish=choice["finish_reason"]))
         if include_usage:
             yield _data(shapes.usage_chunk(row, chat))
         yield "data: [DONE]\n\n"

@@ -25,20 +25,28 @@ _COMMON = {"id": {"type": "string"}, "created": {"type": "integer"},
            "model": {"type": "string", "description": "The model that ran it: a lighter one when degraded."},
            "service_tier": {"enum": ["default", "flex"]}, "system_fingerprint": {"type": "null"},
            "usage": _USAGE, "sluice": _EXTENSION}
+_TOOL_CALLS = {"type": "array", "items": {"type": "object", "required": ["id", "type", "function"], "properties": {
+    "id": {"type": "string"}, "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name", "arguments"],
+                 "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}}
 SCHEMAS: dict[str, dict[str, Any]] = {
     "ChatCompletion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
                        "properties": {**_COMMON, "object": {"const": "chat.completion"}, "choices": {
-                           "type": "array", "minItems": 1, "maxItems": 1, "items": {
+                           "type": "array", "minItems": 1, "items": {
                                "type": "object", "required": ["index", "message", "finish_reason"],
-                               "properties": {"index": {"const": 0}, "finish_reason": {"enum": ["stop", "length"]},
+                               "properties": {"index": {"type": "integer", "minimum": 0},
+                                              "finish_reason": {"enum": ["stop", "length", "tool_calls"]},
+                                              "logprobs": {"type": ["object", "null"]},
                                               "message": {"type": "object", "required": ["role", "content"],
                                                           "properties": {"role": {"const": "assistant"},
-                                                                         "content": {"type": "string"}}}}}}}},
+                                                                         "content": {"type": ["string", "null"]},
+                                                                         "tool_calls": _TOOL_CALLS}}}}}}},
     "Completion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
                    "properties": {**_COMMON, "object": {"const": "text_completion"}, "choices": {
-                       "type": "array", "minItems": 1, "maxItems": 1, "items": {
+                       "type": "array", "minItems": 1, "items": {
                            "type": "object", "required": ["index", "text", "finish_reason"],
-                           "properties": {"index": {"const": 0}, "text": {"type": "string"},
+                           "properties": {"index": {"type": "integer", "minimum": 0}, "text": {"type": "string"},
+                                          "logprobs": {"type": ["object", "null"]},
                                           "finish_reason": {"enum": ["stop", "length"]}}}}}},
     "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
         "object": {"const": "list"}, "data": {"type": "array", "items": {
@@ -111,14 +119,13 @@ def add_paths(spec: APISpec) -> None:
 
 
 def finish(document: dict[str, Any], settings: Settings | None) -> None:
-    """What marshmallow cannot say: ``stop``'s two forms, ``n``'s one value, the rules across
+    """What marshmallow cannot say: ``stop``'s two forms, the rules across
     fields (``user`` takes a metadata pair), and this deployment's models and caps."""
     found = document["components"]["schemas"]
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         body = found[name]
         body["properties"]["stop"] = {"oneOf": [_STRING, {"type": "array", "items": _STRING,
                                                           "minItems": 1, "maxItems": 4}]}
-        body["properties"]["n"] = {"type": "integer", "enum": [1]}
         body["not"] = {"required": ["max_tokens", "max_completion_tokens"]}
         body["dependentSchemas"] = {"stream_options": {"required": ["stream"],
                                                        "properties": {"stream": {"const": True}}},

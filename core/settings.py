@@ -82,8 +82,8 @@ class Settings:
         "SLUICE_MAX_CONTEXT_TOKENS", 8192, "Context length of the default model (input + output tokens).")
     models_json: str | None = _field(
         "SLUICE_MODELS", None,
-        "Model registry as JSON: [{name, path, role: main|light|long, context_tokens, worker_roles, tool_parser: hermes}]; "
-        "unset: one main model from SLUICE_MODEL / SLUICE_MODEL_PATH.")
+        "Model registry as JSON: [{name, path, role: main|light|long, context_tokens, worker_roles, "
+        "tool_parser: hermes}]; unset: one main model from SLUICE_MODEL / SLUICE_MODEL_PATH.")
     vllm_max_num_seqs: int = _field(
         "SLUICE_VLLM_MAX_NUM_SEQS", 256, "vLLM max batch size (sequences per engine step).")
     vllm_max_num_batched_tokens: int = _field(

@@ -47,5 +47,7 @@ class Batch(Base):
     __tablename__ = "batches"
 
     job_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
-    input_file_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("files.id", ondelete="CASCADE"), index=True)
+    # The file it was made from; no foreign key: the file may be deleted (DELETE /v1/files/<id>) and
+    # the batch, whose lines were read into its job when it was made, keeps naming it.
+    input_file_id: Mapped[uuid.UUID] = mapped_column(index=True)
     endpoint: Mapped[str] = mapped_column(String(32))  # /v1/chat/completions or /v1/completions

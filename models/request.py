@@ -58,6 +58,10 @@ class InferenceRequest(Base):
         Index("ix_requests_status_created_at", "status", "created_at"),
         Index("ix_requests_tenant_id_created_at", "tenant_id", "created_at"),
         Index("ix_requests_follows_id", "follows_id", postgresql_where=text("follows_id IS NOT NULL")),
+        # GET /v1/requests: a tenant's requests of some statuses, newest first; and by a metadata pair.
+        Index("ix_requests_tenant_id_status_created_at", "tenant_id", "status", "created_at"),
+        Index("ix_requests_metadata", "metadata", postgresql_using="gin",
+              postgresql_ops={"metadata": "jsonb_path_ops"}),
         # The retention sweep's work list: finished rows whose text is still kept.
         Index("ix_requests_unredacted_finished_at", "finished_at",
               postgresql_where=text("redacted_at IS NULL AND finished_at IS NOT NULL")),

@@ -268,3 +268,36 @@ def test_a_batch_mixing_structured_output_tools_and_choices_answers_each_line_ri
             assert [c["index"] for c in choices] == [0, 1]
             assert all(len(t["top_logprobs"]) == 2 for c in choices for t in c["logprobs"]["content"])
             assert answer["usage"]["completion_tokens"] == sum(len(c["logprobs"]["content"]) for c in choices)
+
+
+def test_files_are_listed_and_deleted_and_a_batch_keeps_its_lines_and_usage(platform):
+    client = platform.client()
+    uploads = [client.files.create(file=(f"f{i}.jsonl", jsonl([chat_line(f"c{i}", "x")])), purpose="batch")
+               for i in range(3)]
+    listed = client.files.list()
+    assert [f.id for f in listed.data] == [u.id for u in uploads[::-1]]  # newest first
+    first_page = client.files.list(limit=2, order="asc")
+    assert [f.id for f in first_page.data] == [u.id for u in uploads[:2]] and first_page.has_more
+    rest = client.files.list(limit=2, order="asc", after=first_page.data[-1].id)
+    assert [f.id for f in rest.data] == [uploads[2].id] and not rest.has_more
+    assert [f.id for f in platform.client().files.list().data] == []  # another tenant's list
+
+    batch = client.batches.create(input_file_id=uploads[0].id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    deleted = client.files.delete(uploads[0].id)
+    assert (deleted.id, deleted.deleted) == (uploads[0].id, True)
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(uploads[0].id)
+    with pytest.raises(openai.NotFoundError):
+        client.files.delete(uploads[0].id)
+    done = wait(client, batch.id)  # its lines were read when it was made
+    assert done.status == "completed" and done.input_file_id == uploads[0].id
+    assert done.model == "simulated-llama-8b"
+    (line,) = lines_of(client, done.output_file_id)
+    usage = line["response"]["body"]["usage"]
+    assert (done.usage.input_tokens, done.usage.output_tokens) == (usage["prompt_tokens"],
+                                                                   usage["completion_tokens"])
+    assert done.usage.total_tokens == usage["total_tokens"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.files.delete(done.output_file_id)
+    assert refused.value.code == "file_not_deletable"

@@ -8,12 +8,12 @@ import time
 from flask import Blueprint, Response, jsonify, request, url_for
 
 from core.observe import submit_metrics
-from core.submit import idempotency, ladder
+from core.submit import idempotency, ladder, listing
 from core.submit.plan import with_patience
 from models import InferenceRequest
 from web import prefer, sse, waits
 from web.auth import authenticate, bearer_key
-from web.bodies import json_object, validated
+from web.bodies import json_object, list_page, page_limit, validated
 from web.errors import ApiError
 from web.schemas import AcceptedSchema, RequestViewSchema, SubmitRequestSchema
 from web.services import services
@@ -96,6 +96,17 @@ def poll_hint(due: float | None) -> dict[str, str]:
         return {}
     left_ms = max(0, int((due - time.monotonic()) * 1000))
     return {"Retry-After": str(left_ms // 1000), "retry-after-ms": str(left_ms)}
+
+
+@bp.get("/requests")
+def list_requests() -> Response:
+    """The tenant's requests, newest first: filters and cursor in core/submit/listing.py."""
+    svc = services()
+    tenant = authenticate(svc.db, svc.recent_keys)
+    limit = page_limit()
+    rows = listing.list_requests(svc.db, tenant.id, limit + 1, request.args.get("before"),
+                                 listing.RequestFilter.parse(request.args))
+    return list_page(rows, limit, _view_schema.dump)
 
 
 @bp.get("/requests/<request_id>")

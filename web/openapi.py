@@ -85,6 +85,7 @@ def build_spec(version: str, settings: Settings | None = None) -> dict:
                          ("ReservationView", schemas.ReservationViewSchema),
                          ("LoadView", schemas.LoadViewSchema), ("ReservationCreate", ReservationSchema),
                          ("JobView", schemas.JobViewSchema), ("JobList", schemas.JobListSchema),
+                         ("RequestList", schemas.RequestListSchema),
                          ("DeliveryView", DeliveryViewSchema), ("DeliveryList", DeliveryListSchema),
                          ("WebhookSecret", SecretSchema)):
         spec.components.schema(name, schema=schema)
@@ -111,6 +112,10 @@ def build_spec(version: str, settings: Settings | None = None) -> dict:
     return document
 
 
+_STATUSES = "^({0})(,({0}))*$".format("|".join(("queued", "running", "succeeded", "failed", "timed_out",
+                                                  "cancelled", "expired", "rejected")))
+
+
 def _request_paths(spec: APISpec) -> None:
     auth_errors = {"401": _error("Missing, malformed, invalid or revoked API key."),
                    "403": _error("The key's tenant is disabled (tenant_disabled).")}
@@ -128,7 +133,31 @@ def _request_paths(spec: APISpec) -> None:
                              "for the request to end. Other or malformed preferences are ignored."}
     applied = {"Preference-Applied": {"schema": {"type": "string"},
                                       "description": "`wait=N`: the wait used (clamped to the maximum)."}}
-    spec.path(path="/v1/requests", operations={"post": {
+    listing = [
+        {"name": "status", "in": "query", "schema": {"type": "string", "pattern": _STATUSES},
+         "description": "One or more statuses, comma-separated."},
+        {"name": "priority", "in": "query", "schema": {"enum": ["realtime", "batch"]}},
+        {"name": "model", "in": "query", "schema": {"type": "string", "maxLength": 128, "pattern": NO_NUL},
+         "description": "The model asked for, or the one that ran it."},
+        *({"name": name, "in": "query", "schema": {"type": "string", "format": "date-time"},
+           "description": f"Created {'at or after' if name == 'since' else 'before'} (RFC 3339, or Unix seconds)."}
+          for name in ("since", "until")),
+        {"name": "metadata", "in": "query", "style": "deepObject", "explode": True,
+         "schema": {"type": "object", "maxProperties": 4,
+                    "propertyNames": {"minLength": 1, "maxLength": 64, "pattern": NO_NUL},
+                    "additionalProperties": {"type": "string", "maxLength": 512, "pattern": NO_NUL}},
+         "description": "metadata[key]=value: requests whose metadata holds every pair given."},
+        {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+        {"name": "before", "in": "query", "schema": {"type": "string", "format": "uuid"},
+         "description": "A request id of the page before (its next_before): the requests created before it."}]
+    spec.path(path="/v1/requests", operations={"get": {
+        "summary": "The tenant's requests, newest first, filtered; cursor pagination",
+        "description": "Each query walks an index from the tenant's newest request (by status, or by a metadata "
+                       "pair through a GIN index): never a scan of the table.",
+        "security": [{"bearer": []}], "parameters": listing,
+        "responses": {"200": _json("RequestList", "A page of requests."), **auth_errors,
+                      "404": _error("`before` names no request of this key."),
+                      "422": _error("A filter or limit out of range; `details` names each.")}}, "post": {
         "summary": "Submit a generation request",
         "description": "Priced in tokens (input + max_tokens) and admitted by three gates: global, "
                        "tenant, per request. Every answer after authentication carries x-ratelimit-* headers.",

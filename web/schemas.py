@@ -78,6 +78,13 @@ class JobViewSchema(Schema):
     webhook_events = fields.List(SafeString(), allow_none=True)
 
 
+class RequestListSchema(Schema):
+    object = SafeString(metadata={"enum": ["list"]})
+    data = fields.List(fields.Nested(RequestViewSchema))
+    has_more = fields.Boolean(metadata={"description": "More match, older: ask with before=next_before."})
+    next_before = SafeString(allow_none=True)
+
+
 class JobListSchema(Schema):
     object = SafeString(metadata={"enum": ["list"]})
     data = fields.List(fields.Nested(JobViewSchema))

@@ -19,7 +19,7 @@ import zlib
 from collections.abc import Iterator
 from typing import IO, Any
 
-from sqlalchemy import func, insert, select
+from sqlalchemy import delete, func, insert, select, tuple_
 from werkzeug.sansio.multipart import Data, Epilogue, Field, MultipartDecoder, NeedData
 from werkzeug.sansio.multipart import File as FilePart
 
@@ -113,6 +113,36 @@ class FileStore:
             raise NotFound(f"No file {shown} for this API key.", code="file_not_found")
         return file
 
+    def list(self, tenant_id: uuid.UUID, limit: int, after: str | None, ascending: bool,
+             purpose: str | None) -> list[File]:
+        """The tenant's uploaded files (a batch's output files are the batch's), newest first or
+        (``ascending``) oldest first; ``after``: those past that file in the same order."""
+        order = (File.created_at.asc(), File.id.asc()) if ascending else (File.created_at.desc(), File.id.desc())
+        query = select(File).where(File.tenant_id == tenant_id).order_by(*order).limit(limit)
+        if purpose is not None:
+            query = query.where(File.purpose == purpose)
+        with self.db.session() as session:
+            if after:
+                kind, uid = parse_id(after)
+                anchor = None if kind else session.scalar(select(File).where(File.id == uid,
+                                                                             File.tenant_id == tenant_id))
+                if anchor is None:
+                    raise NotFound(f"No file {after[:60]} for this API key.", code="file_not_found")
+                past = tuple_(File.created_at, File.id)
+                mark = tuple_(anchor.created_at, anchor.id)
+                query = query.where(past > mark if ascending else past < mark)
+            return list(session.scalars(query).all())
+
+    def delete(self, tenant_id: uuid.UUID, file_id: uuid.UUID, shown: str) -> dict[str, Any]:
+        """Delete an uploaded file and its chunks. A batch made from it keeps its lines (read into
+        the job when it was made) and the file's id; only the file's content goes."""
+        with self.db.session() as session:
+            gone = session.execute(delete(File).where(File.id == file_id, File.tenant_id == tenant_id)
+                                   .returning(File.id)).first()
+        if gone is None:
+            raise NotFound(f"No file {shown} for this API key.", code="file_not_found")
+        return {"id": shown, "object": "file", "deleted": True}
+
     def chunks(self, file_id: uuid.UUID) -> Iterator[bytes]:
         """The file's content, one chunk per query: no session is held between chunks, so a slow
         reader (a client downloading, a batch being ingested) pins no pooled connection."""
@@ -121,6 +151,8 @@ class FileStore:
         for seq in range(count):
             with self.db.session() as session:
                 data = session.scalar(select(FileChunk.data).where(FileChunk.file_id == file_id, FileChunk.seq == seq))
+            if data is None:  # deleted while being read
+                raise NotFound("The file was deleted while it was being read.", code="file_not_found")
             yield zlib.decompress(data)
 
 

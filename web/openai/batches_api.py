@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from flask import Blueprint, Response, jsonify, request, stream_with_context
 
+from core.errors import InvalidRequest
 from core.openai.batches import BatchService
 from core.openai.files import FileStore, file_view, parse_id, too_large
 from web.auth import authenticate
@@ -53,6 +54,34 @@ def upload_file() -> tuple[Response, int]:
     with spooled_body(svc.settings, limit + FORM_OVERHEAD_BYTES, lambda: too_large(limit)) as body:
         file = _files().upload(tenant, body, boundary.encode())
     return jsonify(file_view(file)), 200
+
+
+@bp.get("/files")
+def list_files() -> Response:
+    svc = services()
+    tenant = authenticate(svc.db, svc.recent_keys)
+    limit = page_limit(default=100, most=10_000)
+    order = request.args.get("order", "desc")
+    purpose = request.args.get("purpose")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("order must be asc or desc.", details={"order": ["asc or desc."]})
+    if purpose not in (None, "batch"):
+        raise InvalidRequest("Only uploaded files (purpose batch) are listed; a batch's output and error files "
+                             "are named on the batch (output_file_id, error_file_id).",
+                             details={"purpose": ["batch."]})
+    files = _files().list(tenant.id, limit + 1, request.args.get("after"), order == "asc", purpose)
+    return list_page(files, limit, file_view, openai=True)
+
+
+@bp.delete("/files/<file_id>")
+def delete_file(file_id: str) -> Response:
+    svc = services()
+    tenant = authenticate(svc.db, svc.recent_keys)
+    kind, uid = parse_id(file_id)
+    if kind is not None:
+        raise ApiError("A batch's output and error files are read from its lines: they cannot be deleted on "
+                       "their own.", code="file_not_deletable", status=400)
+    return jsonify(_files().delete(tenant.id, uid, file_id))
 
 
 @bp.get("/files/<file_id>")

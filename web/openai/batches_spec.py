@@ -29,9 +29,19 @@ SCHEMAS = {
                         "request_counts": {"type": "object", "properties": {
                             name: {"type": "integer"} for name in ("total", "completed", "failed")}},
                         "metadata": {"type": ["object", "null"], "additionalProperties": {"type": "string"}},
+                        "model": {"type": "string"},
+                        "usage": {"type": "object", "required": ["input_tokens", "output_tokens", "total_tokens"],
+                                  "properties": {name: {"type": "integer"} for name in (
+                                      "input_tokens", "output_tokens", "total_tokens")}},
                         **{name: NULLABLE_INT for name in (
                             "created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at",
                             "failed_at", "expired_at", "cancelling_at", "cancelled_at")}}},
+    "OpenAIFileList": {"type": "object", "required": ["object", "data", "has_more"], "properties": {
+        "object": {"const": "list"}, "data": {"type": "array", "items": {"$ref": "#/components/schemas/OpenAIFile"}},
+        "first_id": {"type": ["string", "null"]}, "last_id": {"type": ["string", "null"]},
+        "has_more": {"type": "boolean"}}},
+    "OpenAIFileDeleted": {"type": "object", "required": ["id", "object", "deleted"], "properties": {
+        "id": {"type": "string"}, "object": {"const": "file"}, "deleted": {"const": True}}},
     "OpenAIBatchList": {"type": "object", "required": ["object", "data", "has_more"], "properties": {
         "object": {"const": "list"}, "data": {"type": "array", "items": {"$ref": "#/components/schemas/OpenAIBatch"}},
         "first_id": {"type": ["string", "null"]}, "last_id": {"type": ["string", "null"]},
@@ -65,7 +75,16 @@ def add_paths(spec: APISpec) -> None:
                              "propertyNames": {"type": "string", "maxLength": 64, "pattern": "^[^\\u0000]*$"},
                              "additionalProperties": {"type": "string", "maxLength": 512,
                                                       "pattern": "^[^\\u0000]*$"}}}}
-    spec.path(path="/v1/files", operations={"post": {
+    spec.path(path="/v1/files", operations={"get": {
+        **common, "summary": "The tenant's uploaded files, newest first",
+        "parameters": [{"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 10000}},
+                       {"name": "after", "in": "query", "schema": {"type": "string"},
+                        "description": "A file id: list the files past it, in the order asked for."},
+                       {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}},
+                       {"name": "purpose", "in": "query", "schema": {"const": "batch"}}],
+        "responses": {"200": _json("OpenAIFileList", "The files."), **auth,
+                      "400": _error("limit, order or purpose out of range."),
+                      "404": _error("`after` names no file of this key (file_not_found).")}}, "post": {
         **common, "summary": "Upload a batch input file (OpenAI Files), streamed into Postgres",
         "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": form}}},
         "responses": {"200": _json("OpenAIFile", "The stored file."), **auth,
@@ -75,7 +94,11 @@ def add_paths(spec: APISpec) -> None:
                       "415": _error("Not multipart/form-data.")}}})
     spec.path(path="/v1/files/{file_id}", operations={"get": {
         **common, "summary": "A file object", "parameters": [file_id],
-        "responses": {"200": _json("OpenAIFile", "The file."), **auth, **no_file}}})
+        "responses": {"200": _json("OpenAIFile", "The file."), **auth, **no_file}}, "delete": {
+        **common, "summary": "Delete an uploaded file; a batch made from it keeps its lines and the file's id",
+        "parameters": [file_id],
+        "responses": {"200": _json("OpenAIFileDeleted", "Deleted."), **auth, **no_file,
+                      "400": _error("A batch's output or error file (file_not_deletable).")}}})
     spec.path(path="/v1/files/{file_id}/content", operations={"get": {
         **common, "summary": "A file's content: an upload as sent, or a batch's results in OpenAI's output format",
         "parameters": [file_id],

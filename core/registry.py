@@ -33,12 +33,16 @@ class RegistryError(ValueError):
 class ModelSpec:
     name: str
     path: str | None = None
-    role: str = "main"  # main | light | long
+    role: str = "main"  # main | light | long | embed
     context_tokens: int = 8192
     worker_roles: tuple[str, ...] = ALL_ROLES
     # How `tool_choice: auto` reads tool calls out of this model's free text (TOOL_PARSERS);
     # None: auto is refused for it, required and named functions still work.
     tool_parser: str | None = None
+    # An embedding model (role embed): the length of its vectors, and whether a request may ask for
+    # fewer (`dimensions`: a Matryoshka model, whose leading dimensions are an embedding too).
+    dimensions: int | None = None
+    matryoshka: bool = False
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,11 @@ class Registry:
     @property
     def default(self) -> ModelSpec:
         return next(m for m in self.models if m.role == "main")
+
+    @property
+    def embed(self) -> ModelSpec | None:
+        """The first embedding model: what an embeddings request naming no model runs on."""
+        return next((m for m in self.models if m.role == "embed"), None)
 
     def get(self, name: str) -> ModelSpec | None:
         return next((m for m in self.models if m.name == name), None)
@@ -65,9 +74,17 @@ class Registry:
         return "" if model.name == self.default.name else f".{model.name}"
 
 
-def parse_registry(models_json: str | None, *, name: str, path: str | None, context_tokens: int) -> Registry:
+def parse_registry(models_json: str | None, *, name: str, path: str | None, context_tokens: int,
+                   embed: ModelSpec | None = None) -> Registry:
+    """``embed``: the embedding model SLUICE_EMBED_MODEL names, served beside the main model when
+    SLUICE_MODELS is unset (with it, list the embedding model there, role embed)."""
     if not models_json:
-        return Registry((ModelSpec(name=name, path=path, context_tokens=context_tokens),))
+        main = ModelSpec(name=name, path=path, context_tokens=context_tokens)
+        if embed is not None:
+            _check(embed, 1)
+            if embed.name == name:
+                raise RegistryError("SLUICE_EMBED_MODEL must differ from SLUICE_MODEL")
+        return Registry((main,) if embed is None else (main, embed))
     try:
         raw = json.loads(models_json)
     except json.JSONDecodeError as exc:
@@ -78,13 +95,15 @@ def parse_registry(models_json: str | None, *, name: str, path: str | None, cont
     for i, entry in enumerate(raw):
         if not isinstance(entry, dict) or "name" not in entry:
             raise RegistryError(f"SLUICE_MODELS[{i}] must be an object with at least a name")
-        unknown = set(entry) - {"name", "path", "role", "context_tokens", "worker_roles", "tool_parser"}
+        unknown = set(entry) - {"name", "path", "role", "context_tokens", "worker_roles", "tool_parser", "dimensions",
+                                "matryoshka"}
         if unknown:
             raise RegistryError(f"SLUICE_MODELS[{i}] has unknown keys: {', '.join(sorted(unknown))}")
         spec = ModelSpec(name=entry["name"], path=entry.get("path"), role=entry.get("role", "main"),
                          context_tokens=entry.get("context_tokens", context_tokens),
                          worker_roles=tuple(entry.get("worker_roles", ALL_ROLES)),
-                         tool_parser=entry.get("tool_parser"))
+                         tool_parser=entry.get("tool_parser"), dimensions=entry.get("dimensions"),
+                         matryoshka=entry.get("matryoshka", False))
         _check(spec, i)
         models.append(spec)
     names = [m.name for m in models]
@@ -98,8 +117,15 @@ def parse_registry(models_json: str | None, *, name: str, path: str | None, cont
 def _check(spec: ModelSpec, i: int) -> None:
     if not isinstance(spec.name, str) or not _NAME.match(spec.name):
         raise RegistryError(f"SLUICE_MODELS[{i}].name must be 1-48 letters, digits, '.', '_' or '-'")
-    if spec.role not in ("main", "light", "long"):
-        raise RegistryError(f"SLUICE_MODELS[{i}].role must be main, light or long")
+    if spec.role not in ("main", "light", "long", "embed"):
+        raise RegistryError(f"SLUICE_MODELS[{i}].role must be main, light, long or embed")
+    if (spec.role == "embed") != (spec.dimensions is not None):
+        raise RegistryError(f"SLUICE_MODELS[{i}]: an embed model, and only one, names its dimensions")
+    if spec.dimensions is not None and (isinstance(spec.dimensions, bool) or not isinstance(spec.dimensions, int)
+                                        or not 1 <= spec.dimensions <= 65536):
+        raise RegistryError(f"SLUICE_MODELS[{i}].dimensions must be an integer from 1 to 65536")
+    if not isinstance(spec.matryoshka, bool):
+        raise RegistryError(f"SLUICE_MODELS[{i}].matryoshka must be true or false")
     if not isinstance(spec.context_tokens, int) or isinstance(spec.context_tokens, bool) or spec.context_tokens < 16:
         raise RegistryError(f"SLUICE_MODELS[{i}].context_tokens must be an integer ≥ 16")
     if spec.tool_parser is not None and spec.tool_parser not in TOOL_PARSERS:

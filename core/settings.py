@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.delivery.ssrf import AllowList
-from core.registry import Registry, RegistryError, parse_registry
+from core.registry import ModelSpec, Registry, RegistryError, parse_registry
 from core.tenants.tiers import Limits, TierError, parse_tiers
 
 # The degradation ladder's steps that exist, by the level (core/admission/load.py) that turns each on.
@@ -80,6 +80,14 @@ class Settings:
         "Directory of the default model (weights + tokenizer) for the vllm engine and token counting.")
     max_context_tokens: int = _field(
         "SLUICE_MAX_CONTEXT_TOKENS", 8192, "Context length of the default model (input + output tokens).")
+    embed_model: str | None = _field(
+        "SLUICE_EMBED_MODEL", None,
+        "Name of an embedding model served beside the main one (POST /v1/embeddings) when SLUICE_MODELS is "
+        "unset; `sluice up` with the simulated engine serves `simulated-embed`.")
+    embed_model_path: str | None = _field(
+        "SLUICE_EMBED_MODEL_PATH", None, "Directory of SLUICE_EMBED_MODEL for the vllm engine and token counting.")
+    embed_dimensions: int = _field(
+        "SLUICE_EMBED_DIMENSIONS", 384, "Length of SLUICE_EMBED_MODEL's vectors (its hidden size).")
     models_json: str | None = _field(
         "SLUICE_MODELS", None,
         "Model registry as JSON: [{name, path, role: main|light|long, context_tokens, worker_roles, "
@@ -501,8 +509,11 @@ class Settings:
 
     @functools.cached_property
     def registry(self) -> Registry:
+        embed = None if not self.embed_model else ModelSpec(
+            name=self.embed_model, path=self.embed_model_path, role="embed", context_tokens=self.max_context_tokens,
+            dimensions=self.embed_dimensions, matryoshka=self.engine == "simulated")
         return parse_registry(self.models_json, name=self.model, path=self.model_path,
-                              context_tokens=self.max_context_tokens)
+                              context_tokens=self.max_context_tokens, embed=embed)
 
     def require_services(self) -> None:
         """Fail clearly when a process that needs Postgres and Redis has neither URL."""

@@ -23,7 +23,7 @@ def worker_argv(settings: Settings, role: str, concurrency: int | None = None, n
     if len(node) > 56 or not node.isprintable() or " " in node:
         raise ValueError(f"node name {node!r} must be at most 56 printable characters without spaces "
                          "(it names the worker's direct queue); pass a shorter --name")
-    queues = queues_for_role(role, registry.queue_suffix(spec), node)
+    queues = queues_for_role(role, registry.queue_suffix(spec), node, embed=spec.role == "embed")
     # `env` carries the role and model into the worker process without touching our own env.
     return ["env", f"SLUICE_WORKER_ROLE={role}", f"SLUICE_WORKER_MODEL={spec.name}",
             sys.executable, "-m", "celery", "-A", "workers.entry", *_banner(settings), "worker",

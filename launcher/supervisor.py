@@ -19,6 +19,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -112,7 +113,7 @@ class Platform:
     def dead(self) -> str | None:
         """A line saying which piece stopped on its own, with its log tail; None if all run."""
         for child in self.children:
-            if child.name == "worker" and child.proc.poll() is not None and _restartable(child):
+            if _is_worker(child) and child.proc.poll() is not None and _restartable(child):
                 # Its watchdog found the engine stuck (exit 70), or Celery gave up after running a
                 # while (kombu's Redis transport can die on a broker restart): restart it; the sweep
                 # requeues what it ran. A worker that fails as it starts is reported instead.
@@ -136,21 +137,22 @@ class Platform:
         take to finish (``worker_grace_s``; a second Ctrl-C makes it requeue them at once), the
         others STOP_GRACE_S. SIGKILL what is left, then stop the servers."""
         order = sorted(self.children,
-                       key=lambda c: ["web", "flower", "monitor", "beat", "webhooks", "worker"].index(c.name))
+                       key=lambda c: ["web", "flower", "monitor", "beat", "webhooks", "worker"].index(
+                           "worker" if _is_worker(c) else c.name))
         if order:
             say(f"stopping {', '.join(c.name for c in order)} ...")
         for child in order:
             _terminate(child)
         began, hurried = time.monotonic(), False
         for child in order:
-            grace = worker_grace_s if child.name == "worker" else STOP_GRACE_S
-            if child.name == "worker" and child.proc.poll() is None:
+            grace = worker_grace_s if _is_worker(child) else STOP_GRACE_S
+            if _is_worker(child) and child.proc.poll() is None:
                 say(f"waiting up to {grace:.0f}s for the worker to finish its requests "
                     "(Ctrl-C again: requeue them now)")
             while child.proc.poll() is None and time.monotonic() - began < grace:
                 if self.hurry and not hurried:
                     hurried = True
-                    for worker in (c for c in order if c.name == "worker" and c.proc.poll() is None):
+                    for worker in (c for c in order if _is_worker(c) and c.proc.poll() is None):
                         _terminate(worker)  # the second one: requeue now
                 time.sleep(0.1)
             if child.proc.poll() is None:
@@ -168,6 +170,7 @@ class Platform:
 
 def run_platform(settings: Settings, role: str = "all", flower: bool = True, smoke: bool = False) -> int:
     """Run everything until Ctrl-C/SIGTERM (or, with ``smoke``, until the demo finished); exit code."""
+    settings = with_embedding_model(settings)
     data_dir = Path(settings.data_dir).resolve()
     (data_dir / "logs").mkdir(parents=True, exist_ok=True)
     # Logs name tenants' request ids and the data folder holds keys and passwords: owner only.
@@ -210,6 +213,10 @@ def run_platform(settings: Settings, role: str = "all", flower: bool = True, smo
         known_workers = _worker_ids(settings.redis_url)
         platform.spawn("web", web_argv(settings), env)
         platform.spawn("worker", worker_argv(settings, role), env)
+        embed = settings.registry.embed
+        if embed is not None and role in embed.worker_roles:  # POST /v1/embeddings: a worker of its own
+            platform.spawn("embed-worker", worker_argv(settings, role, model=embed.name,
+                                                       name=f"embed-{role}@{socket.gethostname()}"), env)
         platform.spawn("webhooks", webhooks_worker_argv(settings), env)
         platform.spawn("beat", beat_argv(settings), env)
         platform.spawn("monitor", monitor_argv(settings), env)
@@ -225,7 +232,8 @@ def run_platform(settings: Settings, role: str = "all", flower: bool = True, smo
         if platform.stop_signal is not None:
             return 0
         _banner(settings, api, flower_url, key, data_dir)
-        ok = _demo(platform, api, key) and _demo_job(platform, api, key)
+        ok = (_demo(platform, api, key) and _demo_job(platform, api, key)
+              and (embed is None or _demo_embeddings(api, key, embed.name)))
         if smoke:
             return 0 if ok else 1
         say("\nSluice is running. Press Ctrl-C to stop.")
@@ -276,11 +284,24 @@ def _restartable(child: Child) -> bool:
 def _terminate(child: Child) -> None:
     """SIGTERM a child: a worker's own process only (vLLM's engine core, a child in its group,
     would abort every request at once; it follows its parent out), anything else its group."""
-    if child.name == "worker":
+    if _is_worker(child):
         with contextlib.suppress(ProcessLookupError):
             os.kill(child.proc.pid, signal.SIGTERM)
     else:
         _signal_group(child.proc.pid, signal.SIGTERM)
+
+
+def _is_worker(child: Child) -> bool:
+    """An inference worker: the main model's, or the embedding model's."""
+    return child.name in ("worker", "embed-worker")
+
+
+def with_embedding_model(settings: Settings) -> Settings:
+    """The simulated platform `sluice up` brings up serves an embedding model too (simulated, its
+    name says so) unless the operator chose the models (SLUICE_MODELS or SLUICE_EMBED_MODEL)."""
+    if settings.engine == "simulated" and not settings.models_json and not settings.embed_model:
+        return settings.replace(embed_model="simulated-embed")
+    return settings
 
 
 def child_env(settings: Settings) -> dict[str, str]:
@@ -420,6 +441,18 @@ def _demo(platform: Platform, api: str, key: str) -> bool:
         say(f"  error       {doc['error']}")
     say(f"Demo request {'succeeded' if doc.get('status') == 'succeeded' else 'did NOT succeed'}.")
     return doc.get("status") == "succeeded"
+
+
+def _demo_embeddings(api: str, key: str, model: str) -> bool:
+    """Embed two sentences through the OpenAI route; True if both vectors came back."""
+    say("Demo: embedding two sentences (POST /v1/embeddings) ...")
+    status, doc = _http(f"{api}/v1/embeddings", key, {"model": model, "input": DEMO_DOCUMENTS[:2]})
+    vectors = [item.get("embedding") for item in doc.get("data", [])] if status == 200 else []
+    ok = len(vectors) == 2 and all(isinstance(v, list) and v for v in vectors)
+    note = " (simulated: the vectors mean nothing)" if (doc.get("sluice") or {}).get("simulated") else ""
+    say(f"  {len(vectors)} vectors of {len(vectors[0]) if ok else 0} dimensions from {doc.get('model')}{note}"
+        if ok else f"Demo embeddings failed: HTTP {status} {json.dumps(doc.get('error', doc))}")
+    return ok
 
 
 DEMO_DOCUMENTS = (

@@ -27,6 +27,7 @@ refusals touch no Postgres (a refused request has no row).
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import logging
 import uuid
@@ -227,6 +228,8 @@ class Lifecycle:
         row.started_at = row.first_token_at = row.finished_at = db_now()
         row.output_text, row.finish_reason = answer["text"], answer.get("finish_reason")
         row.choices = answer.get("choices")
+        row.embedding = base64.b64decode(answer["embedding"]) if answer.get("embedding") else None
+        row.device = answer.get("device")  # what computed the answer (no worker ran this row)
         row.input_tokens, row.output_tokens = answer.get("input_tokens", row.input_tokens), answer["output_tokens"]
         # No engine time: admission refunds the whole reservation (started_at is what says so).
         self._insert(row, also, ran=False)
@@ -320,7 +323,7 @@ class Lifecycle:
                 rows = session.execute(
                     _ending(Status.QUEUED, SUCCEEDED, *parked, leader.c.id == _t.follows_id)
                     .values(cache_hit=True, model_used=leader.c.model_used, output_text=leader.c.output_text,
-                            choices=leader.c.choices,
+                            choices=leader.c.choices, embedding=leader.c.embedding, device=leader.c.device,
                             input_tokens=leader.c.input_tokens, output_tokens=leader.c.output_tokens,
                             finish_reason=leader.c.finish_reason, started_at=db_now(), first_token_at=db_now())
                     .returning(*_MOVED_COLUMNS)).all()
@@ -364,7 +367,8 @@ class Lifecycle:
         if output is not None:
             values.update(output_text=storable_text(output.text), output_tokens=output.output_tokens,
                           input_tokens=output.prompt_tokens, cached_tokens=output.cached_tokens,
-                          finish_reason=output.finish_reason, choices=stored_choices(output))
+                          finish_reason=output.finish_reason, choices=stored_choices(output),
+                          embedding=getattr(output, "embedding", None))
         with self._moving() as moved, self.db.session() as session:
             row = session.execute(_ending(Status.RUNNING, end, _t.id == request_id, _t.worker == worker)
                                   .values(**values).returning(*_MOVED_COLUMNS)).one_or_none()

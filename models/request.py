@@ -12,7 +12,7 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Enum, ForeignKey, Index, String, Text, func, text
+from sqlalchemy import Enum, ForeignKey, Index, LargeBinary, String, Text, func, text
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -44,6 +44,7 @@ class Priority(enum.StrEnum):
 class SizeClass(enum.StrEnum):
     SMALL = "small"
     LARGE = "large"
+    EMBED = "embed"  # embeddings: prefill only, cheap; queues and workers of their own
 
 
 def _str_enum(cls: type[enum.StrEnum], name: str) -> Enum:
@@ -108,6 +109,9 @@ class InferenceRequest(Base):
     # probabilities (logprobs asked): [{text, finish_reason, output_tokens, logprobs}], the first
     # choice being output_text's. Null for a plain answer.
     choices: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONB)
+    # An embeddings request's vectors, one per input in order: float32, little-endian, end to end
+    # (len = inputs × dimensions × 4). Null for a generation.
+    embedding: Mapped[bytes | None] = mapped_column(LargeBinary)
     finish_reason: Mapped[str | None] = mapped_column(String(16))
     error_code: Mapped[str | None] = mapped_column(String(64))
     error_message: Mapped[str | None] = mapped_column(String(500))
@@ -123,6 +127,7 @@ class InferenceRequest(Base):
     # Who ran it. `worker` names one worker process instance, so a restarted worker with the
     # same node name is a different owner and the sweep can tell its rows from the dead one's.
     worker: Mapped[str | None] = mapped_column(String(200))
+    # The device that computed the answer: a cached or twin answer carries its source's.
     device: Mapped[str | None] = mapped_column(String(64))
     attempts: Mapped[int] = mapped_column(default=0)
 

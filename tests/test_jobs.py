@@ -152,7 +152,7 @@ def test_bad_uploads_are_refused_with_reasons_and_leave_nothing_behind(bulk, new
     params = bulk.submit(client, good, modle="x", summary_tokens="lots", completion_window="3 weeks")
     assert params.status_code == 422 and set(params.get_json()["error"]["details"]) == {
         "modle", "summary_tokens", "completion_window"}
-    openai = bulk.submit(client, jsonl([{"custom_id": "o", "method": "POST", "url": "/v1/embeddings", "body": {}}]))
+    openai = bulk.submit(client, jsonl([{"custom_id": "o", "method": "POST", "url": "/v1/responses", "body": {}}]))
     assert openai.status_code == 422 and openai.get_json()["error"]["details"]["lines"][0]["code"] == "invalid_url"
 
     # Over the tenant's token budget for its window: refused at submit, with the numbers.

@@ -81,7 +81,7 @@ def test_registry_lists_long_models_smallest_first():
     assert registry.default.name == "main"
     assert [m.name for m in registry.long_models()] == ["long-32k", "long-128k"]
     assert parse_registry(None, name="m", path=None, context_tokens=8192).long_models() == []
-    with pytest.raises(RegistryError, match="main, light or long"):
+    with pytest.raises(RegistryError, match="main, light, long or embed"):
         parse_registry(json.dumps([{"name": "x", "role": "huge"}]), name="m", path=None, context_tokens=8192)
 
 

@@ -151,7 +151,7 @@ def test_bad_lines_are_reported_in_the_error_file_and_the_rest_run(platform):
     with no valid line is refused when the batch is created (400)."""
     client = platform.client()
     lines = [completion_line("good-0", "Once upon a time"), "{not json",
-             chat_line("wrong-endpoint", "lakes"), completion_line("good-1", "The river"),
+             {"custom_id": "a-document", "text": "not an OpenAI request"}, completion_line("good-1", "The river"),
              {"custom_id": "no-prompt", "method": "POST", "url": "/v1/completions", "body": {}},
              completion_line("good-2", "At dawn")]
     done = wait(client, submit(client, lines, endpoint="/v1/completions").id)
@@ -164,11 +164,11 @@ def test_bad_lines_are_reported_in_the_error_file_and_the_rest_run(platform):
     errors = lines_of(client, done.error_file_id)
     # A line the ingest could not read has no custom_id; its id ends with its line number.
     assert [(e["id"].rsplit("_", 1)[1], e["custom_id"], e["error"]["code"]) for e in errors] == [
-        ("2", None, "malformed_json"), ("3", "wrong-endpoint", "invalid_url"), ("5", None, "invalid_body")]
+        ("2", None, "malformed_json"), ("3", "a-document", "invalid_url"), ("5", None, "invalid_body")]
     assert all(e["response"] is None and e["error"]["message"] for e in errors)
 
     with pytest.raises(openai.BadRequestError) as refused:
-        submit(client, ["{not json", chat_line("chat", "the sea")], endpoint="/v1/completions")
+        submit(client, ["{not json", {"custom_id": "doc", "text": "a document"}], endpoint="/v1/completions")
     assert refused.value.code == "no_valid_lines" and refused.value.type == "invalid_request_error"
 
 
@@ -180,7 +180,7 @@ def test_only_batch_files_and_openai_shaped_errors(platform):
     assert set(refused.value.body) == {"message", "type", "param", "code"} and refused.value.param == "purpose"
     upload = client.files.create(file=("in.jsonl", jsonl([chat_line("a", "b")])), purpose="batch")
     with pytest.raises(openai.BadRequestError) as refused:
-        client.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings", completion_window="24h")
+        client.batches.create(input_file_id=upload.id, endpoint="/v1/responses", completion_window="24h")
     assert refused.value.param == "endpoint"
 
 

@@ -31,15 +31,23 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None or impo
 EXACT = {"ignore_eos": True}  # vLLM's own extension: exactly max_tokens, whatever the random weights say
 
 
+EMBED_MODEL = "tiny-embed"
+
+
 @pytest.fixture(scope="module")
-def sluice(database_url, redis_dbs, vllm_env, tmp_path_factory):  # noqa: F811 - the fixture imported above
-    """One web and one vLLM worker for the module; yields the web's base URL."""
+def sluice(database_url, redis_dbs, vllm_env, tiny_model, tmp_path_factory):  # noqa: F811 - fixtures imported above
+    """One web, one vLLM worker and one vLLM embedding worker (the same tiny Llama, run by vLLM's
+    pooling runner as a decoder embedding model is) for the module; yields the web's base URL."""
     redis_url = redis_dbs()
     tmp = tmp_path_factory.mktemp("openai")
-    worker = WorkerProcess(database_url, redis_url, tmp, extra_env=vllm_env, ready_timeout=300)
-    web = WebProcess(service_env(database_url, redis_url, vllm_env), tmp)
+    env = {**vllm_env, "SLUICE_EMBED_MODEL": EMBED_MODEL, "SLUICE_EMBED_MODEL_PATH": str(tiny_model),
+           "SLUICE_EMBED_DIMENSIONS": "128"}
+    worker = WorkerProcess(database_url, redis_url, tmp, extra_env=env, ready_timeout=300)
+    embedder = WorkerProcess(database_url, redis_url, tmp, extra_env=env, ready_timeout=300, model=EMBED_MODEL)
+    web = WebProcess(service_env(database_url, redis_url, env), tmp)
     yield web.url
     web.stop()
+    embedder.stop()
     worker.stop()
     redis_dbs.release(redis_url)
 
@@ -121,9 +129,11 @@ def test_streamed_chat_arrives_in_chunks_with_usage_last(sluice, sdk, tenant):
 
 def test_models_lists_the_registry_with_warm_workers(sluice, sdk, tenant):
     _, key = tenant
-    (model,) = sdk(key).models.list().data
-    assert model.id == MODEL and model.object == "model"
-    assert model.model_extra["sluice"]["warm_workers"] == 1
+    models = {model.id: model for model in sdk(key).models.list().data}
+    assert set(models) == {MODEL, EMBED_MODEL} and models[MODEL].object == "model"
+    assert models[MODEL].model_extra["sluice"]["warm_workers"] == models[EMBED_MODEL].model_extra["sluice"][
+        "warm_workers"] == 1
+    assert models[EMBED_MODEL].model_extra["sluice"]["role"] == "embed"
 
 
 def test_errors_come_in_openai_shape(sluice, sdk, tenant):
@@ -303,3 +313,23 @@ def test_a_schema_vllm_cannot_compile_fails_with_its_reason(sluice, sdk, tenant)
                 "type": "object", "required": ["a"], "properties": {"a": {"type": "string", "pattern": "(?<=x)y"}}}}})
     assert failed.value.code == "invalid_response_format" and failed.value.param == "response_format"
     assert "Lookbehind" in failed.value.message or "look" in failed.value.message.lower()
+
+
+def test_embeddings_of_vllm_come_back_in_order_normalised(sluice, sdk, tenant):
+    client = sdk(tenant[1])
+    texts = [f"queue number {i % 25} and its river" for i in range(100)]
+    raw = client.embeddings.with_raw_response.create(model=EMBED_MODEL, input=texts)
+    answer = raw.parse()
+    assert [d.index for d in answer.data] == list(range(100)) and answer.model == EMBED_MODEL
+    assert all(len(d.embedding) == 128 for d in answer.data)
+    assert all(abs(sum(v * v for v in d.embedding) - 1) < 1e-3 for d in answer.data)  # vLLM normalises
+    assert answer.data[3].embedding == pytest.approx(answer.data[28].embedding, abs=1e-5)  # the same text
+    assert answer.data[3].embedding != pytest.approx(answer.data[4].embedding, abs=1e-3)
+    view = row_view(sluice, tenant[1], raw.headers["Sluice-Request-Id"])
+    assert view["worker"] is not None and answer.model_extra["sluice"]["simulated"] is False
+    assert answer.usage.prompt_tokens == view["usage"]["input_tokens"] > 100  # the engine's own count
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as refused:  # not a Matryoshka model: no fewer dimensions
+        client.embeddings.create(model=EMBED_MODEL, input="x", dimensions=16)
+    assert refused.value.param == "dimensions"

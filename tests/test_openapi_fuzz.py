@@ -51,6 +51,8 @@ CROSS_FIELD_RULES = {"POST /v1/admin/reservations", "POST /v1/jobs"}
 # of max_tokens: generated bodies keep their shape but ask for a short answer (a valid value,
 # added when they name none), or a case near the 8192 maximum would hold the fuzz for a minute.
 SHORT_ANSWERS = {"POST /v1/chat/completions", "POST /v1/completions"}
+# The document's embeddings route and `input` need an embedding model, served by a worker of its own.
+EMBED = {"SLUICE_EMBED_MODEL": "simulated-embed", "SLUICE_EMBED_DIMENSIONS": "32"}
 SHORT = 16
 
 
@@ -73,8 +75,8 @@ def fuzz_app(database_url, scratch_redis_url, tmp_path):
     are cancelled and its reservations (global: they would pause batch work) deleted."""
     from web import create_app
 
-    application = create_app(make_settings(database_url, scratch_redis_url, {"SLUICE_WEBHOOK_ALLOW": "127.0.0.2"},
-                                           admin_key=ADMIN_KEY))
+    application = create_app(make_settings(database_url, scratch_redis_url, {"SLUICE_WEBHOOK_ALLOW": "127.0.0.2",
+                                                                             **EMBED}, admin_key=ADMIN_KEY))
     tenant = f"fuzz-{uuid.uuid4().hex[:8]}"
     key = create_key(Settings(database_url=database_url).sqlalchemy_url, tenant)
     application.config["fuzz_key"] = key
@@ -83,7 +85,9 @@ def fuzz_app(database_url, scratch_redis_url, tmp_path):
     db = services(application).db
     with db.session() as session:
         began = session.scalar(select(func.now()))
-    worker = WorkerProcess(database_url, scratch_redis_url, tmp_path, concurrency=8)
+    worker = WorkerProcess(database_url, scratch_redis_url, tmp_path, concurrency=8, extra_env=EMBED)
+    embedder = WorkerProcess(database_url, scratch_redis_url, tmp_path, concurrency=8, extra_env=EMBED,
+                             model="simulated-embed")
     try:
         yield application
     finally:
@@ -100,6 +104,7 @@ def fuzz_app(database_url, scratch_redis_url, tmp_path):
         for request_id in open_ids:
             http.post(f"/v1/requests/{request_id}/cancel", headers={"Authorization": f"Bearer {key}"})
         worker.stop()
+        embedder.stop()
         # Nor webhook deliveries (nobody receives them) for another module's sweep to send again.
         with db.session() as session:
             session.execute(update(Delivery).where(Delivery.tenant_id == ours,

@@ -79,7 +79,9 @@ def test_status_and_diagnose_find_the_running_platform(tmp_path: Path) -> None:
         diagnose = run("diagnose", "--json")
         assert diagnose.returncode == 0, diagnose.stdout + diagnose.stderr
         report = json.loads(diagnose.stdout)
-        assert report["verdict"] and len(report["figures"]["engines"]) == 1, report
+        # Two engines: the main model's worker and the embedding model's (`sluice up` serves both).
+        assert report["verdict"] and sorted(e["model"] for e in report["figures"]["engines"]) == [
+            "simulated-embed", "simulated-llama-8b"], report
         assert any(c["priority"] == "realtime" and c["queue_wait_s"] is not None
                    for c in report["figures"]["classes"]), report  # the demo request's row, from Postgres
 

@@ -65,6 +65,8 @@ def _demo_key(result: subprocess.CompletedProcess[str]) -> str:
     assert re.search(r"^\s+status\s+succeeded$", result.stdout, re.M), output
     # The bulk job demo ran too: the feeder runs in the monitor `sluice up` starts.
     assert "Demo job completed." in result.stdout and re.search(r"summaries\s+3/3", result.stdout), output
+    # And the embeddings demo, on the simulated embedding model's own worker.
+    assert re.search(r"2 vectors of 384 dimensions from simulated-embed \(simulated", result.stdout), output
     match = re.search(r"API key\s+(sk-sluice-\S+)", result.stdout)
     assert match, output
     return match.group(1)

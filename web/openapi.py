@@ -98,7 +98,10 @@ def build_spec(version: str, settings: Settings | None = None) -> dict:
     _admin_paths(spec)
     document = spec.to_dict()
     openai_spec.finish(document, settings)
-    document["components"]["schemas"]["SubmitRequest"]["oneOf"] = schemas.SubmitRequestSchema.OPENAPI_ONE_OF
+    models = None if settings is None else settings.registry.models
+    document["components"]["schemas"]["SubmitRequest"]["oneOf"] = schemas.SubmitRequestSchema.openapi_one_of(
+        None if models is None else [m.name for m in models if m.role != "embed"],
+        None if models is None else [m.name for m in models if m.role == "embed"])
     document["components"]["schemas"]["SubmitRequest"]["dependentRequired"] = {"webhook_events": ["webhook_url"]}
     document_rules(document["components"]["schemas"])
     if settings is not None:

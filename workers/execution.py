@@ -8,6 +8,7 @@ can never make a request run twice or reach two terminal states.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import time
@@ -130,7 +131,8 @@ def run(lifecycle: Lifecycle, runtime: EngineRuntime, claimed: Claimed, claimed_
         out = result.output
         answers.put(key, {"text": storable_text(out.text), "finish_reason": out.finish_reason,
                           "input_tokens": out.prompt_tokens, "output_tokens": out.output_tokens,
-                          "choices": lc.stored_choices(out)})
+                          "choices": lc.stored_choices(out), "device": runtime.info.get("device"),
+                          "embedding": base64.b64encode(out.embedding).decode() if out.embedding else None})
 
 
 def _observe(claimed: Claimed, model: str, result: RunResult, claimed_mono: float) -> None:
@@ -154,6 +156,10 @@ def finish(lifecycle: Lifecycle, request_id: uuid.UUID, worker_id: str, model: s
 
 def generation_request(claimed: Claimed) -> GenerationRequest:
     params, tools = claimed.params, claimed.input.get("tools")
+    if "texts" in claimed.input:  # embeddings: nothing is sampled
+        return GenerationRequest(request_id=str(claimed.id), prompt="", params=SamplingParams(max_tokens=1),
+                                 priority=ENGINE_PRIORITY[claimed.priority], prompt_tokens=claimed.input_tokens,
+                                 texts=tuple(claimed.input["texts"]), dimensions=params.get("dimensions"))
     constraint = decoding(params, tools)
     return GenerationRequest(
         request_id=str(claimed.id), prompt=render_prompt(claimed.input),

@@ -141,8 +141,7 @@ class EngineRuntime:
         self._call(self.engine.start())
         # Twice: the first run pays for lazy initialisation; the second measures a sequence's speed.
         for attempt in range(2):
-            warmup = GenerationRequest(request_id=f"warmup-{attempt}-{self.worker_id}", prompt="warm up",
-                                       params=SamplingParams(max_tokens=8, ignore_eos=True))
+            warmup = self._warm_request(f"warmup-{attempt}-{self.worker_id}", "warm up")
             result = self._call(self._run(warmup, 120.0, "timeout"))
         self._learn_speed(result)
         self._call(self._warm_burst())
@@ -161,9 +160,16 @@ class EngineRuntime:
         n = min(WARMUP_BURST, self.governor.max_seqs)
         if n < 2:
             return
-        await asyncio.gather(*(self._run(GenerationRequest(
-            request_id=f"warmup-burst-{i}-{self.worker_id}", prompt=f"warm up {i}",
-            params=SamplingParams(max_tokens=8, ignore_eos=True)), 120.0, "timeout") for i in range(n)))
+        await asyncio.gather(*(self._run(self._warm_request(f"warmup-burst-{i}-{self.worker_id}", f"warm up {i}"),
+                                         120.0, "timeout") for i in range(n)))
+
+    def _warm_request(self, request_id: str, prompt: str) -> GenerationRequest:
+        """A warm-up: eight tokens generated, or (an embedding model's engine) one text embedded."""
+        if self.engine.embeds:
+            return GenerationRequest(request_id=request_id, prompt="", params=SamplingParams(max_tokens=1),
+                                     texts=(prompt,))
+        return GenerationRequest(request_id=request_id, prompt=prompt, params=SamplingParams(max_tokens=8,
+                                                                                             ignore_eos=True))
 
     def _curve_text(self) -> str:
         coef = self.governor.curve.coefficients()

@@ -289,7 +289,7 @@ def _redact_old(db: Database, settings: Settings) -> int:
                                    _t.finished_at < _ago(settings.retention_days * 86400))
                .limit(BATCH).with_for_update(skip_locked=True).scalar_subquery())
         done = session.execute(update(_t).where(_t.id.in_(old)).values(
-            input=REDACTED_INPUT, output_text=None, choices=None, redacted_at=func.now()))
+            input=REDACTED_INPUT, output_text=None, choices=None, embedding=None, redacted_at=func.now()))
         return done.rowcount
 
 

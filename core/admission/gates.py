@@ -36,7 +36,7 @@ from core.observe import submit_metrics as metrics
 from core.rediskeys import redis_client
 from core.settings import Settings
 from core.tenants.tiers import Limits, effective_limits
-from models import Tenant
+from models import SizeClass, Tenant
 from models.lifecycle import Ended
 
 if TYPE_CHECKING:
@@ -210,9 +210,11 @@ class Admission:
     def _too_large(self, limits: Limits, row: Plan) -> tuple[int, str, str] | None:
         """The smallest ceiling the request's tokens exceed, as (tokens, name, description)."""
         model = self.settings.registry.get(row.target_model)
-        ceilings = [
+        # An embeddings request's inputs are embedded one by one: the planner held each to the context.
+        ceilings = [] if row.size_class == SizeClass.EMBED else [
             (model.context_tokens if model else self.settings.max_context_tokens, "context_length",
-             f"{row.target_model}'s context length"),
+             f"{row.target_model}'s context length")]
+        ceilings += [
             (limits.max_request_tokens, "max_request_tokens", "your per-request maximum"),
             # A request larger than a whole minute's budget could never be admitted: say so now.
             (limits.tokens_per_minute, "tokens_per_minute", "your tokens-per-minute limit"),

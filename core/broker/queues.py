@@ -54,12 +54,19 @@ ROLES: dict[str, tuple[str, ...]] = {
 }
 
 
-def queues_for_role(role: str, suffix: str = "", node: str | None = None) -> tuple[str, ...]:
+# A worker of an embedding model takes its embed queues whatever its role (no long contexts to
+# keep apart: each input is one prefill): realtime only for a realtime one, both for the others.
+EMBED_ROLES: dict[str, tuple[str, ...]] = {"realtime": ("realtime.embed",), "large": ("realtime.embed", "batch.embed"),
+                                           "batch": ("batch.embed",), "all": ("realtime.embed", "batch.embed")}
+
+
+def queues_for_role(role: str, suffix: str = "", node: str | None = None, embed: bool = False) -> tuple[str, ...]:
     """The queues a worker of ``role`` consumes: maintenance (one short sweep per interval, which
     must run even when request queues never drain), its own direct queue (conversation turns),
-    then the role's queues for its model. workers/queue_order.py reads them class by class."""
+    then the role's queues for its model (``embed``: an embedding model's). workers/queue_order.py
+    reads them class by class."""
     try:
-        shared = tuple(q + suffix for q in ROLES[role])
+        shared = tuple(q + suffix for q in (EMBED_ROLES if embed else ROLES)[role])
     except KeyError:
         raise ValueError(f"unknown worker role {role!r}; choose one of {', '.join(ROLES)}") from None
     return (MAINTENANCE_QUEUE,) + ((direct_queue(node),) if node else ()) + shared

@@ -14,7 +14,7 @@ import uuid
 from typing import Any
 
 from core.jobs.params import chunk_budget
-from core.openai.shapes import CHAT_URL, to_native
+from core.openai.shapes import to_native_for
 from core.services import Services
 from core.tenants.tiers import effective_limits
 from models import Tenant
@@ -60,9 +60,10 @@ class Bodies:
 
     def _openai_body(self, job: Job, body: dict[str, Any]) -> dict[str, Any]:
         asked = {name: value for name, value in body.items() if name != "url"}
-        _, request = to_native(asked, body["url"] == CHAT_URL, batch=True)  # ingest stores every line's url
-        request.update(model=request.get("model", job.model), priority=job.priority,
-                       deadline_s=self._deadline_s(job),
+        _, request = to_native_for(body["url"], asked, batch=True)  # ingest stores every line's url
+        if "input" not in request:  # an embeddings line naming no model runs on the embedding model
+            request.setdefault("model", job.model)
+        request.update(priority=job.priority, deadline_s=self._deadline_s(job),
                        metadata={**request.get("metadata", {}), "job_id": str(job.id)})
         if "max_tokens" in request:
             request["max_tokens"] = min(request["max_tokens"], self.settings.max_output_tokens)

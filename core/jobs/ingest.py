@@ -22,7 +22,7 @@ from typing import IO, Any
 
 from psycopg.types.json import Jsonb
 
-from core.openai.shapes import CHAT_URL, URLS, OpenAIBodyError, to_native
+from core.openai.shapes import URLS, OpenAIBodyError, to_native_for
 from core.submit.plan import request_input_of
 from core.submit.tokens import estimate_input_tokens, estimate_text_tokens
 from models.job import ItemStatus
@@ -136,7 +136,7 @@ def _openai_line(obj: dict[str, Any], served: set[str]) -> tuple[dict[str, Any],
     if not isinstance(body, dict):
         raise LineError("invalid_body", "body must be a JSON object.")
     try:  # the front's own check (core/openai/shapes.py), as a batch line
-        _, native = to_native(body, url == CHAT_URL, batch=True)
+        _, native = to_native_for(url, body, batch=True)
     except OpenAIBodyError as exc:
         message = exc.problems("body.")
         raise LineError("unsupported_fields" if set(exc.details) <= exc.unsupported else "invalid_body",

@@ -274,7 +274,10 @@ def _refuse_over_budget(tally: ingest.Tally, priced: int, others: int, params: J
 
 
 def _off_endpoint(body: dict[str, Any] | None, endpoint: str | None) -> ingest.LineError | None:
-    """A batch's line that is not a request to the batch's endpoint (OpenAI refuses those too)."""
-    if endpoint is None or (body is not None and body["url"] == endpoint):
+    """A batch's line that is no OpenAI request (a document to summarise). Its requests may go to
+    any of the routes Sluice serves whatever the batch's endpoint, so one batch can mix chat,
+    completions and embeddings (OpenAI's would refuse the lines off its endpoint)."""
+    if endpoint is None or body is not None:
         return None
-    return ingest.LineError("invalid_url", f"Every line of this batch must be an OpenAI request to {endpoint}.")
+    return ingest.LineError("invalid_url", "Every line of a batch must be an OpenAI request (custom_id, method, "
+                                           f"url, body); this batch's endpoint is {endpoint}.")

@@ -28,7 +28,8 @@ from core.errors import InvalidRequest, NotFound
 from core.ids import uuid_or_404
 from core.jobs.service import JobService
 from core.openai.files import ChunkReader, FileStore, parse_id, unix
-from core.openai.shapes import CHAT_URL, URLS, choices
+from core.openai.shapes import CHAT_URL, EMBEDDINGS_URL, URLS, choices
+from core.submit.embeddings import shown, vectors
 from models import Batch, InferenceRequest, ItemStatus, Job, JobItem, JobStatus, Tenant
 from models.request import storable
 from models.session import Database
@@ -110,7 +111,9 @@ class BatchService:
         query = (select(JobItem.line, JobItem.custom_id, JobItem.result, JobItem.finish_reason, JobItem.input_tokens,
                         JobItem.output_tokens, JobItem.error_code, JobItem.error_message, JobItem.finished_at,
                         request_id.label("request_id"), InferenceRequest.choices, InferenceRequest.params,
-                        InferenceRequest.input["tools"].label("tools"),
+                        InferenceRequest.input["tools"].label("tools"), InferenceRequest.embedding,
+                        func.jsonb_array_length(InferenceRequest.input["texts"]).label("texts"),
+                        JobItem.body["url"].astext.label("url"),
                         func.coalesce(InferenceRequest.model_used, InferenceRequest.model_requested,
                                       job.model).label("model"))
                  .outerjoin(InferenceRequest, InferenceRequest.id == request_id)
@@ -208,7 +211,16 @@ def output_line(job: Job, batch: Batch, row) -> dict[str, Any]:
                 "error": {"code": row.error_code, "message": row.error_message}}
     usage = {"prompt_tokens": row.input_tokens, "completion_tokens": row.output_tokens,
              "total_tokens": row.input_tokens + row.output_tokens}
-    rid, chat = row.request_id.hex, batch.endpoint == CHAT_URL
+    url = row.url or batch.endpoint  # a batch may mix the routes: each line answers as its own
+    rid, chat = row.request_id.hex, url == CHAT_URL
+    if url == EMBEDDINGS_URL:
+        encoding = (row.params or {}).get("encoding_format", "float")
+        body = {"object": "list", "model": row.model, "usage": {"prompt_tokens": row.input_tokens,
+                                                                "total_tokens": row.input_tokens},
+                "data": [{"object": "embedding", "index": i, "embedding": shown(vector, encoding)}
+                         for i, vector in enumerate(vectors(row.embedding or b"", row.texts or 0))]}
+        return {"id": line_id, "custom_id": row.custom_id,
+                "response": {"status_code": 200, "request_id": str(row.request_id), "body": body}, "error": None}
     body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "object": "chat.completion" if chat else "text_completion",
             "created": unix(row.finished_at), "model": row.model,
             "choices": choices(str(row.request_id), row.result, row.finish_reason, row.choices, row.params or {},

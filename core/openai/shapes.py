@@ -20,10 +20,12 @@ from typing import Any
 from marshmallow import Schema, ValidationError, fields, pre_load, validate, validates_schema
 
 from core.errors import InvalidRequest
+from core.submit.embeddings import row_vectors
 from core.submit.sampling import (
     MAX_LOGPROBS,
     MAX_N,
     MAX_TOOLS,
+    EmbedInputField,
     LogitBiasField,
     ResponseFormatSchema,
     ToolChoiceField,
@@ -45,8 +47,8 @@ TIERS = {"auto": "realtime", "default": "realtime", "priority": "realtime", "fle
 # Row status → the HTTP status a call answers when its request ended without an answer.
 ENDED = {"failed": 500, "timed_out": 504, "expired": 504, "cancelled": 409, "rejected": 503}
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
-CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
-URLS = (CHAT_URL, COMPLETIONS_URL)  # what a batch line or a batch may run
+CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
+URLS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)  # what a batch line or a batch may run
 MAX_METADATA = 16  # pairs, as OpenAI and the native request take them
 # Fields a batch line's body may not set: the job decides how its requests run.
 NOT_IN_BATCH = {"stream": "A batch line cannot stream; leave stream out or false.",
@@ -186,6 +188,20 @@ class CompletionRequestSchema(_CommonSchema):
             raise ValidationError("echo with logprobs (the prompt's own logprobs) is not served.", "echo")
 
 
+class EmbeddingRequestSchema(Schema):
+    """Body of POST /v1/embeddings."""
+
+    model = SafeString(required=True, validate=validate.Length(min=1, max=128),
+                       metadata={"description": "An embedding model of GET /v1/models (role embed)."})
+    input = EmbedInputField(required=True, metadata={
+        "description": "A string or a list of up to 2048 strings; token arrays are refused."})
+    dimensions = StrictInteger(validate=validate.Range(min=1, max=65536),
+                               metadata={"description": "Fewer dimensions (a Matryoshka model only)."})
+    encoding_format = SafeString(validate=validate.OneOf(["float", "base64"]))
+    user = SafeString(validate=validate.Length(min=1, max=512),
+                      metadata={"description": "Kept as the request's metadata `user`."})
+
+
 class OpenAIBodyError(InvalidRequest):
     """An OpenAI request body Sluice cannot run. ``details`` maps each bad field to its reasons;
     ``unsupported`` names those refused because Sluice does not take them (fields it does not
@@ -227,6 +243,7 @@ def _shown(name: Any) -> str:
     return json.dumps(str(name))[1:-1][:60]
 
 
+_EMBEDDINGS = {False: EmbeddingRequestSchema(), True: EmbeddingRequestSchema(partial=("model",))}
 _SCHEMAS = {True: ChatCompletionRequestSchema(), False: CompletionRequestSchema()}
 _BATCH_SCHEMAS = {True: ChatCompletionRequestSchema(partial=("model",)),
                   False: CompletionRequestSchema(partial=("model",))}
@@ -258,6 +275,43 @@ def to_native(body: dict[str, Any], chat: bool, default_model: str | None = None
     except ValidationError as exc:  # kept so a field the native side tightens later still answers 400
         raise OpenAIBodyError(exc.messages if isinstance(exc.messages, dict) else {"_schema": exc.messages},
                               set()) from None
+
+
+def to_native_for(url: str, body: dict[str, Any], default_model: str | None = None,
+                  batch: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``to_native`` for the route ``url`` names: chat, completions or embeddings."""
+    if url == EMBEDDINGS_URL:
+        return embeddings_to_native(body, batch)
+    return to_native(body, url == CHAT_URL, default_model, batch)
+
+
+def embeddings_to_native(body: dict[str, Any], batch: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Validate and map the body of POST /v1/embeddings (a batch line's may leave ``model`` out:
+    the platform's embedding model)."""
+    try:
+        asked = _EMBEDDINGS[batch].load(body)
+    except ValidationError as exc:
+        details = exc.messages if isinstance(exc.messages, dict) else {"_schema": exc.messages}
+        raise OpenAIBodyError(details, {name for name, why in details.items() if why == [UNKNOWN_FIELD]}) from None
+    native = {"input": asked["input"], **{k: asked[k] for k in ("model", "dimensions", "encoding_format")
+                                          if k in asked}}
+    if "user" in asked:
+        native["metadata"] = {"user": asked["user"]}
+    try:
+        return asked, _NATIVE.load(native)
+    except ValidationError as exc:
+        raise OpenAIBodyError(exc.messages if isinstance(exc.messages, dict) else {"_schema": exc.messages},
+                              set()) from None
+
+
+def embedding_answer(row: InferenceRequest, encoding: str = "float") -> dict[str, Any]:
+    """A succeeded embeddings row as OpenAI's embeddings list."""
+    data = [{"object": "embedding", "index": i, "embedding": vector}
+            for i, vector in enumerate(row_vectors(row, encoding) or [])]
+    tokens = row.input_tokens or 0
+    return {"object": "list", "data": data, "model": model_of(row),
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            "sluice": {**extension(row), "simulated": (row.device or "").startswith("simulated")}}
 
 
 def native_body(asked: dict[str, Any], default_model: str | None) -> dict[str, Any]:

@@ -35,7 +35,7 @@ INDEX_KEY = "sluice:answers"  # sorted set: key → time stored, for eviction
 # with the model, the input (tools included) and max_tokens, its key.
 OUTPUT_PARAMS = ("temperature", "top_p", "seed", "stop", "ignore_eos", "n", "logprobs", "top_k", "min_p",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
-                 "response_format", "tool_choice", "parallel_tool_calls")
+                 "response_format", "tool_choice", "parallel_tool_calls", "task", "dimensions")
 
 
 SHARED_SCOPE = "shared"
@@ -58,7 +58,8 @@ def answer_key(scope: str, model: str, request_input: dict[str, Any], params: di
 
 
 def deterministic(params: dict[str, Any]) -> bool:
-    return params.get("temperature", 1.0) == 0
+    """Whether the same request always gets the same answer: greedy decoding, or an embedding."""
+    return params.get("temperature", 1.0) == 0 or params.get("task") == "embed"
 
 
 class AnswerCache:

@@ -31,7 +31,7 @@ from core.admission.load import LoadLevel, class_level, snapshot_key
 from core.rediskeys import LOAD_LEVEL_KEY
 from core.settings import Settings
 from core.submit.plan import Plan, Planner
-from models import Priority
+from models import Priority, SizeClass
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +100,9 @@ class Ladder:
                 and self.reader.current()[0].of(plan.priority, self._arrived_for(plan)) >= LoadLevel.CACHED_ANSWERS)
 
     def apply(self, plan: Plan, model_named: bool) -> Plan:
-        """``plan`` with the steps its class's level calls for; unchanged for batch work."""
-        if plan.priority != Priority.REALTIME:
+        """``plan`` with the steps its class's level calls for; unchanged for batch work and for
+        embeddings (no lighter model embeds into the same space; there is no output to shorten)."""
+        if plan.priority != Priority.REALTIME or plan.size_class == SizeClass.EMBED:
             return plan
         levels, light_warm = self.reader.current()
         level = levels.of(plan.priority, plan.target_model)

@@ -22,6 +22,7 @@ from typing import Any
 import redis
 from sqlalchemy import func
 
+from core.admission.gates import RequestTooLarge
 from core.broker.queues import direct_queue, queue_name, size_class_for
 from core.delivery.webhooks import DEFAULT_EVENTS, check_url
 from core.errors import InvalidRequest
@@ -128,7 +129,10 @@ def with_patience(body: dict[str, Any], wait_s: int | None, realtime_deadline_s:
 
 
 def input_chars(body: dict[str, Any]) -> int:
-    """Characters of a validated submit body's input: its prompt, or its messages' contents."""
+    """Characters of a validated submit body's input: its prompt, its messages' contents, or its
+    embeddings' texts."""
+    if "input" in body:
+        return sum(len(text) for text in body["input"])
     return (sum(len(m.get("content") or "") for m in body["messages"]) if "messages" in body
             else len(body["prompt"]))
 
@@ -144,6 +148,8 @@ def reader(body: dict[str, Any], model: ModelSpec) -> dict[str, str]:
 def request_input_of(body: dict[str, Any]) -> dict[str, Any]:
     """What the engine is given to continue: the prompt, or the messages with the tools the chat
     template renders beside them."""
+    if "input" in body:
+        return {"texts": body["input"]}
     if "messages" not in body:
         return {"prompt": body["prompt"]}
     return {"messages": body["messages"], **({"tools": body["tools"]} if body.get("tools") else {})}
@@ -159,6 +165,8 @@ class Planner:
 
     def plan(self, tenant_id: uuid.UUID, body: dict[str, Any]) -> Plan:
         """Raises InvalidRequest (422) naming every field over a server cap."""
+        if "input" in body:
+            return self._embedding(tenant_id, body)
         settings = self.settings
         max_tokens = body.get("max_tokens", settings.default_max_tokens)
         time_limit = body.get("time_limit_s", settings.time_limit_s)
@@ -186,6 +194,57 @@ class Planner:
             meta=body.get("metadata", {}),
             conversation_id=conversation_id, max_tokens=max_tokens, time_limit_s=float(time_limit),
             input_tokens=input_tokens, deadline_s=body.get("deadline_s", default_deadline),
+            webhook_url=body.get("webhook_url"),
+            webhook_events=tuple(body.get("webhook_events", DEFAULT_EVENTS)) if "webhook_url" in body else (),
+            cache_scope=cache_scope(tenant_id, settings.cache_shared_tenants))
+
+    def _embedding(self, tenant_id: uuid.UUID, body: dict[str, Any]) -> Plan:
+        """An embeddings request: each input a prefill of an embedding model, priced as its input
+        tokens (plus the one step that pools them: ``max_tokens`` 1), on that model's embed queue."""
+        settings, registry = self.settings, self.settings.registry
+        model = registry.get(body["model"]) if "model" in body else registry.embed
+        problems: dict[str, list[str]] = {}
+        if model is None or model.role != "embed":
+            served = ", ".join(m.name for m in registry.models if m.role == "embed") or "none"
+            problems["model"] = [f"Not an embedding model: {body.get('model', '(none named)')!r}; this platform's "
+                                 f"embedding models: {served}."]
+        time_limit = body.get("time_limit_s", settings.time_limit_s)
+        if time_limit > settings.time_limit_s:
+            problems["time_limit_s"] = [f"Must be at most {settings.time_limit_s:g} seconds."]
+        if "webhook_url" in body:
+            check_url(body["webhook_url"], settings.webhook_allow_list)
+        chars = sum(len(text) for text in body["input"])
+        if chars > settings.max_prompt_chars:
+            problems["input"] = [f"Input is {chars} characters; at most {settings.max_prompt_chars} are accepted."]
+        dimensions = body.get("dimensions")
+        if model is not None and model.dimensions and dimensions is not None and dimensions != model.dimensions:
+            if dimensions > model.dimensions or not model.matryoshka:
+                problems["dimensions"] = [f"{model.name} embeds in {model.dimensions} dimensions" + (
+                    "; fewer may be asked for." if model.matryoshka else " (not a Matryoshka model: leave "
+                    "dimensions out).")]
+        if problems:
+            raise InvalidRequest("The request has invalid fields; see details.", details=problems)
+        assert model is not None
+        counter = self.counters.for_model(model)
+        counts = [counter.count({"prompt": text}) for text in body["input"]]
+        longest = max(counts)
+        if longest > model.context_tokens:
+            raise RequestTooLarge(
+                f"Input {counts.index(longest)} is {longest} tokens, more than {model.name}'s context length of "
+                f"{model.context_tokens}. Shorten it.", details={"limit": "context_length", "requested_tokens": longest,
+                                                                 "limit_tokens": model.context_tokens})
+        priority = Priority(body["priority"])
+        suffix = settings.registry.queue_suffix(model)
+        return Plan(
+            request_id=uuid.uuid4(), tenant_id=tenant_id, priority=priority, size_class=SizeClass.EMBED,
+            queue=queue_name(priority, SizeClass.EMBED, suffix), model_requested=model.name, model_routed=None,
+            route_reason=None, input={"texts": body["input"]},
+            params={"task": "embed", **{k: body[k] for k in ("dimensions", "encoding_format") if k in body},
+                    **{k: body[k] for k in DELIVERY_FIELDS if body.get(k)}},
+            meta=body.get("metadata", {}), conversation_id=None, max_tokens=1, time_limit_s=float(time_limit),
+            input_tokens=sum(counts),
+            deadline_s=body.get("deadline_s", settings.realtime_deadline_s if priority == Priority.REALTIME
+                                else settings.batch_deadline_s),
             webhook_url=body.get("webhook_url"),
             webhook_events=tuple(body.get("webhook_events", DEFAULT_EVENTS)) if "webhook_url" in body else (),
             cache_scope=cache_scope(tenant_id, settings.cache_shared_tenants))
@@ -222,6 +281,9 @@ class Planner:
         if model is None:
             served = ", ".join(m.name for m in registry.models)
             problems["model"] = [f"Unknown model {body['model']!r}; this platform serves: {served}."]
+        elif model.role == "embed":
+            problems["model"] = [f"{model.name} is an embedding model: send `input` (or POST /v1/embeddings)."]
+            model = None
         if model is not None:
             problems.update(check_tools(body, model.tool_parser))
             vocab = self.counters.for_model(model).vocab_size if "logit_bias" in body else None

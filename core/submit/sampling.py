@@ -166,6 +166,21 @@ class ToolCallSchema(Schema):
     function = fields.Nested(_Called, required=True)
 
 
+MAX_EMBED_INPUTS = 2048  # texts in one embeddings request, as OpenAI's
+
+
+class EmbedInputField(fields.Field):
+    """``input`` of an embeddings request: one string or a list of up to ``MAX_EMBED_INPUTS``
+    non-empty strings; always a list once loaded. Token arrays are not taken."""
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        texts = [value] if isinstance(value, str) else value
+        if not isinstance(texts, list) or not 1 <= len(texts) <= MAX_EMBED_INPUTS:
+            raise ValidationError(f"A string or a list of 1 to {MAX_EMBED_INPUTS} strings (token arrays are "
+                                  "not taken).")
+        return [SafeString(validate=validate.Length(min=1)).deserialize(text) for text in texts]
+
+
 class LogitBiasField(fields.Dict):
     """Token id (a decimal string, as JSON keys are) → bias in [-100, 100]; stored with string keys."""
 
@@ -278,9 +293,10 @@ _TEXT = {"type": "string", "minLength": 1, "pattern": NO_NUL}
 # The rules across fields that JSON Schema cannot state: a 422 (a 400 on the OpenAI front) names
 # the field. A JSON schema must itself be valid, small and local; a named tool must be one of
 # `tools`, whose names differ; `auto` needs the model's parser; min_tokens ≤ max_tokens; a stream
-# carries one choice without logprobs; logit_bias names tokens of the model's vocabulary.
+# carries one choice without logprobs; logit_bias names tokens of the model's vocabulary; fewer
+# dimensions than the embedding model's only where it is a Matryoshka model.
 BEYOND_THE_DOCUMENT = frozenset({"response_format", "tools", "tool_choice", "min_tokens", "n", "logprobs",
-                                 "logit_bias", "echo"})
+                                 "logit_bias", "echo", "dimensions"})
 
 
 def document_rules(schemas: dict[str, Any]) -> None:
@@ -321,6 +337,9 @@ def document_rules(schemas: dict[str, Any]) -> None:
     form["oneOf"] = [{"properties": {"type": {"enum": ["text", "json_object"]}}, **none_but(None)},
                      *({"properties": {"type": {"const": kind}}, "required": [field], **none_but(field)}
                        for kind, field in (("json_schema", "json_schema"), ("regex", "regex"), ("choice", "choices")))]
+    schemas["SubmitRequest"]["properties"]["input"] = {
+        "oneOf": [_TEXT, {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": MAX_EMBED_INPUTS}],
+        "description": schemas["SubmitRequest"]["properties"]["input"].get("description", "")}
     for name in ("SubmitRequest", "ChatCompletionRequest", "CompletionRequest"):
         body = schemas[name]["properties"]
         if "tool_choice" in body:

@@ -13,11 +13,13 @@ import hashlib
 from marshmallow import Schema, ValidationError, fields, pre_dump, validate, validates_schema
 
 from core.broker.queues import DIRECT_PREFIX
+from core.submit import embeddings
 from core.submit.fields import SafeString, StrictBoolean, StrictFloat, StrictInteger
 from core.submit.sampling import (
     MAX_LOGPROBS,
     MAX_N,
     MAX_TOOLS,
+    EmbedInputField,
     LogitBiasField,
     ResponseFormatSchema,
     ToolCallSchema,
@@ -128,13 +130,51 @@ class SubmitRequestSchema(Schema):
         "description": "Which events to send (default: completed): started (a worker took it), completed "
                        "(any final status)."})
 
-    # What `_one_input` enforces, as /openapi.json states it.
-    OPENAPI_ONE_OF = [{"required": ["prompt"]}, {"required": ["messages"]}]
+    input = EmbedInputField(metadata={
+        "description": "Embeddings: a string or a list of strings, each embedded by an embedding model (the "
+                       "registry's role embed; default: its first). Give this, `prompt` or `messages`."})
+    dimensions = StrictInteger(validate=validate.Range(min=1, max=65536), metadata={
+        "description": "Embeddings: vectors this long (a Matryoshka model only)."})
+    encoding_format = SafeString(validate=validate.OneOf(["float", "base64"]), metadata={
+        "description": "Embeddings: vectors as float lists (default) or base64 of little-endian float32."})
 
-    @validates_schema
-    def _one_input(self, data, **kwargs):
-        if ("prompt" in data) == ("messages" in data):
-            raise ValidationError("Give exactly one of `prompt` or `messages`.", "_schema")
+    # Fields of a generation that an embeddings request (`input`) cannot carry, and the reverse.
+    GENERATION_ONLY = ("max_tokens", "seed", "stop", "ignore_eos", "n", "logprobs", "top_k", "min_p",
+                       "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+                       "response_format", "tools", "tool_choice", "parallel_tool_calls", "conversation_id", "stream",
+                       "temperature", "top_p")
+    EMBED_ONLY = ("dimensions", "encoding_format")
+
+    @classmethod
+    def openapi_one_of(cls, generation_models: list[str] | None = None,
+                       embed_models: list[str] | None = None) -> list[dict]:
+        """What `_one_input` enforces, as /openapi.json states it; with a deployment's models, which
+        each kind may name (no embeddings branch where no embedding model is served)."""
+        def none_of(names) -> dict:
+            return {"not": {"anyOf": [{"required": [name]} for name in names]}}
+
+        def named(models) -> dict:
+            return {} if models is None else {"properties": {"model": {"enum": models}}}
+
+        branches = [{"required": [kind], **none_of((*cls.EMBED_ONLY, "input")), **named(generation_models)}
+                    for kind in ("prompt", "messages")]
+        if embed_models is None or embed_models:
+            branches.append({"required": ["input"], **none_of((*cls.GENERATION_ONLY, "prompt", "messages")),
+                             **named(embed_models)})
+        return branches
+
+    @validates_schema(pass_original=True)
+    def _one_input(self, data, original, **kwargs):
+        if sum(name in data for name in ("prompt", "messages", "input")) != 1:
+            raise ValidationError("Give exactly one of `prompt`, `messages` or `input` (embeddings).", "_schema")
+        given = original if isinstance(original, dict) else {}
+        if "input" in data:
+            wrong = [name for name in self.GENERATION_ONLY if name in given]
+        else:
+            wrong = [name for name in self.EMBED_ONLY if name in data]
+        if wrong:
+            raise ValidationError({name: ["Only for a generation (prompt or messages)." if "input" in data
+                                          else "Only for embeddings (input)."] for name in wrong})
         if "webhook_events" in data and "webhook_url" not in data:
             raise ValidationError("Events are sent to a webhook_url; give one.", "webhook_events")
         if "tools" in data and "messages" not in data:
@@ -171,6 +211,10 @@ class OutputSchema(Schema):
     choices = fields.List(fields.Dict(), metadata={
         "description": "With n > 1 or logprobs: every choice, {index, text, finish_reason, output_tokens, logprobs: "
                        "[{token, logprob, top: [[token, logprob], ...]}] or null}."})
+    embeddings = fields.List(fields.Raw(), metadata={
+        "description": "An embeddings request: one vector per input, in order, as encoding_format asks (float "
+                       "lists, or base64 of little-endian float32)."})
+    dimensions = fields.Integer(metadata={"description": "An embeddings request: the vectors' length."})
     tool_calls = fields.List(fields.Dict(), metadata={
         "description": "With tools: the calls the (first) choice holds, as OpenAI's "
                        "({id, type: function, function: {name, arguments}}); absent when it holds none."})
@@ -194,6 +238,8 @@ def public_queue(queue: str) -> str:
 def output_view(row) -> dict:
     """A finished row's answer: its text, every choice when there are several (or logprobs), the
     tool calls its text holds."""
+    if row.embedding is not None:
+        return embeddings.view(row)
     view = {"text": row.output_text or "", "finish_reason": row.finish_reason}
     if row.choices:
         view["choices"] = [{"index": i, **choice} for i, choice in enumerate(row.choices)]

@@ -40,6 +40,8 @@ def message_text(message: dict[str, Any]) -> str:
 
 
 def estimate_input_tokens(request_input: dict[str, Any]) -> int:
+    if "texts" in request_input:
+        return sum(estimate_text_tokens(text) for text in request_input["texts"])
     if "messages" in request_input:
         return (sum(estimate_text_tokens(message_text(m)) + MESSAGE_OVERHEAD_TOKENS
                     for m in request_input["messages"])
@@ -102,6 +104,8 @@ class TokenCounter:
     def count(self, request_input: dict[str, Any]) -> int:
         if self.tokenizer is None:
             return estimate_input_tokens(request_input)
+        if "texts" in request_input:
+            return sum(len(self.tokenizer.encode(text).ids) for text in request_input["texts"])
         if "prompt" in request_input:
             return len(self.tokenizer.encode(request_input["prompt"]).ids)
         if self.chat_template is None:

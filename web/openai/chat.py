@@ -1,6 +1,6 @@
 """The OpenAI-compatible front door: ``POST /v1/chat/completions``, ``POST /v1/completions``,
-``GET /v1/models``, so the official SDKs (``base_url=http://host:8000/v1``, ``api_key=`` a Sluice
-key) get Sluice's admission, queues, degradation and limits unchanged.
+``POST /v1/embeddings``, ``GET /v1/models``, so the official SDKs (``base_url=http://host:8000/v1``,
+``api_key=`` a Sluice key) get Sluice's admission, queues, degradation and limits unchanged.
 
 Each call is an ordinary request row: the body is translated (``core/openai/shapes.py``) and
 submitted through ``RequestService.submit`` like a native one, ``Idempotency-Key`` included, and
@@ -49,12 +49,17 @@ WAIT_GRACE_S = 5.0  # past its deadline a request is being expired: how long to 
 
 @bp.post("/chat/completions")
 def chat_completions() -> Response | tuple[Response, int, dict[str, str]]:
-    return _create(chat=True)
+    return _create(shapes.CHAT_URL)
 
 
 @bp.post("/completions")
 def completions() -> Response | tuple[Response, int, dict[str, str]]:
-    return _create(chat=False)
+    return _create(shapes.COMPLETIONS_URL)
+
+
+@bp.post("/embeddings")
+def embeddings() -> Response | tuple[Response, int, dict[str, str]]:
+    return _create(shapes.EMBEDDINGS_URL)
 
 
 @bp.get("/models")
@@ -78,10 +83,11 @@ def _models(svc: Services) -> list[dict[str, Any]]:
             for model in svc.settings.registry.models]
 
 
-def _create(chat: bool) -> Response | tuple[Response, int, dict[str, str]]:
+def _create(url: str) -> Response | tuple[Response, int, dict[str, str]]:
     svc = services()
     tenant = authenticate(svc.db, svc.recent_keys)
-    asked, row, headers = _submit(svc, tenant, chat)
+    asked, row, headers = _submit(svc, tenant, url)
+    chat = url == shapes.CHAT_URL
     if asked.get("stream"):
         include_usage = bool((asked.get("stream_options") or {}).get("include_usage"))
         return Response(stream_with_context(_chunks(svc, row, chat, include_usage, bool(asked.get("echo")))), 200,
@@ -91,6 +97,8 @@ def _create(chat: bool) -> Response | tuple[Response, int, dict[str, str]]:
                   if row.deadline_at and row.created_at else svc.settings.stream_max_s)
     row = waits.until_ended(svc, tenant.id, row, min(deadline_s + WAIT_GRACE_S, svc.settings.stream_max_s))
     if row.status == Status.SUCCEEDED:
+        if url == shapes.EMBEDDINGS_URL:
+            return jsonify(shapes.embedding_answer(row, asked.get("encoding_format", "float"))), 200, headers
         return jsonify(shapes.completion(row, chat, bool(asked.get("echo")))), 200, headers
     if not row.status.terminal:  # past its deadline yet not expired (a stuck sweep): give it up
         try:
@@ -102,11 +110,11 @@ def _create(chat: bool) -> Response | tuple[Response, int, dict[str, str]]:
     raise _ended(row, headers)
 
 
-def _submit(svc: Services, tenant: Tenant, chat: bool) -> tuple[dict[str, Any], InferenceRequest, dict[str, str]]:
+def _submit(svc: Services, tenant: Tenant, url: str) -> tuple[dict[str, Any], InferenceRequest, dict[str, str]]:
     """Validate, translate and submit the body; the OpenAI fields, the row and the answer's headers."""
     try:
         body = json_object()
-        asked, data = shapes.to_native(body, chat, svc.settings.registry.default.name)
+        asked, data = shapes.to_native_for(url, body, svc.settings.registry.default.name)
         key = idempotency.key_from(request.headers.get(idempotency.HEADER), tenant.id, body,
                                    svc.settings.idempotency_window_s)
         accepted = svc.requests.submit(tenant, data, key)

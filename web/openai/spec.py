@@ -48,13 +48,26 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                            "properties": {"index": {"type": "integer", "minimum": 0}, "text": {"type": "string"},
                                           "logprobs": {"type": ["object", "null"]},
                                           "finish_reason": {"enum": ["stop", "length"]}}}}}},
+    "EmbeddingList": {"type": "object", "required": ["object", "data", "model", "usage"], "properties": {
+        "object": {"const": "list"}, "model": {"type": "string"},
+        "data": {"type": "array", "items": {"type": "object", "required": ["object", "index", "embedding"],
+                                            "properties": {"object": {"const": "embedding"},
+                                                           "index": {"type": "integer", "minimum": 0},
+                                                           "embedding": {"oneOf": [
+                                                               {"type": "array", "items": {"type": "number"}},
+                                                               {"type": "string", "contentEncoding": "base64"}]}}}},
+        "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"],
+                  "properties": {"prompt_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"}}},
+        "sluice": {**_EXTENSION, "properties": {**_EXTENSION["properties"], "simulated": {
+            "type": "boolean", "description": "A simulated engine made these vectors: they mean nothing."}}}}},
     "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
         "object": {"const": "list"}, "data": {"type": "array", "items": {
             "type": "object", "required": ["id", "object", "created", "owned_by"],
             "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
                            "owned_by": {"type": "string"},
                            "sluice": {"type": "object", "properties": {
-                               "role": {"enum": ["main", "light", "long"]}, "context_tokens": {"type": "integer"},
+                               "role": {"enum": ["main", "light", "long", "embed"]},
+                               "context_tokens": {"type": "integer"},
                                "warm_workers": {"type": ["integer", "null"], "description": "Live warm workers "
                                                 "serving it now (null: unknown, Redis unreachable)."}}}}}}}},
 }
@@ -70,6 +83,7 @@ def add_paths(spec: APISpec) -> None:
         spec.components.schema(name, schema)
     spec.components.schema("ChatCompletionRequest", schema=shapes.ChatCompletionRequestSchema)
     spec.components.schema("CompletionRequest", schema=shapes.CompletionRequestSchema)
+    spec.components.schema("EmbeddingRequest", schema=shapes.EmbeddingRequestSchema)
     limit_headers = {f"x-ratelimit-{kind}-{unit}": {"schema": {"type": "string"}}
                      for kind in ("limit", "remaining", "reset") for unit in ("tokens", "requests")}
     answer_headers = {**limit_headers,
@@ -81,7 +95,8 @@ def add_paths(spec: APISpec) -> None:
                      "retry-after-ms": {"schema": {"type": "integer"}}}
     for path, schema, answer, summary in (
             ("/v1/chat/completions", "ChatCompletionRequest", "ChatCompletion", "OpenAI-compatible chat completion"),
-            ("/v1/completions", "CompletionRequest", "Completion", "OpenAI-compatible text completion")):
+            ("/v1/completions", "CompletionRequest", "Completion", "OpenAI-compatible text completion"),
+            ("/v1/embeddings", "EmbeddingRequest", "EmbeddingList", "OpenAI-compatible embeddings")):
         spec.path(path=path, operations={"post": {
             "summary": summary, "tags": ["openai"],
             "description": "A request row like POST /v1/requests (same admission, queues, ladder and limits), "
@@ -131,9 +146,16 @@ def finish(document: dict[str, Any], settings: Settings | None) -> None:
                                                        "properties": {"stream": {"const": True}}},
                                     "user": {"properties": {"metadata": {"maxProperties": shapes.MAX_METADATA - 1}}}}
         if settings is not None:
-            body["properties"]["model"]["enum"] = [model.name for model in settings.registry.models]
+            body["properties"]["model"]["enum"] = [model.name for model in settings.registry.models
+                                                   if model.role != "embed"]
             for field in ("max_tokens", "max_completion_tokens"):
                 if field in body["properties"]:
                     body["properties"][field]["maximum"] = settings.max_output_tokens
+    # The input's two forms (EmbedInputField), and this deployment's embedding models.
+    text = {"type": "string", "minLength": 1, "pattern": "^[^\\u0000]*$"}
+    found["EmbeddingRequest"]["properties"]["input"] = {"oneOf": [text, {"type": "array", "items": text,
+                                                                         "minItems": 1, "maxItems": 2048}]}
     if settings is not None:
         found["CompletionRequest"]["properties"]["prompt"]["maxLength"] = settings.max_prompt_chars
+        embed = [model.name for model in settings.registry.models if model.role == "embed"]
+        found["EmbeddingRequest"]["properties"]["model"]["enum"] = embed or ["(no embedding model is served)"]

@@ -20,7 +20,9 @@ def load_engine(settings: Settings, model: ModelSpec) -> Engine:
                                                    speed=settings.sim_speed, wedge_after_s=settings.sim_wedge_after_s,
                                                    starve_after_s=settings.sim_starve_after_s,
                                                    stall_after_s=settings.sim_stall_after_s,
-                                                   die_after_s=settings.sim_die_after_s))
+                                                   die_after_s=settings.sim_die_after_s,
+                                                   embed_dimensions=model.dimensions if model.role == "embed"
+                                                   else None))
     if settings.engine == "vllm":
         if not model.path:
             raise ValueError(f"model {model.name!r} has no path: set SLUICE_MODEL_PATH or its registry path")
@@ -35,7 +37,8 @@ def load_engine(settings: Settings, model: ModelSpec) -> Engine:
             max_model_len=settings.vllm_max_model_len or model.context_tokens,
             gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
             tensor_parallel_size=settings.vllm_tensor_parallel_size, dtype=settings.vllm_dtype,
-            enforce_eager=settings.vllm_enforce_eager, kv_cache_memory_bytes=settings.vllm_kv_cache_bytes))
+            enforce_eager=settings.vllm_enforce_eager, kv_cache_memory_bytes=settings.vllm_kv_cache_bytes,
+            embed=model.role == "embed", dimensions=model.dimensions))
     raise ValueError(f"unknown engine {settings.engine!r}")
 
 

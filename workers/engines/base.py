@@ -7,7 +7,8 @@ Contract shared by every engine:
 
 * ``start()`` loads the model and returns only when the engine can generate. It is awaited
   once per worker process, before the worker takes any task (a warm engine).
-* ``generate(request)`` is an async iterator. It honours every field of ``SamplingParams`` or
+* ``generate(request)`` is an async iterator; for a request with ``texts`` (an embedding model's
+  engine) it yields one final output carrying the vectors. It honours every field of ``SamplingParams`` or
   raises ``ValueError`` naming the one it cannot (``ConstraintError`` for a constraint it cannot
   compile). Many calls run concurrently on the same event
   loop and the engine batches them together (continuous batching); it never serves them one
@@ -108,6 +109,10 @@ class GenerationRequest:
     stream: bool = False
     # Tools the chat template renders beside the messages (OpenAI's function tools).
     tools: tuple[dict, ...] | None = None
+    # An embeddings request: embed each text (an embedding model's engine), ``dimensions`` long
+    # (None: the model's own); nothing is generated.
+    texts: tuple[str, ...] | None = None
+    dimensions: int | None = None
 
     def __repr__(self) -> str:  # never put prompt text in logs or reprs
         return (f"GenerationRequest(request_id={self.request_id!r}, prompt=<{len(self.prompt)} chars>, "
@@ -131,6 +136,9 @@ class GenerationOutput:
     # The final output of a request whose params are ``detailed``: every choice, the first being
     # ``text``'s; ``output_tokens`` is then their sum.
     choices: tuple[Choice, ...] = ()
+    # The final output of an embeddings request: one vector per text, in order, float32
+    # little-endian end to end (``text`` is empty, ``output_tokens`` 0).
+    embedding: bytes | None = None
 
     def __repr__(self) -> str:
         return (f"GenerationOutput(request_id={self.request_id!r}, text=<{len(self.text)} chars>, "
@@ -186,6 +194,7 @@ class Engine(abc.ABC):
 
     name: str = "engine"
     simulated: bool = False
+    embeds: bool = False  # an embedding model's engine: it takes requests with texts, and only those
 
     def __init__(self) -> None:
         self.step_log = StepLog()  # an engine that can time its steps adds each one here

@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import random
+import struct
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -91,6 +92,8 @@ class SimulatedConfig:
     # later request, fails with EngineDead (vLLM's EngineDeadError). None: never.
     die_after_s: float | None = None
     stream_every: int = 0  # also yield every N tokens; 0 = first token and final output only
+    # An embedding model of vectors this long (its requests carry texts); None: a generative one.
+    embed_dimensions: int | None = None
 
     @property
     def capacity_tokens(self) -> int:
@@ -175,6 +178,7 @@ class SimulatedEngine(Engine):
     def __init__(self, config: SimulatedConfig | None = None) -> None:
         super().__init__()
         self.config = config or SimulatedConfig()
+        self.embeds = self.config.embed_dimensions is not None
         self._num_blocks = self.config.capacity_tokens // self.config.block_size
         self._seqs: dict[str, _Seq] = {}
         self._children: dict[str, list[str]] = {}  # a request of n > 1 → its n sequences' ids
@@ -222,10 +226,20 @@ class SimulatedEngine(Engine):
             raise RuntimeError("engine is not running")
         if self._task.done():
             raise EngineDead("the simulated engine loop has stopped")
+        if (request.texts is not None) != self.embeds:
+            raise ValueError("an embedding model takes texts to embed, and only it does")
+        if request.texts is not None:
+            yield await self._embed(request)
+            return
         if request.params.n > 1:
             async for out in self._fan_out(request):
                 yield out
             return
+        async for out in self._sequence(request):
+            yield out
+
+    async def _sequence(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        """One sequence through the scheduler (``generate``'s work once the request is one)."""
         rid, max_tokens = request.request_id, request.params.max_tokens
         if rid in self._seqs:
             raise ValueError(f"request {rid!r} is already in flight")
@@ -271,7 +285,7 @@ class SimulatedEngine(Engine):
 
         async def last_of(child: GenerationRequest) -> GenerationOutput:
             out = None
-            async for out in self.generate(child):
+            async for out in self._sequence(child):
                 if out.output_tokens and not first:
                     first.append(time.time())
             assert out is not None
@@ -288,6 +302,32 @@ class SimulatedEngine(Engine):
         yield GenerationOutput(request_id=request.request_id, text=outs[0].text, prompt_tokens=outs[0].prompt_tokens,
                                output_tokens=sum(o.output_tokens for o in outs), finished=True, finish_reason=reason,
                                first_token_time=first[0] if first else None, choices=choices)
+
+    async def _embed(self, request: GenerationRequest) -> GenerationOutput:
+        """Each text a one-step sequence (its prefill, priced by the cost model), then its vector:
+        random, seeded by the text (the same text, the same vector), of unit length, cut to the
+        dimensions asked for. No meaning: the model's name says it is simulated."""
+        dims = request.dimensions or self.config.embed_dimensions or 0
+        children = [GenerationRequest(request_id=f"{request.request_id}#{i}", prompt=text,
+                                      params=dataclasses.replace(request.params, max_tokens=1),
+                                      priority=request.priority) for i, text in enumerate(request.texts or ())]
+        self._children[request.request_id] = [c.request_id for c in children]
+
+        async def last_of(child: GenerationRequest) -> GenerationOutput:
+            outs = [out async for out in self._sequence(child)]
+            return outs[-1]
+
+        try:
+            outs = await asyncio.gather(*(last_of(c) for c in children))
+        finally:
+            del self._children[request.request_id]
+        if any(o.finish_reason == "abort" for o in outs):
+            return GenerationOutput(request_id=request.request_id, text="", prompt_tokens=0, output_tokens=0,
+                                    finished=True, finish_reason="abort")
+        vectors = b"".join(_vector(text, self.config.embed_dimensions or dims, dims) for text in request.texts or ())
+        return GenerationOutput(request_id=request.request_id, text="", output_tokens=0, finished=True,
+                                prompt_tokens=sum(o.prompt_tokens for o in outs), finish_reason="stop",
+                                embedding=vectors)
 
     async def abort(self, request_id: str) -> None:
         """Abort a waiting or running request now and free its KV; unknown ids are a no-op."""
@@ -491,6 +531,15 @@ class SimulatedEngine(Engine):
         seq.queue.put_nowait(GenerationOutput(
             request_id=seq.request.request_id, text=seq.text, prompt_tokens=seq.prompt_tokens,
             output_tokens=seq.num_output, finished=reason is not None, finish_reason=reason, choices=choices))
+
+
+def _vector(text: str, size: int, keep: int) -> bytes:
+    """A unit vector seeded by ``text``: ``size`` long, its first ``keep`` renormalised (as a
+    Matryoshka model's leading dimensions are an embedding too), float32 little-endian."""
+    rng = random.Random(hashlib.sha256(text.encode()).digest())
+    values = [rng.gauss(0.0, 1.0) for _ in range(size)][:keep]
+    norm = math.sqrt(sum(v * v for v in values)) or 1.0
+    return struct.pack(f"<{len(values)}f", *(v / norm for v in values))
 
 
 def _pieces(text: str, size: int = 4) -> list[str]:

@@ -36,7 +36,11 @@ from workers.engines.base import (
 # device that saves a process and ~1 GB. Must be set before vllm is imported.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from vllm import AsyncEngineArgs  # noqa: E402
+import torch  # noqa: E402
+from vllm import (
+    AsyncEngineArgs,  # noqa: E402
+    PoolingParams,  # noqa: E402
+)
 from vllm import SamplingParams as VllmSamplingParams  # noqa: E402
 from vllm.config import StructuredOutputsConfig  # noqa: E402
 from vllm.exceptions import VLLMClientError  # noqa: E402
@@ -61,6 +65,8 @@ class VllmConfig:
     dtype: str = "auto"
     enforce_eager: bool = False
     kv_cache_memory_bytes: int | None = None  # fixed KV size (CPU hosts, tests); else from utilization
+    embed: bool = False  # an embedding model: vLLM's pooling runner (a decoder model is converted)
+    dimensions: int | None = None  # its vectors' length, as the registry states it (checked at start)
 
 
 def _first_token_time(out: Any) -> float | None:
@@ -185,8 +191,10 @@ class VllmEngine(Engine):
     def __init__(self, config: VllmConfig) -> None:
         super().__init__()
         self.config = config
+        self.embeds = config.embed
         self._llm: AsyncLLM | None = None
         self._in_flight: set[str] = set()
+        self._children: dict[str, list[str]] = {}  # an embeddings request → its texts' engine ids
         self._kv_capacity = 0
         self._steps = self._max_batch = self._running = self._waiting = 0
         self._generated = self._prompt_tokens = self._aborted = 0
@@ -198,7 +206,8 @@ class VllmEngine(Engine):
     async def start(self) -> None:
         c = self.config
         args = AsyncEngineArgs(
-            model=c.model_path, served_model_name=c.model_name, enable_prefix_caching=True,
+            model=c.model_path, served_model_name=c.model_name, enable_prefix_caching=not c.embed,
+            runner="pooling" if c.embed else "auto",
             scheduling_policy="priority", max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
             gpu_memory_utilization=c.gpu_memory_utilization, tensor_parallel_size=c.tensor_parallel_size,
@@ -216,6 +225,9 @@ class VllmEngine(Engine):
         cpus = bound_cpus() if current_platform.is_cpu() else None
         self._llm = await asyncio.get_running_loop().run_in_executor(None, lambda: _build_in(
             cpus, lambda: AsyncLLM.from_engine_args(args, stat_loggers=[lambda cfg, idx: _StatsProbe(self)])))
+        if c.embed and c.dimensions is not None and self._llm.model_config.get_hidden_size() != c.dimensions:
+            raise RuntimeError(f"model {c.model_name} embeds in {self._llm.model_config.get_hidden_size()} "
+                               f"dimensions, not the {c.dimensions} the registry says: fix its dimensions")
         cache = self._llm.vllm_config.cache_config
         self._kv_capacity = (cache.num_gpu_blocks or 0) * cache.block_size
         log.info("vLLM engine ready: model %s, KV capacity %d tokens", c.model_name, self._kv_capacity)
@@ -226,6 +238,9 @@ class VllmEngine(Engine):
         if rid in self._in_flight:
             # vLLM would accept it (suffixing the id) and abort(rid) would then hit both.
             raise ValueError(f"request {rid} is already in flight")
+        if request.texts is not None:
+            yield await self._embed(request)
+            return
         self._in_flight.add(rid)
         try:
             p = request.params
@@ -258,6 +273,45 @@ class VllmEngine(Engine):
         finally:
             self._in_flight.discard(rid)
 
+    async def _embed(self, request: GenerationRequest) -> GenerationOutput:
+        """Each text through the pooling runner (one engine request each, ``<id>#<n>``, batched by
+        the engine), the vectors end to end as float32. An abort of the request aborts them all."""
+        llm = self._require()
+        rid = request.request_id
+        if not self.config.embed:
+            raise ValueError("this worker's model is not an embedding model")
+        ids = [f"{rid}#{i}" for i in range(len(request.texts or ()))]
+        self._in_flight.add(rid)
+        self._children[rid] = ids
+        params = PoolingParams(task="embed", dimensions=request.dimensions)
+
+        async def one(child: str, text: str):
+            last = None
+            async for out in llm.encode(text, params, request_id=child, priority=request.priority):
+                last = out
+            return last
+
+        try:
+            outs = await asyncio.gather(*(one(child, text) for child, text in zip(ids, request.texts or (),
+                                                                                  strict=True)))
+        except asyncio.CancelledError:
+            await llm.abort(ids)
+            raise
+        except EngineDeadError as exc:
+            raise EngineDead("vLLM's engine core died") from exc
+        except VLLMClientError as exc:
+            raise ValueError(str(exc)[:300]) from exc
+        finally:
+            self._in_flight.discard(rid)
+            self._children.pop(rid, None)
+        if any(out is None or not out.finished for out in outs):  # aborted
+            return GenerationOutput(request_id=rid, text="", prompt_tokens=0, output_tokens=0, finished=True,
+                                    finish_reason="abort")
+        vectors = b"".join(out.outputs.data.to(torch.float32).contiguous().numpy().astype("<f4").tobytes()
+                           for out in outs)
+        return GenerationOutput(request_id=rid, text="", prompt_tokens=sum(len(o.prompt_token_ids) for o in outs),
+                                output_tokens=0, finished=True, finish_reason="stop", embedding=vectors)
+
     async def _decode(self, token_ids) -> str:
         tokenizer = self._require().get_tokenizer()
         return await asyncio.get_running_loop().run_in_executor(
@@ -281,7 +335,7 @@ class VllmEngine(Engine):
     async def abort(self, request_id: str) -> None:
         if self._llm is not None and request_id in self._in_flight:
             self._aborted += 1
-            await self._llm.abort(request_id)
+            await self._llm.abort(self._children.get(request_id) or request_id)
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -124,8 +124,8 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["title",
 
 def structured_body(structured: bool, tokens: int) -> dict:
     """The sampling fields both fronts get: free text of exactly ``tokens``, or a JSON schema."""
-    if structured:
-        return {"max_tokens": tokens, "temperature": 0,
+    if structured:  # room to close the JSON: a random model fills every string to its maxLength
+        return {"max_tokens": 2 * tokens, "temperature": 0,
                 "response_format": {"type": "json_schema", "json_schema": {"name": "report", "schema": SCHEMA}}}
     return {"max_tokens": tokens, "temperature": 0, "ignore_eos": True}
 
@@ -176,7 +176,7 @@ def run_through_server(base: str, items: list[str], tokens: int, structured: boo
                             json={"model": "bench-model", "prompt": prompt, **structured_body(structured, tokens)})
         answer.raise_for_status()
         body = answer.json()
-        if structured:
+        if structured and body["choices"][0]["finish_reason"] == "stop":
             json.loads(body["choices"][0]["text"], strict=False)  # it is JSON, or the run measured nothing
         return body["usage"]["completion_tokens"]
 
@@ -184,6 +184,15 @@ def run_through_server(base: str, items: list[str], tokens: int, structured: boo
     with ThreadPoolExecutor(len(items)) as pool:
         tokens_out = sum(pool.map(one, items))
     return {"tokens": tokens_out, "seconds": time.perf_counter() - began}
+
+
+def medians(runs: dict[str, list[float]], title: str) -> dict[str, float]:
+    """Each kind's median rate, printed under ``title``."""
+    rate = {k: statistics.median(v) for k, v in runs.items() if v}
+    print(f"\n{title}")
+    for k, v in rate.items():
+        print(f"  {k:12s} {v:10.1f} output tokens/s")
+    return rate
 
 
 def structured_runs(args) -> int:
@@ -215,11 +224,8 @@ def structured_runs(args) -> int:
                     deadline_s=args.deadline, body=structured_body(kind == "json", args.tokens)))
     finally:
         cleanup()
-    rate = {k: statistics.median(v) for k, v in runs.items() if v}
-    print(f"\n{args.n} prompts, at most {args.tokens} tokens, model {args.model.name}, "
-          f"max_num_seqs {args.max_num_seqs}, median of {args.repeat}")
-    for k, v in rate.items():
-        print(f"  {k:12s} {v:10.1f} output tokens/s")
+    rate = medians(runs, f"{args.n} prompts, at most {args.tokens} tokens, model {args.model.name}, "
+                         f"max_num_seqs {args.max_num_seqs}, median of {args.repeat}")
     print(f"  json / text: server {rate['server-json'] / rate['server-text']:.2f}, "
           f"sluice {rate['sluice-json'] / rate['sluice-text']:.2f}")
     print(f"  sluice / server: text {rate['sluice-text'] / rate['server-text']:.2f}, "
@@ -386,11 +392,8 @@ def main() -> int:
                                                         args.tokens, serial=True, deadline_s=args.deadline))
         finally:
             cleanup()
-    rate = {k: statistics.median(v) for k, v in runs.items() if v}
-    print(f"\n{args.n} prompts x {args.tokens} tokens, model {args.model.name}, max_num_seqs {args.max_num_seqs}, "
-          f"median of {args.repeat}")
-    for k, v in rate.items():
-        print(f"  {k:8s} {v:10.1f} output tokens/s")
+    rate = medians(runs, f"{args.n} prompts x {args.tokens} tokens, model {args.model.name}, "
+                         f"max_num_seqs {args.max_num_seqs}, median of {args.repeat}")
     ratios = [(a, b) for a, b in (("sluice", "offline"), ("sluice", "asyncllm"), ("sluice", "serial"))
               if a in rate and b in rate]
     print("  " + "   ".join(f"{a} / {b} = {rate[a] / rate[b]:.2f}" for a, b in ratios))

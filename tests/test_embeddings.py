@@ -157,3 +157,24 @@ def test_a_batch_mixing_chat_structured_output_and_embeddings_answers_every_line
             jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), schema)
         else:
             assert body["choices"][0]["message"]["content"].startswith("[simulated]")
+
+
+def test_a_native_bulk_jobs_results_carry_vectors_and_choices(stack, key):
+    http, headers = stack.test_client(), {"Authorization": f"Bearer {key}"}
+    lines = [{"custom_id": "e", "method": "POST", "url": "/v1/embeddings",
+              "body": {"model": "simulated-embed", "input": ["one", "two"]}},
+             {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": "two takes"}], "max_tokens": 3, "n": 2}}]
+    made = http.post("/v1/jobs", data="".join(json.dumps(line) + "\n" for line in lines),
+                     headers={**headers, "Content-Type": "application/jsonl"})
+    assert made.status_code == 201, made.get_json()
+    with feeder_running(stack):
+        deadline = time.monotonic() + 120
+        while (job := http.get(f"/v1/jobs/{made.get_json()['id']}", headers=headers).get_json())["status"] not in (
+                "completed", "failed", "expired", "cancelled"):
+            assert time.monotonic() < deadline, job
+            time.sleep(0.2)
+    results = {line["custom_id"]: line for line in map(json.loads, http.get(
+        f"/v1/jobs/{job['id']}/results", headers=headers).get_data(as_text=True).splitlines())}
+    assert [len(v) for v in results["e"]["embeddings"]] == [64, 64]
+    assert [c["text"].startswith("[simulated]") for c in results["c"]["choices"]] == [True, True]

@@ -259,3 +259,32 @@ def test_decoding_and_schema_checks():
     started = time.monotonic()
     assert "outside" in schema_problem({"$ref": "file:///etc/passwd"})
     assert time.monotonic() - started < 5  # nothing was fetched
+
+
+def test_a_list_of_prompts_is_one_row_each_and_one_answer(client, app):
+    openai, api = sdk(app, client.key)
+    raw = api.completions.with_raw_response.create(model=MODEL, prompt=["first", "second", "third"], max_tokens=3,
+                                                   n=2, extra_body={"ignore_eos": True})
+    answer = raw.parse()
+    ids = raw.headers["Sluice-Request-Ids"].split(",")
+    assert len(ids) == 3 and ids[0] == raw.headers["Sluice-Request-Id"]
+    assert [c.index for c in answer.choices] == list(range(6)) and answer.usage.completion_tokens == 18
+    views = [client.get(i).get_json() for i in ids]
+    assert [v["usage"]["input_tokens"] for v in views] and sum(v["usage"]["input_tokens"] for v in views) == \
+        answer.usage.prompt_tokens
+    assert [c.text for c in answer.choices[2:4]] == [c["text"] for c in views[1]["output"]["choices"]]
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.completions.create(model=MODEL, prompt=["a", "b"], stream=True)
+    assert refused.value.param == "prompt"
+
+
+def test_a_refused_prompt_of_a_list_cancels_the_ones_admitted_before_it(client, app):
+    openai, api = sdk(app, client.key)
+    too_long = "x" * (services(app).settings.max_prompt_chars + 1)
+    with pytest.raises(openai.APIStatusError) as refused:
+        # The first would take ~20 s: it is certainly still queued or running when the second is refused.
+        api.completions.create(model=MODEL, prompt=[f"fine {uuid.uuid4()}", too_long], max_tokens=4000,
+                               extra_body={"ignore_eos": True})
+    assert refused.value.status_code == 400
+    rows = client.http.get("/v1/requests", headers=client.headers).get_json()["data"]
+    assert len(rows) == 1 and client.wait(rows[0]["id"])["status"] == "cancelled"  # nothing half-done

@@ -24,8 +24,9 @@ from core.jobs import intake
 from core.jobs.params import JobParams, parse_params
 from core.rediskeys import FEEDER_STATE_KEY
 from core.settings import Settings
+from core.submit.embeddings import shown, vectors
 from core.submit.service import RequestService
-from models import Tenant, job_lifecycle
+from models import InferenceRequest, Tenant, job_lifecycle
 from models.job import ItemStatus, Job, JobItem, JobStatus
 from models.lifecycle import TransitionRefused
 from models.session import Database
@@ -123,13 +124,18 @@ class JobService:
         job = self.job(tenant_id, job_id)
         statuses = (ItemStatus.INVALID, ItemStatus.FAILED) if errors else (
             ItemStatus.SUCCEEDED, ItemStatus.FAILED, ItemStatus.CANCELLED, ItemStatus.EXPIRED)
+        # An OpenAI line's one request (a document's stages are several; none has these): every
+        # choice and its logprobs, an embeddings line's vectors.
+        first = JobItem.requests[1]
         columns = (JobItem.line, JobItem.custom_id, JobItem.status, JobItem.result, JobItem.finish_reason,
                    JobItem.input_tokens, JobItem.output_tokens, JobItem.chunks, JobItem.depth, JobItem.request_count,
-                   JobItem.error_code, JobItem.error_message)
+                   JobItem.error_code, JobItem.error_message, InferenceRequest.choices, InferenceRequest.embedding,
+                   func.jsonb_array_length(InferenceRequest.input["texts"]).label("texts"))
 
         def generate() -> Iterator[bytes]:
             with self.db.session() as session:
-                rows = session.execute(select(*columns).where(JobItem.job_id == job.id, JobItem.status.in_(statuses))
+                rows = session.execute(select(*columns).outerjoin(InferenceRequest, InferenceRequest.id == first)
+                                       .where(JobItem.job_id == job.id, JobItem.status.in_(statuses))
                                        .order_by(JobItem.line).execution_options(yield_per=2000))
                 batch: list[str] = []
                 for row in rows:
@@ -183,6 +189,10 @@ def result_line(row, errors: bool = False) -> dict[str, Any]:
     line = {"custom_id": row.custom_id, "line": row.line, "outcome": row.status.value}
     if row.status == ItemStatus.SUCCEEDED:
         line.update(output=row.result, finish_reason=row.finish_reason)
+        if getattr(row, "choices", None):
+            line["choices"] = row.choices
+        if getattr(row, "embedding", None) is not None:
+            line["embeddings"] = [shown(v, "float") for v in vectors(row.embedding, row.texts or 0)]
     if row.status != ItemStatus.INVALID:
         line.update(usage={"input_tokens": row.input_tokens, "output_tokens": row.output_tokens,
                            "requests": row.request_count}, chunks=row.chunks, depth=row.depth)

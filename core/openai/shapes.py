@@ -177,7 +177,8 @@ class CompletionRequestSchema(_CommonSchema):
     """Body of POST /v1/completions (a single string prompt)."""
 
     prompt = SafeString(required=True, validate=validate.Length(min=1), metadata={
-        "description": "One string; a list of prompts is refused (send one request per prompt)."})
+        "description": "One string; on POST /v1/completions also a list of up to 64 strings (one request row "
+                       "each, every choice in one answer). Token arrays are refused."})
     logprobs = StrictInteger(validate=validate.Range(min=0, max=MAX_LOGPROBS), allow_none=True,
                              metadata={"description": "Each token's log probability and this many alternatives."})
     echo = StrictBoolean(metadata={"description": "Put the prompt before the completion's text."})

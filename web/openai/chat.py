@@ -45,6 +45,7 @@ bp = Blueprint("openai", __name__, url_prefix="/v1")
 REQUEST_ID_HEADER = "Sluice-Request-Id"
 NO_RETRY = {"x-should-retry": "false"}  # read by the OpenAI SDKs before their own retry rules
 WAIT_GRACE_S = 5.0  # past its deadline a request is being expired: how long to wait for that
+MAX_PROMPTS = 64  # a list of prompts on /v1/completions: one request row each
 
 
 @bp.post("/chat/completions")
@@ -86,7 +87,17 @@ def _models(svc: Services) -> list[dict[str, Any]]:
 def _create(url: str) -> Response | tuple[Response, int, dict[str, str]]:
     svc = services()
     tenant = authenticate(svc.db, svc.recent_keys)
-    asked, row, headers = _submit(svc, tenant, url)
+    try:
+        body = json_object()
+    except ApiError as exc:
+        add_quotas(exc, tenant)
+        raise
+    prompts = body.get("prompt") if url == shapes.COMPLETIONS_URL else None
+    if isinstance(prompts, list) and len(prompts) == 1:
+        body = {**body, "prompt": prompts[0]}  # one prompt in a list is that prompt
+    elif isinstance(prompts, list) and prompts and all(isinstance(p, str) for p in prompts):
+        return _create_many(svc, tenant, body, prompts)
+    asked, row, headers = _submit(svc, tenant, url, body)
     chat = url == shapes.CHAT_URL
     if asked.get("stream"):
         include_usage = bool((asked.get("stream_options") or {}).get("include_usage"))
@@ -110,13 +121,65 @@ def _create(url: str) -> Response | tuple[Response, int, dict[str, str]]:
     raise _ended(row, headers)
 
 
-def _submit(svc: Services, tenant: Tenant, url: str) -> tuple[dict[str, Any], InferenceRequest, dict[str, str]]:
-    """Validate, translate and submit the body; the OpenAI fields, the row and the answer's headers."""
+def _create_many(svc: Services, tenant: Tenant, body: dict[str, Any],
+                 prompts: list[str]) -> tuple[Response, int, dict[str, str]]:
+    """A list of prompts on /v1/completions: one request row per prompt (each priced, queued and
+    answered on its own), all admitted or none (a refusal cancels those already admitted), one
+    answer whose choices are every prompt's in order (prompt i's choice j at index i × n + j)."""
+    if len(prompts) > MAX_PROMPTS:
+        raise ApiError(f"At most {MAX_PROMPTS} prompts in one call; send the rest in another.",
+                       code="invalid_request", status=400, details={"prompt": [f"At most {MAX_PROMPTS}."]})
+    if body.get("stream"):
+        raise ApiError("A list of prompts cannot stream: send one streaming call per prompt.",
+                       code="invalid_request", status=400, details={"prompt": ["One string, to stream."]})
+    made: list[tuple[dict[str, Any], InferenceRequest, dict[str, str]]] = []
     try:
-        body = json_object()
+        for i, prompt in enumerate(prompts):
+            made.append(_submit(svc, tenant, shapes.COMPLETIONS_URL, {**body, "prompt": prompt}, f"#{i}"))
+    except ApiError:
+        _cancel(svc, tenant, [row for _, row, _ in made])
+        raise
+    rows = []
+    for _, row, _headers in made:
+        deadline_s = ((row.deadline_at - row.created_at).total_seconds()
+                      if row.deadline_at and row.created_at else svc.settings.stream_max_s)
+        rows.append(waits.until_ended(svc, tenant.id, row, min(deadline_s + WAIT_GRACE_S, svc.settings.stream_max_s)))
+    headers = {**made[0][2], "Sluice-Request-Ids": ",".join(str(row.id) for row in rows)}
+    failed = next((row for row in rows if row.status != Status.SUCCEEDED), None)
+    if failed is not None:
+        _cancel(svc, tenant, rows)
+        raise _ended(failed, headers) if failed.status.terminal else ApiError(
+            "A request did not end within its deadline; every request of the call was cancelled.",
+            code="wait_timeout", status=504, headers={**headers, **NO_RETRY})
+    echo = bool(made[0][0].get("echo"))
+    choices = [choice for row in rows for choice in shapes.row_choices(row, False, echo)]
+    answer = shapes.completion(rows[0], False, echo)
+    answer["choices"] = [{**choice, "index": i} for i, choice in enumerate(choices)]
+    prompt_tokens = sum(row.input_tokens or 0 for row in rows)
+    completion_tokens = sum(row.output_tokens or 0 for row in rows)
+    answer["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                       "total_tokens": prompt_tokens + completion_tokens}
+    answer["sluice"]["request_ids"] = [str(row.id) for row in rows]
+    return jsonify(answer), 200, headers
+
+
+def _cancel(svc: Services, tenant: Tenant, rows: list[InferenceRequest]) -> None:
+    for row in rows:
+        try:
+            svc.requests.cancel(tenant.id, str(row.id))
+        except ApiError:
+            pass  # it ended meanwhile
+
+
+def _submit(svc: Services, tenant: Tenant, url: str, body: dict[str, Any],
+            key_suffix: str = "") -> tuple[dict[str, Any], InferenceRequest, dict[str, str]]:
+    """Validate, translate and submit the body; the OpenAI fields, the row and the answer's headers.
+    ``key_suffix``: the prompt's place in a list, which its idempotency key carries."""
+    try:
         asked, data = shapes.to_native_for(url, body, svc.settings.registry.default.name)
-        key = idempotency.key_from(request.headers.get(idempotency.HEADER), tenant.id, body,
-                                   svc.settings.idempotency_window_s)
+        header = request.headers.get(idempotency.HEADER)
+        key = idempotency.key_from(header[:250] + key_suffix if header and key_suffix else header, tenant.id,
+                                   body, svc.settings.idempotency_window_s)
         accepted = svc.requests.submit(tenant, data, key)
     except ApiError as exc:
         add_quotas(exc, tenant)  # as on the native route: quotas on every answer

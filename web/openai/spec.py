@@ -155,7 +155,15 @@ def finish(document: dict[str, Any], settings: Settings | None) -> None:
     text = {"type": "string", "minLength": 1, "pattern": "^[^\\u0000]*$"}
     found["EmbeddingRequest"]["properties"]["input"] = {"oneOf": [text, {"type": "array", "items": text,
                                                                          "minItems": 1, "maxItems": 2048}]}
+    prompt = found["CompletionRequest"]["properties"]["prompt"]
     if settings is not None:
-        found["CompletionRequest"]["properties"]["prompt"]["maxLength"] = settings.max_prompt_chars
+        prompt["maxLength"] = settings.max_prompt_chars
+    one = {k: v for k, v in prompt.items() if k != "description"}
+    found["CompletionRequest"]["properties"]["prompt"] = {
+        "oneOf": [one, {"type": "array", "items": one, "minItems": 1, "maxItems": 64}],
+        "description": prompt.get("description", "")}
+    found["CompletionRequest"]["dependentSchemas"]["prompt"] = {  # a list of prompts cannot stream
+        "anyOf": [{"properties": {"prompt": {"type": "string"}}}, {"properties": {"stream": {"const": False}}}]}
+    if settings is not None:
         embed = [model.name for model in settings.registry.models if model.role == "embed"]
         found["EmbeddingRequest"]["properties"]["model"]["enum"] = embed or ["(no embedding model is served)"]

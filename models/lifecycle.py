@@ -87,6 +87,11 @@ def invalid_constraint(reason: str) -> End:
                f"The engine cannot decode under this response_format or tool schema: {reason}"[:500])
 
 
+def engine_refused(reason: str) -> End:
+    """The engine refused the request as given (a limit of its model); the reason is its own."""
+    return End(Status.FAILED, "engine_refused", f"The engine refused this request: {reason}"[:500])
+
+
 def worker_lost(attempts: int) -> End:
     return End(Status.FAILED, "worker_lost", f"The worker running this died {attempts} times; gave up.")
 

@@ -10,6 +10,7 @@ at submit, the price at admission, the row, both views and the stream.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -288,3 +289,59 @@ def test_a_refused_prompt_of_a_list_cancels_the_ones_admitted_before_it(client, 
     assert refused.value.status_code == 400
     rows = client.http.get("/v1/requests", headers=client.headers).get_json()["data"]
     assert len(rows) == 1 and client.wait(rows[0]["id"])["status"] == "cancelled"  # nothing half-done
+
+
+def test_the_context_holds_one_sequence_and_the_reservation_all_n(app):
+    """n choices are n sequences, each input + max_tokens long: the context ceiling is per
+    sequence; the tenant's per-request ceiling prices all n (issue 22 review)."""
+    from core.tenants.tiers import Limits
+
+    svc = services(app)
+    planner = Planner(svc.settings, TokenCounters(), svc.redis, lambda: True)
+    roomy = Limits(tokens_per_minute=10**9, requests_per_minute=10**6, max_concurrent=10**6,
+                   max_request_tokens=10**6)
+    context = svc.settings.registry.default.context_tokens
+    two = planner.plan(_TENANT, SubmitRequestSchema().load({"prompt": "p", "max_tokens": context // 2, "n": 2}))
+    assert svc.admission._too_large(roomy, two) is None  # each sequence fits; together they would not
+    over = planner.plan(_TENANT, SubmitRequestSchema().load({"prompt": "p", "max_tokens": context}))
+    assert svc.admission._too_large(roomy, over)[1] == "context_length"
+    tight = dataclasses.replace(roomy, max_request_tokens=context)
+    limit, name, message = svc.admission._too_large(tight, two)
+    assert name == "max_request_tokens" and "× 2 choices" in message
+
+
+def test_min_tokens_is_held_to_the_max_tokens_that_will_run(client):
+    refused = client.submit(prompt="p", min_tokens=services_default_max(client) + 1)
+    assert refused.status_code == 422 and "min_tokens" in refused.get_json()["error"]["details"]
+
+
+def services_default_max(client) -> int:
+    return services(client.http.application).settings.default_max_tokens
+
+
+def test_required_tools_keep_their_definitions(client, app):
+    """A tool whose parameters refer to its own $defs: nested under the calls' list, the refs
+    still resolve (the definitions move to the root); two tools defining one name differently are
+    refused at submit."""
+    openai, api = sdk(app, client.key)
+    unit = {"type": "function", "function": {"name": "convert", "parameters": {
+        "type": "object", "required": ["to"], "$defs": {"Unit": {"enum": ["c", "f"]}},
+        "properties": {"to": {"$ref": "#/$defs/Unit"}}}}}
+    answer = api.chat.completions.create(model=MODEL, messages=chat(), max_tokens=100, tools=[unit],
+                                         tool_choice="required")
+    (call,) = answer.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"to": "c"}
+    other = {"type": "function", "function": {"name": "other", "parameters": {
+        "type": "object", "$defs": {"Unit": {"type": "integer"}}}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.chat.completions.create(model=MODEL, messages=chat(), tools=[unit, other], tool_choice="required")
+    assert refused.value.param == "tools"
+
+
+def test_schemas_postgres_cannot_store_are_refused(client):
+    for schema in ({"type": "string", "description": "a\u0000b"}, {"type": "number", "maximum": float("nan")}):
+        body = json.dumps({"prompt": "p", "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": schema}}}, allow_nan=True)
+        refused = client.http.post("/v1/requests", data=body,
+                                   headers={**client.headers, "Content-Type": "application/json"})
+        assert refused.status_code == 422, refused.get_json()

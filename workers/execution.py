@@ -31,7 +31,7 @@ from models import lifecycle as lc
 from models.lifecycle import Claimed, Ended, Lifecycle, Requeued
 from models.request import storable_text
 from workers.engines import GenerationRequest, SamplingParams
-from workers.engines.base import Constraint, ConstraintError
+from workers.engines.base import Constraint, ConstraintError, RequestRefused
 from workers.runtime import EngineRuntime, RunResult
 
 log = logging.getLogger(__name__)
@@ -96,9 +96,9 @@ def run(lifecycle: Lifecycle, runtime: EngineRuntime, claimed: Claimed, claimed_
     try:
         whole = None if claimed.deadline_in_s is None else claimed.deadline_in_s + claimed.queue_wait_s
         result = runtime.run(generation_request(claimed), claimed.time_limit_s, claimed.deadline_in_s, whole)
-    except ConstraintError as exc:  # the request's fault, not the engine's
-        log.info("constraint refused by the engine: %s", exc)
-        end = lc.invalid_constraint(str(exc))
+    except RequestRefused as exc:  # the request's fault, not the engine's
+        log.info("refused by the engine: %s", exc)
+        end = lc.invalid_constraint(str(exc)) if isinstance(exc, ConstraintError) else lc.engine_refused(str(exc))
         with_db_retries(lambda: lifecycle.finish(request_id, runtime.worker_id, end))
         return
     except Exception:

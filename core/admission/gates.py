@@ -210,25 +210,29 @@ class Admission:
     def _too_large(self, limits: Limits, row: Plan) -> tuple[int, str, str] | None:
         """The smallest ceiling the request's tokens exceed, as (tokens, name, description)."""
         model = self.settings.registry.get(row.target_model)
-        # An embeddings request's inputs are embedded one by one: the planner held each to the context.
+        # The context holds one sequence: its input and max_tokens (n choices are n sequences, each
+        # that long); an embeddings request's inputs are embedded one by one, each held to the
+        # context by the planner. The other ceilings price the whole reservation.
+        sequence = row.input_tokens + row.max_tokens
         ceilings = [] if row.size_class == SizeClass.EMBED else [
             (model.context_tokens if model else self.settings.max_context_tokens, "context_length",
-             f"{row.target_model}'s context length")]
+             f"{row.target_model}'s context length", sequence)]
         ceilings += [
-            (limits.max_request_tokens, "max_request_tokens", "your per-request maximum"),
+            (limits.max_request_tokens, "max_request_tokens", "your per-request maximum", row.reserved_tokens),
             # A request larger than a whole minute's budget could never be admitted: say so now.
-            (limits.tokens_per_minute, "tokens_per_minute", "your tokens-per-minute limit"),
+            (limits.tokens_per_minute, "tokens_per_minute", "your tokens-per-minute limit", row.reserved_tokens),
         ]
         if self.settings.platform_tokens_per_minute:
             ceilings.append((self.settings.platform_tokens_per_minute, "platform_tokens_per_minute",
-                             "the platform's tokens-per-minute limit"))
-        exceeded = [c for c in ceilings if row.reserved_tokens > c[0]]
+                             "the platform's tokens-per-minute limit", row.reserved_tokens))
+        exceeded = [c for c in ceilings if c[3] > c[0]]
         if not exceeded:
             return None
-        ceiling = min(exceeded)
-        return ceiling[0], ceiling[1], (f"This request needs {row.reserved_tokens} tokens ({row.input_tokens} "
-                                        f"input + {row.max_tokens} max_tokens), more than {ceiling[2]} of "
-                                        f"{ceiling[0]} tokens. Shorten the input or lower max_tokens.")
+        limit, name, what, needed = min(exceeded)
+        choices = f" × {row.choices} choices" if row.choices > 1 and needed == row.reserved_tokens else ""
+        return limit, name, (f"This request needs {needed} tokens ({row.input_tokens} input + {row.max_tokens} "
+                             f"max_tokens{choices}), more than {what} of {limit} tokens. Shorten the input or "
+                             "lower max_tokens.")
 
 
 def _seconds(ms: int) -> float | None:

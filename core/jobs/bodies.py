@@ -67,6 +67,8 @@ class Bodies:
                        metadata={**request.get("metadata", {}), "job_id": str(job.id)})
         if "max_tokens" in request:
             request["max_tokens"] = min(request["max_tokens"], self.settings.max_output_tokens)
+            if request.get("min_tokens", 0) > request["max_tokens"]:
+                request["min_tokens"] = request["max_tokens"]
         return request
 
     def _deadline_s(self, job: Job) -> float:

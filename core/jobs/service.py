@@ -130,7 +130,8 @@ class JobService:
         columns = (JobItem.line, JobItem.custom_id, JobItem.status, JobItem.result, JobItem.finish_reason,
                    JobItem.input_tokens, JobItem.output_tokens, JobItem.chunks, JobItem.depth, JobItem.request_count,
                    JobItem.error_code, JobItem.error_message, InferenceRequest.choices, InferenceRequest.embedding,
-                   func.jsonb_array_length(InferenceRequest.input["texts"]).label("texts"))
+                   func.jsonb_array_length(InferenceRequest.input["texts"]).label("texts"),
+                   InferenceRequest.params["encoding_format"].astext.label("encoding"))
 
         def generate() -> Iterator[bytes]:
             with self.db.session() as session:
@@ -192,7 +193,8 @@ def result_line(row, errors: bool = False) -> dict[str, Any]:
         if getattr(row, "choices", None):
             line["choices"] = row.choices
         if getattr(row, "embedding", None) is not None:
-            line["embeddings"] = [shown(v, "float") for v in vectors(row.embedding, row.texts or 0)]
+            line["embeddings"] = [shown(v, getattr(row, "encoding", None) or "float")
+                                  for v in vectors(row.embedding, row.texts or 0)]
     if row.status != ItemStatus.INVALID:
         line.update(usage={"input_tokens": row.input_tokens, "output_tokens": row.output_tokens,
                            "requests": row.request_count}, chunks=row.chunks, depth=row.depth)

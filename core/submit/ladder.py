@@ -118,7 +118,10 @@ class Ladder:
                 applied.append("light_model")
         if (level >= LoadLevel.SHORTER_OUTPUT and "shorter_output" in steps
                 and plan.max_tokens > self.settings.shorter_output_tokens):
-            plan = dataclasses.replace(plan, max_tokens=self.settings.shorter_output_tokens)
+            shorter = self.settings.shorter_output_tokens
+            params = ({**plan.params, "min_tokens": shorter} if plan.params.get("min_tokens", 0) > shorter
+                      else plan.params)  # a floor above the new ceiling would fail in the engine
+            plan = dataclasses.replace(plan, max_tokens=shorter, params=params)
             applied.append("shorter_output")
         if applied:
             plan = dataclasses.replace(plan, degradation=tuple(applied))

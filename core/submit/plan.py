@@ -239,7 +239,11 @@ class Planner:
             request_id=uuid.uuid4(), tenant_id=tenant_id, priority=priority, size_class=SizeClass.EMBED,
             queue=queue_name(priority, SizeClass.EMBED, suffix), model_requested=model.name, model_routed=None,
             route_reason=None, input={"texts": body["input"]},
-            params={"task": "embed", **{k: body[k] for k in ("dimensions", "encoding_format") if k in body},
+            # The model's own length is no request for fewer: not sent (vLLM refuses any `dimensions`
+            # for a model that is not Matryoshka).
+            params={"task": "embed", **({"dimensions": dimensions} if dimensions not in (None, model.dimensions)
+                                        else {}),
+                    **({"encoding_format": body["encoding_format"]} if "encoding_format" in body else {}),
                     **{k: body[k] for k in DELIVERY_FIELDS if body.get(k)}},
             meta=body.get("metadata", {}), conversation_id=None, max_tokens=1, time_limit_s=float(time_limit),
             input_tokens=sum(counts),
@@ -255,6 +259,9 @@ class Planner:
         with the worker holding its prefix cache)."""
         if plan.conversation_id or check_tools({**plan.params, **plan.input}, model.tool_parser):
             return None  # (nor to a model whose tool-call parser the request needs and it lacks)
+        vocab = self.counters.for_model(model).vocab_size if "logit_bias" in plan.params else None
+        if vocab is not None and any(int(token) >= vocab for token in plan.params["logit_bias"]):
+            return None  # its token ids are the requested model's, not this one's
         input_tokens = self._count(model, plan.input)
         if input_tokens + plan.max_tokens > model.context_tokens:
             return None
@@ -275,6 +282,8 @@ class Planner:
         problems: dict[str, list[str]] = {}
         if max_tokens > settings.max_output_tokens:
             problems["max_tokens"] = [f"Must be at most {settings.max_output_tokens}."]
+        if body.get("min_tokens", 0) > max_tokens:  # max_tokens here may be the server's default
+            problems["min_tokens"] = [f"Must be at most max_tokens ({max_tokens})."]
         if time_limit > settings.time_limit_s:
             problems["time_limit_s"] = [f"Must be at most {settings.time_limit_s:g} seconds."]
         model = registry.get(body["model"]) if "model" in body else registry.default

@@ -51,11 +51,16 @@ class JsonSchemaField(fields.Dict):
 
 
 def schema_problem(schema: dict[str, Any]) -> str | None:
-    """Why ``schema`` cannot constrain decoding, or None."""
+    """Why ``schema`` cannot constrain decoding (or be stored: no NaN or Infinity, no NUL or lone
+    surrogate in any key or string), or None."""
     try:
-        size = len(json.dumps(schema, ensure_ascii=False).encode())
+        size = len(json.dumps(schema, ensure_ascii=False, allow_nan=False).encode("utf-8"))
+    except UnicodeEncodeError:  # (a ValueError too: first)
+        return "Strings must be valid Unicode (no unpaired surrogates)."
     except (TypeError, ValueError):
-        return "Not a JSON schema."
+        return "Not a JSON schema: numbers must be finite (no NaN or Infinity)."
+    if any("\x00" in text for text in _strings(schema)):
+        return "Strings must not contain the NUL character (\\u0000)."
     if size > MAX_SCHEMA_BYTES:
         return f"The schema is {size} bytes; at most {MAX_SCHEMA_BYTES} are accepted."
     remote = next(_remote_refs(schema), None)
@@ -67,6 +72,19 @@ def schema_problem(schema: dict[str, Any]) -> str | None:
         where = "/".join(str(p) for p in exc.absolute_path)
         return f"Not a valid JSON schema{f' at {where}' if where else ''}: {exc.message[:200]}"
     return None
+
+
+def _strings(node: Any):
+    """Every key and string value in ``node``."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield str(key)
+            yield from _strings(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _strings(item)
+    elif isinstance(node, str):
+        yield node
 
 
 def _remote_refs(node: Any):
@@ -210,6 +228,9 @@ def check_tools(data: dict[str, Any], auto_parser: str | None) -> dict[str, list
         return {"tools": ["Two tools have the same name."]}
     if isinstance(choice, dict) and choice["function"]["name"] not in names:
         return {"tool_choice": [f"No tool is named {choice['function']['name']!r}."]}
+    if choice == "required" and (clash := _clashing_definitions(tools)) is not None:
+        return {"tools": [f"Two tools define {clash!r} differently; with tool_choice required their definitions "
+                          "share one schema: rename one."]}
     if choice in (None, "auto") and auto_parser is None:
         return {"tool_choice": ["tool_choice auto needs a tool-call parser for this model (the registry's "
                                 "tool_parser); use required or a named function, which structured "
@@ -228,12 +249,12 @@ def decoding(params: dict[str, Any], tools: list[dict[str, Any]] | None = None) 
     function forces its arguments' schema."""
     choice = params.get("tool_choice")
     if tools and choice == "required":
+        parameters, shared = _hoisted(tools)
         calls = {"type": "array", "minItems": 1,
                  "items": {"anyOf": [{"type": "object", "required": ["name", "parameters"],
                                       "properties": {"name": {"const": tool["function"]["name"]},
-                                                     "parameters": tool["function"].get("parameters") or
-                                                     {"type": "object"}}}
-                                     for tool in tools]}}
+                                                     "parameters": schema}}
+                                     for tool, schema in zip(tools, parameters, strict=True)]}, **shared}
         if params.get("parallel_tool_calls") is False:
             calls["maxItems"] = 1
         return "json", calls
@@ -249,6 +270,35 @@ def decoding(params: dict[str, Any], tools: list[dict[str, Any]] | None = None) 
         return "regex", form["regex"]
     if form["type"] == "choice":
         return "choice", list(form["choices"])
+    return None
+
+
+_DEFINITIONS = ("$defs", "definitions")
+
+
+def _hoisted(tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Each tool's parameter schema without its definitions, and those definitions gathered at the
+    root: nested under the calls' list, a tool's ``#/$defs/...`` must still resolve (as vLLM's
+    own server does it). ``check_tools`` refused two tools defining one name differently."""
+    parameters, shared = [], {}
+    for tool in tools:
+        schema = dict(tool["function"].get("parameters") or {"type": "object"})
+        for key in _DEFINITIONS:
+            if isinstance(schema.get(key), dict):
+                shared.setdefault(key, {}).update(schema.pop(key))
+        parameters.append(schema)
+    return parameters, shared
+
+
+def _clashing_definitions(tools: list[dict[str, Any]]) -> str | None:
+    """A definition name two tools give different schemas, or None."""
+    seen: dict[tuple[str, str], Any] = {}
+    for tool in tools:
+        schema = tool["function"].get("parameters") or {}
+        for key in _DEFINITIONS:
+            for name, definition in (schema.get(key) or {}).items() if isinstance(schema.get(key), dict) else ():
+                if seen.setdefault((key, name), definition) != definition:
+                    return name
     return None
 
 
@@ -276,6 +326,8 @@ def tool_calls(request_id: str, params: dict[str, Any], tools: list[dict[str, An
         return None
     if not calls:
         return None
+    if params.get("parallel_tool_calls") is False:  # `auto` may write several; the first one stands
+        calls = calls[:1]
     return [{"id": call_id(request_id, i), "type": "function",
              "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
             for i, (name, arguments) in enumerate(calls)], content

@@ -136,7 +136,7 @@ def _create_many(svc: Services, tenant: Tenant, body: dict[str, Any],
     try:
         for i, prompt in enumerate(prompts):
             made.append(_submit(svc, tenant, shapes.COMPLETIONS_URL, {**body, "prompt": prompt}, f"#{i}"))
-    except ApiError:
+    except Exception:  # a refusal, or the request store failing midway: none of them runs
         _cancel(svc, tenant, [row for _, row, _ in made])
         raise
     rows = []
@@ -201,6 +201,9 @@ def _ended(row: InferenceRequest, headers: dict[str, str]) -> ApiError:
         return ApiError("The engine cannot decode under this request's response_format or tools; see details.",
                         code=row.error_code, status=400, details={"response_format": [row.error_message or ""]},
                         headers={**headers, **NO_RETRY})
+    if row.error_code == "engine_refused":  # a limit of the model the request went past
+        return ApiError(row.error_message or "The engine refused this request.", code=row.error_code,
+                        status=400, headers={**headers, **NO_RETRY})
     status = shapes.ENDED.get(row.status.value, 500)
     message = f"The request ended {row.status.value}" + (f": {row.error_message}" if row.error_message else ".")
     return ApiError(message, code=row.error_code or row.status.value, status=status,

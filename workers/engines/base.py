@@ -9,8 +9,8 @@ Contract shared by every engine:
   once per worker process, before the worker takes any task (a warm engine).
 * ``generate(request)`` is an async iterator; for a request with ``texts`` (an embedding model's
   engine) it yields one final output carrying the vectors. It honours every field of ``SamplingParams`` or
-  raises ``ValueError`` naming the one it cannot (``ConstraintError`` for a constraint it cannot
-  compile). Many calls run concurrently on the same event
+  raises ``RequestRefused`` naming the one it cannot (``ConstraintError`` for a constraint it
+  cannot compile). Many calls run concurrently on the same event
   loop and the engine batches them together (continuous batching); it never serves them one
   at a time. Each yielded :class:`GenerationOutput` is cumulative (the text so far); the last
   one has ``finished=True``. An engine may yield only that last one if it reports
@@ -36,9 +36,14 @@ class EngineDead(RuntimeError):
     """The engine can serve nothing more (its loop or process died). Fatal for the worker."""
 
 
-class ConstraintError(ValueError):
+class RequestRefused(ValueError):
+    """The engine refuses the request as given (a limit of its model: a prompt over its length, a
+    token id outside its vocabulary); the message says why. The request fails; the engine is fine."""
+
+
+class ConstraintError(RequestRefused):
     """The engine cannot decode under the request's constraint (a schema its grammar library
-    cannot compile); the message says why. The request fails; the engine is fine."""
+    cannot compile); the message says why."""
 
 
 @dataclass(frozen=True)

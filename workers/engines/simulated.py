@@ -38,6 +38,7 @@ from workers.engines.base import (
     EngineStats,
     GenerationOutput,
     GenerationRequest,
+    RequestRefused,
     StepSample,
     TokenLogprob,
 )
@@ -227,7 +228,7 @@ class SimulatedEngine(Engine):
         if self._task.done():
             raise EngineDead("the simulated engine loop has stopped")
         if (request.texts is not None) != self.embeds:
-            raise ValueError("an embedding model takes texts to embed, and only it does")
+            raise RequestRefused("an embedding model takes texts to embed, and only it does")
         if request.texts is not None:
             yield await self._embed(request)
             return

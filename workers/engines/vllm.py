@@ -27,6 +27,7 @@ from workers.engines.base import (
     EngineStats,
     GenerationOutput,
     GenerationRequest,
+    RequestRefused,
     SamplingParams,
     StepSample,
     TokenLogprob,
@@ -97,6 +98,19 @@ def sampling_params(p: SamplingParams, stream: bool) -> VllmSamplingParams:
         # One output per request, not one per step: the caller needs only the result and the
         # first-token time; a streaming client needs the text after every step.
         output_kind=RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY)
+
+
+# What vLLM's refusal of a constrained request says when the constraint is its reason.
+_CONSTRAINT_WORDS = ("grammar", "schema", "regex", "xgrammar", "structured", "json", "choice", "guided")
+
+
+def refusal(exc: Exception, constrained: bool) -> RequestRefused:
+    """vLLM's refusal of a request as the engine boundary names it: the constraint's fault
+    (ConstraintError) when the request has one and the reason is about it, else the request's."""
+    reason = str(exc)[:300]
+    if constrained and any(word in reason.lower() for word in _CONSTRAINT_WORDS):
+        return ConstraintError(reason)
+    return RequestRefused(reason)
 
 
 def _logprobs(completion: Any, top: int) -> tuple[TokenLogprob, ...]:
@@ -242,13 +256,14 @@ class VllmEngine(Engine):
             yield await self._embed(request)
             return
         self._in_flight.add(rid)
+        p = request.params
         try:
-            p = request.params
             detailed = p.detailed
-            params = sampling_params(p, request.stream)
-            prompt = await self._prompt(request)
-            (engine_input,) = await llm.renderer.render_cmpl_async([parse_model_prompt(llm.model_config, prompt)])
             try:
+                params = sampling_params(p, request.stream)
+                prompt = await self._prompt(request)
+                (engine_input,) = await llm.renderer.render_cmpl_async(
+                    [parse_model_prompt(llm.model_config, prompt)])
                 stream = llm.generate(engine_input, params, request_id=rid, priority=request.priority)
                 async for out in stream:
                     completions = sorted(out.outputs, key=lambda c: c.index)
@@ -266,10 +281,8 @@ class VllmEngine(Engine):
                         choices=choices)
             except EngineDeadError as exc:
                 raise EngineDead("vLLM's engine core died") from exc
-            except (VLLMClientError, ValueError) as exc:  # refused at add_request: the request's fault
-                if p.constraint is None:
-                    raise
-                raise ConstraintError(str(exc)[:300]) from exc
+            except (VLLMClientError, ValueError) as exc:  # refused as given: the request's fault
+                raise refusal(exc, p.constraint is not None) from exc
         finally:
             self._in_flight.discard(rid)
 
@@ -279,7 +292,7 @@ class VllmEngine(Engine):
         llm = self._require()
         rid = request.request_id
         if not self.config.embed:
-            raise ValueError("this worker's model is not an embedding model")
+            raise RequestRefused("this worker's model is not an embedding model")
         ids = [f"{rid}#{i}" for i in range(len(request.texts or ()))]
         self._in_flight.add(rid)
         self._children[rid] = ids
@@ -299,12 +312,13 @@ class VllmEngine(Engine):
             raise
         except EngineDeadError as exc:
             raise EngineDead("vLLM's engine core died") from exc
-        except VLLMClientError as exc:
-            raise ValueError(str(exc)[:300]) from exc
+        except (VLLMClientError, ValueError) as exc:
+            raise refusal(exc, False) from exc
         finally:
             self._in_flight.discard(rid)
             self._children.pop(rid, None)
-        if any(out is None or not out.finished for out in outs):  # aborted
+        # An aborted text ends without a vector (vLLM's last output for it holds an empty tensor).
+        if any(out is None or not out.finished or out.outputs.data.numel() == 0 for out in outs):
             return GenerationOutput(request_id=rid, text="", prompt_tokens=0, output_tokens=0, finished=True,
                                     finish_reason="abort")
         vectors = b"".join(out.outputs.data.to(torch.float32).contiguous().numpy().astype("<f4").tobytes()

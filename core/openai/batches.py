@@ -28,7 +28,7 @@ from core.errors import InvalidRequest, NotFound
 from core.ids import uuid_or_404
 from core.jobs.service import JobService
 from core.openai.files import ChunkReader, FileStore, parse_id, unix
-from core.openai.shapes import CHAT_URL, EMBEDDINGS_URL, URLS, choices
+from core.openai.shapes import CHAT_URL, EMBEDDINGS_URL, URLS, choices, embedding_list
 from core.submit.embeddings import shown, vectors
 from models import Batch, InferenceRequest, ItemStatus, Job, JobItem, JobStatus, Tenant
 from models.request import storable
@@ -215,10 +215,8 @@ def output_line(job: Job, batch: Batch, row) -> dict[str, Any]:
     rid, chat = row.request_id.hex, url == CHAT_URL
     if url == EMBEDDINGS_URL:
         encoding = (row.params or {}).get("encoding_format", "float")
-        body = {"object": "list", "model": row.model, "usage": {"prompt_tokens": row.input_tokens,
-                                                                "total_tokens": row.input_tokens},
-                "data": [{"object": "embedding", "index": i, "embedding": shown(vector, encoding)}
-                         for i, vector in enumerate(vectors(row.embedding or b"", row.texts or 0))]}
+        body = embedding_list([shown(vector, encoding) for vector in vectors(row.embedding or b"", row.texts or 0)],
+                              row.model, row.input_tokens)
         return {"id": line_id, "custom_id": row.custom_id,
                 "response": {"status_code": 200, "request_id": str(row.request_id), "body": body}, "error": None}
     body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "object": "chat.completion" if chat else "text_completion",

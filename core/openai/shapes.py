@@ -305,13 +305,16 @@ def embeddings_to_native(body: dict[str, Any], batch: bool = False) -> tuple[dic
                               set()) from None
 
 
+def embedding_list(vectors: list, model: str, tokens: int) -> dict[str, Any]:
+    """OpenAI's embeddings list: the route's answer, and a batch output line's body."""
+    return {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": vector}
+                                       for i, vector in enumerate(vectors)],
+            "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
 def embedding_answer(row: InferenceRequest, encoding: str = "float") -> dict[str, Any]:
     """A succeeded embeddings row as OpenAI's embeddings list."""
-    data = [{"object": "embedding", "index": i, "embedding": vector}
-            for i, vector in enumerate(row_vectors(row, encoding) or [])]
-    tokens = row.input_tokens or 0
-    return {"object": "list", "data": data, "model": model_of(row),
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    return {**embedding_list(row_vectors(row, encoding) or [], model_of(row), row.input_tokens or 0),
             "sluice": {**extension(row), "simulated": (row.device or "").startswith("simulated")}}
 
 

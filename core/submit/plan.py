@@ -184,7 +184,6 @@ class Planner:
         conversation_id = body.get("conversation_id")
         if conversation_id and self.redis_healthy():  # with Redis away, don't spend its timeout on affinity
             queue = self._conversation_queue(tenant_id, conversation_id, queue) or queue
-        default_deadline = settings.realtime_deadline_s if priority == Priority.REALTIME else settings.batch_deadline_s
         return Plan(
             request_id=uuid.uuid4(), tenant_id=tenant_id, priority=priority, size_class=size_class, queue=queue,
             model_requested=requested.name, model_routed=model.name if route_reason else None,
@@ -193,7 +192,7 @@ class Planner:
                                                                        if body.get(k)} | reader(body, model),
             meta=body.get("metadata", {}),
             conversation_id=conversation_id, max_tokens=max_tokens, time_limit_s=float(time_limit),
-            input_tokens=input_tokens, deadline_s=body.get("deadline_s", default_deadline),
+            input_tokens=input_tokens, deadline_s=self._deadline_s(body, priority),
             webhook_url=body.get("webhook_url"),
             webhook_events=tuple(body.get("webhook_events", DEFAULT_EVENTS)) if "webhook_url" in body else (),
             cache_scope=cache_scope(tenant_id, settings.cache_shared_tenants))
@@ -247,11 +246,16 @@ class Planner:
                     **{k: body[k] for k in DELIVERY_FIELDS if body.get(k)}},
             meta=body.get("metadata", {}), conversation_id=None, max_tokens=1, time_limit_s=float(time_limit),
             input_tokens=sum(counts),
-            deadline_s=body.get("deadline_s", settings.realtime_deadline_s if priority == Priority.REALTIME
-                                else settings.batch_deadline_s),
+            deadline_s=self._deadline_s(body, priority),
             webhook_url=body.get("webhook_url"),
             webhook_events=tuple(body.get("webhook_events", DEFAULT_EVENTS)) if "webhook_url" in body else (),
             cache_scope=cache_scope(tenant_id, settings.cache_shared_tenants))
+
+    def _deadline_s(self, body: dict[str, Any], priority: Priority) -> float:
+        """The body's deadline, else its class's default."""
+        default = (self.settings.realtime_deadline_s if priority == Priority.REALTIME
+                   else self.settings.batch_deadline_s)
+        return body.get("deadline_s", default)
 
     def reroute(self, plan: Plan, model: ModelSpec, reason: str) -> Plan | None:
         """``plan`` sent to ``model`` instead (counted with its tokenizer, on its queues), or None

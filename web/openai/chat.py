@@ -104,9 +104,7 @@ def _create(url: str) -> Response | tuple[Response, int, dict[str, str]]:
         return Response(stream_with_context(_chunks(svc, row, chat, include_usage, bool(asked.get("echo")))), 200,
                         {**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                         mimetype="text/event-stream")
-    deadline_s = ((row.deadline_at - row.created_at).total_seconds()
-                  if row.deadline_at and row.created_at else svc.settings.stream_max_s)
-    row = waits.until_ended(svc, tenant.id, row, min(deadline_s + WAIT_GRACE_S, svc.settings.stream_max_s))
+    row = _until_ended(svc, tenant, row)
     if row.status == Status.SUCCEEDED:
         if url == shapes.EMBEDDINGS_URL:
             return jsonify(shapes.embedding_answer(row, asked.get("encoding_format", "float"))), 200, headers
@@ -139,11 +137,7 @@ def _create_many(svc: Services, tenant: Tenant, body: dict[str, Any],
     except Exception:  # a refusal, or the request store failing midway: none of them runs
         _cancel(svc, tenant, [row for _, row, _ in made])
         raise
-    rows = []
-    for _, row, _headers in made:
-        deadline_s = ((row.deadline_at - row.created_at).total_seconds()
-                      if row.deadline_at and row.created_at else svc.settings.stream_max_s)
-        rows.append(waits.until_ended(svc, tenant.id, row, min(deadline_s + WAIT_GRACE_S, svc.settings.stream_max_s)))
+    rows = [_until_ended(svc, tenant, row) for _, row, _headers in made]
     headers = {**made[0][2], "Sluice-Request-Ids": ",".join(str(row.id) for row in rows)}
     failed = next((row for row in rows if row.status != Status.SUCCEEDED), None)
     if failed is not None:
@@ -161,6 +155,13 @@ def _create_many(svc: Services, tenant: Tenant, body: dict[str, Any],
                        "total_tokens": prompt_tokens + completion_tokens}
     answer["sluice"]["request_ids"] = [str(row.id) for row in rows]
     return jsonify(answer), 200, headers
+
+
+def _until_ended(svc: Services, tenant: Tenant, row: InferenceRequest) -> InferenceRequest:
+    """The row once it ended, or as it is when its deadline (plus a grace) has passed."""
+    deadline_s = ((row.deadline_at - row.created_at).total_seconds()
+                  if row.deadline_at and row.created_at else svc.settings.stream_max_s)
+    return waits.until_ended(svc, tenant.id, row, min(deadline_s + WAIT_GRACE_S, svc.settings.stream_max_s))
 
 
 def _cancel(svc: Services, tenant: Tenant, rows: list[InferenceRequest]) -> None:

@@ -43,6 +43,9 @@ class ModelSpec:
     # fewer (`dimensions`: a Matryoshka model, whose leading dimensions are an embedding too).
     dimensions: int | None = None
     matryoshka: bool = False
+    # USD per million tokens, {"input", "cached", "output"} (core/usage/prices.py); None: free,
+    # unless SLUICE_PRICES names it.
+    prices: dict[str, object] | None = None
 
 
 @dataclass(frozen=True)
@@ -96,14 +99,14 @@ def parse_registry(models_json: str | None, *, name: str, path: str | None, cont
         if not isinstance(entry, dict) or "name" not in entry:
             raise RegistryError(f"SLUICE_MODELS[{i}] must be an object with at least a name")
         unknown = set(entry) - {"name", "path", "role", "context_tokens", "worker_roles", "tool_parser", "dimensions",
-                                "matryoshka"}
+                                "matryoshka", "prices"}
         if unknown:
             raise RegistryError(f"SLUICE_MODELS[{i}] has unknown keys: {', '.join(sorted(unknown))}")
         spec = ModelSpec(name=entry["name"], path=entry.get("path"), role=entry.get("role", "main"),
                          context_tokens=entry.get("context_tokens", context_tokens),
                          worker_roles=tuple(entry.get("worker_roles", ALL_ROLES)),
                          tool_parser=entry.get("tool_parser"), dimensions=entry.get("dimensions"),
-                         matryoshka=entry.get("matryoshka", False))
+                         matryoshka=entry.get("matryoshka", False), prices=entry.get("prices"))
         _check(spec, i)
         models.append(spec)
     names = [m.name for m in models]
@@ -128,6 +131,10 @@ def _check(spec: ModelSpec, i: int) -> None:
         raise RegistryError(f"SLUICE_MODELS[{i}].matryoshka must be true or false")
     if not isinstance(spec.context_tokens, int) or isinstance(spec.context_tokens, bool) or spec.context_tokens < 16:
         raise RegistryError(f"SLUICE_MODELS[{i}].context_tokens must be an integer ≥ 16")
+    if spec.prices is not None and (not isinstance(spec.prices, dict)
+                                    or set(spec.prices) != {"input", "cached", "output"}):
+        raise RegistryError(f"SLUICE_MODELS[{i}].prices must be an object with input, cached and output "
+                            "(USD per million tokens)")
     if spec.tool_parser is not None and spec.tool_parser not in TOOL_PARSERS:
         raise RegistryError(f"SLUICE_MODELS[{i}].tool_parser must be one of {', '.join(TOOL_PARSERS)}")
     if not set(spec.worker_roles) <= set(ALL_ROLES):

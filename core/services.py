@@ -32,6 +32,7 @@ from core.submit.service import RequestService
 from core.submit.tokens import TokenCounters
 from core.submit.twins import Twins
 from core.tenants.recent_keys import RecentKeys
+from core.usage.budgets import Budgets
 from models import Database
 from models.lifecycle import Lifecycle
 
@@ -58,12 +59,15 @@ class Services:
     recent_keys: RecentKeys
     # This process's subscription to request moves: what wakes `Prefer: wait` and streams.
     waiters: Waiters
+    # Budgets: read by admission, listed and managed by the API, warned of by the sweep.
+    budgets: Budgets
 
 
 def build_services(settings: Settings) -> Services:
     db = Database()
     db.configure(settings.sqlalchemy_url, pool_size=settings.db_pool_size, max_overflow=settings.db_max_overflow)
-    admission = Admission(settings)
+    budgets = Budgets(db)
+    admission = Admission(settings, budgets)
     lifecycle = Lifecycle(db)
     # Whoever ends a request (a worker, a cancel, the sweep) gives back its unused reservation.
     lifecycle.on_end(admission.release)
@@ -93,7 +97,8 @@ def build_services(settings: Settings) -> Services:
                     publisher=publisher, broker=celery_publisher(settings, fail_fast=False), admission=admission,
                     answers=answers, lifecycle=lifecycle, twins=twins, epoch=epoch, requests=requests,
                     jobs=JobService(settings, db, requests, admission.redis), webhooks=webhooks,
-                    recent_keys=RecentKeys(settings.auth_cache_s), waiters=Waiters(settings.redis_url))
+                    recent_keys=RecentKeys(settings.auth_cache_s), waiters=Waiters(settings.redis_url),
+                    budgets=budgets)
 
 
 def start_services(settings: Settings | None = None) -> Services:

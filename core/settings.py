@@ -18,6 +18,7 @@ from typing import Any
 from core.delivery.ssrf import AllowList
 from core.registry import ModelSpec, Registry, RegistryError, parse_registry
 from core.tenants.tiers import Limits, TierError, parse_tiers
+from core.usage.prices import Price, parse_prices, price
 
 # The degradation ladder's steps that exist, by the level (core/admission/load.py) that turns each on.
 LADDER_STEPS = ("light_model", "shorter_output", "cached_answer", "reject_batch", "tight_promise", "shed")
@@ -248,6 +249,16 @@ class Settings:
         "Webhook redeliveries and secret rotations a tenant may ask for per minute, together; past it they get "
         "429 rate_limited with Retry-After. 0: no limit.")
 
+    # Usage and cost (core/usage/)
+    prices_spec: str = _field(
+        "SLUICE_PRICES", "",
+        "Prices in USD per million tokens, comma-separated: model=input/cached/output (e.g. "
+        "main=0.15/0.075/0.6); wins over a model's `prices` in SLUICE_MODELS. A model with none costs 0.")
+    batch_discount: float = _field(
+        "SLUICE_BATCH_DISCOUNT", 0.5,
+        "Share of the price batch work does not pay (priority batch, bulk job and OpenAI batch lines): "
+        "0.5 charges half, as hosted batch APIs do; 0 charges batch like realtime.")
+
     # Admission (tokens = estimated input + max_tokens)
     tiers_spec: str = _field(
         "SLUICE_TIERS", "free=40000/20/4/4096,standard=2000000/1200/512/8192,enterprise=5000000/6000/4096/32768",
@@ -440,6 +451,25 @@ class Settings:
             raise SettingsError("REDIS_URL must be a redis://, rediss:// or unix:// URL")
         self._validate_admission()
         self._validate_webhooks()
+        self._validate_prices()
+
+    def _validate_prices(self) -> None:
+        if not 0 <= self.batch_discount <= 1:
+            raise SettingsError(f"SLUICE_BATCH_DISCOUNT must be from 0 to 1, got {self.batch_discount!r}")
+        try:
+            prices = self.prices
+        except ValueError as exc:
+            raise SettingsError(f"SLUICE_PRICES: {exc}") from None
+        unknown = set(prices) - {m.name for m in self.registry.models}
+        if unknown:
+            raise SettingsError(f"SLUICE_PRICES names models the registry does not have: {', '.join(sorted(unknown))}")
+
+    @functools.cached_property
+    def prices(self) -> dict[str, Price]:
+        """Each priced model's prices: its registry entry's, then SLUICE_PRICES over them."""
+        prices = {m.name: Price(*(price(m.prices[k], f"{m.name}'s {k} price") for k in ("input", "cached", "output")))
+                  for m in self.registry.models if m.prices is not None}
+        return {**prices, **parse_prices(self.prices_spec)}
 
     def _validate_webhooks(self) -> None:
         for name in ("webhook_timeout_s", "webhook_retry_for_s", "webhook_backoff_s", "webhook_progress_s",

@@ -71,6 +71,8 @@ class Job(Base):
 
     id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
     tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    # The key that submitted it: its lines' requests are that key's usage (and charged to its budget).
+    api_key_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("api_keys.id", ondelete="SET NULL"))
     status: Mapped[JobStatus] = mapped_column(_str_enum(JobStatus, "job_status"), default=JobStatus.VALIDATING)
     model: Mapped[str] = mapped_column(String(128))
     priority: Mapped[str] = mapped_column(String(16))

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from decimal import Decimal
 from enum import StrEnum
 from typing import Any, NamedTuple
 
@@ -125,6 +126,10 @@ class Moved:
     follows: uuid.UUID | None = None  # a parked twin: off every queue, its leader's id
     deadline_s: float | None = None  # from its creation to its deadline
     webhook: bool = False  # it has a webhook URL: the webhook hook reads the row, every other row costs nothing
+    # What its budgets keep of their reservation (core/usage/budgets.py used_units): an answer no
+    # engine computed for it costs nothing; else its cost, which Postgres worked out.
+    cache_hit: bool = False
+    cost: Decimal = Decimal(0)
 
 
 Ended = Moved  # what on_end hooks receive: a Moved whose status is terminal
@@ -166,7 +171,7 @@ _t = InferenceRequest
 _MOVED_COLUMNS = (_t.id, _t.tenant_id, _t.status, _t.error_code, _t.priority, func.coalesce(_t.model_routed,
                   _t.model_requested), _t.reserved_tokens, _t.input_tokens, _t.output_tokens, _t.started_at,
                   _t.follows_id, cast(func.extract("epoch", _t.deadline_at - _t.created_at), Float),
-                  _t.webhook_url.is_not(None))
+                  _t.webhook_url.is_not(None), _t.cache_hit, _t.cost)
 
 
 def _moved(source: Status | None, row: Any) -> Moved:
@@ -175,7 +180,7 @@ def _moved(source: Status | None, row: Any) -> Moved:
         deadline = (row.deadline_at - row.created_at).total_seconds() if row.deadline_at and row.created_at else None
         row = (row.id, row.tenant_id, row.status, row.error_code, row.priority, row.target_model,
                row.reserved_tokens, row.input_tokens, row.output_tokens, row.started_at, row.follows_id, deadline,
-               row.webhook_url is not None)
+               row.webhook_url is not None, bool(row.cache_hit), row.cost if row.cost is not None else Decimal(0))
     return Moved(row[0], row[1], source, *row[2:])
 
 

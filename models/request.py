@@ -10,9 +10,22 @@ from __future__ import annotations
 import enum
 import uuid
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import Enum, ForeignKey, Index, LargeBinary, String, Text, func, text
+from sqlalchemy import (
+    CheckConstraint,
+    Computed,
+    Enum,
+    ForeignKey,
+    Index,
+    LargeBinary,
+    Numeric,
+    String,
+    Text,
+    func,
+    text,
+)
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -41,6 +54,23 @@ class Priority(enum.StrEnum):
     BATCH = "batch"
 
 
+class Source(enum.StrEnum):
+    """Which door a request came in by: its usage is reported apart (core/usage/)."""
+
+    API = "api"  # POST /v1/requests
+    OPENAI = "openai"  # the OpenAI front
+    JOB = "job"  # a bulk job's or an OpenAI batch's line, submitted by the feeder
+
+
+# A request's cost (USD): its prices (per million tokens, fixed on the row at admission) times the
+# tokens the engine reported, computed by Postgres whenever they are written, so it is fixed when
+# the request ends and a later price change rewrites nothing. Nothing for an answer no engine
+# computed for it (a cache hit, a twin) or for a request that never ran. numeric: sums are exact.
+COST_SQL = ("CASE WHEN cache_hit OR output_tokens IS NULL THEN 0 ELSE round(("
+            "greatest(input_tokens - coalesce(cached_tokens, 0), 0) * price_input"
+            " + coalesce(cached_tokens, 0) * price_cached + output_tokens * price_output) / 1000000, 10) END")
+
+
 class SizeClass(enum.StrEnum):
     SMALL = "small"
     LARGE = "large"
@@ -66,6 +96,7 @@ class InferenceRequest(Base):
         # The retention sweep's work list: finished rows whose text is still kept.
         Index("ix_requests_unredacted_finished_at", "finished_at",
               postgresql_where=text("redacted_at IS NULL AND finished_at IS NOT NULL")),
+        CheckConstraint("source IN ('api', 'openai', 'job')", name="source"),
     )
     # created_at and deadline_at are computed by the database at INSERT: read them back with
     # RETURNING, so a committed row says when it was created without another query.
@@ -73,6 +104,9 @@ class InferenceRequest(Base):
 
     id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
     tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    # The key that submitted it (a job's line: the key that submitted the job); usage is kept per key.
+    api_key_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("api_keys.id", ondelete="SET NULL"))
+    source: Mapped[str] = mapped_column(String(16), default=Source.API, server_default="api")
     status: Mapped[Status] = mapped_column(_str_enum(Status, "status"), default=Status.QUEUED)
     priority: Mapped[Priority] = mapped_column(_str_enum(Priority, "priority"))
     size_class: Mapped[SizeClass] = mapped_column(_str_enum(SizeClass, "size_class"))
@@ -99,6 +133,12 @@ class InferenceRequest(Base):
     max_tokens: Mapped[int]
     time_limit_s: Mapped[float]
     reserved_tokens: Mapped[int]  # input estimate + max_tokens, what admission priced
+    # Its model's prices when it was admitted, USD per million tokens, the batch discount applied
+    # (core/usage/prices.py); cost is worked out from them and the token columns (COST_SQL).
+    price_input: Mapped[Decimal] = mapped_column(Numeric(12, 4), default=0, server_default="0")
+    price_cached: Mapped[Decimal] = mapped_column(Numeric(12, 4), default=0, server_default="0")
+    price_output: Mapped[Decimal] = mapped_column(Numeric(12, 4), default=0, server_default="0")
+    cost: Mapped[Decimal] = mapped_column(Numeric(24, 10), Computed(COST_SQL, persisted=True))
 
     # Outcome.
     input_tokens: Mapped[int]  # estimate at admission; the engine's count once it ran

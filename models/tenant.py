@@ -43,6 +43,10 @@ class Tenant(Base):
 
     keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant")
 
+    # Not a column: the id of the key this tenant was authenticated by in this call (set by
+    # tenant_for_key), so what the call creates is that key's usage. None for an operator's lookup.
+    via_key = None  # uuid.UUID | None; unannotated, so the mapper leaves it alone
+
     __table_args__ = tuple(
         CheckConstraint(f"{column} > 0", name=f"{column}_positive")
         for column in ("tokens_per_minute", "requests_per_minute", "max_concurrent", "max_request_tokens",
@@ -63,6 +67,11 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None]
     # Stamped by authentication at most once a minute (LAST_USED_EVERY): up to a minute stale.
     last_used_at: Mapped[datetime | None]
+    # For people: what the key is for and who holds it (shown in listings and usage), and when it
+    # stops working by itself (refused as expired from then on, like a revoked key).
+    name: Mapped[str | None] = mapped_column(String(100))
+    owner: Mapped[str | None] = mapped_column(String(200))
+    expires_at: Mapped[datetime | None]
 
     tenant: Mapped[Tenant] = relationship(back_populates="keys")
 
@@ -76,17 +85,20 @@ def new_key() -> str:
 
 
 def tenant_for_key(session: Session, key: str) -> Tenant | None:
-    """The tenant an active (not revoked) API key belongs to, disabled or not; None for any other key.
+    """The tenant an active (not revoked, not expired) API key belongs to, disabled or not, with
+    ``via_key`` set to the key's id; None for any other key.
 
     Stamps the key's ``last_used_at`` when the last stamp is over a minute old: the lookup itself
     says whether it is, so most calls cost this one query.
     """
     due = or_(ApiKey.last_used_at.is_(None), ApiKey.last_used_at < func.now() - LAST_USED_EVERY)
     row = session.execute(select(Tenant, ApiKey.id, due).join(ApiKey, ApiKey.tenant_id == Tenant.id).where(
-        ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None))).first()
+        ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None),
+        or_(ApiKey.expires_at.is_(None), ApiKey.expires_at > func.now()))).first()
     if row is None:
         return None
     tenant, key_id, stamp = row
+    tenant.via_key = key_id
     if stamp:
         # ``due`` again: of concurrent calls that all saw an old stamp, one writes it.
         session.execute(update(ApiKey).where(ApiKey.id == key_id, due).values(last_used_at=func.now()))

@@ -11,7 +11,7 @@ from flask import Flask, Response, jsonify, request
 from core.observe.logs import current_call_id, current_request_id
 from core.services import start_services
 from core.settings import Settings
-from web import admin, api, dashboard, errors, health, jobs_api, metrics, webhooks_api
+from web import admin, api, dashboard, errors, health, jobs_api, metrics, usage_api, webhooks_api
 from web.bodies import Request
 from web.openai import batches_api as openai_batches_api
 from web.openai import chat as openai_api
@@ -34,6 +34,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.register_blueprint(openai_api.bp)
     app.register_blueprint(openai_batches_api.bp)
     app.register_blueprint(webhooks_api.bp)
+    app.register_blueprint(usage_api.bp)
     app.register_blueprint(health.bp)
     app.register_blueprint(metrics.bp)
     if settings.admin_key:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import hmac
 import logging
+from decimal import Decimal
 from typing import Any
 
 from flask import Blueprint, Response, jsonify, request
@@ -31,6 +32,7 @@ from sqlalchemy import func, select
 
 from core.admission.load import load_view
 from core.broker.queues import ROLES
+from core.delivery.webhooks import check_url
 from core.ids import uuid_or_404
 from core.rediskeys import bump_auth_epoch
 from core.submit.schemas import SafeString, StrictBoolean, StrictFloat, StrictInteger
@@ -47,12 +49,15 @@ from core.tenants.manage import (
     tenant_view,
     update_tenant,
 )
-from models import ApiKey
+from core.usage.budgets import PERIODS, UNITS
+from core.usage.report import UsageQuery
+from models import ApiKey, hash_key
 from models.request import storable
 from models.reservation import ReservationError, book, cancel, current_views, now
 from web.bodies import json_object, validated
 from web.errors import ApiError, NotFound, Unauthorized
 from web.services import services
+from web.usage_api import report_response
 
 log = logging.getLogger(__name__)
 INT32_MAX = 2**31 - 1
@@ -186,12 +191,85 @@ def update(tenant_ref: str) -> Response:
     return jsonify(view)
 
 
+class KeyCreateSchema(Schema):
+    """Body of POST /admin/tenants/<tenant>/keys (optional): who the key is for."""
+
+    name = SafeString(allow_none=True, validate=validate.Length(min=1, max=100),
+                      metadata={"description": "What the key is for: a service, a team, a person."})
+    owner = SafeString(allow_none=True, validate=validate.Length(min=1, max=200),
+                       metadata={"description": "Who holds it (an e-mail address, a team)."})
+    expires_at = fields.AwareDateTime(allow_none=True, metadata={
+        "description": "From then on the key is refused (401), like a revoked one."})
+
+
+class BudgetSchema(Schema):
+    """Body of POST /admin/tenants/<tenant>/budgets."""
+
+    unit = SafeString(required=True, validate=validate.OneOf(UNITS),
+                      metadata={"description": "tokens (input + output an engine computed) or usd (cost)."})
+    amount = StrictFloat(required=True, validate=validate.Range(min=0, max=1e15, min_inclusive=False))
+    period = SafeString(required=True, validate=validate.OneOf(PERIODS),
+                        metadata={"description": "day, week (from Monday), month (UTC calendar windows) or fixed "
+                                                 "(starts_at to ends_at, whole hours)."})
+    starts_at = fields.AwareDateTime(allow_none=True)
+    ends_at = fields.AwareDateTime(allow_none=True)
+    hard = StrictBoolean(load_default=False, metadata={
+        "description": "true: charged at admission, requests past it get 429 budget_exhausted; false: only "
+                       "budget.threshold webhooks at 50, 80 and 100 %."})
+    api_key_id = fields.UUID(allow_none=True, metadata={"description": "One of the tenant's keys: its own budget."})
+    webhook_url = SafeString(allow_none=True, validate=validate.Length(min=1, max=2048))
+
+
 @bp.post("/tenants/<tenant_ref>/keys")
 def new_api_key(tenant_ref: str) -> tuple[Response, int]:
+    options = _load(KeyCreateSchema()) if request.get_data() else {}
     with _db().session() as session:
         tenant = _tenant_or_404(session, tenant_ref)
-        key = add_key(session, tenant)
-    return jsonify(tenant=tenant.name, api_key=key), 201
+        key = add_key(session, tenant, **options)
+        session.flush()
+        shown = key_view(session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key))))
+    return jsonify(tenant=tenant.name, api_key=key, key=shown), 201
+
+
+@bp.post("/tenants/<tenant_ref>/budgets")
+def new_budget(tenant_ref: str) -> tuple[Response, int]:
+    data = _load(BudgetSchema())
+    with _db().session() as session:
+        tenant = _tenant_or_404(session, tenant_ref)
+        if data.get("api_key_id") and session.scalar(select(ApiKey.tenant_id).where(
+                ApiKey.id == data["api_key_id"])) != tenant.id:
+            raise ApiError("api_key_id names no key of this tenant.", code="invalid_request", status=422,
+                           details={"api_key_id": ["One of the tenant's key ids."]})
+    fixed = data["period"] == "fixed"
+    window = [data.get("starts_at"), data.get("ends_at")]
+    if fixed != all(window) or (fixed and (window[0] >= window[1] or any(
+            t.minute or t.second or t.microsecond for t in window))):
+        raise ApiError("A fixed budget needs starts_at before ends_at, both on whole hours; the other periods "
+                       "take neither.", code="invalid_request", status=422,
+                       details={"starts_at": ["Whole hours, only with period fixed."]})
+    if data.get("webhook_url"):
+        check_url(data["webhook_url"], _settings().webhook_allow_list)
+    data["amount"] = Decimal(str(data["amount"]))
+    return jsonify(services().budgets.create(tenant.id, data)), 201
+
+
+@bp.get("/tenants/<tenant_ref>/budgets")
+def budgets(tenant_ref: str) -> Response:
+    with _db().session() as session:
+        tenant = _tenant_or_404(session, tenant_ref)
+    return jsonify({"object": "list", "data": services().budgets.views(tenant.id, services().redis)})
+
+
+@bp.delete("/budgets/<budget_id>")
+def delete_budget(budget_id: str) -> Response:
+    services().budgets.delete(uuid_or_404(budget_id, "budget"))
+    return jsonify(id=budget_id, deleted=True)
+
+
+@load_bp.get("/usage")
+def usage_report() -> Response:
+    """Every tenant's usage (``tenant=<id>`` for one; ``group_by`` may include tenant)."""
+    return report_response(UsageQuery.parse(request.args, None))
 
 
 @bp.get("/tenants/<tenant_ref>/keys")

@@ -19,6 +19,7 @@ handed to the script as its third gate. When Redis does not answer within
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from core.observe import submit_metrics as metrics
 from core.rediskeys import redis_client
 from core.settings import Settings
 from core.tenants.tiers import Limits, effective_limits
+from core.usage import refusals
+from core.usage.budgets import Budgets, BudgetUnavailable, Charge
 from models import SizeClass, Tenant
 from models.lifecycle import Ended
 
@@ -78,8 +81,10 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, budgets: Budgets | None = None) -> None:
         self.settings = settings
+        # Hard budgets are charged in the same Lua call as every other limit (core/usage/budgets.py).
+        self.budgets = budgets
         # The web tier's own client: one short timeout per call and no retries, so a hung Redis
         # costs a request at most SLUICE_REDIS_TIMEOUT_S before the floor takes over.
         self.redis = redis_client(settings.redis_url, settings.redis_timeout_s)
@@ -114,12 +119,26 @@ class Admission:
         limits = self.limits_for(tenant)
         cost = plan.reserved_tokens
         too_large = self._too_large(limits, plan)
+        charges = self.budgets.charges(plan) if self.budgets is not None and charge != "hit" else []
         verdict = self._shared(lambda: self._gates(tenant, limits, plan, too_large=too_large is not None,
-                                                   charge=charge))
+                                                   charge=charge, charges=charges))
+        for _ in charges:  # a counter missing (a new window, Redis restarted): seed it, ask again
+            if verdict is None or verdict.reason != "budget_unseeded":
+                break
+            verdict = self._shared(functools.partial(self._seeded, charges[verdict.budget - 1], tenant, limits, plan,
+                                                     too_large=too_large is not None, charge=charge,
+                                                     charges=charges))
         limiter = "shared"
         if verdict is None and charge == "hit":  # the cache answered through Redis a moment ago
             return Ticket(str(plan.request_id), str(tenant.id), 0, "local_floor",
                           ratelimit_headers(self.floor.peek(str(tenant.id), limits)))
+        if verdict is None and charges:
+            # A hard budget is only ever charged atomically, in Redis: without it, nothing is admitted
+            # against one (the floor would let spend past it unseen).
+            metrics.REJECTIONS.labels(gate="budget", reason="budget_unavailable").inc()
+            raise BudgetUnavailable("A hard budget applies to this request and cannot be checked while the "
+                                    f"shared limiter is unreachable; retry after {OVERLOAD_RETRY_AFTER_S} s.",
+                                    headers={"Retry-After": str(OVERLOAD_RETRY_AFTER_S)})
         if verdict is None:
             verdict, limiter = self.floor.admit(str(tenant.id), limits, cost, plan.priority.value,
                                                 too_large=too_large is not None), "local_floor"
@@ -130,7 +149,30 @@ class Admission:
                           _seconds(verdict.wait_ms), _seconds(verdict.finish_ms))
         metrics.REJECTIONS.labels(gate=verdict.gate, reason=verdict.reason).inc()
         log.info("rejected at the %s gate: %s (%d tokens, %s limiter)", verdict.gate, verdict.reason, cost, limiter)
+        if limiter == "shared":
+            self.count_refusal(tenant, plan, verdict.reason)
+        if verdict.gate == "budget":
+            if verdict.reason == "budget_unseeded":  # still missing after seeding: Redis lost it again
+                raise BudgetUnavailable("A hard budget applies to this request and could not be read; retry "
+                                        f"after {OVERLOAD_RETRY_AFTER_S} s.",
+                                        headers={"Retry-After": str(OVERLOAD_RETRY_AFTER_S)})
+            refusal = self.budgets.refusal(charges[verdict.budget - 1], verdict.budget_spent)
+            refusal.headers = {**headers, **refusal.headers}
+            raise refusal
         raise _rejection(verdict, limits, cost, too_large, headers)
+
+    def _seeded(self, missing: Charge, *args, **kwargs) -> Verdict:
+        """Seed a missing budget counter, then run the gates again (``_gates``' arguments)."""
+        self.budgets.seed(self.redis, missing)
+        return self._gates(*args, **kwargs)
+
+    def count_refusal(self, tenant: Tenant, plan: Plan | None, reason: str) -> None:
+        """One refusal in the usage report (core/usage/refusals.py); best effort."""
+        model = plan.target_model if plan is not None else ""
+        priority = plan.priority.value if plan is not None else ""
+        source = plan.source.value if plan is not None else ""
+        key = plan.api_key_id if plan is not None else tenant.via_key
+        self._shared(lambda: refusals.count(self.redis, tenant.id, key, model, priority, source, reason))
 
     def refuse_early(self, tenant: Tenant, plan: Plan) -> None:
         """Raise the global gate's refusal (the promise, the level, the platform's rate) if it would
@@ -142,6 +184,7 @@ class Admission:
             return
         metrics.REJECTIONS.labels(gate=verdict.gate, reason=verdict.reason).inc()
         log.info("refused early at the global gate: %s (%d tokens)", verdict.reason, plan.reserved_tokens)
+        self.count_refusal(tenant, plan, verdict.reason)
         raise _rejection(verdict, limits, plan.reserved_tokens, None, ratelimit_headers(verdict))
 
     def refuse_over_limits(self, tenant: Tenant) -> None:
@@ -155,15 +198,19 @@ class Admission:
             return
         metrics.REJECTIONS.labels(gate=verdict.gate, reason=verdict.reason).inc()
         log.info("refused before planning: tenant %s", verdict.reason)
+        self.count_refusal(tenant, None, verdict.reason)
         raise _rejection(verdict, limits, 0, None, ratelimit_headers(verdict))
 
     def _gates(self, tenant: Tenant, limits: Limits, plan: Plan, *, too_large: bool = False,
-               dry_run: bool = False, charge: str = "full") -> Verdict:
-        """The shared limiter's gates for ``plan`` (its promise included); raises Redis errors."""
+               dry_run: bool = False, charge: str = "full", charges: list[Charge] = ()) -> Verdict:
+        """The shared limiter's gates for ``plan`` (its promise and hard budgets included);
+        raises Redis errors."""
         return self.shared.admit(str(plan.request_id), str(tenant.id), limits, plan.reserved_tokens,
                                  plan.priority.value, too_large=too_large, dry_run=dry_run, model=plan.target_model,
                                  deadline_s=plan.deadline_s, max_tokens=plan.max_tokens,
-                                 spent_s=plan.spent_s(), charge=charge)
+                                 spent_s=plan.spent_s(), charge=charge,
+                                 budgets=[(c.counter, c.rule.limit, c.amount) for c in charges],
+                                 budget_record=";".join(f"{c.rule.unit} {c.amount} {c.counter}" for c in charges))
 
     def cancel(self, ticket: Ticket) -> None:
         """Undo an admission whose row was never committed."""

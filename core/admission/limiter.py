@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,8 @@ from core.rediskeys import (
     tenant_bucket_key,
 )
 from core.tenants.tiers import Limits
+from core.usage.budgets import CHARGES_KEY as BUDGET_CHARGES_KEY
+from core.usage.budgets import used_units
 from models import InferenceRequest
 from models.session import Database
 
@@ -62,6 +65,8 @@ class Verdict:
     wait_ms: int = -1  # the class's estimated queue wait; -1 when no fresh figure stands
     finish_ms: int = -1  # that wait plus the request's own output at the engines' speed; -1: unknown
     basis: str = ""  # what the estimate stood on: "monitor", "workers" (the monitor away) or ""
+    budget: int = 0  # gate "budget": the index (1-based) of the hard budget that refused it
+    budget_spent: int = 0  # that budget's counter when it refused (its units)
 
     @property
     def admitted(self) -> bool:
@@ -102,7 +107,8 @@ class SharedLimiter:
     def admit(self, request_id: str, tenant_id: str, limits: Limits, cost: int, priority: str, *,
               too_large: bool = False, dry_run: bool = False, now_ms: int | None = None,
               model: str = "", deadline_s: float = float("inf"), max_tokens: int = 0,
-              spent_s: float = 0.0, charge: str = "full") -> Verdict:
+              spent_s: float = 0.0, charge: str = "full",
+              budgets: Sequence[tuple[str, int, int]] = (), budget_record: str = "") -> Verdict:
         """Run the gates for one request; when it passes, charge every limit and count it in flight.
 
         ``charge`` says what the request will cost (``admit.lua``, ARGV 20): ``full`` for work for
@@ -114,36 +120,47 @@ class SharedLimiter:
         monitor's figures or, while it is away, the live workers' own; ``spent_s``
         of the deadline already went by (the promise judges the rest; Retry-After the whole).
         Raises redis errors (timeouts included) to the caller, which falls back to its floor.
+        ``budgets``: the hard budgets it is charged to, each (counter key, limit, reservation) in
+        the budget's units, and ``budget_record`` what release.lua gives back from
+        (``core/usage/budgets.py``); gate ``budget``, reason ``budget_exhausted`` when one cannot
+        hold it, ``budget_unseeded`` when a counter is missing (seed it and ask again).
         ``now_ms`` replaces the Redis clock (tests drive time explicitly); leave it None.
         """
         keys = [PLATFORM_BUCKET_KEY, LOAD_LEVEL_KEY, tenant_bucket_key(tenant_id), inflight_key(tenant_id),
                 counters_key(priority, model), snapshot_key(priority, model), room_key(priority, model),
-                capacity_key(priority, model)]
+                capacity_key(priority, model), BUDGET_CHARGES_KEY, *(counter for counter, _, _ in budgets)]
         deadline_ms = 2**53 if deadline_s == float("inf") else int(deadline_s * 1000)
         args = [request_id, cost, self.platform_tokens_per_minute, limits.tokens_per_minute,
                 limits.requests_per_minute, limits.max_concurrent, priority, int(too_large),
                 self.load_level_max_age_ms, self.reject_batch_level, self.shed_level, int(dry_run),
                 "" if now_ms is None else now_ms, deadline_ms, max_tokens, self.tight_level, self.tight_factor,
                 self.promise_factor, int(spent_s * 1000), charge, self.capacity_max_age_ms,
-                class_name(priority, model), class_name("realtime", model)]
-        gate, reason, retry, *numbers, basis = self._admit(keys=keys, args=args)
+                class_name(priority, model), class_name("realtime", model), len(budgets), budget_record]
+        for _, limit, amount in budgets:
+            args += [limit, amount]
+        gate, reason, retry, *numbers, basis, budget, budget_spent = self._admit(keys=keys, args=args)
         tl, tr, tz, rl, rr, rz, level, wait, finish = (int(n) for n in numbers)
         return Verdict(_text(gate), _text(reason), int(retry), Quota(tl, tr, tz), Quota(rl, rr, rz), level, wait,
-                       finish, _text(basis))
+                       finish, _text(basis), int(budget), int(budget_spent))
 
     def peek(self, tenant_id: str, limits: Limits, *, now_ms: int | None = None) -> Verdict:
         """The tenant's current quotas, charging nothing."""
         return self.admit("", tenant_id, limits, 0, "realtime", dry_run=True, now_ms=now_ms)
 
-    def release(self, request_id: str, tenant_id: str, refund_tokens: int, *, now_ms: int | None = None) -> bool:
-        """Free the request's concurrency slot and refund its unused tokens; a no-op the second time."""
-        keys = [PLATFORM_BUCKET_KEY, tenant_bucket_key(tenant_id), inflight_key(tenant_id)]
-        return bool(self._release(keys=keys, args=[request_id, refund_tokens, "" if now_ms is None else now_ms]))
+    def release(self, request_id: str, tenant_id: str, refund_tokens: int, *, now_ms: int | None = None,
+                used_tokens: int = 0, used_micro_usd: int = 0) -> bool:
+        """Free the request's concurrency slot and refund its unused tokens, and what its hard
+        budgets reserved beyond ``used_tokens`` / ``used_micro_usd``; a no-op the second time."""
+        keys = [PLATFORM_BUCKET_KEY, tenant_bucket_key(tenant_id), inflight_key(tenant_id), BUDGET_CHARGES_KEY]
+        return bool(self._release(keys=keys, args=[request_id, refund_tokens, "" if now_ms is None else now_ms,
+                                                   used_tokens, used_micro_usd]))
 
     def release_row(self, row) -> bool:
-        """Release a finished request from its row (anything with the request row's token columns)."""
+        """Release a finished request from its row (anything with the request row's token columns,
+        ``cost`` and ``cache_hit``)."""
         refund = unused_tokens(row.reserved_tokens, row.input_tokens, row.output_tokens, row.started_at is not None)
-        return self.release(str(row.id), str(row.tenant_id), refund)
+        return self.release(str(row.id), str(row.tenant_id), refund, used_tokens=used_units("tokens", row),
+                            used_micro_usd=used_units("usd", row))
 
     def in_flight(self, tenant_id: str) -> list[str]:
         return self.redis.zrange(inflight_key(tenant_id), 0, -1)
@@ -174,7 +191,7 @@ def reconcile_in_flight(db: Database, limiter: SharedLimiter, grace_s: float = 6
         with db.session() as session:
             rows = {str(r.id): r for r in session.execute(
                 select(t.id, t.tenant_id, t.status, t.reserved_tokens, t.input_tokens, t.output_tokens,
-                       t.started_at).where(t.id.in_(ids)))}
+                       t.started_at, t.cache_hit, t.cost).where(t.id.in_(ids)))}
         for member, admitted_ms in members.items():
             row = rows.get(member)
             if row is not None and row.status.terminal:

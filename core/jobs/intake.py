@@ -69,7 +69,8 @@ def submit(settings: Settings, db: Database, tenant: Tenant, params: JobParams, 
     job = Job(id=uuid.uuid4(), tenant_id=tenant.id, status=JobStatus.VALIDATING, model=params.model,
               priority=params.priority, instruction=params.instruction, summary_tokens=params.summary_tokens,
               completion_window_s=params.completion_window_s, meta=params.metadata,
-              webhook_url=params.webhook_url, webhook_events=list(params.webhook_events) or None)
+              webhook_url=params.webhook_url, webhook_events=list(params.webhook_events) or None,
+              api_key_id=tenant.via_key)
     with db.session() as session:
         session.add(job)
     bind_request(str(job.id))

@@ -26,7 +26,7 @@ from core.jobs.service import cancel_requests
 from core.observe.logs import current_request_id
 from core.services import Services
 from core.submit.tokens import estimate_text_tokens
-from models import Status, Tenant, job_lifecycle
+from models import Source, Status, Tenant, job_lifecycle
 from models.job import ItemStatus, Job, JobItem, JobStatus
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class Stages:
         _, bodies = self.bodies.stage(job, tenant, item.line, item.custom_id, text_, item.body, item.depth)
         for rid, body in zip(item.requests, bodies, strict=False):
             if rid in missing:
-                outcome = self._submit(tenant, rid, body)
+                outcome = self._submit(tenant, rid, body, job.api_key_id)
                 if outcome not in (None, "retry"):
                     self._end(item, ItemStatus.FAILED, 0, 0, code=outcome[0], message=outcome[1])
                     cancel_requests(self.svc.requests, job.tenant_id, [r for r in item.requests if r not in missing])
@@ -144,7 +144,7 @@ class Stages:
             return "gone", 0, 0
         tokens = 0
         for rid, request in zip(ids, bodies, strict=True):
-            outcome = self._submit(tenant, rid, request)
+            outcome = self._submit(tenant, rid, request, job.api_key_id)
             if outcome == "retry" or outcome == "overloaded":
                 return outcome, tokens, len(ids)
             if outcome is not None:
@@ -155,12 +155,13 @@ class Stages:
             tokens += estimate_text_tokens(request.get("prompt", "")) + request.get("max_tokens", 0)
         return None, tokens, len(ids)
 
-    def _submit(self, tenant: Tenant, request_id: uuid.UUID, body: dict[str, Any]):
-        """Create one request through the submit pipeline. None: created; ``retry``: the tenant's
-        limits paced it; ``overloaded``: the platform refused it; (code, message): it cannot run."""
+    def _submit(self, tenant: Tenant, request_id: uuid.UUID, body: dict[str, Any], key: uuid.UUID | None):
+        """Create one request through the submit pipeline, as usage of the job's ``key``. None:
+        created; ``retry``: the tenant's limits paced it; ``overloaded``: the platform refused it;
+        (code, message): it cannot run."""
         requests = self.svc.requests
         try:
-            plan = dataclasses.replace(requests.prepare(tenant, body), request_id=request_id)
+            plan = dataclasses.replace(requests.prepare(tenant, body, Source.JOB, key), request_id=request_id)
             requests.submit(tenant, body, None, plan)
         except ApiError as exc:
             if exc.status == 429:

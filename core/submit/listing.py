@@ -53,7 +53,7 @@ class RequestFilter:
         times = {}
         for name in ("since", "until"):
             if args.get(name):
-                times[name] = _instant(args[name])
+                times[name] = instant(args[name])
                 if times[name] is None:
                     problems[name] = ["An RFC 3339 time (2026-12-03T09:00:00Z) or Unix seconds."]
         metadata = {}
@@ -73,7 +73,8 @@ class RequestFilter:
         return cls(tuple(statuses), priority, model, times.get("since"), times.get("until"), metadata)
 
 
-def _instant(raw: str) -> datetime | None:
+def instant(raw: str) -> datetime | None:
+    """An RFC 3339 time (naive: UTC) or Unix seconds; None when it is neither."""
     try:
         if raw.replace(".", "", 1).isdigit():
             return datetime.fromtimestamp(float(raw), UTC)

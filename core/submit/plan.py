@@ -32,7 +32,8 @@ from core.settings import Settings
 from core.submit.answers import OUTPUT_PARAMS, answer_key, cache_scope
 from core.submit.sampling import check_tools
 from core.submit.tokens import ChatTemplateError, TokenCounters
-from models import InferenceRequest, Priority, SizeClass
+from core.usage.prices import FREE, Price
+from models import InferenceRequest, Priority, SizeClass, Source
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,11 @@ class Plan:
     cache_scope: str = ""  # whose cached answers and twins it may share (core/submit/answers.py)
     webhook_url: str | None = None  # checked by the SSRF guard (core/delivery/webhooks.py)
     webhook_events: tuple[str, ...] = ()
+    # Whose usage it is and what it is charged (core/usage/): the key that sent it, the door it came
+    # in by, and its model's prices for its priority (set by RequestService.prepare).
+    api_key_id: uuid.UUID | None = None
+    source: Source = Source.API
+    price: Price = FREE
     # When this process planned it (time.monotonic): its deadline counts from here, not from the
     # later moment its row is written, so a web tier slowed by a spike spends its own share of it.
     received: float = dataclasses.field(default_factory=time.monotonic, compare=False)
@@ -110,7 +116,9 @@ class Plan:
             reserved_tokens=self.reserved_tokens, input_tokens=self.input_tokens, attempts=0,
             deadline_at=func.now() + timedelta(seconds=self.deadline_left_s()),
             degradation_step=",".join(self.degradation) or None, webhook_url=self.webhook_url,
-            webhook_events=list(self.webhook_events) if self.webhook_url else None)
+            webhook_events=list(self.webhook_events) if self.webhook_url else None, api_key_id=self.api_key_id,
+            source=self.source, price_input=self.price.input, price_cached=self.price.cached,
+            price_output=self.price.output)
 
 
 def with_patience(body: dict[str, Any], wait_s: int | None, realtime_deadline_s: float) -> dict[str, Any]:

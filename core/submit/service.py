@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 from celery import Celery
@@ -40,7 +41,8 @@ from core.submit.answers import AnswerCache, deterministic
 from core.submit.ladder import Ladder
 from core.submit.plan import Plan, Planner, input_chars
 from core.submit.twins import Twins
-from models import InferenceRequest, Status, Tenant
+from core.usage.prices import price_for
+from models import InferenceRequest, Priority, Source, Status, Tenant
 from models.lifecycle import Lifecycle, TransitionRefused
 from models.session import Database
 
@@ -75,13 +77,20 @@ class RequestService:
         self.epoch = epoch
         self.lifecycle = lifecycle
 
-    def prepare(self, tenant: Tenant, body: dict[str, Any]) -> Plan:
-        """The request's plan with the ladder's steps for the current level applied. A long input
-        from a tenant over its limits whatever the request is refused first: planning tokenizes
-        it, which costs more than the one Redis call that tells (short inputs skip the call)."""
+    def prepare(self, tenant: Tenant, body: dict[str, Any], source: Source = Source.API,
+                key: uuid.UUID | None = None) -> Plan:
+        """The request's plan with the ladder's steps for the current level applied, and whose
+        usage it is: ``key`` (default: the key ``tenant`` was authenticated by), ``source``, and
+        the prices of the model it will run on. A long input from a tenant over its limits
+        whatever the request is refused first: planning tokenizes it, which costs more than the
+        one Redis call that tells (short inputs skip the call)."""
         if input_chars(body) > CHEAP_GATE_CHARS:
             self.admission.refuse_over_limits(tenant)
         plan = self.ladder.apply(self.planner.plan(tenant.id, body), model_named="model" in body)
+        settings = self.admission.settings
+        price = price_for(settings.prices, Decimal(str(settings.batch_discount)), plan.target_model,
+                          batch=plan.priority == Priority.BATCH or source == Source.JOB)
+        plan = dataclasses.replace(plan, api_key_id=key or tenant.via_key, source=source, price=price)
         bind_request(str(plan.request_id))
         return plan
 
@@ -97,14 +106,14 @@ class RequestService:
         self.admission.refuse_early(tenant, plan)
 
     def submit(self, tenant: Tenant, body: dict[str, Any], key: idempotency.Key | None = None,
-               plan: Plan | None = None) -> Accepted:
+               plan: Plan | None = None, source: Source = Source.API) -> Accepted:
         """Plan (unless ``prepare`` did), admit, insert, publish; raises the ApiError of the step
         that refused."""
         original = idempotency.find(self.db, key) if key else None
         if original is None:
             if "webhook_url" in body:
                 webhooks.require_secret(tenant)
-            plan = plan or self.prepare(tenant, body)
+            plan = plan or self.prepare(tenant, body, source)
             try:
                 answered = self.from_cache(plan, tenant, key) or self.follow(plan, tenant, key)
                 if answered is not None:

@@ -57,10 +57,13 @@ def update_tenant(session: Session, settings: Settings, tenant: Tenant, changes:
     return tenant
 
 
-def add_key(session: Session, tenant: Tenant) -> str:
-    """Create an API key for ``tenant``; the key is returned once and only its hash is stored."""
+def add_key(session: Session, tenant: Tenant, *, name: str | None = None, owner: str | None = None,
+            expires_at: datetime | None = None) -> str:
+    """Create an API key for ``tenant``, for a service or a person (``name``, ``owner``; refused
+    from ``expires_at`` on); the key is returned once and only its hash is stored."""
     key = new_key()
-    session.add(ApiKey(tenant_id=tenant.id, prefix=key[:14], key_hash=hash_key(key)))
+    session.add(ApiKey(tenant_id=tenant.id, prefix=key[:14], key_hash=hash_key(key), name=name, owner=owner,
+                       expires_at=expires_at))
     return key
 
 
@@ -106,7 +109,8 @@ def revoke_key(session: Session, ref: str, tenant: Tenant | None = None) -> tupl
 
 
 def key_view(key: ApiKey) -> dict[str, Any]:
-    return {"id": str(key.id), "prefix": key.prefix, "created_at": _iso(key.created_at),
+    return {"id": str(key.id), "prefix": key.prefix, "name": key.name, "owner": key.owner,
+            "created_at": _iso(key.created_at), "expires_at": _iso(key.expires_at),
             "last_used_at": _iso(key.last_used_at), "revoked_at": _iso(key.revoked_at)}
 
 

@@ -30,7 +30,7 @@ from core.fleet.workers import live_workers
 from core.observe import submit_metrics
 from core.openai import shapes
 from core.submit import idempotency, ladder
-from models import InferenceRequest, Status, Tenant
+from models import InferenceRequest, Source, Status, Tenant
 from web import waits
 from web.api import add_quotas
 from web.auth import authenticate
@@ -181,7 +181,7 @@ def _submit(svc: Services, tenant: Tenant, url: str, body: dict[str, Any],
         header = request.headers.get(idempotency.HEADER)
         key = idempotency.key_from(header[:250] + key_suffix if header and key_suffix else header, tenant.id,
                                    body, svc.settings.idempotency_window_s)
-        accepted = svc.requests.submit(tenant, data, key)
+        accepted = svc.requests.submit(tenant, data, key, source=Source.OPENAI)
     except ApiError as exc:
         add_quotas(exc, tenant)  # as on the native route: quotas on every answer
         raise

@@ -26,9 +26,15 @@
 --       21 how old (ms) a worker's capacity entry may be and still count (its heartbeat's patience)
 --       22 the request's class name  23 its model's realtime class name (a batch request is also
 --       at that level: reject_batch protects realtime on the same engines)
+--       24 how many hard budgets it is charged to (n)  25 its charge record for release.lua:
+--       'unit amount counter' per budget, ';'-separated  then per budget i (1..n): 24 + 2i its limit,
+--       25 + 2i this request's reservation, in the budget's units (tokens or micro-dollars)
+-- KEYS  9 the budget charge records (hash: request id → record)  9 + i the counter of budget i in
+--       its window (what its requests used once ended, or hold while in flight)
 -- Returns {gate, reason, retry_ms, tokens limit, tokens remaining, tokens reset ms,
 --          requests limit, requests remaining, requests reset ms, load level, estimated wait ms,
---          estimated finish ms (the wait plus its own output), what the estimate stood on};
+--          estimated finish ms (the wait plus its own output), what the estimate stood on,
+--          the budget that refused it (i, 0 if none), that budget's counter};
 --          gate '' = admitted; wait and finish -1 = unknown (no fresh figures for the class);
 --          basis 'monitor' (its snapshot), 'workers' (the monitor is away: the live workers' own
 --          capacity entries) or '' (neither: nothing promised, nothing refused on that ground).
@@ -158,6 +164,25 @@ end
 -- 3. Per request: input + max_tokens against the context length and the tenant's maximum.
 if gate == '' and ARGV[8] == '1' then gate, reason = 'request', 'too_large' end
 
+-- 4. Hard budgets: each counter plus this reservation within its limit. A missing counter (a new
+-- window, a Redis restart) refuses nothing and charges nothing: the caller seeds it from
+-- Postgres and asks again. Answers from the cache cost no budget.
+local budgets = tonumber(ARGV[24]) or 0
+local budget_at, budget_spent = 0, 0
+if gate == '' and not hit then
+  for i = 1, budgets do
+    local v = redis.call('GET', KEYS[9 + i])
+    if not v then
+      gate, reason, budget_at = 'budget', 'budget_unseeded', i
+      break
+    end
+    if tonumber(v) + tonumber(ARGV[25 + 2 * i]) > tonumber(ARGV[24 + 2 * i]) then
+      gate, reason, budget_at, budget_spent = 'budget', 'budget_exhausted', i, tonumber(v)
+      break
+    end
+  end
+end
+
 if gate == '' and ARGV[12] ~= '1' then
   if hit then cost = 0 end
   tok, req = tok - cost, req - 1
@@ -169,7 +194,11 @@ if gate == '' and ARGV[12] ~= '1' then
     redis.call('PEXPIRE', KEYS[1], full_ms(ptok, ptpm) + 60000)
   end
   if not hit then redis.call('ZADD', KEYS[4], now, ARGV[1]) end
+  if not hit and budgets > 0 then
+    for i = 1, budgets do redis.call('INCRBY', KEYS[9 + i], ARGV[25 + 2 * i]) end
+    redis.call('HSET', KEYS[9], ARGV[1], ARGV[25])
+  end
 end
 
 return {gate, reason, retry, tpm, math.max(0, math.floor(tok)), full_ms(tok, tpm),
-        rpm, math.max(0, math.floor(req)), full_ms(req, rpm), load, wait, finish, basis}
+        rpm, math.max(0, math.floor(req)), full_ms(req, rpm), load, wait, finish, basis, budget_at, budget_spent}

@@ -1,0 +1,356 @@
+"""Budgets: a tenant's, or one of its keys', tokens or USD over a day, a week, a month (UTC
+calendar windows) or a fixed window.
+
+A **hard** budget is charged at admission, inside the one Lua call that charges every other
+limit (``core/admission/lua/admit.lua``): a counter in Redis per budget and window holds what
+the window's requests used (once ended) or may still use (their reservation: input + n ×
+max_tokens, or that at the model's prices). A request whose reservation does not fit what is
+left is refused (429 ``budget_exhausted``) and charged nothing; one that fits is charged before
+any engine runs. When it ends, ``release.lua`` gives back what it reserved and did not use
+(exactly once, with its concurrency slot). Concurrent submits therefore never take the counter
+past the budget; only a request that used more input tokens than admission estimated can, by
+that difference.
+
+A counter that is missing (a new window, Redis restarted) is seeded from Postgres before any
+request is charged to it: the window's ended usage from the rollups plus the reservations of its
+requests still in flight. Those requests' reservations are then never given back (their charge
+records went with Redis): the counter over-counts, it never under-counts.
+
+A **soft** budget only warns: the sweep sends ``budget.threshold`` to the budget's webhook when
+the window's ended usage crosses 50, 80 and 100 % (once each per window). Hard budgets with a
+webhook warn the same way.
+
+Budgets are read from Postgres at most every ``CACHE_S`` seconds per process: a new or removed
+budget takes effect within that time.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any
+
+import redis
+from sqlalchemy import delete, func, or_, select, update
+
+from core.errors import ApiError, NotFound
+from models import Budget, InferenceRequest, Status, UsageHourly
+from models.session import Database
+
+if TYPE_CHECKING:
+    from core.submit.plan import Plan
+
+UNITS = ("tokens", "usd")
+PERIODS = ("day", "week", "month", "fixed")
+THRESHOLDS = (50, 80, 100)
+CACHE_S = 5.0
+MICRO = 1_000_000  # a USD counter counts micro-dollars, so Lua's doubles stay exact integers
+CHARGES_KEY = "sluice:budget:charges"  # hash: request id → "unit amount counter;…", until released
+_COUNTER = "sluice:budget:{id}:{start}"
+
+
+class BudgetExhausted(ApiError):
+    status, code = 429, "budget_exhausted"
+
+
+class BudgetUnavailable(ApiError):
+    status, code = 503, "budget_unavailable"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A budget as admission and the sweep use it (a row's values, detached from its session)."""
+
+    id: uuid.UUID
+    tenant_id: uuid.UUID
+    api_key_id: uuid.UUID | None
+    unit: str
+    amount: Decimal
+    period: str
+    starts_at: datetime | None
+    ends_at: datetime | None
+    hard: bool
+    webhook_url: str | None
+
+    @classmethod
+    def of(cls, row: Budget) -> Rule:
+        return cls(row.id, row.tenant_id, row.api_key_id, row.unit, row.amount, row.period, row.starts_at,
+                   row.ends_at, row.hard, row.webhook_url)
+
+    def window(self, now: datetime) -> tuple[datetime, datetime] | None:
+        """The window in force at ``now`` (UTC), or None (a fixed window not begun or over)."""
+        if self.period == "fixed":
+            return (self.starts_at, self.ends_at) if self.starts_at <= now < self.ends_at else None
+        day = now.astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+        if self.period == "day":
+            return day, day + timedelta(days=1)
+        if self.period == "week":
+            start = day - timedelta(days=day.weekday())
+            return start, start + timedelta(days=7)
+        start = day.replace(day=1)
+        return start, (start + timedelta(days=32)).replace(day=1)
+
+    @property
+    def limit(self) -> int:
+        """The budget in counter units: tokens, or micro-dollars."""
+        return int(self.amount) if self.unit == "tokens" else int(self.amount * MICRO)
+
+    def counter(self, start: datetime) -> str:
+        return _COUNTER.format(id=self.id, start=int(start.timestamp()))
+
+    def show(self, units: int) -> str:
+        """An amount in counter units as a person reads it."""
+        return f"{units:,} tokens" if self.unit == "tokens" else f"${Decimal(units) / MICRO:,.2f}"
+
+    @property
+    def scope(self) -> str:
+        return "This API key's" if self.api_key_id else "Your"
+
+
+@dataclass(frozen=True)
+class Charge:
+    """What one hard budget is charged for one request at admission."""
+
+    rule: Rule
+    counter: str
+    amount: int  # counter units
+    resets_at: datetime
+
+
+def reservation_units(unit: str, plan: Plan) -> int:
+    """A plan's reservation in a budget's unit: its reserved tokens, or what they would cost
+    (every input token uncached, every output token of ``n × max_tokens``), rounded up."""
+    if unit == "tokens":
+        return plan.reserved_tokens
+    return micro(plan.price.cost(plan.input_tokens, 0, plan.reserved_tokens - plan.input_tokens))
+
+
+def micro(cost: Decimal) -> int:
+    return math.ceil(cost * MICRO)
+
+
+def used_units(unit: str, row: Any) -> int:
+    """What an ended request used, in a budget's unit (``release.lua`` gives back the rest): the
+    tokens an engine computed for it, or its cost; nothing for an answer no engine computed."""
+    if getattr(row, "cache_hit", False) or row.output_tokens is None:
+        return 0
+    if unit == "tokens":
+        return row.input_tokens + row.output_tokens
+    return micro(row.cost)
+
+
+class Budgets:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self._cache: dict[uuid.UUID, tuple[float, list[Rule]]] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ admission
+
+    def rules(self, tenant_id: uuid.UUID) -> list[Rule]:
+        """The tenant's budgets and its keys' (read at most every CACHE_S seconds)."""
+        now = time.monotonic()
+        with self._lock:
+            cached = self._cache.get(tenant_id)
+        if cached is not None and now - cached[0] < CACHE_S:
+            return cached[1]
+        with self.db.session() as session:
+            rules = [Rule.of(b) for b in session.scalars(select(Budget).where(Budget.tenant_id == tenant_id))]
+        with self._lock:
+            self._cache[tenant_id] = (now, rules)
+        return rules
+
+    def forget(self, tenant_id: uuid.UUID) -> None:
+        with self._lock:
+            self._cache.pop(tenant_id, None)
+
+    def charges(self, plan: Plan, now: datetime | None = None) -> list[Charge]:
+        """The hard budgets ``plan`` is charged to (its tenant's and its key's), with the amounts."""
+        now = now or datetime.now(UTC)
+        charges = []
+        for rule in self.rules(plan.tenant_id):
+            if not rule.hard or (rule.api_key_id is not None and rule.api_key_id != plan.api_key_id):
+                continue
+            window = rule.window(now)
+            if window is not None:
+                charges.append(Charge(rule, rule.counter(window[0]), reservation_units(rule.unit, plan), window[1]))
+        return charges
+
+    def seed(self, client: redis.Redis, charge: Charge, now: datetime | None = None) -> None:
+        """Create a missing counter from Postgres: the window's ended usage and its in-flight
+        reservations. SET NX: of several processes seeding at once, the first one's value stands."""
+        now = now or datetime.now(UTC)
+        rule = charge.rule
+        start, end = rule.window(now) or (now, charge.resets_at)
+        with self.db.session() as session:
+            ended, in_flight = self._spent(session, rule, start, end, in_flight=True)
+        client.set(charge.counter, ended + in_flight, nx=True,
+                   exat=int((end + timedelta(days=2)).timestamp()))
+
+    def refusal(self, charge: Charge, spent: int) -> BudgetExhausted:
+        rule = charge.rule
+        left = max(rule.limit - spent, 0)
+        retry_s = max(1, math.ceil((charge.resets_at - datetime.now(UTC)).total_seconds()))
+        period = "fixed-window" if rule.period == "fixed" else {"day": "daily", "week": "weekly",
+                                                                 "month": "monthly"}[rule.period]
+        return BudgetExhausted(
+            f"{rule.scope} {period} budget of {rule.show(rule.limit)} is used up: {rule.show(spent)} used or "
+            f"reserved, {rule.show(left)} left, and this request may need up to {rule.show(charge.amount)}. "
+            f"It resets at {charge.resets_at.isoformat().replace('+00:00', 'Z')}; lower max_tokens, or ask the "
+            "platform's operator for more.",
+            headers={"Retry-After": str(retry_s), "retry-after-ms": str(retry_s * 1000)},
+            details={"budget_id": str(rule.id), "unit": rule.unit, "period": rule.period,
+                     "limit": _amount(rule, rule.limit), "used": _amount(rule, spent),
+                     "remaining": _amount(rule, left), "requested": _amount(rule, charge.amount),
+                     "resets_at": charge.resets_at.isoformat(), "scope": "key" if rule.api_key_id else "tenant"})
+
+    def covers(self, tenant_id: uuid.UUID, key_id: uuid.UUID | None, tokens: int, cost: Decimal,
+               client: redis.Redis | None = None) -> None:
+        """Raise ``budget_exhausted`` when a hard budget in force cannot hold ``tokens`` (or
+        ``cost``) on top of what its window already used and holds in flight: a bulk job refused
+        at submit. Reads the live counter where Redis has it, else Postgres."""
+        now = datetime.now(UTC)
+        for rule in self.rules(tenant_id):
+            if not rule.hard or (rule.api_key_id is not None and rule.api_key_id != key_id):
+                continue
+            window = rule.window(now)
+            if window is None:
+                continue
+            needed = tokens if rule.unit == "tokens" else micro(cost)
+            spent = _counter(client, rule.counter(window[0]))
+            if spent is None:
+                with self.db.session() as session:
+                    spent = sum(self._spent(session, rule, *window, in_flight=True))
+            if spent + needed > rule.limit:
+                raise self.refusal(Charge(rule, rule.counter(window[0]), needed, window[1]), spent)
+
+    # ------------------------------------------------------------------ reading
+
+    def _spent(self, session, rule: Rule, start: datetime, end: datetime, *, in_flight: bool) -> tuple[int, int]:
+        """A window's ended usage (from the rollups) and, when asked, its in-flight reservations,
+        in the rule's counter units."""
+        u, t = UsageHourly, InferenceRequest
+        used = u.billed_tokens if rule.unit == "tokens" else u.cost
+        query = select(func.coalesce(func.sum(used), 0)).where(u.tenant_id == rule.tenant_id, u.hour >= start,
+                                                                u.hour < end)
+        if rule.api_key_id is not None:
+            query = query.where(u.api_key_id == rule.api_key_id)
+        ended = session.scalar(query)
+        ended = int(ended) if rule.unit == "tokens" else micro(ended)
+        if not in_flight:
+            return ended, 0
+        reserved = (t.reserved_tokens if rule.unit == "tokens" else
+                    (t.input_tokens * t.price_input + (t.reserved_tokens - t.input_tokens) * t.price_output) / MICRO)
+        query = select(func.coalesce(func.sum(reserved), 0)).where(
+            t.tenant_id == rule.tenant_id, t.status.in_((Status.QUEUED, Status.RUNNING)), t.created_at >= start,
+            t.created_at < end)
+        if rule.api_key_id is not None:
+            query = query.where(t.api_key_id == rule.api_key_id)
+        flying = session.scalar(query)
+        return ended, int(flying) if rule.unit == "tokens" else micro(flying)
+
+    def views(self, tenant_id: uuid.UUID, client: redis.Redis | None = None) -> list[dict[str, Any]]:
+        """The tenant's budgets as the API shows them, each with its window's ``used`` (ended
+        requests, from the rollups), ``reserved`` (a hard budget's live counter beyond that) and
+        ``remaining``."""
+        now = datetime.now(UTC)
+        with self.db.session() as session:
+            rows = list(session.scalars(select(Budget).where(Budget.tenant_id == tenant_id)
+                                        .order_by(Budget.created_at)))
+            views = []
+            for row in rows:
+                rule = Rule.of(row)
+                window = rule.window(now)
+                used = self._spent(session, rule, *window, in_flight=False)[0] if window else 0
+                live = _counter(client, rule.counter(window[0])) if window and rule.hard else None
+                held = max(live - used, 0) if live is not None else 0
+                views.append(view(row, window, used, held))
+        return views
+
+    # ------------------------------------------------------------------ managing
+
+    def create(self, tenant_id: uuid.UUID, values: dict[str, Any]) -> dict[str, Any]:
+        with self.db.session() as session:
+            row = Budget(id=uuid.uuid4(), tenant_id=tenant_id, **values)
+            session.add(row)
+            session.flush()
+            session.refresh(row)
+            rule = Rule.of(row)
+            window = rule.window(datetime.now(UTC))
+            shown = view(row, window, self._spent(session, rule, *window, in_flight=False)[0] if window else 0, 0)
+        self.forget(tenant_id)
+        return shown
+
+    def delete(self, budget_id: uuid.UUID) -> None:
+        with self.db.session() as session:
+            tenant_id = session.scalar(delete(Budget).where(Budget.id == budget_id).returning(Budget.tenant_id))
+        if tenant_id is None:
+            raise NotFound(f"No budget {budget_id}.")
+        self.forget(tenant_id)
+
+    # ------------------------------------------------------------------ the sweep's
+
+    def thresholds(self, record) -> list[uuid.UUID]:
+        """Announce every threshold a budget with a webhook crossed in its window since the last
+        announcement: ``record(session, tenant_id, url, data)`` inserts the delivery (returns its
+        id, or None), in the transaction that notes the threshold, so each is sent once. Returns
+        the deliveries to publish once committed."""
+        now = datetime.now(UTC)
+        published = []
+        with self.db.session() as session:
+            rows = list(session.scalars(select(Budget).where(Budget.webhook_url.is_not(None))))
+            for row in rows:
+                rule = Rule.of(row)
+                window = rule.window(now)
+                if window is None:
+                    continue
+                used = self._spent(session, rule, *window, in_flight=False)[0]
+                percent = 100 * used / rule.limit
+                crossed = max((t for t in THRESHOLDS if percent >= t), default=0)
+                before = row.notified_percent if row.notified_window == window[0] else 0
+                if crossed <= before:
+                    continue
+                noted = session.execute(update(Budget).where(
+                    Budget.id == row.id, or_(Budget.notified_window.is_distinct_from(window[0]),
+                                             Budget.notified_percent < crossed))
+                    .values(notified_window=window[0], notified_percent=crossed)).rowcount
+                if noted:
+                    delivery = record(session, row.tenant_id, row.webhook_url,
+                                      {**view(row, window, used, 0), "threshold_percent": crossed})
+                    if delivery is not None:
+                        published.append(delivery)
+        return published
+
+
+def view(row: Budget, window: tuple[datetime, datetime] | None, used: int, held: int) -> dict[str, Any]:
+    rule = Rule.of(row)
+    return {
+        "object": "budget", "id": str(row.id), "api_key_id": str(row.api_key_id) if row.api_key_id else None,
+        "unit": row.unit, "amount": float(row.amount), "period": row.period, "hard": row.hard,
+        "starts_at": row.starts_at.isoformat() if row.starts_at else None,
+        "ends_at": row.ends_at.isoformat() if row.ends_at else None, "webhook_url": row.webhook_url,
+        "window_start": window[0].isoformat() if window else None,
+        "resets_at": window[1].isoformat() if window else None,
+        "used": _amount(rule, used), "reserved": _amount(rule, held),
+        "remaining": _amount(rule, max(rule.limit - used - held, 0)),
+        "used_percent": round(100 * used / rule.limit, 2),
+    }
+
+
+def _amount(rule: Rule, units: int) -> float | int:
+    return units if rule.unit == "tokens" else units / MICRO
+
+
+def _counter(client: redis.Redis | None, key: str) -> int | None:
+    if client is None:
+        return None
+    try:
+        value = client.get(key)
+    except redis.RedisError:
+        return None
+    return None if value is None else int(value)

@@ -1,0 +1,76 @@
+"""What a model's tokens cost: USD per million input, cached input and output tokens.
+
+Prices come from the registry (``SLUICE_MODELS``: ``"prices": {"input": 0.15, "cached": 0.075,
+"output": 0.6}``) or ``SLUICE_PRICES`` (``model=input/cached/output,…``, which wins), and may be
+an internal chargeback rate as well as a list price. A model with none costs nothing. Batch work
+(priority ``batch``, or a bulk job's or OpenAI batch's lines) pays ``SLUICE_BATCH_DISCOUNT`` less,
+as hosted batch APIs charge half.
+
+A request's prices are fixed on its row when it is admitted (``Plan.row``); Postgres works out
+its cost from them when its tokens are written (``models/request.py COST_SQL``), so changing a
+price never rewrites a past cost.
+"""
+
+from __future__ import annotations
+
+from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
+from typing import NamedTuple
+
+# The row keeps prices to 4 decimals (numeric(12, 4)): a hundredth of a cent per million tokens.
+QUANTUM = Decimal("0.0001")
+MAX_PRICE = Decimal("99999999")
+
+
+class Price(NamedTuple):
+    """USD per million tokens."""
+
+    input: Decimal
+    cached: Decimal
+    output: Decimal
+
+    def discounted(self, discount: Decimal) -> Price:
+        keep = 1 - discount
+        return Price(*((p * keep).quantize(QUANTUM, ROUND_HALF_UP) for p in self))
+
+    def cost(self, input_tokens: int, cached_tokens: int, output_tokens: int) -> Decimal:
+        """The cost of these tokens, as ``COST_SQL`` works it out for a row."""
+        uncached = max(input_tokens - cached_tokens, 0)
+        return ((uncached * self.input + cached_tokens * self.cached + output_tokens * self.output)
+                / 1_000_000).quantize(Decimal("1e-10"), ROUND_HALF_UP)
+
+
+FREE = Price(Decimal(0), Decimal(0), Decimal(0))
+
+
+def price(value: object, what: str) -> Decimal:
+    """One price from configuration: a number ≥ 0 with at most 4 decimals; ValueError otherwise."""
+    try:
+        number = Decimal(str(value))
+    except InvalidOperation:
+        raise ValueError(f"{what} must be a number of USD per million tokens, got {value!r}") from None
+    if isinstance(value, bool) or not number.is_finite() or number < 0 or number > MAX_PRICE:
+        raise ValueError(f"{what} must be a number from 0 to {MAX_PRICE}, got {value!r}")
+    if number != number.quantize(QUANTUM):
+        raise ValueError(f"{what} has more than 4 decimals: {value!r}")
+    return number
+
+
+def parse_prices(spec: str) -> dict[str, Price]:
+    """``SLUICE_PRICES``: ``model=input/cached/output`` entries, comma-separated."""
+    prices = {}
+    for entry in (e.strip() for e in spec.split(",")):
+        if not entry:
+            continue
+        name, _, values = entry.partition("=")
+        parts = values.split("/")
+        if not name.strip() or len(parts) != 3:
+            raise ValueError(f"{entry!r} is not model=input/cached/output")
+        prices[name.strip()] = Price(*(price(p.strip(), f"{name.strip()}'s {kind} price")
+                                       for p, kind in zip(parts, ("input", "cached", "output"), strict=True)))
+    return prices
+
+
+def price_for(prices: dict[str, Price], discount: Decimal, model: str, *, batch: bool) -> Price:
+    """The prices a request to ``model`` is charged; ``batch``: priority batch or a job's line."""
+    found = prices.get(model, FREE)
+    return found.discounted(discount) if batch and discount else found

@@ -1,0 +1,216 @@
+"""The usage report: ``GET /v1/usage`` (a tenant), ``GET /v1/admin/usage`` (every tenant), CSV,
+``sluice usage``, the dashboard's panel.
+
+Read from the hourly rollups only (``models/usage.py``), never from the request table, so a
+month costs the same however many requests it held. The answer is shaped like OpenAI's usage
+API: a page of time buckets (``start_time``/``end_time`` in Unix seconds), each with one result
+per group (``group_by``: model, priority, key, source; and tenant for the operator).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+from sqlalchemy import Select, func, literal, select
+
+from core.errors import InvalidRequest
+from core.submit.listing import instant
+from models import ApiKey, Tenant, UsageHourly, UsageOutcome
+from models.session import Database
+from models.usage import NO_KEY
+
+BUCKETS = {"hour": timedelta(hours=1), "day": timedelta(days=1)}
+# Bucket counts a report may span: a month of hours, a year of days.
+MAX_BUCKETS = {"hour": 24 * 31, "day": 366}
+GROUPS = ("model", "priority", "key", "source")
+ADMIN_GROUPS = ("tenant", *GROUPS)
+_COLUMN = {"model": "model", "priority": "priority", "key": "api_key_id", "source": "source", "tenant": "tenant_id"}
+SUMS = ("requests", "cache_hits", "input_tokens", "cached_tokens", "output_tokens", "billed_tokens")
+
+
+@dataclass(frozen=True)
+class UsageQuery:
+    start: datetime
+    end: datetime
+    bucket: str  # hour | day
+    group_by: tuple[str, ...]
+    tenant_id: uuid.UUID | None  # None: every tenant (the operator's report)
+
+    @classmethod
+    def parse(cls, args, tenant_id: uuid.UUID | None, now: datetime | None = None) -> UsageQuery:
+        """From a route's query: ``start`` (default: the start of this month, UTC) and ``end``
+        (default: now), RFC 3339 or Unix seconds; ``bucket`` hour or day (default day);
+        ``group_by`` comma-separated; ``tenant`` (the operator's report only, an id)."""
+        now = now or datetime.now(UTC)
+        problems: dict[str, list[str]] = {}
+        bounds = {}
+        for name, default in (("start", now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)),
+                              ("end", now)):
+            raw = args.get(name) or args.get(f"{name}_time")
+            bounds[name] = default if not raw else instant(raw)
+            if bounds[name] is None:
+                problems[name] = ["An RFC 3339 time (2026-12-01T00:00:00Z) or Unix seconds."]
+        bucket = args.get("bucket") or args.get("bucket_width") or "day"
+        bucket = {"1h": "hour", "1d": "day"}.get(bucket, bucket)
+        if bucket not in BUCKETS:
+            problems["bucket"] = ["hour or day."]
+        allowed = ADMIN_GROUPS if tenant_id is None else GROUPS
+        group_by = tuple(dict.fromkeys(g.strip() for g in (args.get("group_by") or "").split(",") if g.strip()))
+        if set(group_by) - set(allowed):
+            problems["group_by"] = [f"Comma-separated, from {', '.join(allowed)}."]
+        if tenant_id is None and args.get("tenant"):
+            try:
+                tenant_id = uuid.UUID(args["tenant"])
+            except ValueError:
+                problems["tenant"] = ["A tenant id."]
+        if not problems and bounds["start"] >= bounds["end"]:
+            problems["end"] = ["After start."]
+        if problems:
+            raise InvalidRequest("The usage query is invalid; see details.", details=problems)
+        start = floor(bounds["start"], bucket)
+        if (bounds["end"] - start) / BUCKETS[bucket] > MAX_BUCKETS[bucket]:
+            raise InvalidRequest(f"At most {MAX_BUCKETS[bucket]} {bucket} buckets per report; narrow start and end "
+                                 "or use a wider bucket.", details={"end": ["Too far from start."]})
+        return cls(start, bounds["end"], bucket, group_by, tenant_id)
+
+
+def floor(moment: datetime, bucket: str) -> datetime:
+    moment = moment.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+    return moment.replace(hour=0) if bucket == "day" else moment
+
+
+def _grouped(table, query: UsageQuery, *extra) -> Select:
+    width = "day" if query.bucket == "day" else "hour"
+    bucket = (func.date_trunc(width, table.hour.op("AT TIME ZONE")(literal("UTC")))
+              .op("AT TIME ZONE")(literal("UTC")).label("bucket"))
+    groups = [getattr(table, _COLUMN[g]).label(g) for g in query.group_by]
+    statement = select(bucket, *groups, *extra).where(table.hour >= query.start, table.hour < query.end)
+    if query.tenant_id is not None:
+        statement = statement.where(table.tenant_id == query.tenant_id)
+    return statement.group_by(bucket, *groups)
+
+
+def usage(db: Database, query: UsageQuery) -> dict[str, Any]:
+    """The report: ``{object: page, data: [buckets], totals, has_more: false, next_page: null}``;
+    every bucket of the range is present, an empty one with no results."""
+    u, o = UsageHourly, UsageOutcome
+    sums = [func.sum(getattr(u, c)).label(c) for c in SUMS] + [func.sum(u.cost).label("cost")]
+    with db.session() as session:
+        rows = session.execute(_grouped(u, query, *sums)).all()
+        outcomes = session.execute(_grouped(o, query, o.kind, o.code, func.sum(o.count).label("n"))
+                                   .group_by(o.kind, o.code)).all()
+        names = _key_names(session, rows) if "key" in query.group_by else {}
+        tenants = _tenant_names(session, rows) if "tenant" in query.group_by else {}
+    results: dict[tuple, dict[str, Any]] = {}
+    for row in rows:
+        result = results.setdefault(_ident(row, query), _empty(row, query, names, tenants))
+        for name in SUMS:
+            result[name] += int(getattr(row, name))
+        result["_cost"] += row.cost
+    for row in outcomes:
+        result = results.setdefault(_ident(row, query), _empty(row, query, names, tenants))
+        field = {"status": "statuses", "error": "errors", "refusal": "refusals"}[row.kind]
+        result[field][row.code] = result[field].get(row.code, 0) + int(row.n)
+    by_bucket: dict[datetime, list[dict[str, Any]]] = defaultdict(list)
+    totals = _zero()
+    for (bucket, *_), result in sorted(results.items(), key=lambda kv: [str(k) for k in kv[0]]):
+        by_bucket[bucket].append(_finish(result))
+        _add(totals, result)
+    width = BUCKETS[query.bucket]
+    data, at = [], query.start
+    while at < query.end:
+        data.append({"object": "bucket", "start_time": int(at.timestamp()), "end_time": int((at + width).timestamp()),
+                     "results": by_bucket.get(at, [])})
+        at += width
+    return {"object": "page", "data": data, "totals": _finish(totals), "has_more": False, "next_page": None}
+
+
+def _ident(row, query: UsageQuery) -> tuple:
+    return (row.bucket.astimezone(UTC), *(getattr(row, g) for g in query.group_by))
+
+
+def _zero() -> dict[str, Any]:
+    return {**dict.fromkeys(SUMS, 0), "_cost": Decimal(0), "statuses": {}, "errors": {}, "refusals": {}}
+
+
+def _empty(row, query: UsageQuery, names: dict, tenants: dict) -> dict[str, Any]:
+    result: dict[str, Any] = {"object": "sluice.usage.result"}
+    for group in ADMIN_GROUPS if query.tenant_id is None else GROUPS:
+        result[_field(group)] = None
+    for group in query.group_by:
+        value = getattr(row, group)
+        if group == "key":
+            result["api_key_id"] = None if value == NO_KEY else str(value)
+            result["api_key_name"] = names.get(value)
+        elif group == "tenant":
+            result["tenant_id"], result["tenant_name"] = str(value), tenants.get(value)
+        else:
+            result[group] = value
+    return {**result, **_zero()}
+
+
+def _field(group: str) -> str:
+    return {"key": "api_key_id", "tenant": "tenant_id"}.get(group, group)
+
+
+def _add(totals: dict[str, Any], result: dict[str, Any]) -> None:
+    for name in SUMS:
+        totals[name] += result[name]
+    totals["_cost"] += result["_cost"]
+    for field in ("statuses", "errors", "refusals"):
+        for code, n in result[field].items():
+            totals[field][code] = totals[field].get(code, 0) + n
+
+
+def _finish(result: dict[str, Any]) -> dict[str, Any]:
+    """``cost`` as OpenAI's costs API writes an amount; ``cost_usd`` the exact decimal, as a string;
+    ``num_model_requests`` and ``input_cached_tokens`` under OpenAI's names too."""
+    cost = result.pop("_cost")
+    result["num_model_requests"] = result["requests"]
+    result["input_cached_tokens"] = result["cached_tokens"]
+    result["cost"] = {"value": float(cost), "currency": "usd"}
+    result["cost_usd"] = str(cost.quantize(Decimal("1e-10")))
+    return result
+
+
+def _key_names(session, rows) -> dict[uuid.UUID, str | None]:
+    ids = {r.key for r in rows} - {NO_KEY}
+    return dict(session.execute(select(ApiKey.id, ApiKey.name).where(ApiKey.id.in_(ids))).all()) if ids else {}
+
+
+def _tenant_names(session, rows) -> dict[uuid.UUID, str]:
+    ids = {r.tenant for r in rows}
+    return dict(session.execute(select(Tenant.id, Tenant.name).where(Tenant.id.in_(ids))).all()) if ids else {}
+
+
+CSV_COLUMNS = ("start_time", "end_time", "tenant_id", "tenant_name", "model", "priority", "api_key_id",
+               "api_key_name", "source", *SUMS, "cost_usd", "errors", "refusals")
+
+
+def as_csv(report: dict[str, Any]) -> str:
+    """One line per result of each bucket (empty buckets left out); times in RFC 3339, UTC;
+    errors and refusals as ``code=n;code=n``."""
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(CSV_COLUMNS)
+    for bucket in report["data"]:
+        for result in bucket["results"]:
+            line = {**result, "start_time": _rfc3339(bucket["start_time"]), "end_time": _rfc3339(bucket["end_time"]),
+                    "errors": _pairs(result["errors"]), "refusals": _pairs(result["refusals"])}
+            writer.writerow(["" if line.get(c) is None else line[c] for c in CSV_COLUMNS])
+    return out.getvalue()
+
+
+def _rfc3339(seconds: int) -> str:
+    return datetime.fromtimestamp(seconds, UTC).isoformat().replace("+00:00", "Z")
+
+
+def _pairs(counts: dict[str, int]) -> str:
+    return ";".join(f"{code}={n}" for code, n in sorted(counts.items()))

@@ -1,0 +1,93 @@
+"""Usage rollups and budgets.
+
+``usage_hourly`` and ``usage_outcomes`` are kept by Postgres itself: a statement trigger on
+``requests`` (migration ``b4e1c7a9d3f2``) adds every row that reaches a terminal status, in the
+transaction of the move that ended it. A row ends once (the lifecycle's conditional updates), so
+no retry, redelivery or second sweep can count it twice, and reading a month reads these tables,
+never the request table. Refusals have no row: the web tier counts them in Redis and the sweep
+writes the totals here (``kind = 'refusal'``, set, not added: writing them twice changes nothing).
+
+An hour is the hour (UTC) its request was *created*, the moment a budget charges it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from decimal import Decimal
+
+from sqlalchemy import BigInteger, CheckConstraint, ForeignKey, Index, Numeric, String, Text, func
+from sqlalchemy.orm import Mapped, mapped_column
+
+from models.base import Base
+
+# The api_key_id of usage no key made (rows from before keys were recorded).
+NO_KEY = uuid.UUID(int=0)
+
+
+class UsageHourly(Base):
+    __tablename__ = "usage_hourly"
+    __table_args__ = (Index("ix_usage_hourly_tenant_id_hour", "tenant_id", "hour"),)
+
+    hour: Mapped[datetime] = mapped_column(primary_key=True)
+    tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    api_key_id: Mapped[uuid.UUID] = mapped_column(primary_key=True)
+    model: Mapped[str] = mapped_column(String(128), primary_key=True)
+    priority: Mapped[str] = mapped_column(String(16), primary_key=True)
+    source: Mapped[str] = mapped_column(String(16), primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger)  # ended, whatever their status
+    cache_hits: Mapped[int] = mapped_column(BigInteger)
+    # As the answers reported them to clients (cache hits included); nothing for a request with no answer.
+    input_tokens: Mapped[int] = mapped_column(BigInteger)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger)
+    output_tokens: Mapped[int] = mapped_column(BigInteger)
+    # Input + output of the requests an engine computed (not cache hits): what token budgets count.
+    billed_tokens: Mapped[int] = mapped_column(BigInteger)
+    cost: Mapped[Decimal] = mapped_column(Numeric(24, 10))
+
+
+class UsageOutcome(Base):
+    """How requests ended (``status``), their error codes (``error``) and refusals (``refusal``)."""
+
+    __tablename__ = "usage_outcomes"
+    __table_args__ = (Index("ix_usage_outcomes_tenant_id_hour", "tenant_id", "hour"),)
+
+    hour: Mapped[datetime] = mapped_column(primary_key=True)
+    tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    api_key_id: Mapped[uuid.UUID] = mapped_column(primary_key=True)
+    model: Mapped[str] = mapped_column(String(128), primary_key=True)
+    priority: Mapped[str] = mapped_column(String(16), primary_key=True)
+    source: Mapped[str] = mapped_column(String(16), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16), primary_key=True)  # status | error | refusal
+    code: Mapped[str] = mapped_column(String(64), primary_key=True)
+    count: Mapped[int] = mapped_column(BigInteger)
+
+
+class Budget(Base):
+    """A tenant's (or one of its keys') budget in tokens or USD over a day, week, month (UTC
+    calendar windows) or a fixed window. A hard one is charged at admission (core/usage/budgets.py);
+    a soft one only warns, by webhook, at 50, 80 and 100 %."""
+
+    __tablename__ = "budgets"
+    __table_args__ = (
+        CheckConstraint("unit IN ('tokens', 'usd')", name="unit"),
+        CheckConstraint("period IN ('day', 'week', 'month', 'fixed')", name="period"),
+        CheckConstraint("amount > 0", name="amount_positive"),
+        CheckConstraint("(period = 'fixed') = (starts_at IS NOT NULL AND ends_at IS NOT NULL AND ends_at > starts_at)",
+                        name="fixed_window"),
+    )
+
+    id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
+    tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    api_key_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"))
+    unit: Mapped[str] = mapped_column(String(8))  # tokens (billed tokens) | usd (cost)
+    amount: Mapped[Decimal] = mapped_column(Numeric(24, 10))
+    period: Mapped[str] = mapped_column(String(8))
+    starts_at: Mapped[datetime | None]
+    ends_at: Mapped[datetime | None]
+    hard: Mapped[bool]
+    webhook_url: Mapped[str | None] = mapped_column(Text)  # where budget.threshold events go
+    # The window and the highest threshold (50, 80, 100) already announced in it.
+    notified_window: Mapped[datetime | None]
+    notified_percent: Mapped[int] = mapped_column(default=0, server_default="0")
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())

@@ -39,7 +39,7 @@ class DeliveryStatus(enum.StrEnum):
 class Delivery(Base):
     __tablename__ = "webhook_deliveries"
     __table_args__ = (
-        CheckConstraint("num_nonnulls(request_id, job_id) = 1", name="one_subject"),
+        CheckConstraint("num_nonnulls(request_id, job_id, budget_id) = 1", name="one_subject"),
         Index("ix_webhook_deliveries_tenant_id_created_at", "tenant_id", "created_at"),
         # The sweep's work list: deliveries whose next attempt may be overdue.
         Index("ix_webhook_deliveries_pending", "next_attempt_at", postgresql_where=text("status = 'pending'")),
@@ -58,6 +58,8 @@ class Delivery(Base):
     tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     request_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("requests.id", ondelete="CASCADE"))
     job_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    # A budget's threshold crossed (budget.threshold, core/usage/budgets.py): no request, no job.
+    budget_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("budgets.id", ondelete="CASCADE"))
     event: Mapped[str] = mapped_column(String(32))  # request.started, request.completed, job.progress, …
     url: Mapped[str] = mapped_column(Text)
     payload: Mapped[dict[str, Any]] = mapped_column(JSONB)

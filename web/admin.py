@@ -32,7 +32,7 @@ from sqlalchemy import func, select
 
 from core.admission.load import load_view
 from core.broker.queues import ROLES
-from core.delivery.webhooks import check_url
+from core.delivery.webhooks import check_url, require_secret
 from core.ids import uuid_or_404
 from core.rediskeys import bump_auth_epoch
 from core.submit.schemas import SafeString, StrictBoolean, StrictFloat, StrictInteger
@@ -249,6 +249,7 @@ def new_budget(tenant_ref: str) -> tuple[Response, int]:
                        details={"starts_at": ["Whole hours, only with period fixed."]})
     if data.get("webhook_url"):
         check_url(data["webhook_url"], _settings().webhook_allow_list)
+        require_secret(tenant)
     data["amount"] = Decimal(str(data["amount"]))
     return jsonify(services().budgets.create(tenant.id, data)), 201
 

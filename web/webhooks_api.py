@@ -35,10 +35,11 @@ class DeliveryViewSchema(Schema):
     id = fields.UUID(metadata={"description": "The `webhook-id` header it is sent with, on every attempt."})
     object = SafeString(metadata={"enum": ["webhook_delivery"]})
     event = SafeString(metadata={"enum": ["request.started", "request.completed", "job.started", "job.progress",
-                                          "job.completed"]})
+                                          "job.completed", "budget.threshold"]})
     url = SafeString()
     request_id = fields.UUID(allow_none=True)
     job_id = fields.UUID(allow_none=True)
+    budget_id = fields.UUID(allow_none=True)
     status = SafeString(metadata={"enum": [s.value for s in DeliveryStatus]})
     attempts = fields.Integer()
     last_status_code = fields.Integer(allow_none=True, metadata={"description": "The receiver's last answer; "

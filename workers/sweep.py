@@ -61,6 +61,7 @@ from core.rediskeys import EPOCH_SEEN_KEY, LOST_CHECK_KEY, RESERVED_KEY, node_ke
 from core.services import Services
 from core.settings import Settings
 from core.submit.twins import Twins
+from core.usage import refusals
 from models import InferenceRequest, Job, JobItem, Priority, Status
 from models.idempotency import expire_keys
 from models.lifecycle import Lifecycle, reroute
@@ -96,10 +97,29 @@ def sweep(svc: Services) -> dict[str, int]:
         "redacted": _redact_old(db, settings),
         "jobs_redacted": _redact_old_jobs(db, settings),
         **webhooks.sweep(svc),
+        **_usage(svc),
         # Last, so requests the steps above just ended are released in this same run.
         "released": reconcile_in_flight(db, limiter_for(redis_client)),
         "idempotency_keys_expired": expire_keys(db, settings.idempotency_window_s),
     }
+
+
+def _usage(svc: Services) -> dict[str, int]:
+    """Refusal counts from Redis into the usage rollups; budget thresholds crossed, announced."""
+    try:
+        refused = refusals.flush(svc.db, svc.redis)
+    except redis.RedisError as exc:
+        log.warning("refusal counts not copied: Redis unreachable (%s)", type(exc).__name__)
+        refused = 0
+
+    def record(session, budget, data):
+        return svc.webhooks.record(session, budget.tenant_id, budget.webhook_url, "budget.threshold", data,
+                                   budget_id=budget.id)
+
+    deliveries = svc.budgets.thresholds(record)
+    for delivery in deliveries:
+        svc.webhooks.publish(delivery)
+    return {"refusal_groups": refused, "budget_thresholds": len(deliveries)}
 
 
 def _ago(seconds: float):

@@ -111,12 +111,14 @@ class Webhooks:
             self.publish(delivery_id)
 
     def record(self, session: Session, tenant_id: uuid.UUID, url: str, event: str, data: dict[str, Any],
-               request_id: uuid.UUID | None = None, job_id: uuid.UUID | None = None) -> uuid.UUID | None:
+               request_id: uuid.UUID | None = None, job_id: uuid.UUID | None = None,
+               budget_id: uuid.UUID | None = None) -> uuid.UUID | None:
         """Insert a pending delivery in ``session``; its id, or None when that event of that
         request or job was already recorded. Publish it (:meth:`publish`) once committed."""
         retry_until = func.now() + timedelta(seconds=self.settings.webhook_retry_for_s)
         return session.scalar(insert(Delivery).values(
-            id=uuid.uuid4(), tenant_id=tenant_id, request_id=request_id, job_id=job_id, event=event, url=url,
+            id=uuid.uuid4(), tenant_id=tenant_id, request_id=request_id, job_id=job_id, budget_id=budget_id,
+            event=event, url=url,
             payload=payload(event, data), status=DeliveryStatus.PENDING, attempts=0, retry_until=retry_until)
             .on_conflict_do_nothing().returning(Delivery.id))
 

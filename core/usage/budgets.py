@@ -297,7 +297,7 @@ class Budgets:
 
     def thresholds(self, record) -> list[uuid.UUID]:
         """Announce every threshold a budget with a webhook crossed in its window since the last
-        announcement: ``record(session, tenant_id, url, data)`` inserts the delivery (returns its
+        announcement: ``record(session, budget, data)`` inserts the delivery (returns its
         id, or None), in the transaction that notes the threshold, so each is sent once. Returns
         the deliveries to publish once committed."""
         now = datetime.now(UTC)
@@ -320,8 +320,7 @@ class Budgets:
                                              Budget.notified_percent < crossed))
                     .values(notified_window=window[0], notified_percent=crossed)).rowcount
                 if noted:
-                    delivery = record(session, row.tenant_id, row.webhook_url,
-                                      {**view(row, window, used, 0), "threshold_percent": crossed})
+                    delivery = record(session, row, {**view(row, window, used, 0), "threshold_percent": crossed})
                     if delivery is not None:
                         published.append(delivery)
         return published

@@ -121,8 +121,8 @@ def usage(db: Database, query: UsageQuery) -> dict[str, Any]:
     by_bucket: dict[datetime, list[dict[str, Any]]] = defaultdict(list)
     totals = _zero()
     for (bucket, *_), result in sorted(results.items(), key=lambda kv: [str(k) for k in kv[0]]):
-        by_bucket[bucket].append(_finish(result))
         _add(totals, result)
+        by_bucket[bucket].append(_finish(result))
     width = BUCKETS[query.bucket]
     data, at = [], query.start
     while at < query.end:

@@ -146,6 +146,14 @@ def upgrade() -> None:
                            name=op.f('ck_budgets_fixed_window')))
     op.create_index('ix_budgets_tenant_id', 'budgets', ['tenant_id'])
 
+    # A budget's threshold webhooks are deliveries of neither a request nor a job.
+    op.add_column('webhook_deliveries', sa.Column('budget_id', sa.Uuid(), nullable=True))
+    op.create_foreign_key(op.f('fk_webhook_deliveries_budget_id_budgets'), 'webhook_deliveries', 'budgets',
+                          ['budget_id'], ['id'], ondelete='CASCADE')
+    op.drop_constraint(op.f('ck_webhook_deliveries_one_subject'), 'webhook_deliveries', type_='check')
+    op.create_check_constraint(op.f('ck_webhook_deliveries_one_subject'), 'webhook_deliveries',
+                               'num_nonnulls(request_id, job_id, budget_id) = 1')
+
     op.execute(_function('usage_rollup_ended', 'new_rows n JOIN old_rows o USING (id)',
                          " AND o.status IN ('queued', 'running')"))
     op.execute(_function('usage_rollup_born', 'new_rows n', ''))
@@ -167,6 +175,12 @@ def downgrade() -> None:
     op.execute("DROP TRIGGER usage_rollup_ended ON requests")
     op.execute("DROP FUNCTION usage_rollup_born()")
     op.execute("DROP FUNCTION usage_rollup_ended()")
+    op.execute('DELETE FROM webhook_deliveries WHERE budget_id IS NOT NULL')
+    op.drop_constraint(op.f('ck_webhook_deliveries_one_subject'), 'webhook_deliveries', type_='check')
+    op.create_check_constraint(op.f('ck_webhook_deliveries_one_subject'), 'webhook_deliveries',
+                               'num_nonnulls(request_id, job_id) = 1')
+    op.drop_constraint(op.f('fk_webhook_deliveries_budget_id_budgets'), 'webhook_deliveries', type_='foreignkey')
+    op.drop_column('webhook_deliveries', 'budget_id')
     op.drop_table('budgets')
     op.drop_table('usage_outcomes')
     op.drop_table('usage_hourly')

@@ -28,6 +28,7 @@ from launcher.options import load_settings, not_found, operator_settings, servic
 from launcher.reserve_cli import reserve
 from launcher.supervisor import run_platform
 from launcher.tenants_cli import tenants
+from launcher.usage_cli import budgets, usage_command
 from launcher.webhooks_cli import webhooks
 
 
@@ -58,6 +59,8 @@ main.add_command(reserve)
 main.add_command(jobs)
 main.add_command(webhooks)
 main.add_command(diagnose_command)
+main.add_command(usage_command)
+main.add_command(budgets)
 
 
 @main.command()

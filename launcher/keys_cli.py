@@ -4,11 +4,13 @@ the key; a new key is printed once."""
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 
 import click
 
 from core.tenants.manage import add_key, key_view, list_keys, revoke_key
 from launcher.tenants_cli import forget_keys, management_session, tenant_named
+from launcher.usage_cli import Moment
 
 
 @click.group()
@@ -20,24 +22,55 @@ def keys() -> None:
 @click.argument("tenant")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of one line per key.")
 def list_(tenant: str, as_json: bool) -> None:
-    """List TENANT's keys, revoked ones too: id, prefix, created, last used (to the minute)."""
+    """List TENANT's keys, revoked ones too: id, prefix, name, owner, created, expiry, last used
+    (to the minute)."""
     with management_session() as (session, _):
         views = list_keys(session, tenant_named(session, tenant))
     if as_json:
         click.echo(json.dumps(views, indent=2))
         return
+    now = datetime.now(UTC)
     for view in views:
-        state = f"revoked {view['revoked_at']}" if view["revoked_at"] else "active"
-        click.echo(f"{view['id']}  {view['prefix']}  created {view['created_at']}  "
+        expires = view["expires_at"]
+        if view["revoked_at"]:
+            state = f"revoked {view['revoked_at']}"
+        elif expires and datetime.fromisoformat(expires) <= now:
+            state = "expired"
+        else:
+            state = "active"
+        click.echo(f"{view['id']}  {view['prefix']}  name {view['name'] or '-'}  owner {view['owner'] or '-'}  "
+                   f"created {view['created_at']}  expires {expires or 'never'}  "
                    f"last used {view['last_used_at'] or 'never'}  {state}")
+
+
+def _text(limit: int):
+    """1 to ``limit`` characters Postgres can store (argv that is not UTF-8 arrives as lone surrogates)."""
+    def check(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise click.BadParameter("not valid UTF-8") from None
+        if not 1 <= len(value) <= limit:
+            raise click.BadParameter(f"1 to {limit} characters")
+        return value
+
+    return check
 
 
 @keys.command("create")
 @click.argument("tenant")
-def create(tenant: str) -> None:
+@click.option("--name", default=None, callback=_text(100), help="What the key is for: a service, a team, a person.")
+@click.option("--owner", default=None, callback=_text(200), help="Who holds it (an e-mail address, a team).")
+@click.option("--expires-at", "expires_at", type=Moment(), default=None,
+              help="From then on the key is refused (401), like a revoked one (ISO 8601; UTC if no zone).")
+def create(tenant: str, name: str | None, owner: str | None, expires_at: datetime | None) -> None:
     """Create an API key for TENANT and print it. It is shown only this once."""
+    if expires_at is not None and expires_at <= datetime.now(UTC):
+        raise click.BadParameter("must be in the future", param_hint="--expires-at")
     with management_session() as (session, _):
-        key = add_key(session, tenant_named(session, tenant))
+        key = add_key(session, tenant_named(session, tenant), name=name, owner=owner, expires_at=expires_at)
     click.echo(key)
 
 

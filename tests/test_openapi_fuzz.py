@@ -46,7 +46,8 @@ expected-statuses = ["2xx", "3xx", "401", "403", "404", "409", "413", "429"]
 # and of time that JSON Schema cannot say (a 422 names them). Every other check still runs on it.
 # A job file is checked line by line (each a JSON object with custom_id and text, ids unique),
 # and its summary must fit the model's context with the instruction: a text body's rules.
-CROSS_FIELD_RULES = {"POST /v1/admin/reservations", "POST /v1/jobs"}
+CROSS_FIELD_RULES = {"POST /v1/admin/reservations", "POST /v1/jobs", "POST /admin/tenants/{tenant_ref}/budgets",
+                     "GET /v1/usage", "GET /v1/admin/usage"}
 # An OpenAI-style completion answers when its request ends, and the simulated engine writes all
 # of max_tokens: generated bodies keep their shape but ask for a short answer (a valid value,
 # added when they name none), or a case near the 8192 maximum would hold the fuzz for a minute.

@@ -337,3 +337,18 @@ def test_the_openai_clients_usage_fields_agree_with_the_rollups(app, worker, cli
     totals = usage_of(client)["totals"]
     assert (totals["input_tokens"], totals["output_tokens"], totals["cached_tokens"]) == (prompt, completion, cached)
     assert totals["requests"] == 6 and totals["statuses"] == {"succeeded": 6}
+
+
+def test_a_bulk_job_the_hard_budget_cannot_cover_is_refused_at_submit(client, app):
+    tenant = uuid.UUID(tenant_of(app, client.key))
+    services(app).budgets.create(tenant, {"unit": "tokens", "amount": Decimal(500), "period": "day", "hard": True})
+    lines = "".join(json.dumps({"custom_id": f"doc-{i}", "text": "a document to summarise " * 20}) + "\n"
+                    for i in range(20)).encode()
+    answer = client.http.post("/v1/jobs", data=lines, headers={**client.headers,
+                                                              "Content-Type": "application/jsonl"})
+    assert answer.status_code == 429, answer.get_json()
+    error = answer.get_json()["error"]
+    assert error["code"] == "budget_exhausted" and error["details"]["limit"] == 500
+    assert error["details"]["requested"] > 500
+    with services(app).db.session() as session:  # nothing kept of it
+        assert session.scalar(text("SELECT count(*) FROM jobs WHERE tenant_id = :t"), {"t": tenant}) == 0

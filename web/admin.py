@@ -207,7 +207,8 @@ class BudgetSchema(Schema):
 
     unit = SafeString(required=True, validate=validate.OneOf(UNITS),
                       metadata={"description": "tokens (input + output an engine computed) or usd (cost)."})
-    amount = StrictFloat(required=True, validate=validate.Range(min=0, max=1e15, min_inclusive=False))
+    amount = StrictFloat(required=True, validate=validate.Range(min=0.000001, max=1e13), metadata={
+        "description": "Tokens (a whole number) or USD (to the micro-dollar)."})
     period = SafeString(required=True, validate=validate.OneOf(PERIODS),
                         metadata={"description": "day, week (from Monday), month (UTC calendar windows) or fixed "
                                                  "(starts_at to ends_at, whole hours)."})
@@ -251,6 +252,9 @@ def new_budget(tenant_ref: str) -> tuple[Response, int]:
         check_url(data["webhook_url"], _settings().webhook_allow_list)
         require_secret(tenant)
     data["amount"] = Decimal(str(data["amount"]))
+    if data["unit"] == "tokens" and data["amount"] != data["amount"].to_integral_value():
+        raise ApiError("A token budget is a whole number of tokens.", code="invalid_request", status=422,
+                       details={"amount": ["A whole number of tokens."]})
     return jsonify(services().budgets.create(tenant.id, data)), 201
 
 

@@ -6,12 +6,16 @@ key, which the operator gives once (``/dashboard#key=…`` or the form) and the 
 the tab only. The data endpoint answers from what the platform already keeps: the load
 monitor's class snapshots and the level (Redis), the workers' heartbeats (engine batch and KV),
 recent request timings, live jobs and reservations (Postgres), and this web tier's rejection
-counters (all its processes, ``core/observe/metrics.py``).
+counters (all its processes, ``core/observe/metrics.py``). This month's usage by tenant and its
+top models by cost (``GET /v1/admin/dashboard/usage``, the usage report's rollups) change
+slowly: the page asks for them once a minute.
 """
 
 from __future__ import annotations
 
 import re
+from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +25,7 @@ from sqlalchemy import Float, cast, func, select
 from core.admission.load import load_view
 from core.fleet.workers import live_workers
 from core.observe.metrics import scrape_registry
+from core.usage.report import UsageQuery, usage
 from models import InferenceRequest, Job, JobItem
 from models.reservation import current_views
 from web.admin import _require_admin_key
@@ -33,6 +38,8 @@ _TYPES = {".html": "text/html", ".js": "text/javascript"}
 # calls refuse with ValueError; a name too long for it; a path) is no file of the page.
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\.[a-z]{1,8}")
 TIMING_WINDOW_S = 60  # the queue wait / inference figures cover requests that ended this recently
+TOP_MODELS = 5
+_LABELS = {"tenant": ("tenant_id", "tenant_name"), "model": ("model",)}  # what names a row of the usage panel
 page_bp = Blueprint("dashboard", __name__)
 data_bp = Blueprint("dashboard_data", __name__, url_prefix="/v1/admin")
 data_bp.before_request(_require_admin_key)
@@ -78,6 +85,32 @@ def data() -> Response:
                     "classes": load["classes"], "reservations": reservations,
                     "paused_for_reservations": load["paused_for_reservations"], "workers": workers,
                     "timings": timings, "jobs": jobs, "rejections": _rejections()})
+
+
+@data_bp.get("/dashboard/usage")
+def month_usage() -> Response:
+    """This month (UTC) so far: every tenant's requests, tokens and cost, most costly first, and
+    the models that cost most."""
+    now = datetime.now(UTC)
+    start = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    return jsonify({"start": start.isoformat(), "end": now.isoformat(), "tenants": _summed(start, now, "tenant"),
+                    "models": _summed(start, now, "model")[:TOP_MODELS]})
+
+
+def _summed(start: datetime, end: datetime, group: str) -> list[dict[str, Any]]:
+    """The usage report grouped by ``group``, its day buckets summed: one row per tenant (model),
+    highest cost first."""
+    labels = _LABELS[group]
+    rows: dict[str, dict[str, Any]] = {}
+    for bucket in usage(services().db, UsageQuery(start, end, "day", (group,), None))["data"]:
+        for result in bucket["results"]:
+            row = rows.setdefault(result[labels[0]], {**{f: result[f] for f in labels}, "requests": 0,
+                                                      "input_tokens": 0, "output_tokens": 0, "cost": Decimal(0)})
+            for name in ("requests", "input_tokens", "output_tokens"):
+                row[name] += result[name]
+            row["cost"] += Decimal(result["cost_usd"])
+    ranked = sorted(rows.values(), key=lambda r: (-r["cost"], -r["requests"], str(r[labels[-1]])))
+    return [{**r, "cost": float(r["cost"]), "cost_usd": str(r["cost"])} for r in ranked]
 
 
 def _timings(session) -> list[dict[str, Any]]:

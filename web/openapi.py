@@ -17,7 +17,7 @@ from marshmallow import fields, validate
 from core.settings import Settings
 from core.submit.sampling import document_rules
 from web import schemas
-from web.admin import ReservationSchema, TenantCreateSchema, TenantLimitsSchema
+from web.admin import BudgetSchema, KeyCreateSchema, ReservationSchema, TenantCreateSchema, TenantLimitsSchema
 from web.openai import batches_spec as openai_batches_spec
 from web.openai import spec as openai_spec
 from web.webhooks_api import DeliveryListSchema, DeliveryViewSchema, SecretSchema
@@ -87,13 +87,15 @@ def build_spec(version: str, settings: Settings | None = None) -> dict:
                          ("JobView", schemas.JobViewSchema), ("JobList", schemas.JobListSchema),
                          ("RequestList", schemas.RequestListSchema),
                          ("DeliveryView", DeliveryViewSchema), ("DeliveryList", DeliveryListSchema),
-                         ("WebhookSecret", SecretSchema)):
+                         ("WebhookSecret", SecretSchema), ("BudgetView", schemas.BudgetViewSchema),
+                         ("BudgetCreate", BudgetSchema), ("KeyCreate", KeyCreateSchema)):
         spec.components.schema(name, schema=schema)
     _request_paths(spec)
     _job_paths(spec, settings)
     openai_batches_spec.add_paths(spec)
     openai_spec.add_paths(spec)
     _webhook_paths(spec)
+    _usage_paths(spec)
     _service_paths(spec)
     _admin_paths(spec)
     document = spec.to_dict()
@@ -349,6 +351,53 @@ def _webhook_paths(spec: APISpec) -> None:
                       **limited}}})
 
 
+_USAGE_RESULT = {"type": "object", "description": "One group's usage in one bucket (OpenAI's usage API's shape, "
+                 "with Sluice's counts): requests, cache_hits, input/cached/output/billed tokens, cost "
+                 "({value, currency}) and cost_usd (exact), statuses, errors and refusals by code."}
+USAGE_REPORT = {"type": "object", "required": ["object", "data", "totals", "has_more"], "properties": {
+    "object": {"enum": ["page"]}, "has_more": {"type": "boolean"}, "next_page": {"type": ["string", "null"]},
+    "totals": _USAGE_RESULT,
+    "data": {"type": "array", "items": {"type": "object", "required": ["start_time", "end_time", "results"],
+                                        "properties": {"object": {"enum": ["bucket"]},
+                                                       "start_time": {"type": "integer"},
+                                                       "end_time": {"type": "integer"},
+                                                       "results": {"type": "array", "items": _USAGE_RESULT}}}}}}
+
+
+def usage_query(groups: tuple[str, ...]) -> list[dict]:
+    """The usage report's query parameters (``core/usage/report.py UsageQuery.parse``)."""
+    when = {"type": "string", "description": "RFC 3339 time or Unix seconds."}
+    return [{"name": "start", "in": "query", "schema": when, "description": "Default: this month's start (UTC)."},
+            {"name": "end", "in": "query", "schema": when, "description": "Default: now."},
+            {"name": "bucket", "in": "query", "schema": {"enum": ["hour", "day"]}},
+            {"name": "group_by", "in": "query", "schema": {
+                "type": "string", "pattern": "^({0})(,({0}))*$".format("|".join(groups))}},
+            {"name": "format", "in": "query", "schema": {"enum": ["json", "csv"]}}]
+
+
+def usage_answers(description: str) -> dict:
+    return {"200": {"description": description, "content": {
+        "application/json": {"schema": USAGE_REPORT},
+        "text/csv": {"schema": {"type": "string"}}}},
+        "422": _error("start, end, bucket or group_by is invalid, or the range holds too many buckets.")}
+
+
+def _usage_paths(spec: APISpec) -> None:
+    auth_errors = {"401": _error("Missing, malformed, invalid or revoked API key."),
+                   "403": _error("The key's tenant is disabled (tenant_disabled).")}
+    spec.path(path="/v1/usage", operations={"get": {
+        "summary": "The tenant's usage and cost in hourly or daily buckets, grouped as asked (CSV too)",
+        "security": [{"bearer": []}], "parameters": usage_query(("model", "priority", "key", "source")),
+        "responses": {**usage_answers("The report."), **auth_errors}}})
+    spec.path(path="/v1/budgets", operations={"get": {
+        "summary": "The tenant's budgets and its keys': used, held, left, when each resets",
+        "security": [{"bearer": []}],
+        "responses": {"200": {"description": "The budgets.", "content": {"application/json": {"schema": {
+            "type": "object", "properties": {"object": {"enum": ["list"]},
+                                             "data": {"type": "array", "items": "BudgetView"}}}}}},
+            **auth_errors}}})
+
+
 def _service_paths(spec: APISpec) -> None:
     spec.path(path="/healthz", operations={"get": {
         "summary": "Liveness of this web process and its Postgres and Redis",
@@ -415,6 +464,11 @@ def _admin_paths(spec: APISpec) -> None:
         "responses": {"200": {"description": "The figures.", "content": {"application/json": {"schema": {
             "type": "object", "required": ["level", "steps", "classes", "workers", "timings", "jobs", "rejections"]}}}},
             **denied}}})
+    spec.path(path="/v1/admin/dashboard/usage", operations={"get": {
+        **admin, "summary": "The operator page's usage panel: this month's requests, tokens and cost by tenant, "
+                            "and the 5 models that cost most",
+        "responses": {"200": {"description": "This month so far (UTC).", "content": {"application/json": {"schema": {
+            "type": "object", "required": ["start", "end", "tenants", "models"]}}}}, **denied}}})
     spec.path(path="/v1/admin/load", operations={"get": {
         **admin, "summary": "Load per class: queue in requests, tokens and work, drain, wait, level",
         "responses": {"200": _json("LoadView", "As the load monitor last published it."), **denied}}})
@@ -436,11 +490,42 @@ def _admin_paths(spec: APISpec) -> None:
                         "schema": {"type": "string", "format": "uuid"}}],
         "responses": {"200": _json("ReservationView", "The reservation, cancelled."), **denied,
                       "404": _error("No such reservation.")}}})
+    spec.path(path="/v1/admin/usage", operations={"get": {
+        **admin, "summary": "Every tenant's usage and cost (tenant=<id> for one; group_by may add tenant)",
+        "parameters": [*usage_query(("tenant", "model", "priority", "key", "source")),
+                       {"name": "tenant", "in": "query", "schema": {"type": "string", "format": "uuid"}}],
+        "responses": {**usage_answers("The report."), **denied}}})
+    spec.path(path="/admin/tenants/{tenant_ref}/budgets", operations={
+        "post": {**admin, "summary": "A budget for a tenant, or one of its keys: tokens or USD per day, week, "
+                                     "month or a fixed window; hard (refused past it) or soft (webhooks)",
+                 "parameters": [tenant],
+                 "requestBody": {"required": True, "content": {"application/json": {"schema": "BudgetCreate"}}},
+                 "responses": {"201": _json("BudgetView", "Created."), **denied, "404": _error("No such tenant."),
+                               "422": _error("Invalid fields; a fixed window without both ends on whole hours; "
+                                             "a key of another tenant; a webhook URL refused or no webhook "
+                                             "secret (invalid_request, webhook_url_refused, "
+                                             "webhook_secret_missing).")}},
+        "get": {**admin, "summary": "A tenant's budgets with their current windows", "parameters": [tenant],
+                "responses": {"200": {"description": "The budgets.", "content": {"application/json": {"schema": {
+                    "type": "object", "properties": {"object": {"enum": ["list"]},
+                                                     "data": {"type": "array", "items": "BudgetView"}}}}}},
+                    **denied, "404": _error("No such tenant.")}},
+    })
+    spec.path(path="/admin/budgets/{budget_id}", operations={"delete": {
+        **admin, "summary": "Remove a budget (admission stops charging it within seconds)",
+        "parameters": [{"name": "budget_id", "in": "path", "required": True,
+                        "schema": {"type": "string", "format": "uuid"}}],
+        "responses": {"200": {"description": "Removed.", "content": {"application/json": {"schema": {
+            "type": "object", "properties": {"id": {"type": "string"}, "deleted": {"type": "boolean"}}}}}},
+            **denied, "404": _error("No such budget.")}}})
     spec.path(path="/admin/tenants/{tenant_ref}/keys", operations={
-        "post": {**admin, "summary": "A new API key for a tenant (shown once)", "parameters": [tenant],
+        "post": {**admin, "summary": "A new API key for a tenant (shown once), with an optional name, owner "
+                                     "and expiry", "parameters": [tenant],
+                 "requestBody": {"required": False, "content": {"application/json": {"schema": "KeyCreate"}}},
                  "responses": {"201": {"description": "The key.", "content": {"application/json": {"schema": {
-                     "type": "object", "properties": {"tenant": {"type": "string"}, "api_key": {"type": "string"}}}}}},
-                     **denied, "404": _error("No such tenant.")}},
+                     "type": "object", "properties": {"tenant": {"type": "string"}, "api_key": {"type": "string"},
+                                                      "key": "KeyView"}}}}},
+                     **denied, "404": _error("No such tenant."), "422": _error("Invalid fields (invalid_request).")}},
         "get": {**admin, "summary": "A tenant's API keys, revoked ones too: prefixes, never the keys",
                 "parameters": [tenant],
                 "responses": {"200": {"description": "The keys.", "content": {"application/json": {"schema": {

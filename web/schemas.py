@@ -144,11 +144,35 @@ class KeyViewSchema(Schema):
 
     id = fields.UUID()
     prefix = fields.String(metadata={"description": "The key's first characters, to tell keys apart."})
+    name = fields.String(allow_none=True, metadata={"description": "What the key is for."})
+    owner = fields.String(allow_none=True, metadata={"description": "Who holds it."})
     created_at = fields.DateTime()
+    expires_at = fields.DateTime(allow_none=True, metadata={"description": "Refused from then on (401)."})
     last_used_at = fields.DateTime(allow_none=True, metadata={"description": "Stamped at most once a minute."})
     revoked_at = fields.DateTime(allow_none=True)
     already_revoked = fields.Boolean(metadata={"description": "Only in a revocation's answer: an earlier call "
                                                               "revoked it (revoked_at is that call's)."})
+
+
+class BudgetViewSchema(Schema):
+    """A budget as the API shows it (``core/usage/budgets.py view``), with its current window."""
+
+    id = fields.UUID()
+    object = fields.String(metadata={"enum": ["budget"]})
+    api_key_id = fields.UUID(allow_none=True, metadata={"description": "Set: one key's own budget."})
+    unit = fields.String(metadata={"enum": ["tokens", "usd"]})
+    amount = fields.Float()
+    period = fields.String(metadata={"enum": ["day", "week", "month", "fixed"]})
+    hard = fields.Boolean(metadata={"description": "Charged at admission (429 budget_exhausted past it)."})
+    starts_at = fields.DateTime(allow_none=True)
+    ends_at = fields.DateTime(allow_none=True)
+    webhook_url = fields.String(allow_none=True)
+    window_start = fields.DateTime(allow_none=True, metadata={"description": "Null: a fixed window not in force."})
+    resets_at = fields.DateTime(allow_none=True)
+    used = fields.Float(metadata={"description": "By the window's ended requests (the usage rollups)."})
+    reserved = fields.Float(metadata={"description": "Held by its requests in flight (a hard budget)."})
+    remaining = fields.Float()
+    used_percent = fields.Float()
 
 
 class HealthSchema(Schema):

@@ -310,7 +310,7 @@ class Budgets:
                 if window is None:
                     continue
                 used = self._spent(session, rule, *window, in_flight=False)[0]
-                percent = 100 * used / rule.limit
+                percent = 100 * used / max(rule.limit, 1)
                 crossed = max((t for t in THRESHOLDS if percent >= t), default=0)
                 before = row.notified_percent if row.notified_window == window[0] else 0
                 if crossed <= before:
@@ -337,7 +337,7 @@ def view(row: Budget, window: tuple[datetime, datetime] | None, used: int, held:
         "resets_at": window[1].isoformat() if window else None,
         "used": _amount(rule, used), "reserved": _amount(rule, held),
         "remaining": _amount(rule, max(rule.limit - used - held, 0)),
-        "used_percent": round(100 * used / rule.limit, 2),
+        "used_percent": round(100 * used / max(rule.limit, 1), 2),
     }
 
 

@@ -3,6 +3,7 @@
 
 const LEVELS = ["normal", "light model", "shorter output", "cached answers", "reject batch", "tight promise", "shed"];
 const REFRESH_MS = 2000;
+const USAGE_REFRESH_MS = 60000;  // the month's usage moves slowly: once a minute
 
 function adminKey() {
   const fromHash = new URLSearchParams(location.hash.slice(1)).get("key");
@@ -80,8 +81,32 @@ function start(key) {
     table(document.getElementById("rejections"), ["gate: reason", "count"],
           Object.entries(data.rejections).map(([k, n]) => [k, n]));
   }
+  async function refreshUsage() {
+    let usage;
+    try {
+      const answer = await fetch("/v1/admin/dashboard/usage", {headers: {Authorization: `Bearer ${key}`}});
+      if (!answer.ok) return;  // the main refresh reports a lost key or an unreachable server
+      usage = await answer.json();
+    } catch (err) {
+      return;
+    }
+    const count = (n) => n.toLocaleString();
+    document.getElementById("usage-since").textContent = `since ${usage.start.slice(0, 10)} (UTC)`;
+    table(document.getElementById("usage-tenants"), ["tenant", "requests", "input tokens", "output tokens", "cost"],
+          usage.tenants.map(t => [t.tenant_name || t.tenant_id, count(t.requests), count(t.input_tokens),
+                                  count(t.output_tokens), dollars(t.cost)]));
+    table(document.getElementById("usage-models"), ["model", "requests", "input tokens", "output tokens", "cost"],
+          usage.models.map(m => [m.model, count(m.requests), count(m.input_tokens), count(m.output_tokens),
+                                 dollars(m.cost)]));
+  }
   refresh();
   setInterval(refresh, REFRESH_MS);
+  refreshUsage();
+  setInterval(refreshUsage, USAGE_REFRESH_MS);
+}
+
+function dollars(value) {
+  return "$" + value.toLocaleString("en-US", {minimumFractionDigits: 2, maximumFractionDigits: 4});
 }
 
 const key = adminKey();

@@ -44,10 +44,16 @@ class UsageHourly(Base):
     # Input + output of the requests an engine computed (not cache hits): what token budgets count.
     billed_tokens: Mapped[int] = mapped_column(BigInteger)
     cost: Mapped[Decimal] = mapped_column(Numeric(24, 10))
+    # How they ended.
+    succeeded: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    failed: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    timed_out: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    cancelled: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    expired: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class UsageOutcome(Base):
-    """How requests ended (``status``), their error codes (``error``) and refusals (``refusal``)."""
+    """The error codes requests ended with (``error``) and the refusals (``refusal``), by code."""
 
     __tablename__ = "usage_outcomes"
     __table_args__ = (Index("ix_usage_outcomes_tenant_id_hour", "tenant_id", "hour"),)
@@ -58,7 +64,7 @@ class UsageOutcome(Base):
     model: Mapped[str] = mapped_column(String(128), primary_key=True)
     priority: Mapped[str] = mapped_column(String(16), primary_key=True)
     source: Mapped[str] = mapped_column(String(16), primary_key=True)
-    kind: Mapped[str] = mapped_column(String(16), primary_key=True)  # status | error | refusal
+    kind: Mapped[str] = mapped_column(String(16), primary_key=True)  # error | refusal
     code: Mapped[str] = mapped_column(String(64), primary_key=True)
     count: Mapped[int] = mapped_column(BigInteger)
 

@@ -15,6 +15,7 @@ import random
 import threading
 import time
 import uuid
+from collections import Counter
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
@@ -23,6 +24,7 @@ from conftest import ApiClient, BeatProcess, WorkerProcess, make_settings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
+from test_local_floor import own_redis  # noqa: F401 - a Redis of its own, to stop
 from test_openai_errors import sdk
 from test_tenants_admin import admin, admin_app  # noqa: F401 - the admin app fixture
 
@@ -113,7 +115,7 @@ def test_a_thousand_mixed_requests_sum_to_the_token_and_the_cent(platform, datab
     clients = [ApiClient(app, key_a), ApiClient(app, create_key_for(app, key_a)), ApiClient(app, key_b)]
     tenants = [tenant_of(app, key_a), tenant_of(app, key_b)]
     rng = random.Random(7)
-    ids, refused = [], 0
+    ids, refused = [], Counter()
     for i in range(1000):
         client = clients[i % 3]
         body = {"prompt": f"request {i} " + "word " * rng.randint(1, 40), "max_tokens": rng.randint(1, 24),
@@ -135,8 +137,8 @@ def test_a_thousand_mixed_requests_sum_to_the_token_and_the_cent(platform, datab
             workers.append(WorkerProcess(database_url, redis_url, tmp_path, extra_env=ENV))
             ids += slow
         answer = client.http.post("/v1/requests", json=body, headers=headers)
-        if answer.status_code == 413:
-            refused += 1
+        if answer.status_code in (413, 429, 503):  # refused, no row: counted by its reason
+            refused[answer.get_json()["error"]["details"]["reason"]] += 1
             continue
         assert answer.status_code in (200, 202), answer.get_json()
         ids.append(answer.get_json()["id"])
@@ -178,8 +180,8 @@ def test_a_thousand_mixed_requests_sum_to_the_token_and_the_cent(platform, datab
                                                   "p": result["priority"], "s": result["source"]})
                 assert {s: result[s] for s in SUMS} == {s: direct[s] for s in SUMS}, result
                 assert Decimal(result["cost_usd"]) == direct["cost"]
-    assert usage_of(clients[0])["totals"]["refusals"].get("too_large", 0) + \
-        usage_of(clients[2])["totals"]["refusals"].get("too_large", 0) == refused > 0
+    counted = Counter(usage_of(clients[0])["totals"]["refusals"]) + Counter(usage_of(clients[2])["totals"]["refusals"])
+    assert counted == refused and refused["too_large"] > 0
     sources = {r["source"] for b in usage_of(clients[2], group_by="source")["data"] for r in b["results"]}
     assert sources == {"api", "openai"}
     csv = clients[0].http.get("/v1/usage?format=csv&bucket=day", headers=clients[0].headers)
@@ -285,13 +287,62 @@ def test_a_hard_monthly_budget_refuses_with_the_numbers_and_counts_what_ran(app,
     assert int(answer.headers["Retry-After"]) > 0
     for request_id in accepted:
         client.wait(request_id)
-    view = client.http.get("/v1/budgets", headers=client.headers).get_json()["data"][0]
+    view = settled_budget(client)
     direct = direct_sums(app, "tenant_id = :t", {"t": tenant})
     assert view["used"] == direct["billed_tokens"] <= 300
-    assert view["reserved"] == 0  # every reservation was settled when its request ended
-    # Ended requests gave back what they did not use: a smaller request fits again.
-    if 300 - direct["billed_tokens"] > 60:
-        assert client.submit(prompt="spend", max_tokens=4).status_code == 202
+    # Ended requests gave back what they did not use: a small request fits again.
+    small = client.submit(prompt="spend", max_tokens=4)
+    assert small.status_code == 202, small.get_json()
+    client.wait(small.get_json()["id"])
+    settled_budget(client)
+    # Redis lost the counter (a restart): the next admission seeds it from Postgres first.
+    redis = services(app).redis
+    assert redis.delete(*redis.keys("sluice:budget:*:*")) == 1
+    again = client.submit(prompt="spend", max_tokens=50)
+    assert again.status_code == 429, again.get_json()
+    assert again.get_json()["error"]["details"]["used"] == direct_sums(app, "tenant_id = :t", {"t": tenant})[
+        "billed_tokens"]
+
+
+def settled_budget(client: ApiClient, timeout: float = 15) -> dict:
+    """The tenant's one budget once every reservation was given back: a request's end hook releases
+    it just after the status a poll sees is committed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        view = client.http.get("/v1/budgets", headers=client.headers).get_json()["data"][0]
+        if view["reserved"] == 0:
+            return view
+        assert time.monotonic() < deadline, f"reservations never settled: {view}"
+        time.sleep(0.1)
+
+
+def test_a_budget_crossing_a_threshold_is_announced_once_per_threshold(app, worker, client):
+    from workers.sweep import _usage
+
+    tenant = uuid.UUID(tenant_of(app, client.key))
+    services(app).webhooks.rotate(tenant)  # a webhook needs the tenant's signing secret
+    services(app).budgets.create(tenant, {"unit": "tokens", "amount": Decimal(100), "period": "day", "hard": False,
+                                          "webhook_url": "http://127.0.0.2:9/budget"})
+
+    def spend_until(percent: float) -> None:
+        for _ in range(40):
+            view = client.http.get("/v1/budgets", headers=client.headers).get_json()["data"][0]
+            if view["used_percent"] >= percent:
+                return
+            assert client.wait(client.submit(prompt="use", max_tokens=8).get_json()["id"])["status"] == "succeeded"
+        raise AssertionError(f"never reached {percent} %: {view}")
+
+    spend_until(50)
+    assert _usage(services(app))["budget_thresholds"] == 1
+    assert _usage(services(app))["budget_thresholds"] == 0  # a second sweep announces nothing new
+    spend_until(100)  # a soft budget refuses nothing
+    assert _usage(services(app))["budget_thresholds"] == 1  # the highest threshold crossed since
+    with services(app).db.session() as session:
+        events = session.execute(text(
+            "SELECT event, (payload->'data'->>'threshold_percent')::int, payload->'data'->>'unit', budget_id "
+            "FROM webhook_deliveries WHERE tenant_id = :t ORDER BY created_at"), {"t": tenant}).all()
+    assert [e[0] for e in events] == ["budget.threshold"] * 2 and all(e[2] == "tokens" and e[3] for e in events)
+    assert events[0][1] in (50, 80) and events[1][1] == 100
 
 
 def test_the_operator_sets_budgets_and_keys_for_people_through_the_admin_api(admin_app):  # noqa: F811
@@ -352,3 +403,20 @@ def test_a_bulk_job_the_hard_budget_cannot_cover_is_refused_at_submit(client, ap
     assert error["details"]["requested"] > 500
     with services(app).db.session() as session:  # nothing kept of it
         assert session.scalar(text("SELECT count(*) FROM jobs WHERE tenant_id = :t"), {"t": tenant}) == 0
+
+
+def test_a_hard_budget_is_never_charged_on_the_local_floor(own_redis, isolated_app, new_client):  # noqa: F811
+    """With Redis away, a request under a hard budget is refused (503 budget_unavailable): the floor
+    cannot charge the budget atomically. A tenant with no hard budget is still served by the floor."""
+    application = isolated_app(redis_url=own_redis["server"].url)
+    budgeted, free = new_client(application), new_client(application)
+    tenant = uuid.UUID(tenant_of(application, budgeted.key))
+    services(application).budgets.create(tenant, {"unit": "usd", "amount": Decimal(10), "period": "month",
+                                                  "hard": True})
+    assert budgeted.submit(prompt="before", max_tokens=8).status_code == 202
+    own_redis["server"].stop()
+    refused = budgeted.submit(prompt="during", max_tokens=8)
+    assert refused.status_code == 503, refused.get_json()
+    assert refused.get_json()["error"]["code"] == "budget_unavailable"
+    assert int(refused.headers["Retry-After"]) > 0
+    assert free.submit(prompt="during", max_tokens=8).status_code == 202

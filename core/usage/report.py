@@ -33,6 +33,7 @@ GROUPS = ("model", "priority", "key", "source")
 ADMIN_GROUPS = ("tenant", *GROUPS)
 _COLUMN = {"model": "model", "priority": "priority", "key": "api_key_id", "source": "source", "tenant": "tenant_id"}
 SUMS = ("requests", "cache_hits", "input_tokens", "cached_tokens", "output_tokens", "billed_tokens")
+STATUSES = ("succeeded", "failed", "timed_out", "cancelled", "expired")
 
 
 @dataclass(frozen=True)
@@ -89,63 +90,74 @@ def floor(moment: datetime, bucket: str) -> datetime:
 def _grouped(table, query: UsageQuery, *extra) -> Select:
     width = "day" if query.bucket == "day" else "hour"
     bucket = (func.date_trunc(width, table.hour.op("AT TIME ZONE")(literal("UTC")))
-              .op("AT TIME ZONE")(literal("UTC")).label("bucket"))
-    groups = [getattr(table, _COLUMN[g]).label(g) for g in query.group_by]
+              .op("AT TIME ZONE")(literal("UTC")))
+    groups = [getattr(table, _COLUMN[g]) for g in query.group_by]
     statement = select(bucket, *groups, *extra).where(table.hour >= query.start, table.hour < query.end)
     if query.tenant_id is not None:
         statement = statement.where(table.tenant_id == query.tenant_id)
-    return statement.group_by(bucket, *groups)
+    return statement.group_by(bucket, *groups).order_by(bucket, *groups)
 
 
 def usage(db: Database, query: UsageQuery) -> dict[str, Any]:
     """The report: ``{object: page, data: [buckets], totals, has_more: false, next_page: null}``;
     every bucket of the range is present, an empty one with no results."""
     u, o = UsageHourly, UsageOutcome
-    sums = [func.sum(getattr(u, c)).label(c) for c in SUMS] + [func.sum(u.cost).label("cost")]
+    sums = [func.sum(getattr(u, c)) for c in (*SUMS, *STATUSES)] + [func.sum(u.cost)]
+    width = len(query.group_by) + 1  # the bucket and the groups: a result's identity
     with db.session() as session:
-        rows = session.execute(_grouped(u, query, *sums)).all()
-        outcomes = session.execute(_grouped(o, query, o.kind, o.code, func.sum(o.count).label("n"))
-                                   .group_by(o.kind, o.code)).all()
-        names = _key_names(session, rows) if "key" in query.group_by else {}
-        tenants = _tenant_names(session, rows) if "tenant" in query.group_by else {}
+        connection = session.connection()  # plain rows: a month of groups is many thousands
+        rows = connection.execute(_grouped(u, query, *sums)).all()
+        outcomes = connection.execute(_grouped(o, query, o.kind, o.code, func.sum(o.count))
+                                      .group_by(o.kind, o.code)).all()
+        names = _key_names(session, rows, query) if "key" in query.group_by else {}
+        tenants = _tenant_names(session, rows, query) if "tenant" in query.group_by else {}
     results: dict[tuple, dict[str, Any]] = {}
     for row in rows:
-        result = results.setdefault(_ident(row, query), _empty(row, query, names, tenants))
-        for name in SUMS:
-            result[name] += int(getattr(row, name))
-        result["_cost"] += row.cost
+        ident = row[:width]
+        result = results.get(ident)
+        if result is None:
+            result = results[ident] = _empty(ident, query, names, tenants)
+        for i, name in enumerate(SUMS, start=width):
+            result[name] += int(row[i])
+        for i, status in enumerate(STATUSES, start=width + len(SUMS)):
+            if row[i]:
+                result["statuses"][status] = result["statuses"].get(status, 0) + int(row[i])
+        result["_cost"] += row[-1]
+    ordered = True  # as the rollups' query sorted them, unless a group has only refusals
     for row in outcomes:
-        result = results.setdefault(_ident(row, query), _empty(row, query, names, tenants))
-        field = {"status": "statuses", "error": "errors", "refusal": "refusals"}[row.kind]
-        result[field][row.code] = result[field].get(row.code, 0) + int(row.n)
+        ident = row[:width]
+        result = results.get(ident)
+        if result is None:
+            result = results[ident] = _empty(ident, query, names, tenants)
+            ordered = False
+        kind, code, n = row[width:]
+        field = "errors" if kind == "error" else "refusals"
+        result[field][code] = result[field].get(code, 0) + int(n)
     by_bucket: dict[datetime, list[dict[str, Any]]] = defaultdict(list)
     totals = _zero()
-    for (bucket, *_), result in sorted(results.items(), key=lambda kv: [str(k) for k in kv[0]]):
+    idents = results if ordered else sorted(results, key=lambda k: tuple("" if v is None else str(v) for v in k))
+    for ident in idents:
+        result = results[ident]
         _add(totals, result)
-        by_bucket[bucket].append(_finish(result))
-    width = BUCKETS[query.bucket]
+        by_bucket[ident[0].astimezone(UTC)].append(_finish(result))
+    step = BUCKETS[query.bucket]
     data, at = [], query.start
     while at < query.end:
-        data.append({"object": "bucket", "start_time": int(at.timestamp()), "end_time": int((at + width).timestamp()),
+        data.append({"object": "bucket", "start_time": int(at.timestamp()), "end_time": int((at + step).timestamp()),
                      "results": by_bucket.get(at, [])})
-        at += width
+        at += step
     return {"object": "page", "data": data, "totals": _finish(totals), "has_more": False, "next_page": None}
-
-
-def _ident(row, query: UsageQuery) -> tuple:
-    return (row.bucket.astimezone(UTC), *(getattr(row, g) for g in query.group_by))
 
 
 def _zero() -> dict[str, Any]:
     return {**dict.fromkeys(SUMS, 0), "_cost": Decimal(0), "statuses": {}, "errors": {}, "refusals": {}}
 
 
-def _empty(row, query: UsageQuery, names: dict, tenants: dict) -> dict[str, Any]:
+def _empty(ident: tuple, query: UsageQuery, names: dict, tenants: dict) -> dict[str, Any]:
     result: dict[str, Any] = {"object": "sluice.usage.result"}
     for group in ADMIN_GROUPS if query.tenant_id is None else GROUPS:
         result[_field(group)] = None
-    for group in query.group_by:
-        value = getattr(row, group)
+    for group, value in zip(query.group_by, ident[1:], strict=True):
         if group == "key":
             result["api_key_id"] = None if value == NO_KEY else str(value)
             result["api_key_name"] = names.get(value)
@@ -180,13 +192,13 @@ def _finish(result: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _key_names(session, rows) -> dict[uuid.UUID, str | None]:
-    ids = {r.key for r in rows} - {NO_KEY}
+def _key_names(session, rows, query: UsageQuery) -> dict[uuid.UUID, str | None]:
+    ids = {r[1 + query.group_by.index("key")] for r in rows} - {NO_KEY}
     return dict(session.execute(select(ApiKey.id, ApiKey.name).where(ApiKey.id.in_(ids))).all()) if ids else {}
 
 
-def _tenant_names(session, rows) -> dict[uuid.UUID, str]:
-    ids = {r.tenant for r in rows}
+def _tenant_names(session, rows, query: UsageQuery) -> dict[uuid.UUID, str]:
+    ids = {r[1 + query.group_by.index("tenant")] for r in rows}
     return dict(session.execute(select(Tenant.id, Tenant.name).where(Tenant.id.in_(ids))).all()) if ids else {}
 
 

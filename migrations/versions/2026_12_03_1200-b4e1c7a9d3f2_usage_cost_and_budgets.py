@@ -39,24 +39,24 @@ ENDED = f"""
 
 # Upserts in the dimensions' order: two statements ending rows of the same rollups lock them in
 # one order, so they queue behind each other instead of deadlocking.
+STATUSES = ('succeeded', 'failed', 'timed_out', 'cancelled', 'expired')
 ROLLUP = f"""
     INSERT INTO usage_hourly AS u ({DIMENSIONS}, requests, cache_hits, input_tokens, cached_tokens, output_tokens,
-                                   billed_tokens, cost)
+                                   billed_tokens, cost, {', '.join(STATUSES)})
     SELECT {DIMENSIONS}, count(*), count(*) FILTER (WHERE cache_hit), sum(input_tokens), sum(cached_tokens),
-           sum(output_tokens), sum(billed_tokens), sum(cost)
+           sum(output_tokens), sum(billed_tokens), sum(cost),
+           {', '.join(f"count(*) FILTER (WHERE status = '{s}')" for s in STATUSES)}
     FROM ended GROUP BY {DIMENSIONS} ORDER BY {DIMENSIONS}
     ON CONFLICT ({DIMENSIONS}) DO UPDATE SET
         requests = u.requests + excluded.requests, cache_hits = u.cache_hits + excluded.cache_hits,
         input_tokens = u.input_tokens + excluded.input_tokens,
         cached_tokens = u.cached_tokens + excluded.cached_tokens,
         output_tokens = u.output_tokens + excluded.output_tokens,
-        billed_tokens = u.billed_tokens + excluded.billed_tokens, cost = u.cost + excluded.cost;
+        billed_tokens = u.billed_tokens + excluded.billed_tokens, cost = u.cost + excluded.cost,
+        {', '.join(f"{s} = u.{s} + excluded.{s}" for s in STATUSES)};
     INSERT INTO usage_outcomes AS u ({DIMENSIONS}, kind, code, count)
-    SELECT {DIMENSIONS}, kind, code, count(*) FROM (
-        SELECT {DIMENSIONS}, 'status' AS kind, status AS code FROM ended
-        UNION ALL
-        SELECT {DIMENSIONS}, 'error', error_code FROM ended WHERE error_code IS NOT NULL) AS o
-    GROUP BY {DIMENSIONS}, kind, code ORDER BY {DIMENSIONS}, kind, code
+    SELECT {DIMENSIONS}, 'error', error_code, count(*) FROM ended WHERE error_code IS NOT NULL
+    GROUP BY {DIMENSIONS}, error_code ORDER BY {DIMENSIONS}, error_code
     ON CONFLICT ({DIMENSIONS}, kind, code) DO UPDATE SET count = u.count + excluded.count;"""
 
 
@@ -105,6 +105,7 @@ def upgrade() -> None:
         *(sa.Column(c, sa.BigInteger(), nullable=False) for c in
           ('requests', 'cache_hits', 'input_tokens', 'cached_tokens', 'output_tokens', 'billed_tokens')),
         sa.Column('cost', sa.Numeric(24, 10), nullable=False),
+        *(sa.Column(c, sa.BigInteger(), server_default='0', nullable=False) for c in STATUSES),
         sa.PrimaryKeyConstraint('hour', 'tenant_id', 'api_key_id', 'model', 'priority', 'source',
                                 name=op.f('pk_usage_hourly')))
     op.create_index('ix_usage_hourly_tenant_id_hour', 'usage_hourly', ['tenant_id', 'hour'])
@@ -112,7 +113,7 @@ def upgrade() -> None:
         'usage_outcomes', *dimensions(),
         sa.ForeignKeyConstraint(['tenant_id'], ['tenants.id'], name=op.f('fk_usage_outcomes_tenant_id_tenants'),
                                 ondelete='CASCADE'),
-        sa.Column('kind', sa.String(16), nullable=False),  # status | error | refusal
+        sa.Column('kind', sa.String(16), nullable=False),  # error | refusal
         sa.Column('code', sa.String(64), nullable=False),
         sa.Column('count', sa.BigInteger(), nullable=False),
         sa.PrimaryKeyConstraint('hour', 'tenant_id', 'api_key_id', 'model', 'priority', 'source', 'kind', 'code',

@@ -25,16 +25,23 @@ from models.base import Base
 NO_KEY = uuid.UUID(int=0)
 
 
-class UsageHourly(Base):
+class Dimensions:
+    """What a rollup row is of: an hour (UTC) × tenant × key × model × priority × source (first in
+    the table and its primary key, as the migration made them)."""
+
+    hour: Mapped[datetime] = mapped_column(primary_key=True, sort_order=-1)
+    tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True,
+                                                 sort_order=-1)
+    api_key_id: Mapped[uuid.UUID] = mapped_column(primary_key=True, sort_order=-1)
+    model: Mapped[str] = mapped_column(String(128), primary_key=True, sort_order=-1)
+    priority: Mapped[str] = mapped_column(String(16), primary_key=True, sort_order=-1)
+    source: Mapped[str] = mapped_column(String(16), primary_key=True, sort_order=-1)
+
+
+class UsageHourly(Dimensions, Base):
     __tablename__ = "usage_hourly"
     __table_args__ = (Index("ix_usage_hourly_tenant_id_hour", "tenant_id", "hour"),)
 
-    hour: Mapped[datetime] = mapped_column(primary_key=True)
-    tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
-    api_key_id: Mapped[uuid.UUID] = mapped_column(primary_key=True)
-    model: Mapped[str] = mapped_column(String(128), primary_key=True)
-    priority: Mapped[str] = mapped_column(String(16), primary_key=True)
-    source: Mapped[str] = mapped_column(String(16), primary_key=True)
     requests: Mapped[int] = mapped_column(BigInteger)  # ended, whatever their status
     cache_hits: Mapped[int] = mapped_column(BigInteger)
     # As the answers reported them to clients (cache hits included); nothing for a request with no answer.
@@ -52,18 +59,12 @@ class UsageHourly(Base):
     expired: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
-class UsageOutcome(Base):
+class UsageOutcome(Dimensions, Base):
     """The error codes requests ended with (``error``) and the refusals (``refusal``), by code."""
 
     __tablename__ = "usage_outcomes"
     __table_args__ = (Index("ix_usage_outcomes_tenant_id_hour", "tenant_id", "hour"),)
 
-    hour: Mapped[datetime] = mapped_column(primary_key=True)
-    tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
-    api_key_id: Mapped[uuid.UUID] = mapped_column(primary_key=True)
-    model: Mapped[str] = mapped_column(String(128), primary_key=True)
-    priority: Mapped[str] = mapped_column(String(16), primary_key=True)
-    source: Mapped[str] = mapped_column(String(16), primary_key=True)
     kind: Mapped[str] = mapped_column(String(16), primary_key=True)  # error | refusal
     code: Mapped[str] = mapped_column(String(64), primary_key=True)
     count: Mapped[int] = mapped_column(BigInteger)

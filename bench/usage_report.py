@@ -46,7 +46,7 @@ from core.usage import report  # noqa: E402
 from core.usage.report import UsageQuery, usage  # noqa: E402
 from launcher.database import create_database, drop_database, upgrade_database  # noqa: E402
 from launcher.harness import with_database  # noqa: E402
-from models import Database, UsageHourly, UsageOutcome  # noqa: E402
+from models import Database, UsageHourly  # noqa: E402
 
 MONTH_START = datetime(2026, 11, 1, tzinfo=UTC)
 MONTH_END = datetime(2026, 12, 1, tzinfo=UTC)
@@ -281,12 +281,11 @@ def run(args: argparse.Namespace, url: str) -> int:
                   f"{len(answers[name]['data']):>8} {results:>8}", flush=True)
 
         main_query = queries[2][1]
-        u, o = UsageHourly, UsageOutcome
+        u = UsageHourly
         sums = [func.sum(getattr(u, c)).label(c) for c in report.SUMS] + [func.sum(u.cost).label("cost")]
         for title, statement in (
                 ("usage_hourly (the report's main query)", report._grouped(u, main_query, *sums)),
-                ("usage_outcomes", report._grouped(o, main_query, o.kind, o.code, func.sum(o.count).label("n"))
-                 .group_by(o.kind, o.code))):
+                ("usage_outcomes (error codes and refusals, per day)", report._outcomes(main_query))):
             print(f"\nEXPLAIN (ANALYZE, BUFFERS), {title}, tenant by day, group_by model,priority,key,source:")
             print("\n".join(explain(db, statement)))
     finally:

@@ -7,7 +7,8 @@ no retry, redelivery or second sweep can count it twice, and reading a month rea
 never the request table. Refusals have no row: the web tier counts them in Redis and the sweep
 writes the totals here (``kind = 'refusal'``, set, not added: writing them twice changes nothing).
 
-An hour is the hour (UTC) its request was *created*, the moment a budget charges it.
+An hour (a day, for error codes and refusals) is the one (UTC) its request was *created* in, the
+moment a budget charges it.
 """
 
 from __future__ import annotations
@@ -26,10 +27,9 @@ NO_KEY = uuid.UUID(int=0)
 
 
 class Dimensions:
-    """What a rollup row is of: an hour (UTC) × tenant × key × model × priority × source (first in
-    the table and its primary key, as the migration made them)."""
+    """What a rollup row is of besides its hour or day: tenant × key × model × priority × source
+    (first in the table and its primary key, after the time, as the migration made them)."""
 
-    hour: Mapped[datetime] = mapped_column(primary_key=True, sort_order=-1)
     tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True,
                                                  sort_order=-1)
     api_key_id: Mapped[uuid.UUID] = mapped_column(primary_key=True, sort_order=-1)
@@ -41,6 +41,8 @@ class Dimensions:
 class UsageHourly(Dimensions, Base):
     __tablename__ = "usage_hourly"
     __table_args__ = (Index("ix_usage_hourly_tenant_id_hour", "tenant_id", "hour"),)
+
+    hour: Mapped[datetime] = mapped_column(primary_key=True, sort_order=-2)  # UTC
 
     requests: Mapped[int] = mapped_column(BigInteger)  # ended, whatever their status
     cache_hits: Mapped[int] = mapped_column(BigInteger)
@@ -60,10 +62,13 @@ class UsageHourly(Dimensions, Base):
 
 
 class UsageOutcome(Dimensions, Base):
-    """The error codes requests ended with (``error``) and the refusals (``refusal``), by code."""
+    """The error codes requests ended with (``error``) and the refusals (``refusal``), by code, per
+    day: a month of them stays a few thousand rows to read, however many codes each hour saw."""
 
     __tablename__ = "usage_outcomes"
-    __table_args__ = (Index("ix_usage_outcomes_tenant_id_hour", "tenant_id", "hour"),)
+    __table_args__ = (Index("ix_usage_outcomes_tenant_id_day", "tenant_id", "day"),)
+
+    day: Mapped[datetime] = mapped_column(primary_key=True, sort_order=-2)  # UTC midnight
 
     kind: Mapped[str] = mapped_column(String(16), primary_key=True)  # error | refusal
     code: Mapped[str] = mapped_column(String(64), primary_key=True)

@@ -1,6 +1,6 @@
 """Refusals in the usage report: a refused request has no row, so the web tier counts each in
-Redis, in a hash per hour (field: tenant, key, model, priority, source and reason), and the sweep
-copies the last hours' totals into ``usage_outcomes`` (``kind = 'refusal'``). The copy sets each
+Redis, in a hash per day (field: tenant, key, model, priority, source and reason), and the sweep
+copies the last days' totals into ``usage_outcomes`` (``kind = 'refusal'``). The copy sets each
 count to Redis's total rather than adding to it, so copying twice changes nothing.
 
 Best effort, like the refusal itself under a spike: one pipelined HINCRBY + EXPIRE, and nothing
@@ -25,18 +25,19 @@ from models.usage import NO_KEY
 log = logging.getLogger(__name__)
 
 PREFIX = "sluice:usage:refusals:"
-KEEP_S = 3 * 86400
-FLUSH_HOURS = 3  # the sweep copies this many hours back: it may be down that long without a loss
+KEEP_S = 4 * 86400
+FLUSH_DAYS = 2  # today and yesterday: the sweep may be down a day without a loss
+DAY_S = 86400
 
 
-def hour_key(at: float) -> str:
-    return f"{PREFIX}{int(at // 3600) * 3600}"
+def day_key(at: float) -> str:
+    return f"{PREFIX}{int(at // DAY_S) * DAY_S}"
 
 
 def count(client: redis.Redis, tenant_id: uuid.UUID, key_id: uuid.UUID | None, model: str, priority: str,
           source: str, reason: str, now: float | None = None) -> None:
-    """Count one refusal in this hour's hash (raises Redis errors to the caller)."""
-    key = hour_key(time.time() if now is None else now)
+    """Count one refusal in this day's hash (raises Redis errors to the caller)."""
+    key = day_key(time.time() if now is None else now)
     field = "|".join((str(tenant_id), str(key_id or NO_KEY), model, priority, source, reason))
     with client.pipeline(transaction=False) as pipe:
         pipe.hincrby(key, field, 1)
@@ -45,17 +46,17 @@ def count(client: redis.Redis, tenant_id: uuid.UUID, key_id: uuid.UUID | None, m
 
 
 def flush(db: Database, client: redis.Redis, now: float | None = None) -> int:
-    """Copy the last FLUSH_HOURS hours' refusal counts into usage_outcomes; how many groups."""
+    """Copy the last FLUSH_DAYS days' refusal counts into usage_outcomes; how many groups."""
     now = time.time() if now is None else now
     rows = []
-    for back in range(FLUSH_HOURS):
-        start = int(now // 3600) * 3600 - back * 3600
+    for back in range(FLUSH_DAYS):
+        start = int(now // DAY_S) * DAY_S - back * DAY_S
         for field, n in client.hgetall(f"{PREFIX}{start}").items():
             parts = (field.decode() if isinstance(field, bytes) else field).split("|")
             if len(parts) != 6:
                 continue
             tenant, key, model, priority, source, reason = parts
-            rows.append({"hour": datetime.fromtimestamp(start, UTC), "tenant_id": uuid.UUID(tenant),
+            rows.append({"day": datetime.fromtimestamp(start, UTC), "tenant_id": uuid.UUID(tenant),
                          "api_key_id": uuid.UUID(key), "model": model, "priority": priority, "source": source,
                          "kind": "refusal", "code": reason, "count": int(n)})
     if rows:  # a tenant deleted since has nothing to count
@@ -64,11 +65,11 @@ def flush(db: Database, client: redis.Redis, now: float | None = None) -> int:
         rows = [r for r in rows if r["tenant_id"] in alive]
     if not rows:
         return 0
-    rows.sort(key=lambda r: (r["hour"], str(r["tenant_id"]), str(r["api_key_id"]), r["model"], r["priority"],
+    rows.sort(key=lambda r: (r["day"], str(r["tenant_id"]), str(r["api_key_id"]), r["model"], r["priority"],
                              r["source"], r["code"]))
     statement = insert(UsageOutcome).values(rows)
     with db.session() as session:
         session.execute(statement.on_conflict_do_update(
-            index_elements=["hour", "tenant_id", "api_key_id", "model", "priority", "source", "kind", "code"],
+            index_elements=["day", "tenant_id", "api_key_id", "model", "priority", "source", "kind", "code"],
             set_={"count": statement.excluded.count}))
     return len(rows)

@@ -1,10 +1,12 @@
 """The usage report: ``GET /v1/usage`` (a tenant), ``GET /v1/admin/usage`` (every tenant), CSV,
 ``sluice usage``, the dashboard's panel.
 
-Read from the hourly rollups only (``models/usage.py``), never from the request table, so a
-month costs the same however many requests it held. The answer is shaped like OpenAI's usage
-API: a page of time buckets (``start_time``/``end_time`` in Unix seconds), each with one result
-per group (``group_by``: model, priority, key, source; and tenant for the operator).
+Read from the rollups only (``models/usage.py``: hourly, and daily for error codes and refusals),
+never from the request table, so a month costs the same however many requests it held. An hourly
+report gives error codes and refusals in its totals only, for the whole days it touches. The
+answer is shaped like OpenAI's usage API: a page of time buckets (``start_time``/``end_time`` in
+Unix seconds), each with one result per group (``group_by``: model, priority, key, source; and
+tenant for the operator).
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ def floor(moment: datetime, bucket: str) -> datetime:
 
 
 def _grouped(table, query: UsageQuery, *extra) -> Select:
+    """The hourly rollups of the query's range, summed per bucket and group."""
     width = "day" if query.bucket == "day" else "hour"
     bucket = (func.date_trunc(width, table.hour.op("AT TIME ZONE")(literal("UTC")))
               .op("AT TIME ZONE")(literal("UTC")))
@@ -98,17 +101,29 @@ def _grouped(table, query: UsageQuery, *extra) -> Select:
     return statement.group_by(bucket, *groups).order_by(bucket, *groups)
 
 
+def _outcomes(query: UsageQuery) -> Select:
+    """Error codes and refusals of the days the range touches: per day and group for a daily
+    report; for an hourly one, per code only (they go to its totals: they are kept per day)."""
+    o = UsageOutcome
+    daily = query.bucket == "day"
+    keys = [o.day, *(getattr(o, _COLUMN[g]) for g in query.group_by)] if daily else []
+    statement = select(*keys, o.kind, o.code, func.sum(o.count)).where(
+        o.day >= floor(query.start, "day"), o.day < query.end)
+    if query.tenant_id is not None:
+        statement = statement.where(o.tenant_id == query.tenant_id)
+    return statement.group_by(*keys, o.kind, o.code)
+
+
 def usage(db: Database, query: UsageQuery) -> dict[str, Any]:
     """The report: ``{object: page, data: [buckets], totals, has_more: false, next_page: null}``;
     every bucket of the range is present, an empty one with no results."""
-    u, o = UsageHourly, UsageOutcome
+    u = UsageHourly
     sums = [func.sum(getattr(u, c)) for c in (*SUMS, *STATUSES)] + [func.sum(u.cost)]
     width = len(query.group_by) + 1  # the bucket and the groups: a result's identity
     with db.session() as session:
         connection = session.connection()  # plain rows: a month of groups is many thousands
         rows = connection.execute(_grouped(u, query, *sums)).all()
-        outcomes = connection.execute(_grouped(o, query, o.kind, o.code, func.sum(o.count))
-                                      .group_by(o.kind, o.code)).all()
+        outcomes = connection.execute(_outcomes(query)).all()
         names = _key_names(session, rows, query) if "key" in query.group_by else {}
         tenants = _tenant_names(session, rows, query) if "tenant" in query.group_by else {}
     results: dict[tuple, dict[str, Any]] = {}
@@ -124,17 +139,20 @@ def usage(db: Database, query: UsageQuery) -> dict[str, Any]:
                 result["statuses"][status] = result["statuses"].get(status, 0) + int(row[i])
         result["_cost"] += row[-1]
     ordered = True  # as the rollups' query sorted them, unless a group has only refusals
+    totals = _zero()
     for row in outcomes:
-        ident = row[:width]
-        result = results.get(ident)
-        if result is None:
-            result = results[ident] = _empty(ident, query, names, tenants)
-            ordered = False
-        kind, code, n = row[width:]
+        if query.bucket == "day":
+            ident = row[:width]
+            result = results.get(ident)
+            if result is None:
+                result = results[ident] = _empty(ident, query, names, tenants)
+                ordered = False
+        else:  # an hourly report: the totals only, added there straight
+            result = totals
+        kind, code, n = row[-3:]
         field = "errors" if kind == "error" else "refusals"
         result[field][code] = result[field].get(code, 0) + int(n)
     by_bucket: dict[datetime, list[dict[str, Any]]] = defaultdict(list)
-    totals = _zero()
     idents = results if ordered else sorted(results, key=lambda k: tuple("" if v is None else str(v) for v in k))
     for ident in idents:
         result = results[ident]

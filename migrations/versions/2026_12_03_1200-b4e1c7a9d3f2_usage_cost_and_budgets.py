@@ -20,13 +20,16 @@ COST = ("CASE WHEN cache_hit OR output_tokens IS NULL THEN 0 ELSE round(("
         " + coalesce(cached_tokens, 0) * price_cached + output_tokens * price_output) / 1000000, 10) END")
 
 DIMENSIONS = "hour, tenant_id, api_key_id, model, priority, source"
+# Error codes and refusals are kept per day: a month of them stays a few thousand rows to read.
+DAY_DIMENSIONS = "day, tenant_id, api_key_id, model, priority, source"
 NO_KEY = "'00000000-0000-0000-0000-000000000000'::uuid"
 
 # The rows of a statement that reached a terminal status, with their rollup dimensions, from the
 # transition tables the trigger defines: the statement's new rows (new_rows), joined to their old ones
 # for an UPDATE (a move from queued or running), alone for an INSERT (a row born ended).
 ENDED = f"""
-    SELECT (date_trunc('hour', n.created_at AT TIME ZONE 'UTC') AT TIME ZONE 'UTC') AS hour, n.tenant_id,
+    SELECT (date_trunc('hour', n.created_at AT TIME ZONE 'UTC') AT TIME ZONE 'UTC') AS hour,
+           (date_trunc('day', n.created_at AT TIME ZONE 'UTC') AT TIME ZONE 'UTC') AS day, n.tenant_id,
            coalesce(n.api_key_id, {NO_KEY}) AS api_key_id, coalesce(n.model_routed, n.model_requested) AS model,
            n.priority, n.source, n.status, n.error_code, n.cache_hit, n.cost,
            CASE WHEN n.output_tokens IS NULL THEN 0 ELSE n.input_tokens END AS input_tokens,
@@ -54,10 +57,10 @@ ROLLUP = f"""
         output_tokens = u.output_tokens + excluded.output_tokens,
         billed_tokens = u.billed_tokens + excluded.billed_tokens, cost = u.cost + excluded.cost,
         {', '.join(f"{s} = u.{s} + excluded.{s}" for s in STATUSES)};
-    INSERT INTO usage_outcomes AS u ({DIMENSIONS}, kind, code, count)
-    SELECT {DIMENSIONS}, 'error', error_code, count(*) FROM ended WHERE error_code IS NOT NULL
-    GROUP BY {DIMENSIONS}, error_code ORDER BY {DIMENSIONS}, error_code
-    ON CONFLICT ({DIMENSIONS}, kind, code) DO UPDATE SET count = u.count + excluded.count;"""
+    INSERT INTO usage_outcomes AS u ({DAY_DIMENSIONS}, kind, code, count)
+    SELECT {DAY_DIMENSIONS}, 'error', error_code, count(*) FROM ended WHERE error_code IS NOT NULL
+    GROUP BY {DAY_DIMENSIONS}, error_code ORDER BY {DAY_DIMENSIONS}, error_code
+    ON CONFLICT ({DAY_DIMENSIONS}, kind, code) DO UPDATE SET count = u.count + excluded.count;"""
 
 
 def _function(name: str, source: str, moved: str) -> str:
@@ -91,15 +94,15 @@ def upgrade() -> None:
     op.add_column('requests', sa.Column('cost', sa.Numeric(24, 10), sa.Computed(COST, persisted=True),
                                         nullable=False))
 
-    def dimensions() -> list[sa.Column]:
-        return [sa.Column('hour', sa.DateTime(timezone=True), nullable=False),
+    def dimensions(time: str) -> list[sa.Column]:
+        return [sa.Column(time, sa.DateTime(timezone=True), nullable=False),
                 sa.Column('tenant_id', sa.Uuid(), nullable=False),
                 sa.Column('api_key_id', sa.Uuid(), nullable=False),
                 sa.Column('model', sa.String(128), nullable=False),
                 sa.Column('priority', sa.String(16), nullable=False),
                 sa.Column('source', sa.String(16), nullable=False)]
     op.create_table(
-        'usage_hourly', *dimensions(),
+        'usage_hourly', *dimensions('hour'),
         sa.ForeignKeyConstraint(['tenant_id'], ['tenants.id'], name=op.f('fk_usage_hourly_tenant_id_tenants'),
                                 ondelete='CASCADE'),
         *(sa.Column(c, sa.BigInteger(), nullable=False) for c in
@@ -110,15 +113,15 @@ def upgrade() -> None:
                                 name=op.f('pk_usage_hourly')))
     op.create_index('ix_usage_hourly_tenant_id_hour', 'usage_hourly', ['tenant_id', 'hour'])
     op.create_table(
-        'usage_outcomes', *dimensions(),
+        'usage_outcomes', *dimensions('day'),
         sa.ForeignKeyConstraint(['tenant_id'], ['tenants.id'], name=op.f('fk_usage_outcomes_tenant_id_tenants'),
                                 ondelete='CASCADE'),
         sa.Column('kind', sa.String(16), nullable=False),  # error | refusal
         sa.Column('code', sa.String(64), nullable=False),
         sa.Column('count', sa.BigInteger(), nullable=False),
-        sa.PrimaryKeyConstraint('hour', 'tenant_id', 'api_key_id', 'model', 'priority', 'source', 'kind', 'code',
+        sa.PrimaryKeyConstraint('day', 'tenant_id', 'api_key_id', 'model', 'priority', 'source', 'kind', 'code',
                                 name=op.f('pk_usage_outcomes')))
-    op.create_index('ix_usage_outcomes_tenant_id_hour', 'usage_outcomes', ['tenant_id', 'hour'])
+    op.create_index('ix_usage_outcomes_tenant_id_day', 'usage_outcomes', ['tenant_id', 'day'])
 
     op.create_table(
         'budgets',

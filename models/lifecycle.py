@@ -180,7 +180,7 @@ def _moved(source: Status | None, row: Any) -> Moved:
         deadline = (row.deadline_at - row.created_at).total_seconds() if row.deadline_at and row.created_at else None
         row = (row.id, row.tenant_id, row.status, row.error_code, row.priority, row.target_model,
                row.reserved_tokens, row.input_tokens, row.output_tokens, row.started_at, row.follows_id, deadline,
-               row.webhook_url is not None, bool(row.cache_hit), row.cost if row.cost is not None else Decimal(0))
+               row.webhook_url is not None, bool(row.cache_hit), Decimal(0))  # born, or cancelled queued: no engine ran
     return Moved(row[0], row[1], source, *row[2:])
 
 

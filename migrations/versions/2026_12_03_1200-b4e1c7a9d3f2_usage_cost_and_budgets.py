@@ -68,6 +68,10 @@ def _function(name: str, source: str, moved: str) -> str:
     return f"""
 CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
+    -- Most statements on requests end nothing (an insert, a claim, a stamp): one look, and out.
+    IF NOT EXISTS (SELECT 1 FROM new_rows WHERE status NOT IN ('queued', 'running')) THEN
+        RETURN NULL;
+    END IF;
     WITH ended AS MATERIALIZED ({ended})
     {ROLLUP.split(';')[0]};
     WITH ended AS MATERIALIZED ({ended})

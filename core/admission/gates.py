@@ -149,8 +149,6 @@ class Admission:
                           _seconds(verdict.wait_ms), _seconds(verdict.finish_ms))
         metrics.REJECTIONS.labels(gate=verdict.gate, reason=verdict.reason).inc()
         log.info("rejected at the %s gate: %s (%d tokens, %s limiter)", verdict.gate, verdict.reason, cost, limiter)
-        if limiter == "shared":
-            self.count_refusal(tenant, plan, verdict.reason)
         if verdict.gate == "budget":
             if verdict.reason == "budget_unseeded":  # still missing after seeding: Redis lost it again
                 raise BudgetUnavailable("A hard budget applies to this request and could not be read; retry "
@@ -166,25 +164,16 @@ class Admission:
         self.budgets.seed(self.redis, missing)
         return self._gates(*args, **kwargs)
 
-    def count_refusal(self, tenant: Tenant, plan: Plan | None, reason: str) -> None:
-        """One refusal in the usage report (core/usage/refusals.py); best effort."""
-        model = plan.target_model if plan is not None else ""
-        priority = plan.priority.value if plan is not None else ""
-        source = plan.source.value if plan is not None else ""
-        key = plan.api_key_id if plan is not None else tenant.via_key
-        self._shared(lambda: refusals.count(self.redis, tenant.id, key, model, priority, source, reason))
-
     def refuse_early(self, tenant: Tenant, plan: Plan) -> None:
         """Raise the global gate's refusal (the promise, the level, the platform's rate) if it would
         refuse ``plan`` now; charge nothing either way. Only the shared limiter answers: with Redis
         away this returns and the full admission decides on the floor."""
         limits = self.limits_for(tenant)
-        verdict = self._shared(lambda: self._gates(tenant, limits, plan, dry_run=True))
+        verdict = self._shared(lambda: self._gates(tenant, limits, plan, dry_run=True, count="global"))
         if verdict is None or verdict.gate != "global":
             return
         metrics.REJECTIONS.labels(gate=verdict.gate, reason=verdict.reason).inc()
         log.info("refused early at the global gate: %s (%d tokens)", verdict.reason, plan.reserved_tokens)
-        self.count_refusal(tenant, plan, verdict.reason)
         raise _rejection(verdict, limits, plan.reserved_tokens, None, ratelimit_headers(verdict))
 
     def refuse_over_limits(self, tenant: Tenant) -> None:
@@ -193,24 +182,29 @@ class Admission:
         is tokenized (up to SLUICE_MAX_PROMPT_CHARS), so a tenant over its limits costs the web tier
         one Redis call, not that work. Charges nothing; with Redis away the floor decides later."""
         limits = self.limits_for(tenant)
-        verdict = self._shared(lambda: self.shared.admit("", str(tenant.id), limits, 1, "realtime", dry_run=True))
+        verdict = self._shared(lambda: self.shared.admit(
+            "", str(tenant.id), limits, 1, "realtime", dry_run=True, count="tenant",
+            refusal_field=refusals.field(tenant.id, tenant.via_key, "", "", "")))
         if verdict is None or verdict.gate != "tenant":
             return
         metrics.REJECTIONS.labels(gate=verdict.gate, reason=verdict.reason).inc()
         log.info("refused before planning: tenant %s", verdict.reason)
-        self.count_refusal(tenant, None, verdict.reason)
         raise _rejection(verdict, limits, 0, None, ratelimit_headers(verdict))
 
     def _gates(self, tenant: Tenant, limits: Limits, plan: Plan, *, too_large: bool = False,
-               dry_run: bool = False, charge: str = "full", charges: list[Charge] = ()) -> Verdict:
-        """The shared limiter's gates for ``plan`` (its promise and hard budgets included);
-        raises Redis errors."""
+               dry_run: bool = False, charge: str = "full", charges: list[Charge] = (), count: str = "*"
+               ) -> Verdict:
+        """The shared limiter's gates for ``plan`` (its promise and hard budgets included), a
+        refusal counted for the usage report as ``count`` says; raises Redis errors."""
         return self.shared.admit(str(plan.request_id), str(tenant.id), limits, plan.reserved_tokens,
                                  plan.priority.value, too_large=too_large, dry_run=dry_run, model=plan.target_model,
                                  deadline_s=plan.deadline_s, max_tokens=plan.max_tokens,
                                  spent_s=plan.spent_s(), charge=charge,
                                  budgets=[(c.counter, c.rule.limit, c.amount) for c in charges],
-                                 budget_record=";".join(f"{c.rule.unit} {c.amount} {c.counter}" for c in charges))
+                                 budget_record=";".join(f"{c.rule.unit} {c.amount} {c.counter}" for c in charges),
+                                 count=count, refusal_field=refusals.field(
+                                     tenant.id, plan.api_key_id, plan.target_model, plan.priority.value,
+                                     plan.source.value))
 
     def cancel(self, ticket: Ticket) -> None:
         """Undo an admission whose row was never committed."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from core.rediskeys import (
     tenant_bucket_key,
 )
 from core.tenants.tiers import Limits
+from core.usage import refusals
 from core.usage.budgets import CHARGES_KEY as BUDGET_CHARGES_KEY
 from core.usage.budgets import used_units
 from models import InferenceRequest
@@ -108,7 +110,8 @@ class SharedLimiter:
               too_large: bool = False, dry_run: bool = False, now_ms: int | None = None,
               model: str = "", deadline_s: float = float("inf"), max_tokens: int = 0,
               spent_s: float = 0.0, charge: str = "full",
-              budgets: Sequence[tuple[str, int, int]] = (), budget_record: str = "") -> Verdict:
+              budgets: Sequence[tuple[str, int, int]] = (), budget_record: str = "",
+              count: str = "", refusal_field: str = "") -> Verdict:
         """Run the gates for one request; when it passes, charge every limit and count it in flight.
 
         ``charge`` says what the request will cost (``admit.lua``, ARGV 20): ``full`` for work for
@@ -124,18 +127,23 @@ class SharedLimiter:
         the budget's units, and ``budget_record`` what release.lua gives back from
         (``core/usage/budgets.py``); gate ``budget``, reason ``budget_exhausted`` when one cannot
         hold it, ``budget_unseeded`` when a counter is missing (seed it and ask again).
+        ``count``: which refusals the script counts for the usage report ('' none, '*' any, or one
+        gate's, for a dry run that stands for that gate's refusal), under ``refusal_field`` + reason
+        (``core/usage/refusals.py``).
         ``now_ms`` replaces the Redis clock (tests drive time explicitly); leave it None.
         """
         keys = [PLATFORM_BUCKET_KEY, LOAD_LEVEL_KEY, tenant_bucket_key(tenant_id), inflight_key(tenant_id),
                 counters_key(priority, model), snapshot_key(priority, model), room_key(priority, model),
-                capacity_key(priority, model), BUDGET_CHARGES_KEY, *(counter for counter, _, _ in budgets)]
+                capacity_key(priority, model), BUDGET_CHARGES_KEY, refusals.day_key(time.time()),
+                *(counter for counter, _, _ in budgets)]
         deadline_ms = 2**53 if deadline_s == float("inf") else int(deadline_s * 1000)
         args = [request_id, cost, self.platform_tokens_per_minute, limits.tokens_per_minute,
                 limits.requests_per_minute, limits.max_concurrent, priority, int(too_large),
                 self.load_level_max_age_ms, self.reject_batch_level, self.shed_level, int(dry_run),
                 "" if now_ms is None else now_ms, deadline_ms, max_tokens, self.tight_level, self.tight_factor,
                 self.promise_factor, int(spent_s * 1000), charge, self.capacity_max_age_ms,
-                class_name(priority, model), class_name("realtime", model), len(budgets), budget_record]
+                class_name(priority, model), class_name("realtime", model), count, refusal_field, len(budgets),
+                budget_record]
         for _, limit, amount in budgets:
             args += [limit, amount]
         gate, reason, retry, *numbers, basis, budget, budget_spent = self._admit(keys=keys, args=args)

@@ -1,10 +1,10 @@
-"""Refusals in the usage report: a refused request has no row, so the web tier counts each in
-Redis, in a hash per day (field: tenant, key, model, priority, source and reason), and the sweep
+"""Refusals in the usage report: a refused request has no row, so the admission script itself
+counts each one it refuses (``admit.lua``, no extra round trip: a refusal under a spike must stay
+cheap) in a hash per day (field: tenant, key, model, priority, source and reason), and the sweep
 copies the last days' totals into ``usage_outcomes`` (``kind = 'refusal'``). The copy sets each
 count to Redis's total rather than adding to it, so copying twice changes nothing.
 
-Best effort, like the refusal itself under a spike: one pipelined HINCRBY + EXPIRE, and nothing
-while the process is on its local floor (Redis away: those refusals go uncounted).
+Refusals on a web process's local floor (Redis away) go uncounted.
 """
 
 from __future__ import annotations
@@ -34,15 +34,9 @@ def day_key(at: float) -> str:
     return f"{PREFIX}{int(at // DAY_S) * DAY_S}"
 
 
-def count(client: redis.Redis, tenant_id: uuid.UUID, key_id: uuid.UUID | None, model: str, priority: str,
-          source: str, reason: str, now: float | None = None) -> None:
-    """Count one refusal in this day's hash (raises Redis errors to the caller)."""
-    key = day_key(time.time() if now is None else now)
-    field = "|".join((str(tenant_id), str(key_id or NO_KEY), model, priority, source, reason))
-    with client.pipeline(transaction=False) as pipe:
-        pipe.hincrby(key, field, 1)
-        pipe.expire(key, KEEP_S)
-        pipe.execute()
+def field(tenant_id: uuid.UUID, key_id: uuid.UUID | None, model: str, priority: str, source: str) -> str:
+    """A refusal's field in the day's hash, but for its reason (which the script appends)."""
+    return "|".join((str(tenant_id), str(key_id or NO_KEY), model, priority, source, ""))
 
 
 def flush(db: Database, client: redis.Redis, now: float | None = None) -> int:

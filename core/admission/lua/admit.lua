@@ -26,11 +26,15 @@
 --       21 how old (ms) a worker's capacity entry may be and still count (its heartbeat's patience)
 --       22 the request's class name  23 its model's realtime class name (a batch request is also
 --       at that level: reject_batch protects realtime on the same engines)
---       24 how many hard budgets it is charged to (n)  25 its charge record for release.lua:
---       'unit amount counter' per budget, ';'-separated  then per budget i (1..n): 24 + 2i its limit,
---       25 + 2i this request's reservation, in the budget's units (tokens or micro-dollars)
--- KEYS  9 the budget charge records (hash: request id → record)  9 + i the counter of budget i in
---       its window (what its requests used once ended, or hold while in flight)
+--       24 which refusals to count for the usage report: '' none, '*' any, or one gate's ('global',
+--       'tenant': a dry run that stands for a refusal of that gate)  25 the refusal's field but for
+--       its reason ('tenant|key|model|priority|source|')
+--       26 how many hard budgets it is charged to (n)  27 its charge record for release.lua:
+--       'unit amount counter' per budget, ';'-separated  then per budget i (1..n): 26 + 2i its limit,
+--       27 + 2i this request's reservation, in the budget's units (tokens or micro-dollars)
+-- KEYS  9 the budget charge records (hash: request id → record)  10 today's refusal counts (hash:
+--       field → count, core/usage/refusals.py)  10 + i the counter of budget i in its window (what
+--       its requests used once ended, or hold while in flight)
 -- Returns {gate, reason, retry_ms, tokens limit, tokens remaining, tokens reset ms,
 --          requests limit, requests remaining, requests reset ms, load level, estimated wait ms,
 --          estimated finish ms (the wait plus its own output), what the estimate stood on,
@@ -167,16 +171,16 @@ if gate == '' and ARGV[8] == '1' then gate, reason = 'request', 'too_large' end
 -- 4. Hard budgets: each counter plus this reservation within its limit. A missing counter (a new
 -- window, a Redis restart) refuses nothing and charges nothing: the caller seeds it from
 -- Postgres and asks again. Answers from the cache cost no budget.
-local budgets = tonumber(ARGV[24]) or 0
+local budgets = tonumber(ARGV[26]) or 0
 local budget_at, budget_spent = 0, 0
 if gate == '' and not hit then
   for i = 1, budgets do
-    local v = redis.call('GET', KEYS[9 + i])
+    local v = redis.call('GET', KEYS[10 + i])
     if not v then
       gate, reason, budget_at = 'budget', 'budget_unseeded', i
       break
     end
-    if tonumber(v) + tonumber(ARGV[25 + 2 * i]) > tonumber(ARGV[24 + 2 * i]) then
+    if tonumber(v) + tonumber(ARGV[27 + 2 * i]) > tonumber(ARGV[26 + 2 * i]) then
       gate, reason, budget_at, budget_spent = 'budget', 'budget_exhausted', i, tonumber(v)
       break
     end
@@ -195,9 +199,16 @@ if gate == '' and ARGV[12] ~= '1' then
   end
   if not hit then redis.call('ZADD', KEYS[4], now, ARGV[1]) end
   if not hit and budgets > 0 then
-    for i = 1, budgets do redis.call('INCRBY', KEYS[9 + i], ARGV[25 + 2 * i]) end
-    redis.call('HSET', KEYS[9], ARGV[1], ARGV[25])
+    for i = 1, budgets do redis.call('INCRBY', KEYS[10 + i], ARGV[27 + 2 * i]) end
+    redis.call('HSET', KEYS[9], ARGV[1], ARGV[27])
   end
+end
+
+-- A refusal counts in the usage report (it has no row), here, at no extra round trip. A missing
+-- budget counter is no refusal: the caller seeds it and asks again.
+if gate ~= '' and reason ~= 'budget_unseeded' and (ARGV[24] == '*' or ARGV[24] == gate) then
+  redis.call('HINCRBY', KEYS[10], ARGV[25] .. reason, 1)
+  redis.call('EXPIRE', KEYS[10], 345600)
 end
 
 return {gate, reason, retry, tpm, math.max(0, math.floor(tok)), full_ms(tok, tpm),

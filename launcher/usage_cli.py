@@ -17,9 +17,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 import click
-from sqlalchemy import select
 
-from core.delivery.webhooks import check_url, require_secret
 from core.errors import ApiError
 from core.rediskeys import redis_client
 from core.settings import Settings
@@ -28,7 +26,7 @@ from core.tenants.manage import find_tenant
 from core.usage.budgets import PERIODS, UNITS, Budgets
 from core.usage.report import ADMIN_GROUPS, BUCKETS, UsageQuery, as_csv, usage
 from launcher.options import not_found, operator_settings
-from models import ApiKey, Database, Tenant
+from models import Database, Tenant
 
 # What the details of a domain error name, and the flags that set them, for error messages.
 FLAGS = {"start": "--start", "end": "--end", "bucket": "--bucket", "group_by": "--group-by", "tenant": "--tenant",
@@ -238,33 +236,13 @@ def _amount(ctx: click.Context, param: click.Parameter, value: str) -> Decimal:
               help="Where budget.threshold events go (signed with the tenant's webhook secret).")
 def set_(tenant_ref: str, unit: str, amount: Decimal, period: str, starts_at: datetime | None,
          ends_at: datetime | None, hard: bool, key_id: uuid.UUID | None, webhook_url: str | None) -> None:
-    """Add a budget to TENANT (or to one of its keys) and print it. Processes take it up within
-    a few seconds."""
-    fixed = period == "fixed"
-    window = [starts_at, ends_at]
-    if fixed != all(window) or (fixed and (window[0] >= window[1] or any(
-            t.minute or t.second or t.microsecond for t in window))):
-        raise click.UsageError("--period fixed needs --starts-at before --ends-at, both on whole hours; the other "
-                               "periods take neither")
+    """Add a budget to TENANT (or to one of its keys) and print it, checked as the admin API checks
+    it (core/usage/budgets.py Budgets.create). Processes take it up within a few seconds."""
     with database() as (db, settings):
         tenant = _tenant(db, tenant_ref)
-        if key_id is not None:
-            with db.session() as session:
-                owner = session.scalar(select(ApiKey.tenant_id).where(ApiKey.id == key_id))
-            if owner != tenant.id:
-                raise click.BadParameter(f"{key_id} is no key of tenant {tenant.name}", param_hint="--key")
-        if webhook_url:
-            check_url(webhook_url, settings.webhook_allow_list)
-            try:
-                require_secret(tenant)
-            except ApiError:
-                raise click.ClickException(
-                    f"tenant {tenant.name} has no webhook signing secret yet, so it could not verify budget "
-                    "webhooks: it makes one with `sluice webhooks rotate-secret` (its key), then set this again"
-                ) from None
-        view = Budgets(db).create(tenant.id, {"unit": unit, "amount": amount, "period": period,
-                                              "starts_at": starts_at, "ends_at": ends_at, "hard": hard,
-                                              "api_key_id": key_id, "webhook_url": webhook_url})
+        view = Budgets(db).create(tenant, {"unit": unit, "amount": amount, "period": period, "starts_at": starts_at,
+                                           "ends_at": ends_at, "hard": hard, "api_key_id": key_id,
+                                           "webhook_url": webhook_url}, settings.webhook_allow_list)
     click.echo(budget_line(view))
 
 

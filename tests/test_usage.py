@@ -189,6 +189,18 @@ def test_a_thousand_mixed_requests_sum_to_the_token_and_the_cent(platform, datab
     assert csv.get_data(as_text=True).splitlines()[0].startswith("start_time,end_time,")
 
 
+def add_budget(app, tenant_id: uuid.UUID, allow: str | None = None, **values) -> dict:
+    """A budget for the tenant, as the admin API makes one (``allow``: receivers the SSRF guard
+    lets through, instead of the app's)."""
+    from core.delivery.ssrf import AllowList
+    from models import Tenant
+
+    with services(app).db.session() as session:
+        tenant = session.get(Tenant, tenant_id)
+    return services(app).budgets.create(tenant, values, AllowList.parse(allow) if allow else
+                                        services(app).settings.webhook_allow_list)
+
+
 def create_key_for(app, key: str) -> str:
     """A second key of the tenant ``key`` belongs to, with a name and an owner."""
     from core.tenants.manage import add_key
@@ -269,8 +281,7 @@ def test_a_hard_monthly_budget_refuses_with_the_numbers_and_counts_what_ran(app,
     """Through the HTTP API: a budget set by the operator, charged at admission, refused with
     429 budget_exhausted and its numbers, reconciled when requests end."""
     tenant = tenant_of(app, client.key)
-    services(app).budgets.create(uuid.UUID(tenant), {"unit": "tokens", "amount": Decimal(300), "period": "month",
-                                                     "hard": True})
+    add_budget(app, uuid.UUID(tenant), unit="tokens", amount=Decimal(300), period="month", hard=True)
     accepted = []
     while True:
         answer = client.submit(prompt="spend", max_tokens=50)
@@ -321,8 +332,8 @@ def test_a_budget_crossing_a_threshold_is_announced_once_per_threshold(app, work
 
     tenant = uuid.UUID(tenant_of(app, client.key))
     services(app).webhooks.rotate(tenant)  # a webhook needs the tenant's signing secret
-    services(app).budgets.create(tenant, {"unit": "tokens", "amount": Decimal(100), "period": "day", "hard": False,
-                                          "webhook_url": "http://127.0.0.2:9/budget"})
+    add_budget(app, tenant, allow="127.0.0.2", unit="tokens", amount=Decimal(100), period="day", hard=False,
+               webhook_url="http://127.0.0.2:9/budget")
 
     def spend_until(percent: float) -> None:
         for _ in range(40):
@@ -392,7 +403,7 @@ def test_the_openai_clients_usage_fields_agree_with_the_rollups(app, worker, cli
 
 def test_a_bulk_job_the_hard_budget_cannot_cover_is_refused_at_submit(client, app):
     tenant = uuid.UUID(tenant_of(app, client.key))
-    services(app).budgets.create(tenant, {"unit": "tokens", "amount": Decimal(500), "period": "day", "hard": True})
+    add_budget(app, tenant, unit="tokens", amount=Decimal(500), period="day", hard=True)
     lines = "".join(json.dumps({"custom_id": f"doc-{i}", "text": "a document to summarise " * 20}) + "\n"
                     for i in range(20)).encode()
     answer = client.http.post("/v1/jobs", data=lines, headers={**client.headers,
@@ -411,8 +422,7 @@ def test_a_hard_budget_is_never_charged_on_the_local_floor(own_redis, isolated_a
     application = isolated_app(redis_url=own_redis["server"].url)
     budgeted, free = new_client(application), new_client(application)
     tenant = uuid.UUID(tenant_of(application, budgeted.key))
-    services(application).budgets.create(tenant, {"unit": "usd", "amount": Decimal(10), "period": "month",
-                                                  "hard": True})
+    add_budget(application, tenant, unit="usd", amount=Decimal(10), period="month", hard=True)
     assert budgeted.submit(prompt="before", max_tokens=8).status_code == 202
     own_redis["server"].stop()
     refused = budgeted.submit(prompt="during", max_tokens=8)

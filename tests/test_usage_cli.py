@@ -138,12 +138,13 @@ def test_a_key_budget_and_what_budgets_set_refuses(sluice, tenant):
     other = f"usage-cli-{uuid.uuid4().hex[:8]}"
     sluice("tenants", "create", other, "--no-key")
     foreign = sluice("budgets", "set", other, "--unit", "usd", "--amount", "5", "--period", "day", "--key", key["id"])
-    assert foreign.exit_code == 2 and f"no key of tenant {other}" in foreign.output
+    # Checked by Budgets.create, as the admin API checks them: its refusals name the flag.
+    assert foreign.exit_code == 1 and f"no key of tenant {other}" in foreign.output and "--key" in foreign.output
     no_window = sluice("budgets", "set", tenant, "--unit", "usd", "--amount", "5", "--period", "fixed")
-    assert no_window.exit_code == 2 and "--starts-at" in no_window.output
+    assert no_window.exit_code == 1 and "--starts-at" in no_window.output
     off_the_hour = sluice("budgets", "set", tenant, "--unit", "usd", "--amount", "5", "--period", "fixed",
                           "--starts-at", "2030-01-01T00:30:00Z", "--ends-at", "2030-02-01T00:00:00Z")
-    assert off_the_hour.exit_code == 2
+    assert off_the_hour.exit_code == 1 and "whole hours" in off_the_hour.output
     for amount in ("0", "-3", "lots", "1e20"):
         refused = sluice("budgets", "set", tenant, "--unit", "usd", "--amount", amount, "--period", "day")
         assert refused.exit_code == 2, (amount, refused.output)

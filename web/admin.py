@@ -32,7 +32,6 @@ from sqlalchemy import func, select
 
 from core.admission.load import load_view
 from core.broker.queues import ROLES
-from core.delivery.webhooks import check_url, require_secret
 from core.ids import uuid_or_404
 from core.rediskeys import bump_auth_epoch
 from core.submit.schemas import SafeString, StrictBoolean, StrictFloat, StrictInteger
@@ -235,27 +234,10 @@ def new_api_key(tenant_ref: str) -> tuple[Response, int]:
 @bp.post("/tenants/<tenant_ref>/budgets")
 def new_budget(tenant_ref: str) -> tuple[Response, int]:
     data = _load(BudgetSchema())
+    data["amount"] = Decimal(str(data["amount"]))
     with _db().session() as session:
         tenant = _tenant_or_404(session, tenant_ref)
-        if data.get("api_key_id") and session.scalar(select(ApiKey.tenant_id).where(
-                ApiKey.id == data["api_key_id"])) != tenant.id:
-            raise ApiError("api_key_id names no key of this tenant.", code="invalid_request", status=422,
-                           details={"api_key_id": ["One of the tenant's key ids."]})
-    fixed = data["period"] == "fixed"
-    window = [data.get("starts_at"), data.get("ends_at")]
-    if fixed != all(window) or (fixed and (window[0] >= window[1] or any(
-            t.minute or t.second or t.microsecond for t in window))):
-        raise ApiError("A fixed budget needs starts_at before ends_at, both on whole hours; the other periods "
-                       "take neither.", code="invalid_request", status=422,
-                       details={"starts_at": ["Whole hours, only with period fixed."]})
-    if data.get("webhook_url"):
-        check_url(data["webhook_url"], _settings().webhook_allow_list)
-        require_secret(tenant)
-    data["amount"] = Decimal(str(data["amount"]))
-    if data["unit"] == "tokens" and data["amount"] != data["amount"].to_integral_value():
-        raise ApiError("A token budget is a whole number of tokens.", code="invalid_request", status=422,
-                       details={"amount": ["A whole number of tokens."]})
-    return jsonify(services().budgets.create(tenant.id, data)), 201
+    return jsonify(services().budgets.create(tenant, data, _settings().webhook_allow_list)), 201
 
 
 @bp.get("/tenants/<tenant_ref>/budgets")

@@ -38,8 +38,9 @@ from typing import TYPE_CHECKING, Any
 import redis
 from sqlalchemy import delete, func, or_, select, update
 
-from core.errors import ApiError, NotFound
-from models import Budget, InferenceRequest, Status, UsageHourly
+from core.delivery.ssrf import AllowList
+from core.errors import ApiError, InvalidRequest, NotFound
+from models import ApiKey, Budget, InferenceRequest, Status, Tenant, UsageHourly
 from models.session import Database
 
 if TYPE_CHECKING:
@@ -274,16 +275,40 @@ class Budgets:
 
     # ------------------------------------------------------------------ managing
 
-    def create(self, tenant_id: uuid.UUID, values: dict[str, Any]) -> dict[str, Any]:
+    def create(self, tenant: Tenant, values: dict[str, Any], allow: AllowList) -> dict[str, Any]:
+        """Add a budget to ``tenant`` (``values``: the columns), checked as the admin API and the CLI
+        both need: a fixed window on whole hours and only for ``fixed``, a whole number of tokens,
+        a key of this tenant, a webhook URL the SSRF guard (``allow``) lets through and a tenant
+        that can sign it. Raises InvalidRequest naming the field; returns the budget's view."""
+        # Here, not at the top: core/delivery/webhooks.py imports admission, which imports this module.
+        from core.delivery.webhooks import check_url, require_secret
+
+        window = [values.get("starts_at"), values.get("ends_at")]
+        fixed = values["period"] == "fixed"
+        if fixed != all(window) or (fixed and (window[0] >= window[1] or any(
+                t.minute or t.second or t.microsecond for t in window))):
+            raise InvalidRequest("A fixed budget needs starts_at before ends_at, both on whole hours; the other "
+                                 "periods take neither.",
+                                 details={"starts_at": ["Whole hours, only with period fixed."]})
+        if values["unit"] == "tokens" and values["amount"] != values["amount"].to_integral_value():
+            raise InvalidRequest("A token budget is a whole number of tokens.",
+                                 details={"amount": ["A whole number of tokens."]})
         with self.db.session() as session:
-            row = Budget(id=uuid.uuid4(), tenant_id=tenant_id, **values)
+            if values.get("api_key_id") and session.scalar(select(ApiKey.tenant_id).where(
+                    ApiKey.id == values["api_key_id"])) != tenant.id:
+                raise InvalidRequest(f"api_key_id names no key of tenant {tenant.name}.",
+                                     details={"api_key_id": ["One of the tenant's key ids."]})
+            if values.get("webhook_url"):
+                check_url(values["webhook_url"], allow)
+                require_secret(tenant)
+            row = Budget(id=uuid.uuid4(), tenant_id=tenant.id, **values)
             session.add(row)
             session.flush()
             session.refresh(row)
             rule = Rule.of(row)
             window = rule.window(datetime.now(UTC))
             shown = view(row, window, self._spent(session, rule, *window, in_flight=False)[0] if window else 0, 0)
-        self.forget(tenant_id)
+        self.forget(tenant.id)
         return shown
 
     def delete(self, budget_id: uuid.UUID) -> None:

@@ -89,9 +89,24 @@ def test_a_worker_exports_its_requests_and_its_engine(database_url, scratch_redi
         ids = [client.submit(prompt=f"measure me {i}", max_tokens=8, ignore_eos=True).get_json()["id"]
                for i in range(3)]
         assert {client.wait(i)["status"] for i in ids} == {"succeeded"}
+        timings = ("sluice_queue_wait_seconds_count", "sluice_inference_seconds_count",
+                   "sluice_time_to_first_token_seconds_count")
+
+        def counted(samples) -> bool:
+            return (all(total(samples, name, priority="realtime") >= 3 for name in timings)
+                    and total(samples, "sluice_output_tokens_total", priority="realtime") >= 24
+                    and total(samples, "sluice_requests_ended_total", status="succeeded") >= 3
+                    and total(samples, "sluice_worker_batch_open") == 1)
+
+        # The worker records a request's end after its row committed (the row a poll reads), and
+        # its governor opens batch again on its next tick once no realtime work waits (0.25 s): the
+        # scrape waits for both rather than racing them (CI at aaef238 once saw batch still shut).
+        deadline = time.monotonic() + 10
         samples = scrape(f"http://127.0.0.1:{port}/metrics")
-        for name in ("sluice_queue_wait_seconds_count", "sluice_inference_seconds_count",
-                     "sluice_time_to_first_token_seconds_count"):
+        while not counted(samples) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            samples = scrape(f"http://127.0.0.1:{port}/metrics")
+        for name in timings:
             assert total(samples, name, priority="realtime") >= 3, name
         assert total(samples, "sluice_output_tokens_total", priority="realtime") >= 24
         assert total(samples, "sluice_requests_ended_total", status="succeeded") >= 3

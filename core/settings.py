@@ -13,12 +13,13 @@ import os
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
 from core.delivery.ssrf import AllowList
 from core.registry import ModelSpec, Registry, RegistryError, parse_registry
 from core.tenants.tiers import Limits, TierError, parse_tiers
-from core.usage.prices import Price, parse_prices, price
+from core.usage.prices import Price, parse_prices, price, price_for
 
 # The degradation ladder's steps that exist, by the level (core/admission/load.py) that turns each on.
 LADDER_STEPS = ("light_model", "shorter_output", "cached_answer", "reject_batch", "tight_promise", "shed")
@@ -470,6 +471,11 @@ class Settings:
         prices = {m.name: Price(*(price(m.prices[k], f"{m.name}'s {k} price") for k in ("input", "cached", "output")))
                   for m in self.registry.models if m.prices is not None}
         return {**prices, **parse_prices(self.prices_spec)}
+
+    def price_for(self, model: str, *, batch: bool) -> Price:
+        """What ``model``'s tokens cost a request: its prices, less SLUICE_BATCH_DISCOUNT for batch
+        work (priority batch, or a job's line)."""
+        return price_for(self.prices, Decimal(str(self.batch_discount)), model, batch=batch)
 
     def _validate_webhooks(self) -> None:
         for name in ("webhook_timeout_s", "webhook_retry_for_s", "webhook_backoff_s", "webhook_progress_s",

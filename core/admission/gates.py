@@ -136,9 +136,8 @@ class Admission:
             # A hard budget is only ever charged atomically, in Redis: without it, nothing is admitted
             # against one (the floor would let spend past it unseen).
             metrics.REJECTIONS.labels(gate="budget", reason="budget_unavailable").inc()
-            raise BudgetUnavailable("A hard budget applies to this request and cannot be checked while the "
-                                    f"shared limiter is unreachable; retry after {OVERLOAD_RETRY_AFTER_S} s.",
-                                    headers={"Retry-After": str(OVERLOAD_RETRY_AFTER_S)})
+            raise BudgetUnavailable("cannot be checked while the shared limiter is unreachable",
+                                    OVERLOAD_RETRY_AFTER_S)
         if verdict is None:
             verdict, limiter = self.floor.admit(str(tenant.id), limits, cost, plan.priority.value,
                                                 too_large=too_large is not None), "local_floor"
@@ -151,9 +150,7 @@ class Admission:
         log.info("rejected at the %s gate: %s (%d tokens, %s limiter)", verdict.gate, verdict.reason, cost, limiter)
         if verdict.gate == "budget":
             if verdict.reason == "budget_unseeded":  # still missing after seeding: Redis lost it again
-                raise BudgetUnavailable("A hard budget applies to this request and could not be read; retry "
-                                        f"after {OVERLOAD_RETRY_AFTER_S} s.",
-                                        headers={"Retry-After": str(OVERLOAD_RETRY_AFTER_S)})
+                raise BudgetUnavailable("could not be read", OVERLOAD_RETRY_AFTER_S)
             refusal = self.budgets.refusal(charges[verdict.budget - 1], verdict.budget_spent)
             refusal.headers = {**headers, **refusal.headers}
             raise refusal

@@ -25,7 +25,6 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import IO, Any
 
 from sqlalchemy import delete, func, select, text
@@ -38,7 +37,6 @@ from core.settings import Settings
 from core.submit.tokens import estimate_text_tokens
 from core.tenants.tiers import effective_limits
 from core.usage.budgets import Budgets
-from core.usage.prices import price_for
 from models import Tenant, job_lifecycle
 from models.job import LIVE_JOB, ItemStatus, Job, JobStatus
 from models.session import Database
@@ -154,7 +152,7 @@ def _load(settings: Settings, db: Database, tenant: Tenant, job: Job, params: Jo
         _refuse_over_budget(tally, priced, others.open_tokens, params, limits)
         # A hard budget that cannot hold this job's estimate (its input, and every output token it
         # may ask for at its model's batch price) refuses it now rather than line by line later.
-        price = price_for(settings.prices, Decimal(str(settings.batch_discount)), params.model, batch=True)
+        price = settings.price_for(params.model, batch=True)
         Budgets(db).covers(tenant.id, tenant.via_key, priced,
                            price.cost(tally.input_tokens, 0, max(priced - tally.input_tokens, 0)))
         if not job_lifecycle.admit(session, job.id, params.completion_window_s, total_items=tally.valid,

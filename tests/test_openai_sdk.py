@@ -13,6 +13,8 @@ import importlib.util
 import json
 import time
 import uuid
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 
 import httpx
 import pytest
@@ -35,6 +37,7 @@ EXACT = {"ignore_eos": True}  # vLLM's own extension: exactly max_tokens, whatev
 
 
 EMBED_MODEL = "tiny-embed"
+PRICES = "2/1/8"  # USD per million input / cached input / output tokens
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +47,7 @@ def sluice(database_url, redis_dbs, vllm_env, tiny_model, tmp_path_factory):  # 
     redis_url = redis_dbs()
     tmp = tmp_path_factory.mktemp("openai")
     env = {**vllm_env, "SLUICE_EMBED_MODEL": EMBED_MODEL, "SLUICE_EMBED_MODEL_PATH": str(tiny_model),
-           "SLUICE_EMBED_DIMENSIONS": "128"}
+           "SLUICE_EMBED_DIMENSIONS": "128", "SLUICE_PRICES": f"{MODEL}={PRICES}"}
     worker = WorkerProcess(database_url, redis_url, tmp, extra_env=env, ready_timeout=300)
     embedder = WorkerProcess(database_url, redis_url, tmp, extra_env=env, ready_timeout=300, model=EMBED_MODEL)
     web = WebProcess(service_env(database_url, redis_url, env), tmp)
@@ -280,6 +283,39 @@ def test_required_tool_calls_of_vllm_validate_streamed_and_not(sluice, sdk, tena
     assert streamed
     for call in [*calls, *streamed]:
         jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+
+
+def test_the_sdks_usage_fields_and_the_rollups_agree_on_vllm(sluice, sdk, tenant):
+    """Issue 23 on a real engine: what the official client reads in each answer's ``usage``
+    (the prompt tokens vLLM's prefix cache held included) is what ``GET /v1/usage`` sums, to the
+    token and the cent, over plain, streamed and multi-prompt calls."""
+    client = sdk(tenant[1])
+    preamble = " ".join(f"clause {i} of a preamble every call shares" for i in range(80))
+    seen = []
+    for i in range(6):
+        asked = {"model": MODEL, "max_tokens": 6 + i, "extra_body": EXACT,
+                 "messages": [{"role": "system", "content": preamble}, {"role": "user", "content": f"question {i}"}]}
+        if i % 3 == 2:
+            *_, last = client.chat.completions.create(**asked, stream=True, stream_options={"include_usage": True})
+            seen.append(last.usage)
+        else:
+            seen.append(client.chat.completions.create(**asked).usage)
+    seen.append(client.completions.create(model=MODEL, prompt=[preamble + " one", preamble + " two"], max_tokens=5,
+                                          extra_body=EXACT).usage)  # two rows, one usage summed
+    prompt, completion = sum(u.prompt_tokens for u in seen), sum(u.completion_tokens for u in seen)
+    cached = sum(u.prompt_tokens_details.cached_tokens for u in seen)
+    assert 0 < cached < prompt  # the preamble was in vLLM's prefix cache after the first call
+    now = datetime.now(UTC)
+    answer = httpx.get(f"{sluice}/v1/usage", headers={"Authorization": f"Bearer {tenant[1]}"},
+                       params={"start": (now - timedelta(hours=1)).isoformat(),
+                               "end": (now + timedelta(hours=1)).isoformat(), "bucket": "hour"}, timeout=30)
+    assert answer.status_code == 200, answer.text
+    totals = answer.json()["totals"]
+    assert totals["requests"] == 8 and totals["statuses"] == {"succeeded": 8}
+    assert (totals["input_tokens"], totals["cached_tokens"], totals["output_tokens"]) == (prompt, cached, completion)
+    price_in, price_cached, price_out = (Decimal(p) for p in PRICES.split("/"))
+    cost = ((prompt - cached) * price_in + cached * price_cached + completion * price_out) / 1_000_000
+    assert Decimal(totals["cost_usd"]) == cost
 
 
 def test_n_logprobs_and_seed_on_vllm(sluice, sdk, tenant):

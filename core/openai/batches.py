@@ -28,7 +28,7 @@ from core.errors import InvalidRequest, NotFound
 from core.ids import uuid_or_404
 from core.jobs.service import JobService
 from core.openai.files import ChunkReader, FileStore, parse_id, unix
-from core.openai.shapes import CHAT_URL, EMBEDDINGS_URL, URLS, choices, embedding_list
+from core.openai.shapes import CHAT_URL, EMBEDDINGS_URL, URLS, choices, embedding_list, token_usage
 from core.submit.embeddings import shown, vectors
 from models import Batch, InferenceRequest, ItemStatus, Job, JobItem, JobStatus, Tenant
 from models.request import storable
@@ -109,7 +109,8 @@ class BatchService:
         statuses = ERRORS if errors else (ItemStatus.SUCCEEDED,)
         request_id = JobItem.requests[1]
         query = (select(JobItem.line, JobItem.custom_id, JobItem.result, JobItem.finish_reason, JobItem.input_tokens,
-                        JobItem.output_tokens, JobItem.error_code, JobItem.error_message, JobItem.finished_at,
+                        JobItem.output_tokens, InferenceRequest.cached_tokens, JobItem.error_code,
+                        JobItem.error_message, JobItem.finished_at,
                         request_id.label("request_id"), InferenceRequest.choices, InferenceRequest.params,
                         InferenceRequest.input["tools"].label("tools"), InferenceRequest.embedding,
                         func.jsonb_array_length(InferenceRequest.input["texts"]).label("texts"),
@@ -209,8 +210,7 @@ def output_line(job: Job, batch: Batch, row) -> dict[str, Any]:
     if row.error_code is not None or row.result is None:
         return {"id": line_id, "custom_id": row.custom_id, "response": None,
                 "error": {"code": row.error_code, "message": row.error_message}}
-    usage = {"prompt_tokens": row.input_tokens, "completion_tokens": row.output_tokens,
-             "total_tokens": row.input_tokens + row.output_tokens}
+    usage = token_usage(row.input_tokens, row.output_tokens, row.cached_tokens)
     url = row.url or batch.endpoint  # a batch may mix the routes: each line answers as its own
     rid, chat = row.request_id.hex, url == CHAT_URL
     if url == EMBEDDINGS_URL:

@@ -366,9 +366,16 @@ def extension(row: InferenceRequest) -> dict[str, Any]:
             "cache_hit": row.cache_hit, "queue_wait_s": row.queue_wait_s}
 
 
-def usage(row: InferenceRequest) -> dict[str, int]:
-    prompt, completion = row.input_tokens or 0, row.output_tokens or 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(row: InferenceRequest) -> dict[str, Any]:
+    return token_usage(row.input_tokens, row.output_tokens, row.cached_tokens)
+
+
+def token_usage(prompt: int | None, completion: int | None, cached: int | None) -> dict[str, Any]:
+    """An answer's ``usage`` as OpenAI's: with the prompt tokens the engine's prefix cache held
+    (``prompt_tokens_details.cached_tokens``), which a model's cached price bills apart."""
+    prompt, completion = prompt or 0, completion or 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached or 0}}
 
 
 def finish_reason(row: InferenceRequest) -> str:

@@ -149,10 +149,8 @@ def _create_many(svc: Services, tenant: Tenant, body: dict[str, Any],
     choices = [choice for row in rows for choice in shapes.row_choices(row, False, echo)]
     answer = shapes.completion(rows[0], False, echo)
     answer["choices"] = [{**choice, "index": i} for i, choice in enumerate(choices)]
-    prompt_tokens = sum(row.input_tokens or 0 for row in rows)
-    completion_tokens = sum(row.output_tokens or 0 for row in rows)
-    answer["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                       "total_tokens": prompt_tokens + completion_tokens}
+    answer["usage"] = shapes.token_usage(*(sum(getattr(row, name) or 0 for row in rows)
+                                           for name in ("input_tokens", "output_tokens", "cached_tokens")))
     answer["sluice"]["request_ids"] = [str(row.id) for row in rows]
     return jsonify(answer), 200, headers
 

@@ -15,7 +15,12 @@ from web.openai.errors import documented as _error
 
 _STRING = {"type": "string", "minLength": 1, "maxLength": 64, "pattern": "^[^\\u0000]*$"}
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-          "properties": {name: {"type": "integer"} for name in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+          "properties": {**{name: {"type": "integer"}
+                            for name in ("prompt_tokens", "completion_tokens", "total_tokens")},
+                         "prompt_tokens_details": {
+                             "type": "object", "description": "cached_tokens: the prompt tokens the engine's "
+                                                              "prefix cache held, billed at the cached price.",
+                             "properties": {"cached_tokens": {"type": "integer"}}}}}
 _EXTENSION = {"type": "object", "description": "Sluice's extension: the request row (GET /v1/requests/{request_id}) "
                                                "and the degradation steps that changed it.",
               "properties": {"request_id": {"type": "string", "format": "uuid"},

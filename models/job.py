@@ -128,6 +128,7 @@ class JobItem(Base):
     request_count: Mapped[int] = mapped_column(default=0)  # every request the item used, all stages
 
     input_tokens: Mapped[int] = mapped_column(default=0)  # the engine's counts, summed over its requests
+    cached_tokens: Mapped[int] = mapped_column(default=0, server_default="0")  # of input_tokens
     output_tokens: Mapped[int] = mapped_column(default=0)
     result: Mapped[str | None] = mapped_column(Text)
     finish_reason: Mapped[str | None] = mapped_column(String(16))

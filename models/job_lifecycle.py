@@ -33,7 +33,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import ColumnElement, func, text, update
 from sqlalchemy.orm import Session
@@ -127,8 +127,24 @@ def fail_stale_uploads(session: Session, older_than_s: float) -> int:
 
 # ---------------------------------------------------------------------- items
 
+class Spent(NamedTuple):
+    """The tokens an item's stage used, as the engine counted them over its requests."""
+
+    input: int = 0
+    cached: int = 0  # of input: held by the prefix cache
+    output: int = 0
+
+    @classmethod
+    def of(cls, rows) -> Spent:
+        return cls(*(sum(getattr(r, name) or 0 for r in rows)
+                     for name in ("input_tokens", "cached_tokens", "output_tokens")))
+
+
+NOTHING = Spent()
+
+
 def begin_stage(session: Session, job_id: uuid.UUID, line: int, *, depth: int, previous: list[uuid.UUID],
-                requests: list[uuid.UUID], final: bool, spent: tuple[int, int] = (0, 0),
+                requests: list[uuid.UUID], final: bool, spent: Spent = NOTHING,
                 summarised: str | None = None) -> bool:
     """An item's next stage, its request ids written before the requests exist: pending → running
     for its first (depth 0, no previous stage; stamps ``started_at``, ``chunks``), else running →
@@ -141,8 +157,7 @@ def begin_stage(session: Session, job_id: uuid.UUID, line: int, *, depth: int, p
         where.append(JobItem.requests == previous)
     values: dict[str, Any] = {"requests": requests, "depth": depth, "final": final,
                               "request_count": JobItem.request_count + len(requests),
-                              "input_tokens": JobItem.input_tokens + spent[0],
-                              "output_tokens": JobItem.output_tokens + spent[1]}
+                              **_adding(spent)}
     if depth == 0:
         values.update(chunks=len(requests), started_at=func.now())
     else:
@@ -152,7 +167,7 @@ def begin_stage(session: Session, job_id: uuid.UUID, line: int, *, depth: int, p
 
 
 def end(session: Session, job_id: uuid.UUID, line: int, requests: list[uuid.UUID], target: ItemStatus, *,
-        spent: tuple[int, int] = (0, 0), result: str | None = None, finish_reason: str | None = None,
+        spent: Spent = NOTHING, result: str | None = None, finish_reason: str | None = None,
         code: str | None = None, message: str | None = None) -> bool:
     """running → ``target`` (an end) for the item whose current stage is ``requests``: its
     outcome, the tokens the stage used, stamped; a succeeded item drops its document."""
@@ -161,8 +176,12 @@ def end(session: Session, job_id: uuid.UUID, line: int, requests: list[uuid.UUID
     return _done(session, _item(target, JobItem.job_id == job_id, JobItem.line == line, JobItem.requests == requests,
                                 sources=(ItemStatus.RUNNING,)).values(
         result=result, finish_reason=finish_reason, error_code=code, error_message=(message or "")[:500] or None,
-        finished_at=func.now(), input_tokens=JobItem.input_tokens + spent[0],
-        output_tokens=JobItem.output_tokens + spent[1], text=None if target == ItemStatus.SUCCEEDED else JobItem.text))
+        finished_at=func.now(), **_adding(spent), text=None if target == ItemStatus.SUCCEEDED else JobItem.text))
+
+
+def _adding(spent: Spent) -> dict[str, Any]:
+    return {"input_tokens": JobItem.input_tokens + spent.input, "cached_tokens": JobItem.cached_tokens + spent.cached,
+            "output_tokens": JobItem.output_tokens + spent.output}
 
 
 def fail(session: Session, job_id: uuid.UUID, line: int, code: str, message: str) -> bool:

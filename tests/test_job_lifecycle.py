@@ -150,16 +150,17 @@ def test_an_items_stages_and_end(db, tenant_id):
     assert not run(db, lambda s: jl.begin_stage(s, jid, 1, depth=1, previous=[uuid.uuid4()], requests=second,
                                                 final=True)), "not the stage it runs"
     assert run(db, lambda s: jl.begin_stage(s, jid, 1, depth=1, previous=first, requests=second, final=True,
-                                            spent=(10, 4), summarised="a\n\nb"))
+                                            spent=jl.Spent(10, 3, 4), summarised="a\n\nb"))
     item = item_of(db, jid)
     assert (item.depth, item.final, item.requests, item.result) == (1, True, second, "a\n\nb")
-    assert (item.request_count, item.input_tokens, item.output_tokens, item.chunks) == (3, 10, 4, 2)
+    assert (item.request_count, item.input_tokens, item.cached_tokens, item.output_tokens, item.chunks) == \
+        (3, 10, 3, 4, 2)
     assert not run(db, lambda s: jl.end(s, jid, 1, first, ItemStatus.SUCCEEDED)), "an old stage's end"
-    assert run(db, lambda s: jl.end(s, jid, 1, second, ItemStatus.SUCCEEDED, spent=(5, 2), result="summary",
+    assert run(db, lambda s: jl.end(s, jid, 1, second, ItemStatus.SUCCEEDED, spent=jl.Spent(5, 1, 2), result="summary",
                                     finish_reason="stop"))
     item = item_of(db, jid)
     assert item.status == ItemStatus.SUCCEEDED and item.result == "summary" and item.text is None
-    assert (item.input_tokens, item.output_tokens) == (15, 6) and item.finished_at is not None
+    assert (item.input_tokens, item.cached_tokens, item.output_tokens) == (15, 4, 6) and item.finished_at is not None
     assert not run(db, lambda s: jl.end(s, jid, 1, second, ItemStatus.FAILED, code="x")), "one end only"
     assert not run(db, lambda s: jl.fail(s, jid, 1, "internal_error", "m"))
 

@@ -414,3 +414,9 @@ def test_a_batch_of_200_lines_mixing_chat_structured_output_and_embeddings_on_vl
             jsonschema.validate(json.loads(body["choices"][0]["message"]["content"], strict=False), PERSON)
         else:
             assert body["usage"]["completion_tokens"] == 8
+    # The batch's usage is its lines' usage summed, the tokens vLLM's prefix cache held included.
+    usages = [line["response"]["body"]["usage"] for line in output]
+    assert (batch.usage.input_tokens, batch.usage.input_tokens_details.cached_tokens, batch.usage.output_tokens) == (
+        sum(u["prompt_tokens"] for u in usages),
+        sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for u in usages),
+        sum(u.get("completion_tokens", 0) for u in usages))

@@ -50,7 +50,7 @@ LEADER_KEY = "sluice:feeder:leader"
 READ_RESERVATIONS_S = 5.0
 _REQUEST_COLUMNS = (InferenceRequest.id, InferenceRequest.status, InferenceRequest.output_text,
                     InferenceRequest.finish_reason, InferenceRequest.error_code, InferenceRequest.error_message,
-                    InferenceRequest.input_tokens, InferenceRequest.output_tokens)
+                    InferenceRequest.input_tokens, InferenceRequest.cached_tokens, InferenceRequest.output_tokens)
 
 
 class Feeder:

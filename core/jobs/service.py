@@ -101,17 +101,20 @@ class JobService:
         """Counts per item status, tokens and the last minute's finishes of each job, in one query."""
         with self.db.session() as session:
             rows = session.execute(text("""
-                SELECT job_id, status, count(*), coalesce(sum(input_tokens), 0), coalesce(sum(output_tokens), 0),
+                SELECT job_id, status, count(*), coalesce(sum(input_tokens), 0), coalesce(sum(cached_tokens), 0),
+                       coalesce(sum(output_tokens), 0),
                        count(*) FILTER (WHERE finished_at > now() - interval '60 seconds'),
                        extract(epoch FROM now() - min(finished_at)
                                FILTER (WHERE finished_at > now() - interval '60 seconds'))
                 FROM job_items WHERE job_id = ANY(:jobs) GROUP BY job_id, status"""), {"jobs": job_ids}).all()
-        progress = {job_id: {"counts": {s.value: 0 for s in ItemStatus}, "tokens": {"input": 0, "output": 0},
-                             "recent": 0, "span": 0.0} for job_id in job_ids}
-        for job_id, status, n, tokens_in, tokens_out, last_minute, since in rows:
+        progress = {job_id: {"counts": {s.value: 0 for s in ItemStatus},
+                             "tokens": {"input": 0, "cached": 0, "output": 0}, "recent": 0, "span": 0.0}
+                    for job_id in job_ids}
+        for job_id, status, n, tokens_in, tokens_cached, tokens_out, last_minute, since in rows:
             one = progress[job_id]
             one["counts"][status] = n
             one["tokens"]["input"] += int(tokens_in)
+            one["tokens"]["cached"] += int(tokens_cached)
             one["tokens"]["output"] += int(tokens_out)
             if status in (ItemStatus.SUCCEEDED.value, ItemStatus.FAILED.value):  # computed, not called off
                 one["recent"] += last_minute
@@ -128,7 +131,8 @@ class JobService:
         # choice and its logprobs, an embeddings line's vectors.
         first = JobItem.requests[1]
         columns = (JobItem.line, JobItem.custom_id, JobItem.status, JobItem.result, JobItem.finish_reason,
-                   JobItem.input_tokens, JobItem.output_tokens, JobItem.chunks, JobItem.depth, JobItem.request_count,
+                   JobItem.input_tokens, JobItem.cached_tokens, JobItem.output_tokens, JobItem.chunks, JobItem.depth,
+                   JobItem.request_count,
                    JobItem.error_code, JobItem.error_message, InferenceRequest.choices, InferenceRequest.embedding,
                    func.jsonb_array_length(InferenceRequest.input["texts"]).label("texts"),
                    InferenceRequest.params["encoding_format"].astext.label("encoding"))
@@ -196,8 +200,9 @@ def result_line(row, errors: bool = False) -> dict[str, Any]:
             line["embeddings"] = [shown(v, getattr(row, "encoding", None) or "float")
                                   for v in vectors(row.embedding, row.texts or 0)]
     if row.status != ItemStatus.INVALID:
-        line.update(usage={"input_tokens": row.input_tokens, "output_tokens": row.output_tokens,
-                           "requests": row.request_count}, chunks=row.chunks, depth=row.depth)
+        line.update(usage={"input_tokens": row.input_tokens, "cached_tokens": row.cached_tokens,
+                           "output_tokens": row.output_tokens, "requests": row.request_count},
+                    chunks=row.chunks, depth=row.depth)
     line["error"] = None if row.error_code is None else {"code": row.error_code, "message": row.error_message}
     return line
 

@@ -28,6 +28,7 @@ from core.services import Services
 from core.submit.tokens import estimate_text_tokens
 from models import Source, Status, Tenant, job_lifecycle
 from models.job import ItemStatus, Job, JobItem, JobStatus
+from models.job_lifecycle import NOTHING, Spent
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,7 @@ class Stages:
     def advance(self, item: Running, job: Job, tenant: Tenant | None, rows: list[Any]) -> int:
         """Every request of the item's stage ended: record the outcome, or start the next stage
         (how many requests that stage has in flight; 0 when the item ended)."""
-        spent_in = sum(r.input_tokens or 0 for r in rows)
-        spent_out = sum(r.output_tokens or 0 for r in rows)
+        spent = Spent.of(rows)
         failed = next((r for r in rows if r.status != Status.SUCCEEDED), None)
         stopping = self._stopping(job)
         if failed is not None:
@@ -65,23 +65,23 @@ class Stages:
                 failed.status, ItemStatus.FAILED)
             if stopping is not None and status == ItemStatus.CANCELLED:
                 status = stopping
-            self._end(item, status, spent_in, spent_out, code=failed.error_code or failed.status.value,
+            self._end(item, status, spent, code=failed.error_code or failed.status.value,
                       message=failed.error_message or f"A request of this item ended {failed.status.value}.")
             for other in rows:  # the rest of its stage is of no use now
                 if not other.status.terminal:
                     cancel_requests(self.svc.requests, job.tenant_id, [other.id])
             return 0
         if item.final:
-            self._end(item, ItemStatus.SUCCEEDED, spent_in, spent_out, result=rows[0].output_text,
+            self._end(item, ItemStatus.SUCCEEDED, spent, result=rows[0].output_text,
                       finish_reason=rows[0].finish_reason)
             return 0
         if stopping is not None or tenant is None:
-            self._end(item, stopping or ItemStatus.CANCELLED, spent_in, spent_out, code="cancelled",
+            self._end(item, stopping or ItemStatus.CANCELLED, spent, code="cancelled",
                       message="The job stopped before this item's summary was complete.")
             return 0
         joined = "\n\n".join(r.output_text or "" for r in rows)
         outcome, _, made = self.start(item.job_id, item.line, job, tenant, joined, None, item.depth + 1,
-                                      item.requests, spent=(spent_in, spent_out), custom_id=item.custom_id)
+                                      item.requests, spent=spent, custom_id=item.custom_id)
         return 0 if outcome in ("failed", "gone") else made
 
     def _stopping(self, job: Job) -> ItemStatus | None:
@@ -91,10 +91,10 @@ class Stages:
             return ItemStatus.EXPIRED
         return None
 
-    def _end(self, item: Running, status: ItemStatus, spent_in: int, spent_out: int, *, result: str | None = None,
+    def _end(self, item: Running, status: ItemStatus, spent: Spent, *, result: str | None = None,
              finish_reason: str | None = None, code: str | None = None, message: str | None = None) -> None:
         with self.db.session() as session:
-            job_lifecycle.end(session, item.job_id, item.line, item.requests, status, spent=(spent_in, spent_out),
+            job_lifecycle.end(session, item.job_id, item.line, item.requests, status, spent=spent,
                               result=result, finish_reason=finish_reason, code=code, message=message)
 
     def create_missing(self, item: Running, job: Job, tenant: Tenant | None, missing: list[uuid.UUID]) -> None:
@@ -107,7 +107,7 @@ class Stages:
                                 .values(requests=remaining))
             item.requests = remaining
             if not remaining:
-                self._end(item, self._stopping(job) or ItemStatus.CANCELLED, 0, 0, code="cancelled",
+                self._end(item, self._stopping(job) or ItemStatus.CANCELLED, NOTHING, code="cancelled",
                           message="The job stopped before this item ran.")
             return
         with self.db.session() as session:
@@ -121,7 +121,7 @@ class Stages:
             if rid in missing:
                 outcome = self._submit(tenant, rid, body, job.api_key_id)
                 if outcome not in (None, "retry"):
-                    self._end(item, ItemStatus.FAILED, 0, 0, code=outcome[0], message=outcome[1])
+                    self._end(item, ItemStatus.FAILED, NOTHING, code=outcome[0], message=outcome[1])
                     cancel_requests(self.svc.requests, job.tenant_id, [r for r in item.requests if r not in missing])
                     return
                 if outcome == "retry":
@@ -129,7 +129,7 @@ class Stages:
 
     def start(self, job_id: uuid.UUID, line: int, job: Job, tenant: Tenant, text_: str | None,
               body: dict[str, Any] | None, depth: int, previous: list[uuid.UUID],
-              spent: tuple[int, int] = (0, 0), custom_id: str | None = None) -> tuple[str | None, int, int]:
+              spent: Spent = NOTHING, custom_id: str | None = None) -> tuple[str | None, int, int]:
         """Write the item's next stage (its request ids first), then create the requests.
 
         Returns (outcome, tokens reserved, requests made): outcome None when all were created,
@@ -149,7 +149,7 @@ class Stages:
                 return outcome, tokens, len(ids)
             if outcome is not None:
                 item = Running(job_id, line, custom_id, ids, depth, final, body)
-                self._end(item, ItemStatus.FAILED, *spent, code=outcome[0], message=outcome[1])
+                self._end(item, ItemStatus.FAILED, spent, code=outcome[0], message=outcome[1])
                 cancel_requests(self.svc.requests, job.tenant_id, ids)
                 return "failed", tokens, len(ids)
             tokens += estimate_text_tokens(request.get("prompt", "")) + request.get("max_tokens", 0)

@@ -161,17 +161,17 @@ class BatchService:
 
     def _counts(self, job_ids: list[uuid.UUID]) -> dict[uuid.UUID, dict[str, int]]:
         """Items per status of each job, and the tokens its items spent (``input_tokens``,
-        ``output_tokens``: the engine's counts, summed as each item ended)."""
-        counts = {job_id: {s.value: 0 for s in ItemStatus} | {"input_tokens": 0, "output_tokens": 0}
-                  for job_id in job_ids}
+        ``cached_tokens``, ``output_tokens``: the engine's counts, summed as each item ended)."""
+        spent = ("input_tokens", "cached_tokens", "output_tokens")
+        counts = {job_id: {s.value: 0 for s in ItemStatus} | dict.fromkeys(spent, 0) for job_id in job_ids}
         with self.db.session() as session:
-            for job_id, status, n, spent_in, spent_out in session.execute(
-                    select(JobItem.job_id, JobItem.status, func.count(), func.sum(JobItem.input_tokens),
-                           func.sum(JobItem.output_tokens)).where(JobItem.job_id.in_(job_ids))
-                    .group_by(JobItem.job_id, JobItem.status)):
+            for job_id, status, n, *sums in session.execute(
+                    select(JobItem.job_id, JobItem.status, func.count(),
+                           *(func.sum(getattr(JobItem, name)) for name in spent))
+                    .where(JobItem.job_id.in_(job_ids)).group_by(JobItem.job_id, JobItem.status)):
                 counts[job_id][status.value] = n
-                counts[job_id]["input_tokens"] += int(spent_in or 0)
-                counts[job_id]["output_tokens"] += int(spent_out or 0)
+                for name, tokens in zip(spent, sums, strict=True):
+                    counts[job_id][name] += int(tokens or 0)
         return counts
 
 
@@ -196,9 +196,9 @@ def view(job: Job, batch: Batch, counts: dict[str, int]) -> dict[str, Any]:
                            "completed": counts[ItemStatus.SUCCEEDED.value],
                            "failed": failed - counts[ItemStatus.CANCELLED.value]},
         "metadata": job.meta or None, "model": job.model,
-        # As OpenAI's: what the batch's lines used so far. Cached input tokens are not summed per
-        # job (each request row has its own, GET /v1/requests/<id>): 0 here.
-        "usage": {"input_tokens": counts["input_tokens"], "input_tokens_details": {"cached_tokens": 0},
+        # As OpenAI's: what the batch's lines used so far.
+        "usage": {"input_tokens": counts["input_tokens"],
+                  "input_tokens_details": {"cached_tokens": counts["cached_tokens"]},
                   "output_tokens": counts["output_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                   "total_tokens": counts["input_tokens"] + counts["output_tokens"]},
     }

@@ -149,7 +149,8 @@ class Stages:
                 return outcome, tokens, len(ids)
             if outcome is not None:
                 item = Running(job_id, line, custom_id, ids, depth, final, body)
-                self._end(item, ItemStatus.FAILED, spent, code=outcome[0], message=outcome[1])
+                # begin_stage added the previous stage's tokens already
+                self._end(item, ItemStatus.FAILED, NOTHING, code=outcome[0], message=outcome[1])
                 cancel_requests(self.svc.requests, job.tenant_id, ids)
                 return "failed", tokens, len(ids)
             tokens += estimate_text_tokens(request.get("prompt", "")) + request.get("max_tokens", 0)

@@ -29,6 +29,7 @@ class JobCountsSchema(Schema):
 
 class JobTokensSchema(Schema):
     input = fields.Integer()
+    cached = fields.Integer(metadata={"description": "Of input: the prompt tokens the engine's prefix cache held."})
     output = fields.Integer()
 
 

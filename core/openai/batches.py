@@ -109,7 +109,7 @@ class BatchService:
         statuses = ERRORS if errors else (ItemStatus.SUCCEEDED,)
         request_id = JobItem.requests[1]
         query = (select(JobItem.line, JobItem.custom_id, JobItem.result, JobItem.finish_reason, JobItem.input_tokens,
-                        JobItem.output_tokens, InferenceRequest.cached_tokens, JobItem.error_code,
+                        JobItem.output_tokens, JobItem.cached_tokens, JobItem.error_code,
                         JobItem.error_message, JobItem.finished_at,
                         request_id.label("request_id"), InferenceRequest.choices, InferenceRequest.params,
                         InferenceRequest.input["tools"].label("tools"), InferenceRequest.embedding,

@@ -222,12 +222,15 @@ class Budgets:
         """Raise ``budget_exhausted`` when a hard budget in force cannot hold ``tokens`` (or
         ``cost``) on top of what its window already used and holds in flight (Postgres's figures):
         a bulk job refused at submit."""
-        for rule, (start, end) in self.in_force(tenant_id, key_id, datetime.now(UTC)):
-            needed = tokens if rule.unit == "tokens" else micro(cost)
-            with self.db.session() as session:
+        in_force = list(self.in_force(tenant_id, key_id, datetime.now(UTC)))  # read before: its own session
+        if not in_force:
+            return
+        with self.db.session() as session:  # one for every budget's figures
+            for rule, (start, end) in in_force:
+                needed = tokens if rule.unit == "tokens" else micro(cost)
                 spent = sum(self._spent(session, rule, start, end, in_flight=True))
-            if spent + needed > rule.limit:
-                raise self.refusal(Charge(rule, rule.counter(start), needed, end), spent)
+                if spent + needed > rule.limit:
+                    raise self.refusal(Charge(rule, rule.counter(start), needed, end), spent)
 
     # ------------------------------------------------------------------ reading
 

@@ -120,9 +120,9 @@ def test_past_capacity_the_wait_and_level_rise_then_fall_with_hysteresis(slow_st
 
 
 def contribution(worker: WorkerProcess) -> float:
-    """What one governed worker adds to its class's drain: its limit × a sequence's speed there."""
-    beat = worker.stats()
-    return beat.get("engine_limit", 0) * beat.get("limit_seq_tps", 0.0)
+    """What one governed worker adds to its class's drain: what its limit decodes a second, its
+    prompts' prefill priced apart."""
+    return worker.stats().get("decode_tps", 0.0)
 
 
 def steady_tick(monitor: Monitor, workers: list[WorkerProcess]) -> tuple[ClassLoad, float]:
@@ -152,7 +152,10 @@ def test_a_killed_workers_capacity_leaves_the_estimate_at_the_next_tick(slow_sta
     after, expected = steady_tick(monitor, [first])
     assert after.workers == 1
     assert after.drain_tps == pytest.approx(expected, abs=0.15), (both, after)
-    assert after.wait_s == pytest.approx(after.queued_work / after.drain_tps, rel=0.01)
+    # In engine time: the queued output at the decode drain, the queued prompts at their price.
+    prefill_s = (after.queued_prompt * after.prefill_s_tok + after.backlog_s) / after.engines
+    slot_s = after.slot_wait_s if after.room == 0 else 0.0
+    assert after.wait_s == pytest.approx(after.queued_work / after.drain_tps + prefill_s + slot_s, rel=0.01, abs=0.002)
     first.stop()
 
 

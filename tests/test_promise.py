@@ -207,16 +207,40 @@ def own_worker(database_url, scratch_redis_url, new_client, tmp_path):
     services(application).db.dispose()
 
 
-def test_a_running_request_past_its_deadline_is_aborted_as_expired(own_worker):
-    # Admitted although 8,000 tokens cannot fit in 1.5 s: nothing is queued and the engine has
-    # room, so it starts now (an estimate never locks the door), and runs into its deadline.
+def test_a_running_request_past_its_deadline_is_aborted_as_expired(database_url, scratch_redis_url, new_client,
+                                                                   tmp_path):
+    """Admitted on what the engine measured (16 tokens fit 1.5 s many times over), then the host
+    starves the engine (every step takes 5 s from 2 s after its start): the request runs into its
+    deadline and is aborted there, its KV freed."""
+    from conftest import WorkerProcess, make_settings
+
+    from web import create_app
+
+    env = {"SLUICE_SIM_STARVE_AFTER_S": "2"}
+    application = create_app(make_settings(database_url, scratch_redis_url, env))
+    worker = WorkerProcess(database_url, scratch_redis_url, tmp_path, extra_env=env)
+    try:
+        client = new_client(application)
+        worker.wait_stats(lambda s: "engine_limit" in s)
+        time.sleep(2)  # at least 2 s after the engine started: its steps are starved from now on
+        accepted = client.submit(prompt="starved on its way", max_tokens=16, ignore_eos=True, deadline_s=1.5)
+        assert accepted.status_code == 202, accepted.get_json()
+        view = client.wait(accepted.get_json()["id"], timeout=30)
+        assert view["status"] == "expired" and view["error"]["code"] == "deadline_exceeded", view
+        assert view["timings"]["started_at"] is not None and view["usage"]["output_tokens"] < 16
+        assert worker.wait_stats(lambda s: s["kv_used_tokens"] == 0)["kv_used_tokens"] == 0, "KV not freed"
+    finally:
+        worker.stop()
+        services(application).db.dispose()
+
+
+def test_a_request_whose_own_length_cannot_fit_is_refused_even_at_an_idle_engine(own_worker):
+    """8,000 tokens cannot be decoded in 1.5 s at the speed the idle engine states live: refused at
+    once, not admitted to run into its deadline."""
     client, worker = own_worker
-    request_id = client.submit(prompt="too long for its deadline", max_tokens=8000, deadline_s=1.5).get_json()["id"]
-    view = client.wait(request_id, timeout=30)
-    assert view["status"] == "expired" and view["error"]["code"] == "deadline_exceeded", view
-    assert view["timings"]["started_at"] is not None and view["usage"]["output_tokens"] < 8000
-    assert view["timings"]["inference_s"] < 3
-    assert worker.wait_stats(lambda s: s["kv_used_tokens"] == 0)["kv_used_tokens"] == 0, "KV not freed"
+    worker.wait_stats(lambda s: "engine_limit" in s)
+    refused = client.submit(prompt="too long for its deadline", max_tokens=8000, deadline_s=1.5)
+    assert envelope(refused, 503, "overloaded")["details"]["reason"] == "deadline"
 
 
 def test_batch_work_is_promised_against_its_own_queue(promising):

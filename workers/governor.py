@@ -60,8 +60,9 @@ MEMORY_S = 60.0
 # the bank holds about the slack of the last 1 / (1 - BANK_KEEP) steps, which the realtime requests
 # in the engine now mostly lived through, not slack left by requests long gone.
 BANK_KEEP = 1.0 - 1.0 / 32
-# Batch prompt tokens released to the engine are looked for in this many steps' prefill; later
-# they are taken as never prefilled (cached, or aborted before the engine saw them).
+# Prompt tokens released to the engine are looked for in this many prefilling steps after the
+# last release; later they are taken as never prefilled as counted (the workers also forget a
+# request's prompt when it leaves, and expire what no step showed for seconds).
 PENDING_STEPS = 4
 
 
@@ -77,8 +78,11 @@ class StepCurve:
         self._coef: tuple[float, float, float] | None = None
         self._prompt_mean = 0.0  # prompt tokens per step, smoothed: the prefill share of a step
         self._batch_mean = 0.0  # of which batch prompts, smoothed the same way
-        self._batch_pending = 0  # batch prompt tokens released to the engine, not yet seen prefilled
+        # Prompts let into the engine and not yet seen prefilled, oldest first: [id, tokens, batch,
+        # released at]. The steps' prefilled tokens (computed and cached) are taken off the head.
+        self._pending: deque[list] = deque()
         self._pending_age = 0
+        self._cached_share = 0.0  # of the prompt tokens prefilled lately, the share the prefix cache held
         self.samples = 0
         self._lock = threading.Lock()
 
@@ -93,27 +97,75 @@ class StepCurve:
                     self._xx[i][j] = self._xx[i][j] * self._decay + x[i] * x[j]
             self._weight = self._weight * self._decay + 1.0
             self._prompt_mean = 0.98 * self._prompt_mean + 0.02 * sample.prompt_tokens
-            batch = min(self._batch_pending, sample.prompt_tokens)
-            self._batch_pending -= batch
-            self._pending_age += 1
+            seen = sample.prompt_tokens + sample.cached_tokens
+            if seen:
+                self._cached_share = 0.9 * self._cached_share + 0.1 * sample.cached_tokens / seen
+            batch = 0
+            while seen > 0 and self._pending:
+                head = self._pending[0]
+                taken = min(seen, head[1])
+                head[1] -= taken
+                seen -= taken
+                batch += taken if head[2] else 0
+                if head[1] <= 0:
+                    self._pending.popleft()
+            if sample.prompt_tokens + sample.cached_tokens:  # only steps that prefilled age what is pending
+                self._pending_age += 1
             if self._pending_age > PENDING_STEPS:
-                self._batch_pending = 0
-            self._batch_mean = 0.98 * self._batch_mean + 0.02 * batch
+                self._pending.clear()
+            # The batch share of what this step computed (cached tokens cost it nothing).
+            self._batch_mean = 0.98 * self._batch_mean + 0.02 * min(batch, sample.prompt_tokens)
             self.samples += 1
             self._coef = None
 
-    def note_batch_prefill(self, prompt_tokens: int) -> None:
-        """A batch prompt of ``prompt_tokens`` was let into the engine: the prefill of the next steps
-        is (up to that many tokens) batch work, paced by the slack realtime leaves, not traffic the
-        in-engine limit must make room for."""
+    def note_prefill(self, prompt_tokens: int, batch: bool, request_id: str | None = None,
+                     now: float | None = None) -> None:
+        """A prompt of ``prompt_tokens`` was let into the engine: the prefill of the next steps
+        holds it until a step is seen prefilling that many tokens. Batch prompts are paced by the
+        slack realtime leaves, not traffic the in-engine limit must make room for."""
+        if prompt_tokens <= 0:
+            return
         with self._lock:
-            self._batch_pending += max(0, prompt_tokens)
+            self._pending.append([request_id, prompt_tokens, batch, time.monotonic() if now is None else now])
             self._pending_age = 0
+
+    def note_batch_prefill(self, prompt_tokens: int) -> None:
+        """A batch prompt of ``prompt_tokens`` was let into the engine (``note_prefill``)."""
+        self.note_prefill(prompt_tokens, True)
+
+    def forget(self, request_id: str) -> None:
+        """The request left the engine: whatever of its prompt is still counted pending never will
+        be prefilled (it was aborted first, or its prefill was counted against another's)."""
+        with self._lock:
+            self._pending = deque(p for p in self._pending if p[0] != request_id)
+
+    def expire(self, older_than: float) -> None:
+        """Drop pending prompts released before ``older_than`` (monotonic): a step would have
+        shown them long ago, so they never reached the engine's prefill as counted."""
+        with self._lock:
+            while self._pending and self._pending[0][3] < older_than:
+                self._pending.popleft()
+
+    def pending(self) -> int:
+        """Prompt tokens let into the engine and not yet seen prefilled."""
+        with self._lock:
+            return sum(p[1] for p in self._pending)
 
     def batch_pending(self) -> int:
         """Batch prompt tokens let into the engine and not yet seen prefilled."""
         with self._lock:
-            return self._batch_pending
+            return sum(p[1] for p in self._pending if p[2])
+
+    def cached_share(self) -> float:
+        """The share of the prompt tokens prefilled lately that the prefix cache held."""
+        with self._lock:
+            return self._cached_share
+
+    def prompt_token_s(self) -> float:
+        """Engine seconds one prompt token costs as admission counts them (cached ones too): the
+        curve's price of a computed token, discounted by the share the prefix cache held lately."""
+        coef = self.coefficients()
+        return 0.0 if coef is None else coef[2] * (1.0 - self.cached_share())
 
     def realtime_prompt_mean(self) -> float:
         """Prompt tokens per step, smoothed, less those of batch prompts: the prefill that comes
@@ -180,14 +232,20 @@ class _Entry:
     batch: bool
     entered: float
     tokens: int  # its max_tokens
+    seqs: int = 1  # the sequences it decodes side by side: its n, or an embeddings request's texts
+    prompt: int = 0  # its prompt tokens, as the caller counted them
+    started: bool = False  # let into the engine (its prompt released for prefill)
+    ticket: int = 0  # arrival order, for the wait before the engine (first come, first served)
 
 
 class Governor:
     """The in-engine limit of one worker.
 
-    ``enter`` and ``leave`` bracket each request's time in the engine; ``limit()`` is the number
-    of requests the engine may hold now. ``default_pace_s`` stands for traffic not seen yet (the
-    realtime class's default deadline over its default ``max_tokens``)."""
+    ``enter`` and ``leave`` bracket each request's time in the worker's hands; ``take_prefill``
+    is its gate into the engine proper (realtime first, first come first served, within the
+    limit in sequences and the prefill a step may carry); ``limit()`` is the number of sequences
+    the engine may hold now. ``default_pace_s`` stands for traffic not seen yet (the realtime
+    class's default deadline over its default ``max_tokens``)."""
 
     def __init__(self, curve: StepCurve, *, max_seqs: int, default_pace_s: float, safety: float = SAFETY,
                  memory_s: float = MEMORY_S, clock: Callable[[], float] = time.monotonic) -> None:
@@ -200,31 +258,44 @@ class Governor:
         self._in_engine: dict[str, _Entry] = {}
         self._recent: deque[tuple[float, float]] = deque()  # (entered, pace) of recent realtime entries
         self._credit_s = 0.0  # batch prefill credit beside realtime, seconds of engine time
+        self._tickets = 0
         self._lock = threading.Lock()
 
-    def enter(self, request_id: str, *, batch: bool, deadline_s: float | None, max_tokens: int) -> None:
+    def enter(self, request_id: str, *, batch: bool, deadline_s: float | None, max_tokens: int,
+              seqs: int = 1, prompt_tokens: int = 0) -> None:
         now = self.clock()
         pace = math.inf if deadline_s is None else max(0.0, deadline_s) / max(1, max_tokens)
         with self._lock:
-            self._in_engine[request_id] = _Entry(pace, batch, now, max(1, max_tokens))
+            self._tickets += 1
+            self._in_engine[request_id] = _Entry(pace, batch, now, max(1, max_tokens), max(1, seqs),
+                                                 max(0, prompt_tokens), ticket=self._tickets)
             if not batch and math.isfinite(pace):
                 self._recent.append((now, pace))
 
     def leave(self, request_id: str) -> None:
         with self._lock:
             self._in_engine.pop(request_id, None)
+        self.curve.forget(request_id)
 
     def in_engine(self) -> tuple[int, int]:
-        """(requests in the engine, of which batch)."""
+        """(requests in the worker's hands, of which batch)."""
         with self._lock:
             return len(self._in_engine), sum(1 for e in self._in_engine.values() if e.batch)
 
+    def seqs(self) -> int:
+        """Sequences of the requests in the worker's hands: what the limit counts."""
+        with self._lock:
+            return sum(e.seqs for e in self._in_engine.values())
+
     def pace_s(self) -> float:
-        """The tightest pace that governs now: of the requests in the engine and the realtime
-        requests that entered within ``memory_s``; the default pace when none did. A pace no
-        engine step can keep even with one sequence is left out: that request cannot finish in
-        time whatever the limit, and must not throttle everyone else's (one client stating an
-        impossible deadline would otherwise close the engine for a minute)."""
+        """The pace that governs now: the tightest of the batch requests in the engine and of the
+        realtime class (its requests in the engine and those that entered within ``memory_s``).
+        Among ten or more realtime paces the class's is its tenth percentile, not its single
+        tightest: one tenant's tight deadline must not throttle every request on the worker.
+        The default pace when none entered. A pace no engine step can keep even with one sequence
+        is left out: that request cannot finish in time whatever the limit, and must not throttle
+        everyone else's (one client stating an impossible deadline would otherwise close the
+        engine for a minute)."""
         now = self.clock()
         with self._lock:
             while self._recent and now - self._recent[0][0] > self.memory_s:
@@ -232,12 +303,13 @@ class Governor:
             batch = [e.pace_s for e in self._in_engine.values() if e.batch]
             realtime = [e.pace_s for e in self._in_engine.values() if not e.batch] + [p for _, p in self._recent]
         one = self.curve.step_s(1) or 0.0
-        realtime = [p for p in realtime if self.safety * p >= one]
+        realtime = sorted(p for p in realtime if self.safety * p >= one)
         # Realtime traffic not seen (or none that can be served): its defaults stand for it.
-        return min(batch + (realtime or [self.default_pace_s]))
+        tightest = realtime[len(realtime) // 10] if len(realtime) >= 10 else (realtime or [self.default_pace_s])[0]
+        return min(batch + [tightest])
 
     def limit(self) -> int:
-        """The most requests the engine may hold so that a step stays within ``safety`` × the
+        """The most sequences the engine may hold so that a step stays within ``safety`` × the
         governing pace; the whole engine while the curve is unknown or flat."""
         coef = self.curve.coefficients()
         if coef is None:
@@ -274,61 +346,123 @@ class Governor:
                 for step in steps:
                     self._credit_s = self._credit_s * BANK_KEEP + max(0.0, budget - step.seconds)
 
-    def take_prefill(self, prompt_tokens: int) -> bool:
-        """Whether a batch prompt of ``prompt_tokens`` may be prefilled now, its price by the curve
-        being c × its tokens. Beside realtime once the bank holds that price, which it spends (a
-        prompt the bank never holds waits until the realtime has left the engine); without
-        realtime at once, but never more than one step budget of batch prefill at a time (or one
-        prompt, if larger), so that realtime arriving meanwhile waits for one prefill, not for a
-        wave of them in one long step."""
+    def take_prefill(self, prompt_tokens: int, request_id: str | None = None, batch: bool = True) -> bool:
+        """Whether a prompt of ``prompt_tokens`` may go into the engine now; if so it is counted
+        pending prefill until a step shows it prefilled (``StepCurve.note_prefill``).
+
+        Realtime first: a batch prompt waits while a realtime request waits here, and realtime
+        requests go in the order they came. The limit counts sequences: a request whose sequences
+        would take the engine past it waits for room (unless the engine is empty). A realtime
+        prompt goes in while the prompts pending prefill cost less than a step budget (so a burst
+        is prefilled one step budget at a time, in order, not all in one long step that every
+        sequence decoding beside it waits for); there is always one going in. A batch prompt, its
+        price by the curve being c × its tokens, beside realtime once the bank holds that price,
+        which it spends (a prompt the bank never holds waits until the realtime has left the
+        engine); without realtime at once, but never more than one step budget of prefill at a
+        time (or one prompt, if larger), so that realtime arriving meanwhile waits for one
+        prefill, not for a wave of them in one long step. ``request_id`` None: a prompt not
+        entered (tests of the bank alone)."""
         coef = self.curve.coefficients()
         price = coef[2] if coef is not None else 0.0
         cost = price * max(0, prompt_tokens)
-        pending = price * self.curve.batch_pending()
-        if pending > 0 and pending + cost > self.step_budget_s():
-            return False
+        # What is already let in and not yet prefilled: batch prompts weigh against batch only (beside
+        # realtime the bank paces them), every prompt against realtime.
+        pending = price * (self.curve.batch_pending() if batch else self.curve.pending())
+        budget = self.step_budget_s()
+        limit = self.limit()
         with self._lock:
-            if self._realtime_here():
-                if self._credit_s < cost:
+            me = self._in_engine.get(request_id) if request_id is not None else None
+            if me is not None:
+                if me.started:
+                    return True
+                waiting = [e for e in self._in_engine.values() if not e.started and e is not me]
+                if any(not e.batch and (batch or e.ticket < me.ticket) for e in waiting):
+                    return False  # realtime first, in the order it came
+                started = sum(e.seqs for e in self._in_engine.values() if e.started)
+                if started and started + me.seqs > limit:
                     return False
-                self._credit_s -= cost
-        self.curve.note_batch_prefill(prompt_tokens)
+            if batch:
+                if pending > 0 and pending + cost > budget:
+                    return False
+                if self._realtime_here():
+                    if self._credit_s < cost:
+                        return False
+                    self._credit_s -= cost
+            elif pending > 0 and pending >= budget:
+                return False
+            if me is not None:
+                me.started = True
+        self.curve.note_prefill(prompt_tokens, batch, request_id)
         return True
 
-    def tokens_take_s(self, max_tokens: int) -> float | None:
-        """Seconds ``max_tokens`` tokens take at the step time the engine gives with one sequence
-        more than it holds (at most the limit); None while the curve is unknown."""
-        total, _ = self.in_engine()
-        step = self.curve.step_s(min(total + 1, self.limit()))
-        return None if step is None else max_tokens * step
+    def backlog_s(self, batch: bool = True) -> float:
+        """Engine seconds of prefill ahead of a request that comes now, at the price per prompt
+        token: the prompts let into the engine and not yet prefilled, and those of the requests
+        waiting to go in that go before it (for a realtime request, the realtime ones only:
+        realtime goes in first)."""
+        with self._lock:
+            waiting = sum(e.prompt for e in self._in_engine.values() if not e.started and (batch or not e.batch))
+        return (self.curve.pending() + waiting) * self.curve.prompt_token_s()
+
+    def tokens_take_s(self, max_tokens: int, prompt_tokens: int = 0, batch: bool = False) -> float | None:
+        """Seconds a request entering now takes to finish: the prefill ahead of it and its own,
+        then ``max_tokens`` tokens at the step time the engine gives with one sequence more than
+        it holds (at most the limit); None while the curve is unknown."""
+        step = self.curve.step_s(min(self.seqs() + 1, self.limit()))
+        if step is None:
+            return None
+        return self.backlog_s(batch) + prompt_tokens * self.curve.prompt_token_s() + max_tokens * step
 
     def slot_wait_s(self, limit: int) -> float:
         """How long a request that finds the engine full waits for room, on average: requests in
-        it are half done, and one of ``limit`` finishes every (half a request's tokens × a step)
-        / ``limit`` seconds. 0 while there is room."""
+        it are half done, and one of ``limit`` sequences finishes every (half a request's tokens ×
+        a step) / ``limit`` seconds. 0 while there is room."""
         with self._lock:
             entries = list(self._in_engine.values())
         step = self.curve.step_s(limit)
-        if len(entries) < limit or not entries or step is None:
+        if sum(e.seqs for e in entries) < limit or not entries or step is None:
             return 0.0
         return statistics.fmean(e.tokens for e in entries) / 2 * step / limit
 
     def batch_yields(self, realtime_queued: int) -> bool:
         """Batch work stops entering this engine while realtime waits for it: realtime is queued
         on this worker's realtime queues, or realtime runs here and the engine is at its limit."""
-        total, batch = self.in_engine()
-        return realtime_queued > 0 or (total - batch > 0 and total >= self.limit())
+        with self._lock:
+            seqs = sum(e.seqs for e in self._in_engine.values())
+            realtime = any(not e.batch for e in self._in_engine.values())
+        return realtime_queued > 0 or (realtime and seqs >= self.limit())
 
-    def preempt(self, realtime_queued: int) -> list[str]:
+    def preempt(self, realtime_queued: int, grant: Callable[[int, int], int] | None = None,
+                exempt: Callable[[list[str]], set[str]] | None = None) -> list[str]:
         """Batch requests to take out of the engine now, newest first: as many as realtime needs,
-        while the engine is over its limit or full with realtime queued."""
+        while the engine is over its limit (in sequences) or full with realtime queued.
+
+        ``grant(slots, queued)``: of the slots this engine would free for the ``queued`` realtime
+        requests, how many it may (the fleet's claims, ``workers/preemption.py``: one queued
+        request makes one worker yield); by default all. What is over the limit always leaves.
+        ``exempt(ids)``: batch requests that are not to be preempted again."""
         limit = self.limit()
         with self._lock:
-            total = len(self._in_engine)
-            batch = sorted(((e.entered, rid) for rid, e in self._in_engine.items() if e.batch), reverse=True)
-            realtime = total - len(batch)
+            total = sum(e.seqs for e in self._in_engine.values())
+            batch = sorted(((e.entered, rid, e.seqs) for rid, e in self._in_engine.items() if e.batch), reverse=True)
+            realtime = any(not e.batch for e in self._in_engine.values())
         if not realtime and realtime_queued <= 0:
             return []
+        over = max(0, total - limit)
         # Room for the realtime requests waiting (at most the whole limit), and none over the limit.
-        want = max(0, total - limit + min(max(0, realtime_queued), limit))
-        return [rid for _, rid in batch[:want]]
+        for_queued = max(0, total - limit + min(max(0, realtime_queued), limit)) - over
+        if for_queued and grant is not None:
+            for_queued = grant(for_queued, realtime_queued)
+        want = over + for_queued
+        if want <= 0:
+            return []
+        skip = exempt([rid for _, rid, _ in batch]) if exempt is not None else set()
+        victims = []
+        for _, rid, seqs in batch:
+            if want <= 0:
+                break
+            if rid in skip:
+                continue
+            victims.append(rid)
+            want -= seqs
+        return victims

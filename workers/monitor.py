@@ -120,21 +120,29 @@ class _ClassState:
 class Engines:
     """What the governed engines serving one class report (``workers/governor.py``)."""
 
-    drain_tps: float  # Σ limit × the speed a sequence gets at the limit
-    seq_tps: float  # that speed, median over the workers
-    room: int  # Σ requests their engines would take in now
+    drain_tps: float  # Σ output tokens a second their limits decode, prefill priced apart
+    seq_tps: float  # the speed a sequence gets at the limit, median over the workers
+    room: int  # Σ sequences their engines would take in now
     slot_wait_s: float  # the shortest wait for a slot among the full ones
+    prefill_s_tok: float = 0.0  # engine seconds a prompt token costs, median over the workers
+    count: int = 0  # how many engines share the prefill ahead
+    backlog_s: float = 0.0  # Σ engine seconds of prefill waiting inside them
 
 
-def engines(serving: list[dict]) -> Engines | None:
-    """The governed view of ``serving`` workers; None unless every one reports its limit."""
+def engines(serving: list[dict], priority: str = "realtime") -> Engines | None:
+    """The governed view of ``serving`` workers for a class of ``priority``; None unless every one
+    reports its limit. A realtime request goes into an engine before the batch prompts waiting
+    there: only the prefill ahead of it counts."""
     if not serving or not all(w.get("limit_seq_tps") for w in serving):
         return None
     full = [w.get("slot_wait_s", 0.0) for w in serving if w.get("room", 0) <= 0]
-    return Engines(drain_tps=sum(w["engine_limit"] * w["limit_seq_tps"] for w in serving),
+    return Engines(drain_tps=sum(w.get("decode_tps") or w["engine_limit"] * w["limit_seq_tps"] for w in serving),
                    seq_tps=statistics.median(w["limit_seq_tps"] for w in serving),
                    room=sum(max(0, w.get("room", 0)) for w in serving),
-                   slot_wait_s=min(full) if len(full) == len(serving) else 0.0)
+                   slot_wait_s=min(full) if len(full) == len(serving) else 0.0,
+                   prefill_s_tok=statistics.median(w.get("prefill_s_tok") or 0.0 for w in serving),
+                   count=len(serving), backlog_s=sum(w.get("backlog_s" if priority == Priority.BATCH.value
+                                                            else "realtime_backlog_s") or 0.0 for w in serving))
 
 
 class Monitor:
@@ -173,7 +181,7 @@ class Monitor:
             if priority == Priority.REALTIME.value:  # threads busy with batch work serve no realtime
                 threads -= sum(w.get("batch_in_flight", 0) for w in serving)
             loads.append(self._class_load(priority, model, counters, len(serving), max(0, threads),
-                                          seq_by_model.get(model), now, stamp, engines(serving)))
+                                          seq_by_model.get(model), now, stamp, engines(serving, priority)))
         ttl = 3 * TICK_S
         for load in loads:
             load.write(self.redis, ttl)
@@ -276,10 +284,16 @@ class Monitor:
             # Nothing measured yet: every thread decoding one sequence, at the speed one sequence
             # got at the batch sizes seen so far (often small), discounted for a full batch.
             drain = threads * state.seq_tps * PRIOR_SHARE
+        prompts = max(0, counters.get("queued_prompt", 0))
+        # In engine time: the queued output at what the limits decode, the queued prompts and the
+        # prefill already waiting in the engines at what a prompt token costs, shared by them.
+        prefill_s = 0.0
+        if engine is not None and engine.prefill_s_tok > 0:
+            prefill_s = (prompts * engine.prefill_s_tok + engine.backlog_s) / max(1, engine.count)
         if queued == 0:
-            wait = 0.0
+            wait = prefill_s
         elif drain > 0:
-            wait = queued / drain
+            wait = queued / drain + prefill_s
         else:
             wait = -1.0 if workers else float("inf")  # unknown yet; or nobody serves this class at all
         if engine is not None and engine.room == 0 and wait >= 0:
@@ -296,7 +310,10 @@ class Monitor:
                          max(0, requests), queued, round(drain, 1), round(state.seq_tps, 2),
                          round(wait, 3) if wait != float("inf") else -1.0, level, workers, stamp, round(deadline, 3),
                          engine.room if engine is not None else -1,
-                         round(engine.slot_wait_s, 3) if engine is not None else 0.0)
+                         round(engine.slot_wait_s, 3) if engine is not None else 0.0,
+                         prompts, round(engine.prefill_s_tok, 7) if engine is not None else 0.0,
+                         engine.count if engine is not None else 0,
+                         round(engine.backlog_s, 3) if engine is not None else 0.0)
 
     # ------------------------------------------------------------------ leading and re-counting
 
@@ -311,14 +328,17 @@ class Monitor:
         with self.db.session() as session:
             rows = session.execute(
                 select(t.priority, model, func.count(), func.coalesce(func.sum(t.reserved_tokens), 0),
-                       func.coalesce(func.sum(t.max_tokens), 0),
+                       func.coalesce(func.sum(t.reserved_tokens - t.input_tokens), 0),
+                       func.coalesce(func.sum(t.input_tokens), 0),
                        func.coalesce(func.sum(func.extract("epoch", t.deadline_at - t.created_at)), 0))
                 .where(t.status == Status.QUEUED, t.follows_id.is_(None)).group_by(t.priority, model)).all()
-        queued = {counters_key(p, m): (n, tokens, work, deadlines) for p, m, n, tokens, work, deadlines in rows}
+        queued = {counters_key(p, m): (n, tokens, work, prompt, deadlines)
+                  for p, m, n, tokens, work, prompt, deadlines in rows}
         with self.redis.pipeline(transaction=False) as pipe:
             for key in set(self.redis.scan_iter(match=COUNTERS_PREFIX + "*", count=200)) | set(queued):
-                n, tokens, work, deadlines = queued.get(key, (0, 0, 0, 0))
+                n, tokens, work, prompt, deadlines = queued.get(key, (0, 0, 0, 0, 0))
                 pipe.hset(key, mapping={"queued_requests": n, "queued_tokens": int(tokens), "queued_work": int(work),
+                                        "queued_prompt": int(prompt),
                                         "queued_deadline_ms": int(float(deadlines) * 1000)})
             pipe.execute()
 

@@ -4,7 +4,7 @@ Celery runs tasks on a thread pool. Each task thread calls :meth:`EngineRuntime.
 hands the request to the engine's event loop and blocks until it finishes. All requests in
 flight share the one engine, which batches them continuously.
 
-Three housekeeping threads run beside it:
+Four housekeeping threads run beside it:
 * the governor feeds every engine step into the step curve and keeps the in-engine limit
   (``workers/governor.py``): it hands the limit to ``on_limit`` (the worker sets its Celery
   prefetch count to it, so the excess stays in the broker), says whether batch work yields
@@ -14,10 +14,13 @@ Three housekeeping threads run beside it:
 * the cancel watcher polls Redis for cancel flags of in-flight requests and aborts them in
   the engine (one round trip per poll for all of them);
 * the heartbeat refreshes this worker's Redis key (with engine stats), whose expiry tells the
-  sweep that this worker died and its running requests must be requeued. It doubles as the
-  watchdog: before each beat it checks that the engine's event loop still answers, and if the
-  loop is stuck it exits the process (status 70) instead of holding requests hostage; the
-  process manager restarts the worker and the sweep requeues what it was running.
+  sweep that this worker died and its running requests must be requeued. It waits on nothing
+  the engine holds (not its event loop), so a saturated engine or a starved host never makes a
+  live worker look dead;
+* the watchdog checks each heartbeat interval that the engine's event loop still answers and
+  that an engine with work scheduled still takes steps; if not it exits the process (status 70)
+  instead of holding requests hostage; the process manager restarts the worker and the sweep
+  requeues what it was running.
 
 Stopping (SIGTERM: a deploy, Ctrl-C under `sluice up`, `docker stop`) drains: Celery stops
 taking messages, requests in flight may finish within the stop grace (the time limit by
@@ -45,14 +48,18 @@ from core.rediskeys import cancel_key, node_key, worker_key
 from workers.engines import Engine, GenerationOutput, GenerationRequest, SamplingParams
 from workers.engines.base import EngineDead
 from workers.governor import Governor
+from workers.preemption import Claims
 
 log = logging.getLogger(__name__)
 
 # How long past its time limit an aborted request's stream may take to end before we stop
 # waiting for the engine's final output.
 ABORT_GRACE_S = 10.0
-# How often a batch request waiting for prefill credit beside realtime looks again.
+# How often a request waiting to go into the engine (for prefill credit or room) looks again.
 PREFILL_WAIT_S = 0.02
+# A prompt counted pending prefill longer than this (or 20 of the slowest steps lately) is
+# taken as never seen by the steps.
+PENDING_MAX_S = 10.0
 # How often the governor learns from the engine's steps and sets the in-engine limit.
 GOVERN_S = 0.25
 # The watchdog's patience: a step may take this many times the slowest one seen lately ...
@@ -61,6 +68,8 @@ STEP_GRACE = 4.0
 HUNG_FACTOR = 10.0
 # Sequences of the warm-up burst that shows the step curve's slope before the first request.
 WARMUP_BURST = 16
+# Words of the warm-up prompts that show the price of a prompt token before the first request.
+WARMUP_PROMPTS = (32, 128, 64, 256)
 
 
 @dataclass(frozen=True)
@@ -119,11 +128,16 @@ class EngineRuntime:
         model = self.info.get("model")
         queues = self.info.get("queues", ()) if model else ()
         heads = sorted({q.split(".", 1)[0] for q in queues} & {"realtime", "batch"})
+        self._room_heads = heads
         self._room_keys = [room_key(head, model) for head in heads]
         # ... and where each heartbeat states what it drains: the promise's figures while the monitor is away.
         self._capacity_keys = [capacity_key(head, model) for head in heads]
-        self._room_written: int | None = None
+        self._room_written: list[str] | None = None
+        # Preemptions for queued realtime are claimed fleet-wide: one queued request, one worker yields.
+        self._claims = Claims(redis_client, worker_id, model) if model else None
         self._room_lock = threading.RLock()  # drain() may run in a signal handler
+        self._learn_lock = threading.Lock()
+        self._governing = False  # the governor thread runs: requests waiting to go in learn steps too
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -143,13 +157,17 @@ class EngineRuntime:
         for attempt in range(2):
             warmup = self._warm_request(f"warmup-{attempt}-{self.worker_id}", "warm up")
             result = self._call(self._run(warmup, 120.0, "timeout"))
+            if attempt == 0:
+                self.engine.step_samples()  # its steps paid for the lazy start: not the engine's price
         self._learn_speed(result)
         self._call(self._warm_burst())
+        self._call(self._warm_prefill())
         self.govern_once()  # the first heartbeat already reports the learned limit
         self.cold_start_s = time.monotonic() - began
         log.info("engine %s warm in %.2fs; %s", self.engine.name, self.cold_start_s, self._curve_text())
+        self._governing = True
         for target, name in ((self._watch_cancels, "cancel-watcher"), (self._heartbeat, "heartbeat"),
-                             (self._govern, "governor")):
+                             (self._watchdog, "watchdog"), (self._govern, "governor")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -162,6 +180,44 @@ class EngineRuntime:
             return
         await asyncio.gather(*(self._run(self._warm_request(f"warmup-burst-{i}-{self.worker_id}", f"warm up {i}"),
                                          120.0, "timeout") for i in range(n)))
+
+    async def _warm_prefill(self) -> None:
+        """Prompts of a few sizes, one after another, beside a sequence decoding all along (an
+        engine times a step from the one before it, so a step after an idle spell shows nothing):
+        the step curve sees the price of a prompt token (what the promise prices a request's
+        prefill at) before the first request does. Words no two prompts share, so the prefix cache
+        cannot hold them."""
+        if self.engine.embeds or self.governor.max_seqs < 2:
+            return
+        carrier = GenerationRequest(request_id=f"warmup-carrier-{self.worker_id}", prompt="carry on",
+                                    params=SamplingParams(max_tokens=100_000, ignore_eos=True))
+        beside = asyncio.ensure_future(self._run(carrier, 600.0, "timeout"))
+        try:
+            for _ in range(500):  # until it decodes
+                if self.engine.stats().running > 0 or beside.done():
+                    break
+                await asyncio.sleep(0.01)
+            for i, words in enumerate(WARMUP_PROMPTS):
+                prompt = " ".join(f"w{i}x{k}" for k in range(words))
+                request = GenerationRequest(request_id=f"warmup-prefill-{i}-{self.worker_id}", prompt=prompt,
+                                            prompt_tokens=words * 3,
+                                            params=SamplingParams(max_tokens=2, ignore_eos=True))
+                # Counted as batch prefill: not the prefill realtime traffic brings, which the limit
+                # makes room for.
+                self._learn_steps()
+                self.governor.curve.note_prefill(words * 8, batch=True)
+                try:
+                    await self._run(request, 120.0, "timeout")
+                    self._learn_steps()
+                except Exception:  # a model whose context is shorter: its price is learned from traffic
+                    log.info("warm-up prompt of %d words refused; the prefill price is learned from traffic", words)
+                    return
+        finally:
+            await self.engine.abort(carrier.request_id)
+            with contextlib.suppress(Exception):
+                await beside
+            self._learn_steps()  # its steps, while its prompts are still counted as batch prefill
+            self.governor.curve.expire(time.monotonic() + 1)  # then nothing of the warm-up is pending
 
     def _warm_request(self, request_id: str, prompt: str) -> GenerationRequest:
         """A warm-up: eight tokens generated, or (an embedding model's engine) one text embedded."""
@@ -207,7 +263,9 @@ class EngineRuntime:
         limit, ends_as = time_limit_s, "timeout"
         if deadline_in_s is not None and deadline_in_s < time_limit_s:
             limit, ends_as = max(0.0, deadline_in_s), "deadline"
-        need_s = self.governor.tokens_take_s(request.params.max_tokens) if ends_as == "deadline" else None
+        prompt_tokens = request.prompt_tokens or 1
+        need_s = (self.governor.tokens_take_s(request.params.max_tokens, prompt_tokens, request.priority > 0)
+                  if ends_as == "deadline" else None)
         if need_s is not None and deadline_s is not None and limit < need_s <= deadline_s:
             # Its queue wait left too little: run, it would be aborted at the deadline with its
             # tokens computed for nobody, and slow everything beside it meanwhile. (One whose whole
@@ -220,16 +278,28 @@ class EngineRuntime:
             if self._handing_back:  # claimed in the instant the stop ran out: never started
                 return RunResult(None, None, "shutdown")
             self._in_flight.add(rid)
+        # The limit counts sequences: n choices decode side by side, an embeddings request's texts
+        # are embedded side by side.
+        seqs = len(request.texts) if request.texts is not None else request.params.n
         self.governor.enter(rid, batch=request.priority > 0, max_tokens=request.params.max_tokens,
-                            deadline_s=next((d for d in (deadline_s, deadline_in_s) if d is not None), time_limit_s))
+                            deadline_s=next((d for d in (deadline_s, deadline_in_s) if d is not None), time_limit_s),
+                            seqs=seqs, prompt_tokens=prompt_tokens)
         self.write_room()
+        began = time.monotonic()
         try:
-            if request.priority > 0 and not self._await_prefill_credit(rid, request.prompt_tokens or 1):
+            if not self._await_start(rid, prompt_tokens, batch=request.priority > 0):
                 # Never reached the engine: handed back (preempted, stopped) or ended (cancelled).
                 ended = self._why_stopped(rid)
                 if request.stream:
                     self._token_sink().end(rid, ended)
                 return RunResult(None, None, ended)
+            # The wait before the engine came out of its time: what is left is the engine's.
+            limit -= time.monotonic() - began
+            self.write_room()
+            if limit <= 0:  # its deadline (or time limit) passed before it could go in
+                if request.stream:
+                    self._token_sink().end(rid, ends_as)
+                return RunResult(None, None, ends_as)
             # The engine ends every stream by limit + ABORT_GRACE_S; past that the loop itself
             # is stuck and the watchdog is about to restart this worker.
             try:
@@ -263,8 +333,19 @@ class EngineRuntime:
             return "preempted" if rid in self._preempted else "engine_abort"
 
     def room(self) -> int:
-        """Requests this engine would take in now: its limit less the requests it holds."""
-        return max(0, self.limit - self.in_flight())
+        """Sequences this engine would take in now: its limit less the sequences it holds."""
+        return max(0, self.limit - self.governor.seqs())
+
+    def room_entries(self) -> list[str]:
+        """What admission reads of this engine, live (``core/admission/load.py`` ROOM_PREFIX), one
+        entry per class it serves (``_room_keys``' order): its room, the engine seconds of prefill
+        ahead of a request of that class that came now, and the speed a sequence would get if it
+        came now (one more than it holds, tokens per second)."""
+        if self.draining.is_set():
+            return ["0 0 0"] * len(self._room_heads)
+        room = self.room()
+        seq = self.governor.curve.seq_tps(min(self.governor.seqs() + 1, max(1, self.limit))) or 0.0
+        return [f"{room} {self.governor.backlog_s(head == 'batch'):.2f} {seq:.2f}" for head in self._room_heads]
 
     def write_room(self, force: bool = False) -> None:
         """Tell admission how many requests this engine would take in now (its limit less what it
@@ -273,29 +354,34 @@ class EngineRuntime:
         if not self._room_keys:
             return
         with self._room_lock:  # computed and written in one go: a later figure never loses to an older
-            room = 0 if self.draining.is_set() else self.room()
+            room = self.room_entries()
             if room == self._room_written and not force:
                 return
             try:
                 with self._redis.pipeline(transaction=False) as pipe:
-                    for key in self._room_keys:
-                        pipe.hset(key, self.worker_id, room)
+                    for key, entry in zip(self._room_keys, room, strict=True):
+                        pipe.hset(key, self.worker_id, entry)
                     pipe.execute()
                 self._room_written = room
             except redis.RedisError as exc:
                 self._room_written = None
                 log.warning("could not write the engine's room (%s)", type(exc).__name__)
 
-    def _await_prefill_credit(self, rid: str, prompt_tokens: int) -> bool:
-        """Wait until the governor lets this batch prompt be prefilled (``Governor.take_prefill``:
-        at once while no realtime runs here, beside realtime once the slack of the engine's steps
-        pays for it). False when it must not start at all: cancelled, stopped, or preempted while
-        it waited."""
-        while not self.governor.take_prefill(prompt_tokens):
+    def _await_start(self, rid: str, prompt_tokens: int, batch: bool) -> bool:
+        """Wait until the governor lets this request into the engine (``Governor.take_prefill``:
+        realtime first and in order, within the limit in sequences, a realtime burst's prompts one
+        step budget at a time, batch prompts beside realtime once the slack of the engine's steps
+        pays for them). While it waits the steps are learned every poll, not every governor
+        round: the prefill it waits for is seen done within a poll. False when it must not start
+        at all: cancelled, stopped, or preempted while it waited."""
+        while not self.governor.take_prefill(prompt_tokens, rid, batch):
             with self._lock:
                 if rid in self._cancelled or rid in self._preempted or self._handing_back:
                     return False
             time.sleep(PREFILL_WAIT_S)
+            if self._governing:
+                self._learn_steps()
+            self.write_room()
         return True
 
     def _token_sink(self) -> TokenSink:
@@ -461,12 +547,17 @@ class EngineRuntime:
         return self._batch_open
 
     def _learn_steps(self) -> None:
-        self._slowest_step_s *= 0.99  # the slowest step seen lately, fading
-        samples = self.engine.step_samples()
-        for sample in samples:
-            self.governor.curve.add(sample)
-            self._slowest_step_s = max(self._slowest_step_s, sample.seconds)
-        self.governor.earn_prefill(samples)
+        with self._learn_lock:  # the governor thread and requests waiting to go in both call it
+            samples = self.engine.step_samples()
+            if samples:
+                self._slowest_step_s *= 0.99 ** len(samples)  # the slowest step seen lately, fading
+            for sample in samples:
+                self.governor.curve.add(sample)
+                self._slowest_step_s = max(self._slowest_step_s, sample.seconds)
+            self.governor.earn_prefill(samples)
+            # A prompt counted pending that no step showed for this long never reached the
+            # prefill as counted (the engine took it in a way its steps do not report).
+            self.governor.curve.expire(time.monotonic() - max(PENDING_MAX_S, 20 * self._slowest_step_s))
 
     def _realtime_queued(self) -> int:
         """Realtime messages waiting in the broker on the realtime queues this worker reads: the
@@ -496,8 +587,13 @@ class EngineRuntime:
             log.warning("could not set the prefetch count to the in-engine limit", exc_info=True)
         queued = self._realtime_queued()
         self._batch_open = not self.governor.batch_yields(queued)
-        victims = [] if self._handing_back else self.governor.preempt(queued)
+        victims = [] if self._handing_back else self.governor.preempt(
+            queued, self._claims.grant if self._claims else None, self._claims.exhausted if self._claims else None)
+        if self._claims and queued <= 0:
+            self._claims.release()
         if victims:
+            if self._claims:
+                self._claims.count(victims)
             log.info("preempting %d batch request(s) for realtime (%d queued, limit %d)", len(victims), queued, limit)
             with self._lock:
                 self._preempted.update(victims)
@@ -514,31 +610,33 @@ class EngineRuntime:
     def engine_view(self) -> dict:
         """What the heartbeat reports of the limit: the monitor's promise is computed from it."""
         view = {"engine_limit": self.limit, "engine_limit_peak": self.limit_peak, "room": self.room(),
+                "seqs": self.governor.seqs(),
                 "slot_wait_s": round(self.governor.slot_wait_s(self.limit), 3),
                 "batch_open": self._batch_open, "pace_ms": round(self.governor.pace_s() * 1e3, 2)}
         curve = self.governor.curve
         coef = curve.coefficients()
         if coef is not None:
-            # Each sequence's speed at the limit: the slowest a request admitted now will run.
+            # Each sequence's speed at the limit: the slowest a request admitted now will run. The
+            # promise prices a request in engine time: its prompt at prefill_s_tok a token (the
+            # prefix cache's share taken off), its output at what the engine decodes at the limit
+            # with no prefill in its steps (decode_tps); backlog_s of prefill is ahead of it here.
             view.update(limit_seq_tps=round(curve.seq_tps(self.limit), 3), idle_seq_tps=round(curve.seq_tps(1), 3),
+                        decode_tps=round(self.limit / curve.step_s(self.limit, 0), 3),
+                        prefill_s_tok=round(curve.prompt_token_s(), 7),
+                        cached_share=round(curve.cached_share(), 3),
+                        backlog_s=round(self.governor.backlog_s(), 3),
+                        realtime_backlog_s=round(self.governor.backlog_s(batch=False), 3),
                         step_ms=[round(coef[0] * 1e3, 3), round(coef[1] * 1e3, 4), round(coef[2] * 1e6, 2)])
         return view
 
     def _heartbeat(self) -> None:
-        last_steps, last_progress = -1, time.monotonic()
+        """Prove this worker alive every ``heartbeat_s``, from this thread alone. Nothing here waits
+        on the engine's event loop (which a busy engine, or a host whose CPUs other processes take,
+        can hold for seconds): a live worker must never look dead to the sweep, however loaded.
+        Whether the loop and the engine still move is the watchdog's to judge (``_watchdog``)."""
         while True:
             try:
-                self._call(asyncio.sleep(0), timeout=self._watchdog_s)
-            except Exception:
-                self._die(f"engine loop unresponsive for {self._watchdog_s:.0f}s")
-            engine_stats = self.engine.stats()
-            scheduled = self._in_flight or engine_stats.running + engine_stats.waiting > 0
-            if engine_stats.steps != last_steps or not scheduled:
-                last_steps, last_progress = engine_stats.steps, time.monotonic()
-            else:
-                self._check_progress(time.monotonic() - last_progress)
-            try:
-                stats = asdict(engine_stats)
+                stats = asdict(self.engine.stats())
                 stats.update(self.info, worker=self.worker_id, in_flight=len(self._in_flight),
                              batch_in_flight=self.governor.in_engine()[1],
                              cold_start_s=self.cold_start_s, seq_tps=self.seq_tps, at=time.time(),
@@ -562,3 +660,20 @@ class EngineRuntime:
             self.write_room(force=True)  # again, should the monitor have dropped it meanwhile
             if self._stop.wait(self._heartbeat_s):
                 return
+
+    def _watchdog(self) -> None:
+        """Every heartbeat interval: does the engine's event loop still answer (within
+        ``watchdog_s``), and does an engine with work scheduled still take steps? Exit if not
+        (``_die``): the process manager restarts the worker and the sweep requeues its requests."""
+        last_steps, last_progress = -1, time.monotonic()
+        while not self._stop.wait(self._heartbeat_s):
+            answered = threading.Event()
+            self._loop.call_soon_threadsafe(answered.set)
+            if not answered.wait(self._watchdog_s) and not self._stop.is_set():
+                self._die(f"engine loop unresponsive for {self._watchdog_s:.0f}s")
+            engine_stats = self.engine.stats()
+            scheduled = self._in_flight or engine_stats.running + engine_stats.waiting > 0
+            if engine_stats.steps != last_steps or not scheduled:
+                last_steps, last_progress = engine_stats.steps, time.monotonic()
+            else:
+                self._check_progress(time.monotonic() - last_progress)

@@ -196,7 +196,7 @@ class Admission:
         return self.shared.admit(str(plan.request_id), str(tenant.id), limits, plan.reserved_tokens,
                                  plan.priority.value, too_large=too_large, dry_run=dry_run, model=plan.target_model,
                                  deadline_s=plan.deadline_s, max_tokens=plan.max_tokens,
-                                 spent_s=plan.spent_s(), charge=charge,
+                                 input_tokens=plan.input_tokens, spent_s=plan.spent_s(), charge=charge,
                                  budgets=[(c.counter, c.rule.limit, c.amount) for c in charges],
                                  budget_record=";".join(f"{c.rule.unit} {c.amount} {c.counter}" for c in charges),
                                  count=count, refusal_field=refusals.field(

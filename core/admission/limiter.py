@@ -109,7 +109,7 @@ class SharedLimiter:
     def admit(self, request_id: str, tenant_id: str, limits: Limits, cost: int, priority: str, *,
               too_large: bool = False, dry_run: bool = False, now_ms: int | None = None,
               model: str = "", deadline_s: float = float("inf"), max_tokens: int = 0,
-              spent_s: float = 0.0, charge: str = "full",
+              input_tokens: int = 0, spent_s: float = 0.0, charge: str = "full",
               budgets: Sequence[tuple[str, int, int]] = (), budget_record: str = "",
               count: str = "", refusal_field: str = "") -> Verdict:
         """Run the gates for one request; when it passes, charge every limit and count it in flight.
@@ -118,7 +118,8 @@ class SharedLimiter:
         the engine; ``twin`` for one parked on an identical request in flight (the tenant's gates
         only); ``hit`` for one answered from the cache (one request of the tenant's rate).
 
-        ``model``, ``deadline_s`` and ``max_tokens`` feed the promise: refused at once (gate
+        ``model``, ``deadline_s``, ``max_tokens`` and ``input_tokens`` feed the promise, in engine
+        time (its prompt's prefill and its output): refused at once (gate
         global, reason deadline) when its class's queue says it cannot finish in time, on the
         monitor's figures or, while it is away, the live workers' own; ``spent_s``
         of the deadline already went by (the promise judges the rest; Retry-After the whole).
@@ -142,8 +143,8 @@ class SharedLimiter:
                 self.load_level_max_age_ms, self.reject_batch_level, self.shed_level, int(dry_run),
                 "" if now_ms is None else now_ms, deadline_ms, max_tokens, self.tight_level, self.tight_factor,
                 self.promise_factor, int(spent_s * 1000), charge, self.capacity_max_age_ms,
-                class_name(priority, model), class_name("realtime", model), count, refusal_field, len(budgets),
-                budget_record]
+                class_name(priority, model), class_name("realtime", model), count, refusal_field, input_tokens,
+                len(budgets), budget_record]
         for _, limit, amount in budgets:
             args += [limit, amount]
         gate, reason, retry, *numbers, basis, budget, budget_spent = self._admit(keys=keys, args=args)

@@ -5,17 +5,21 @@ degradation ladder reason about):
 
 * **Counters** (``sluice:load:queue:<priority>:<model>``, a hash) move with every lifecycle
   transition (:class:`QueueCounters`, a lifecycle hook): requests and reserved tokens queued,
-  the *work* queued and claimed (their ``max_tokens``: decoding is what takes an engine's time;
-  a long prompt prefills a hundred times faster than it would decode), and tokens finished. They
-  are live; the monitor re-counts the queued ones from Postgres now and then, since a process can
-  die between a commit and its hook.
+  the *work* queued and claimed (their output: ``max_tokens`` × ``n``), the *prompts* queued
+  (their input tokens), and tokens finished. Counters stay in tokens; the promise prices them in
+  engine time with the engines' current prices (a prompt token at what prefill costs, an output
+  token at what decoding at the limit costs), so a price learned later never unbalances a
+  counter. They are live; the monitor re-counts the queued ones from Postgres now and then,
+  since a process can die between a commit and its hook.
 * **Snapshots** (``sluice:load:class:<priority>:<model>``, a hash with a short TTL), written by
   the load monitor every second: drain rate, per-sequence speed, room in the engines, estimated
   wait, level.
 * **Room and capacity** (``sluice:load:room:…`` and ``sluice:load:capacity:…``, hashes worker id
-  → figure), written by the workers themselves: the requests each engine would take in now
-  (whenever a request enters or leaves it) and, with each heartbeat, the work per second the
-  engine drains at its limit and the speed a sequence gets there (:func:`capacity_entry`). They
+  → figure), written by the workers themselves: the sequences each engine would take in now, the
+  engine seconds of prefill already waiting in it and the speed a sequence would get there now
+  (whenever a request enters or leaves it, and while prompts wait to go in) and, with each
+  heartbeat, the output per second the engine decodes at its limit, the speed a sequence gets
+  there and the price of a prompt token (:func:`capacity_entry`). They
   are what the promise falls back on while the monitor is away (its snapshots expired): the
   admission script sums the entries of workers whose heartbeat is recent, so a burst with the
   monitor dead is still refused in milliseconds, not queued for minutes.
@@ -45,12 +49,15 @@ log = logging.getLogger(__name__)
 
 COUNTERS_PREFIX = "sluice:load:queue:"
 SNAPSHOT_PREFIX = "sluice:load:class:"
-# Hash worker id → requests its engine would take in now, per class it serves: written by each
-# worker whenever a request enters or leaves its engine (workers/runtime.py), so the promise sees
-# a full engine at once instead of a heartbeat later; the monitor drops the fields of dead workers.
+# Hash worker id → "<room> <backlog s> <seq tps now>" per class it serves: the sequences its engine
+# would take in now, the engine seconds of prefill ahead of a request that came now, the speed a
+# sequence would get; written by each worker whenever a request enters or leaves its engine and
+# while prompts wait to go in (workers/runtime.py), so the promise sees a full engine and a prefill
+# backlog at once instead of a heartbeat later; the monitor drops the fields of dead workers.
 ROOM_PREFIX = "sluice:load:room:"
-# Hash worker id → "<at ms> <drain tps> <seq tps> <slot wait s>", per class it serves: written with
-# each heartbeat (workers/runtime.py), read by admission while the monitor is away.
+# Hash worker id → "<at ms> <drain tps> <seq tps> <slot wait s> <prefill s a prompt token>", per
+# class it serves: written with each heartbeat (workers/runtime.py), read by admission while the
+# monitor is away.
 CAPACITY_PREFIX = "sluice:load:capacity:"
 # A level written for every class at once (``write_level`` without classes: operators and tests).
 ALL_CLASSES = "*"
@@ -93,14 +100,15 @@ def capacity_key(priority: Priority | str, model: str) -> str:
 
 def capacity_entry(beat: dict, at_ms: int) -> str | None:
     """A worker's capacity as its heartbeat ``beat`` states it, in the form admission's script
-    reads (``at_ms drain_tps seq_tps slot_wait_s``); None while it knows no speed yet.
+    reads (``at_ms drain_tps seq_tps slot_wait_s prefill_s_tok``); None while it knows no speed yet.
 
-    A governed engine (it times its steps) drains its limit × the speed a sequence gets at the
-    limit, as the monitor counts it; one that cannot time its steps, each thread decoding one
-    sequence at the speed its finished runs got, discounted for a full batch (PRIOR_SHARE)."""
+    A governed engine (it times its steps) decodes what its limit decodes with no prefill in its
+    steps (``decode_tps``; prompts are priced apart, at ``prefill_s_tok`` a token), as the monitor
+    counts it; one that cannot time its steps, each thread decoding one sequence at the speed its
+    finished runs got, discounted for a full batch (PRIOR_SHARE)."""
     if beat.get("limit_seq_tps"):
         seq = float(beat["limit_seq_tps"])
-        drain = beat.get("engine_limit", 0) * seq
+        drain = float(beat.get("decode_tps") or beat.get("engine_limit", 0) * seq)
     elif beat.get("seq_tps"):
         seq = float(beat["seq_tps"])
         drain = beat.get("threads", 0) * seq * PRIOR_SHARE
@@ -108,14 +116,16 @@ def capacity_entry(beat: dict, at_ms: int) -> str | None:
         return None
     if drain <= 0:
         return None
-    return f"{at_ms} {drain:.3f} {seq:.3f} {float(beat.get('slot_wait_s') or 0.0):.3f}"
+    return (f"{at_ms} {drain:.3f} {seq:.3f} {float(beat.get('slot_wait_s') or 0.0):.3f} "
+            f"{float(beat.get('prefill_s_tok') or 0.0):.7f}")
 
 
 class QueueCounters:
     """A lifecycle ``on_move`` hook keeping each class's counters in Redis.
 
     accepted or requeued (→ queued)   queued_requests += 1, queued_tokens += reserved, queued_work += max_tokens,
-                                       queued_deadline_ms += its deadline (creation to deadline)
+                                       queued_prompt += input tokens, queued_deadline_ms += its deadline
+                                       (creation to deadline)
     claimed (queued → running)         queued_* −= …, claimed_work += max_tokens
     ended while queued (cancel/expiry) queued_* −= …
     ended while running                finished_tokens += input + output actually processed
@@ -139,11 +149,13 @@ class QueueCounters:
             pipe.hincrby(key, "queued_requests", 1)
             pipe.hincrby(key, "queued_tokens", moved.reserved_tokens)
             pipe.hincrby(key, "queued_work", work)
+            pipe.hincrby(key, "queued_prompt", moved.input_tokens)
             pipe.hincrby(key, "queued_deadline_ms", deadline_ms)
         if moved.source == Status.QUEUED:
             pipe.hincrby(key, "queued_requests", -1)
             pipe.hincrby(key, "queued_tokens", -moved.reserved_tokens)
             pipe.hincrby(key, "queued_work", -work)
+            pipe.hincrby(key, "queued_prompt", -moved.input_tokens)
             pipe.hincrby(key, "queued_deadline_ms", -deadline_ms)
             if moved.status == Status.RUNNING:
                 pipe.hincrby(key, "claimed_work", work)
@@ -172,8 +184,12 @@ class ClassLoad:
     updated_at_ms: int
     deadline_s: float = 0.0  # what the level judges the wait against: the queued requests' mean
     # deadline, or the class default when that is shorter or nothing is queued
-    room: int = -1  # requests the serving engines would take in now (-1: unknown, no governed worker)
+    room: int = -1  # sequences the serving engines would take in now (-1: unknown, no governed worker)
     slot_wait_s: float = 0.0  # while there is no room: how long a request waits for a slot
+    queued_prompt: int = 0  # the queued requests' input tokens: their prefill, priced apart
+    prefill_s_tok: float = 0.0  # engine seconds a prompt token costs (0: unknown, or no governed worker)
+    engines: int = 0  # governed engines sharing the prefill ahead (0: unknown)
+    backlog_s: float = 0.0  # engine seconds of prefill waiting inside the engines, summed
 
     def write(self, client: redis.Redis, ttl_s: float) -> None:
         key = snapshot_key(self.priority, self.model)

@@ -174,7 +174,8 @@ class StepSample:
 
     seconds: float  # wall time the step took
     seqs: int  # sequences in the step (decoding or prefilling)
-    prompt_tokens: int = 0  # prompt tokens the step prefilled
+    prompt_tokens: int = 0  # prompt tokens the step prefilled (computed: prefix-cache hits not included)
+    cached_tokens: int = 0  # prompt tokens of the prompts it finished that the prefix cache held
 
 
 class StepLog:

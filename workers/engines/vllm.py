@@ -179,8 +179,10 @@ class _StatsProbe(StatLoggerBase):
             # (after an idle spell the gap holds the idleness, not a step).
             now = time.monotonic()
             if e._last_record is not None and e._running > 0 and scheduler_stats.num_running_reqs > 0:
-                prompt = iteration_stats.num_prompt_tokens if iteration_stats is not None else 0
-                e.step_log.add(StepSample(now - e._last_record, scheduler_stats.num_running_reqs, prompt))
+                # What the step computed is what it cost; what the prefix cache held was free.
+                prompt = iteration_stats.prompt_token_stats if iteration_stats is not None else None
+                e.step_log.add(StepSample(now - e._last_record, scheduler_stats.num_running_reqs,
+                                          prompt.computed if prompt else 0, prompt.cached_tokens if prompt else 0))
             e._last_record = now
             e._steps += 1
             e._running = scheduler_stats.num_running_reqs

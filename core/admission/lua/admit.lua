@@ -8,8 +8,11 @@
 -- KEYS  1 platform bucket (hash)  2 load levels (hash: class → level, '*', updated_at_ms)
 --       3 tenant buckets (hash)  4 tenant in-flight (zset)
 --       5 the request's class counters (hash)  6 the class's monitor snapshot (hash)
---       7 the class's live room (hash worker → requests its engine would take in now)
---       8 the class's capacity (hash worker → 'at_ms drain_tps seq_tps slot_wait_s', heartbeats)
+--       7 the class's live room (hash worker → 'room backlog_s seq_tps': the sequences its engine
+--         would take in now, the engine seconds of prefill ahead of a request that came now, and
+--         the speed a sequence would get there; a plain number is the room alone)
+--       8 the class's capacity (hash worker → 'at_ms drain_tps seq_tps slot_wait_s prefill_s_tok',
+--         heartbeats)
 -- ARGV  1 request id  2 cost in tokens  3 platform tokens/min (0 = no cap)  4 tenant tokens/min
 --       5 tenant requests/min  6 tenant max concurrent  7 priority  8 too large (1|0), the
 --       per-request gate's verdict  9 load level max age (ms)  10 reject-batch level  11 shed level
@@ -29,9 +32,10 @@
 --       24 which refusals to count for the usage report: '' none, '*' any, or one gate's ('global',
 --       'tenant': a dry run that stands for a refusal of that gate)  25 the refusal's field but for
 --       its reason ('tenant|key|model|priority|source|')
---       26 how many hard budgets it is charged to (n)  27 its charge record for release.lua:
---       'unit amount counter' per budget, ';'-separated  then per budget i (1..n): 26 + 2i its limit,
---       27 + 2i this request's reservation, in the budget's units (tokens or micro-dollars)
+--       26 its prompt tokens (as admission counted them: the promise prices their prefill)
+--       27 how many hard budgets it is charged to (n)  28 its charge record for release.lua:
+--       'unit amount counter' per budget, ';'-separated  then per budget i (1..n): 27 + 2i its limit,
+--       28 + 2i this request's reservation, in the budget's units (tokens or micro-dollars)
 -- KEYS  9 the budget charge records (hash: request id → record)  10 today's refusal counts (hash:
 --       field → count, core/usage/refusals.py)  10 + i the counter of budget i in its window (what
 --       its requests used once ended, or hold while in flight)
@@ -85,24 +89,39 @@ elseif ptpm > 0 and ptok < math.min(cost, ptpm) then
   gate, reason, retry = 'global', 'platform_tokens', wait_ms(ptok, math.min(cost, ptpm), ptpm)
 end
 
--- The promise: the work queued ahead of it in its class (their max_tokens) over the class's
--- drain rate, plus the wait for room in an engine while the engines are full, plus its own output
--- at the speed one sequence gets at the engines' in-engine limit, must fit before its deadline.
+-- The promise, in engine time. Ahead of it: the output queued in its class (their max_tokens) at
+-- the rate the engines decode at their in-engine limits, the prompts queued in its class and the
+-- prefill already waiting in the engines (backlog), at the engines' measured price per prompt
+-- token, shared by the engines, plus the wait for room while the engines are full. Then its own
+-- prompt's prefill at that price and its own output at the speed one sequence gets at the
+-- engines' limit (with nothing queued and room in an engine: the speed a sequence would get
+-- there now, as the engine states it live). All of it must fit before its deadline.
 -- Live counters and room; the rates from the monitor's snapshot while fresh, else (the monitor
 -- is away) from the capacity entries of workers whose heartbeat is recent: their drains summed,
--- the slowest sequence speed. No figures promise nothing and refuse nothing. With nothing queued
--- and room in an engine, nothing is refused on this ground: the request starts now, at a speed
--- the limit keeps fast enough (an estimate never locks the door).
+-- the slowest sequence speed, the dearest prompt token. No figures promise nothing and refuse
+-- nothing. A request whose own prefill alone cannot fit is refused even at an idle engine; its
+-- output is judged there at the engine's live speed, never at a speed remembered from an
+-- overload (an estimate never locks an idle door).
 local wait, finish, basis = -1, -1, ''
-local drain, seq, room, slot_wait = 0, 0, -1, 0
-local rooms = {}
+local drain, seq, room, slot_wait, price, engines = 0, 0, -1, 0, 0, 0
+local rooms, backlog, seq_now, live_rooms = {}, 0, 0, 0
 local raw_rooms = redis.call('HGETALL', KEYS[7])
-for i = 1, #raw_rooms, 2 do rooms[raw_rooms[i]] = math.max(0, tonumber(raw_rooms[i + 1]) or 0) end
-local snap = redis.call('HMGET', KEYS[6], 'drain_tps', 'seq_tps', 'updated_at_ms', 'room', 'slot_wait_s')
+for i = 1, #raw_rooms, 2 do
+  local r, b, s = string.match(raw_rooms[i + 1], '^(%S+) (%S+) (%S+)$')
+  if not r then r = raw_rooms[i + 1] end
+  r = math.max(0, tonumber(r) or 0)
+  rooms[raw_rooms[i]] = r
+  live_rooms = live_rooms + 1
+  backlog = backlog + math.max(0, tonumber(b) or 0)
+  if r > 0 and (tonumber(s) or 0) > seq_now then seq_now = tonumber(s) end
+end
+local snap = redis.call('HMGET', KEYS[6], 'drain_tps', 'seq_tps', 'updated_at_ms', 'room', 'slot_wait_s',
+                        'prefill_s_tok', 'engines')
 if snap[3] and now - tonumber(snap[3]) <= tonumber(ARGV[9]) then
   basis = 'monitor'
   drain, seq = tonumber(snap[1]) or 0, tonumber(snap[2]) or 0
   room, slot_wait = tonumber(snap[4]) or -1, tonumber(snap[5]) or 0
+  price, engines = tonumber(snap[6]) or 0, tonumber(snap[7]) or 0
   -- Room in the engines: live, as the workers wrote it when a request last entered or left one;
   -- the snapshot's (a heartbeat old) only where no worker wrote it.
   if #raw_rooms > 0 then
@@ -113,11 +132,12 @@ else
   local caps = redis.call('HGETALL', KEYS[8])
   local workers, all_full, full_wait = 0, true, nil
   for i = 1, #caps, 2 do
-    local at, d, s, sw = string.match(caps[i + 1], '^(%S+) (%S+) (%S+) (%S+)$')
+    local at, d, s, sw, p = string.match(caps[i + 1], '^(%S+) (%S+) (%S+) (%S+) ?(%S*)$')
     if at and now - tonumber(at) <= tonumber(ARGV[21]) and (tonumber(d) or 0) > 0 then
       workers = workers + 1
       drain = drain + tonumber(d)
       if seq == 0 or tonumber(s) < seq then seq = tonumber(s) end
+      price = math.max(price, tonumber(p) or 0)
       local r = rooms[caps[i]] or 0
       if room < 0 then room = 0 end
       room = room + r
@@ -127,23 +147,32 @@ else
   end
   if workers > 0 then
     basis = 'workers'
+    engines = workers
     if all_full then slot_wait = full_wait or 0 end
   end
 end
+if engines <= 0 then engines = math.max(1, live_rooms) end
 if full and drain > 0 then
-  local queued = math.max(0, tonumber(redis.call('HGET', KEYS[5], 'queued_work') or '0') or 0)
-  wait = math.floor(queued * 1000 / drain)
+  local counters = redis.call('HMGET', KEYS[5], 'queued_work', 'queued_prompt')
+  local queued = math.max(0, tonumber(counters[1] or '0') or 0)
+  local prompts = math.max(0, tonumber(counters[2] or '0') or 0)
+  wait = math.floor(queued * 1000 / drain + (prompts * price + backlog) * 1000 / engines)
   if room == 0 then wait = wait + math.floor(slot_wait * 1000) end
-  local own = 0
-  if seq > 0 then
-    own = tonumber(ARGV[15]) * 1000 / seq
-    finish = math.floor(wait + own)
+  local own = (tonumber(ARGV[26]) or 0) * price * 1000
+  local speed = seq
+  if queued <= 0 and room > 0 then
+    -- It goes in now: at the speed the engine states live, or (no live speed) at one the limit
+    -- keeps fast enough, which decode counts nothing against.
+    speed = seq_now
   end
+  if speed > 0 then own = own + tonumber(ARGV[15]) * 1000 / speed end
+  -- When it is due (the 202's poll hint): at the limit's speed where no live speed stands.
+  if speed > 0 then finish = math.floor(wait + own)
+  elseif seq > 0 then finish = math.floor(wait + own + tonumber(ARGV[15]) * 1000 / seq) end
   local factor = tonumber(ARGV[18])
   if load >= tonumber(ARGV[16]) then factor = tonumber(ARGV[17]) end
   local spent = tonumber(ARGV[19]) or 0
   local late = wait + own - (tonumber(ARGV[14]) - spent) * factor
-  if queued <= 0 and room > 0 then late = 0 end
   if gate == '' and late > 0 then
     -- Retry when the queue will have drained by the excess over a whole deadline (a retry brings
     -- one): computed, not a constant. Worked out from the whole deadline, not as late − spent ×
@@ -171,7 +200,7 @@ if gate == '' and ARGV[8] == '1' then gate, reason = 'request', 'too_large' end
 -- 4. Hard budgets: each counter plus this reservation within its limit. A missing counter (a new
 -- window, a Redis restart) refuses nothing and charges nothing: the caller seeds it from
 -- Postgres and asks again. Answers from the cache cost no budget.
-local budgets = tonumber(ARGV[26]) or 0
+local budgets = tonumber(ARGV[27]) or 0
 local budget_at, budget_spent = 0, 0
 if gate == '' and not hit then
   for i = 1, budgets do
@@ -180,7 +209,7 @@ if gate == '' and not hit then
       gate, reason, budget_at = 'budget', 'budget_unseeded', i
       break
     end
-    if tonumber(v) + tonumber(ARGV[27 + 2 * i]) > tonumber(ARGV[26 + 2 * i]) then
+    if tonumber(v) + tonumber(ARGV[28 + 2 * i]) > tonumber(ARGV[27 + 2 * i]) then
       gate, reason, budget_at, budget_spent = 'budget', 'budget_exhausted', i, tonumber(v)
       break
     end
@@ -199,8 +228,8 @@ if gate == '' and ARGV[12] ~= '1' then
   end
   if not hit then redis.call('ZADD', KEYS[4], now, ARGV[1]) end
   if not hit and budgets > 0 then
-    for i = 1, budgets do redis.call('INCRBY', KEYS[10 + i], ARGV[27 + 2 * i]) end
-    redis.call('HSET', KEYS[9], ARGV[1], ARGV[27])
+    for i = 1, budgets do redis.call('INCRBY', KEYS[10 + i], ARGV[28 + 2 * i]) end
+    redis.call('HSET', KEYS[9], ARGV[1], ARGV[28])
   end
 end
 

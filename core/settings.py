@@ -69,6 +69,12 @@ class Settings:
         "refused at admission if its queue says it cannot, expired if it is not done by then.")
     batch_deadline_s: float = _field(
         "SLUICE_BATCH_DEADLINE_S", 86400.0, "The same for batch requests.")
+    openai_default_deadline_s: float | None = _field(
+        "SLUICE_OPENAI_DEFAULT_DEADLINE_S", None,
+        "Deadline of a realtime call to the OpenAI routes whose client states no patience "
+        "(`x-stainless-read-timeout`, which the official SDKs send, or `Prefer: wait=N`), and the longest "
+        "a stated patience gives (it shortens the deadline, never lengthens it); the answer says which in "
+        "Sluice-Deadline-S and Sluice-Deadline-Source. Unset: SLUICE_REALTIME_DEADLINE_S.")
     large_threshold_tokens: int = _field(
         "SLUICE_LARGE_THRESHOLD_TOKENS", 4096,
         "Requests whose estimated input + max_tokens exceed this go to the *.large queues.")
@@ -401,7 +407,7 @@ class Settings:
         return new
 
     def validate(self) -> None:
-        positive = ["realtime_deadline_s", "batch_deadline_s",
+        positive = ["realtime_deadline_s", "batch_deadline_s", "openai_default_deadline_s",
                     "max_body_bytes", "max_prompt_chars", "max_output_tokens", "default_max_tokens",
                     "time_limit_s", "large_threshold_tokens", "sim_speed", "worker_concurrency",
                     "worker_heartbeat_s", "worker_dead_after_s", "max_attempts", "sweep_interval_s",

@@ -44,6 +44,9 @@ from models import InferenceRequest
 
 # service_tier → Sluice priority: flex is OpenAI's cheaper, slower tier, as batch is Sluice's.
 TIERS = {"auto": "realtime", "default": "realtime", "priority": "realtime", "flex": "batch"}
+# Sluice priority → the service_tier an answer names: the class that served it (auto, default and
+# priority are one class here, so an answer never claims a priority tier it did not get).
+SERVED_TIERS = {"realtime": "default", "batch": "flex"}
 # Row status → the HTTP status a call answers when its request ended without an answer.
 ENDED = {"failed": 500, "timed_out": 504, "expired": 504, "cancelled": 409, "rejected": 503}
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
@@ -465,4 +468,4 @@ def usage_chunk(row: InferenceRequest, chat: bool) -> dict[str, Any]:
 def _header(row: InferenceRequest, chat: bool, kind: str) -> dict[str, Any]:
     return {"id": ("chatcmpl-" if chat else "cmpl-") + row.id.hex, "object": kind,
             "created": int(row.created_at.timestamp()), "model": model_of(row),
-            "service_tier": "flex" if row.priority.value == "batch" else "default", "system_fingerprint": None}
+            "service_tier": SERVED_TIERS[row.priority.value], "system_fingerprint": None}

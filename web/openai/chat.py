@@ -7,7 +7,10 @@ submitted through ``RequestService.submit`` like a native one, ``Idempotency-Key
 the row's id comes back in ``Sluice-Request-Id``. A non-streaming call holds its connection
 until the row ends (``web/waits.py until_ended``), at most its deadline plus a grace; a
 streaming one relays the engine's increments (``web/sse.py relay``) as OpenAI chunks. A
-client that leaves either way cancels its request.
+client that leaves either way cancels its request, so its deadline is its patience
+(``web/openai/patience.py``: ``x-stainless-read-timeout``, ``Prefer: wait``); every answer says
+the deadline taken (``Sluice-Deadline-S``, ``Sluice-Deadline-Source``) and the tier that serves
+it (``Sluice-Service-Tier``, as the body's ``service_tier``).
 
 Errors use OpenAI's shape (``web/openai/errors.py``, registered on this blueprint by
 ``web/openai/__init__.py``), with the same status and headers as natively (429/503 keep
@@ -36,6 +39,7 @@ from web.api import add_quotas
 from web.auth import authenticate
 from web.bodies import json_object
 from web.errors import ApiError
+from web.openai import patience
 from web.openai.errors import error_body
 from web.services import Services, services
 from web.sse import relay
@@ -43,6 +47,7 @@ from web.sse import relay
 log = logging.getLogger(__name__)
 bp = Blueprint("openai", __name__, url_prefix="/v1")
 REQUEST_ID_HEADER = "Sluice-Request-Id"
+SERVICE_TIER_HEADER = "Sluice-Service-Tier"  # the body's service_tier: the class that serves the call
 NO_RETRY = {"x-should-retry": "false"}  # read by the OpenAI SDKs before their own retry rules
 WAIT_GRACE_S = 5.0  # past its deadline a request is being expired: how long to wait for that
 MAX_PROMPTS = 64  # a list of prompts on /v1/completions: one request row each
@@ -172,19 +177,25 @@ def _cancel(svc: Services, tenant: Tenant, rows: list[InferenceRequest]) -> None
 
 def _submit(svc: Services, tenant: Tenant, url: str, body: dict[str, Any],
             key_suffix: str = "") -> tuple[dict[str, Any], InferenceRequest, dict[str, str]]:
-    """Validate, translate and submit the body; the OpenAI fields, the row and the answer's headers.
+    """Validate, translate and submit the body with its client's patience as its deadline; the
+    OpenAI fields, the row and the answer's headers (a refusal's carry the deadline and tier too).
     ``key_suffix``: the prompt's place in a list, which its idempotency key carries."""
+    called: dict[str, str] = {}
     try:
         asked, data = shapes.to_native_for(url, body, svc.settings.registry.default.name)
+        given = patience.deadline(request.headers, data["priority"], bool(data.get("stream")), svc.settings)
+        called = {**given.headers(), SERVICE_TIER_HEADER: shapes.SERVED_TIERS[data["priority"]]}
         header = request.headers.get(idempotency.HEADER)
         key = idempotency.key_from(header[:250] + key_suffix if header and key_suffix else header, tenant.id,
                                    body, svc.settings.idempotency_window_s)
-        accepted = svc.requests.submit(tenant, data, key, source=Source.OPENAI)
+        accepted = svc.requests.submit(tenant, given.applied(data), key, source=Source.OPENAI)
     except ApiError as exc:
         add_quotas(exc, tenant)  # as on the native route: quotas on every answer
+        exc.headers = {**exc.headers, **called}  # a copy: an error may have been raised with a shared dict
         raise
     row = accepted.row
-    headers = {REQUEST_ID_HEADER: str(row.id), **accepted.headers}
+    headers = {REQUEST_ID_HEADER: str(row.id), **accepted.headers, **called,
+               SERVICE_TIER_HEADER: shapes.SERVED_TIERS[row.priority.value]}
     if accepted.replayed:
         headers["Idempotent-Replayed"] = "true"
     if row.degradation_step:

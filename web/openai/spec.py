@@ -10,6 +10,7 @@ from apispec import APISpec
 
 from core.openai import shapes
 from core.settings import Settings
+from web.openai import patience
 from web.openai.errors import add_schema
 from web.openai.errors import documented as _error
 
@@ -91,13 +92,30 @@ def add_paths(spec: APISpec) -> None:
     spec.components.schema("EmbeddingRequest", schema=shapes.EmbeddingRequestSchema)
     limit_headers = {f"x-ratelimit-{kind}-{unit}": {"schema": {"type": "string"}}
                      for kind in ("limit", "remaining", "reset") for unit in ("tokens", "requests")}
-    answer_headers = {**limit_headers,
+    call_headers = {  # on every answer once the body is valid: success, refusal, stream
+        patience.DEADLINE_HEADER: {"schema": {"type": "number", "minimum": 0},
+                                   "description": "The request's deadline in seconds: the client's patience less "
+                                                  "min(1 s, 10%), or the default."},
+        patience.SOURCE_HEADER: {"schema": {"enum": [patience.READ_TIMEOUT_HEADER, patience.PREFER,
+                                                     patience.DEFAULT]},
+                                 "description": "Where the deadline came from."},
+        "Sluice-Service-Tier": {"schema": {"enum": sorted(set(shapes.SERVED_TIERS.values()))},
+                                "description": "The tier that serves the call (flex: Sluice's batch class)."}}
+    answer_headers = {**limit_headers, **call_headers,
                       "Sluice-Request-Id": {"schema": {"type": "string", "format": "uuid"},
                                             "description": "The request row: GET /v1/requests/{id}."},
                       "Sluice-Degradation": {"schema": {"type": "string"},
                                              "description": "Degradation steps applied, comma-separated."}}
-    retry_headers = {**limit_headers, "Retry-After": {"schema": {"type": "integer"}},
+    retry_headers = {**limit_headers, **call_headers, "Retry-After": {"schema": {"type": "integer"}},
                      "retry-after-ms": {"schema": {"type": "integer"}}}
+    # The patience headers are told in the description rather than declared as parameters: any
+    # value is taken or ignored, never refused, and a generated one (a fuzzer's "1") is a deadline
+    # nobody meant, whose documented answer may be 503 or 504.
+    patience_told = (f" The deadline is the client's patience: `{patience.READ_TIMEOUT_HEADER}` (seconds; the "
+                     "official SDKs send their read timeout; not taken on a stream, which pings keep alive) or "
+                     "`Prefer: wait=N`, the shorter, less min(1 s, 10%), never past the default "
+                     "(SLUICE_OPENAI_DEFAULT_DEADLINE_S); a malformed value is ignored. Every answer names it in "
+                     f"`{patience.DEADLINE_HEADER}` and `{patience.SOURCE_HEADER}`.")
     for path, schema, answer, summary in (
             ("/v1/chat/completions", "ChatCompletionRequest", "ChatCompletion", "OpenAI-compatible chat completion"),
             ("/v1/completions", "CompletionRequest", "Completion", "OpenAI-compatible text completion"),
@@ -105,7 +123,8 @@ def add_paths(spec: APISpec) -> None:
         spec.path(path=path, operations={"post": {
             "summary": summary, "tags": ["openai"],
             "description": "A request row like POST /v1/requests (same admission, queues, ladder and limits), "
-                           "answered when it ends, or streamed with `stream: true`. Errors in OpenAI's shape.",
+                           "answered when it ends, or streamed with `stream: true`. Errors in OpenAI's shape."
+                           + patience_told,
             "security": [{"bearer": []}],
             "parameters": [{"name": "Idempotency-Key", "in": "header", "required": False,
                             "schema": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[!-~]+$"},
@@ -125,7 +144,8 @@ def add_paths(spec: APISpec) -> None:
                 "415": _error("Body is not JSON."),
                 "429": {**_error("rate_limited or tenant_concurrency_limit; retry after Retry-After."),
                         "headers": retry_headers},
-                "503": {**_error("overloaded: the platform sheds load or pauses batch work."),
+                "503": {**_error("overloaded: the platform sheds load or pauses batch work, or the queue cannot "
+                                 "finish the request within its deadline (Sluice-Deadline-S)."),
                         "headers": retry_headers},
                 "504": _error("It ran out of time (time_limit_exceeded, deadline_exceeded, wait_timeout); "
                               "x-should-retry: false."),

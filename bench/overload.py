@@ -1,15 +1,33 @@
 """Overload: impatient realtime users and patient batch work, at the knee and at 3x it.
 
-    .venv/bin/python bench/overload.py --engine sim                     # all three Sluice setups
-    .venv/bin/python bench/overload.py --engine vllm --setups vllm-server,sluice,sluice-defaults
-    .venv/bin/python bench/overload.py --engine sim --scale 0.1 --knee 2  # a smoke run (numbers mean nothing)
-    # the promise on a compute-bound engine: the 94M model, vLLM's engine alone on core 0
+    .venv/bin/python bench/overload.py --engine sim                     # every Sluice setup, short prompts
+    .venv/bin/python bench/overload.py --engine vllm --mix chat         # and vLLM's own server beside them
+    # a smoke run (its numbers mean nothing)
+    .venv/bin/python bench/overload.py --engine sim --scale 0.1 --knee 2 --mix chat --setups sluice,sluice-openai
+    # the promise on a compute-bound engine: the 94M model, vLLM's engine alone on core 0, each mix
+    # (short, chat, summarise, long) through each door, beside vLLM's own server
     .venv/bin/python bench/overload.py --engine vllm --shape 92m --pin-engine 0 --seqs 64 --rt-tokens 32 \
-        --batch-tokens 128 --setups vllm-server,sluice,sluice-defaults
+        --batch-tokens 128 --mix summarise --setups vllm-server,sluice,sluice-defaults,sluice-openai
     .venv/bin/python bench/overload.py --engine sim --sim-profile cpu --sim-speed 0.25 --seqs 64  # its model
 
-Users (bench/users.py) arrive open loop (Poisson). A realtime user asks a short question
-(--rt-tokens), waits at most --slo seconds (the client timeout), and when the page hangs asks
+Prompts (bench/prompts.py) come in mixes of lengths in the model's own tokens (--mix; the
+simulated engine has no model, so the tiny Llama's tokenizer measures its prompts, and Sluice is
+given the same tokenizer to count them): each question's length is drawn uniformly (seeded by
+--seed and its number, so every setup gets the same prompts) and its text is seeded varied words,
+which only the chat mixes' shared ~50-token system preamble lets a prefix cache reuse:
+
+  short      questions of a few dozen tokens, batch reports of a few hundred (the first runs')
+  chat       realtime 100-400 tokens, preamble included; batch documents 200-600
+  summarise  batch documents 800-3,000 tokens; realtime 100-200
+  long       as chat, with 15% of realtime prompts 3,000-4,000 tokens
+
+A range longer than the model's context leaves beside the longest answer is cut, and the run says
+so; the engines' context (vLLM's --max-model-len, SLUICE_MAX_CONTEXT_TOKENS) is set to hold the
+mix's longest prompt and answer (at least 2,048 tokens). The run prints the p50/p90/max prompt
+tokens of the mix's first prompts at its start, and of the prompts each setup sent in its table.
+
+Users (bench/users.py) arrive open loop (Poisson). A realtime user asks a question (--rt-tokens
+out), waits at most --slo seconds (the client timeout), and when the page hangs asks
 again, up to --retries times; a refused user (429/503, with Retry-After) does not. A Sluice user
 who polls first comes back when its 202 says the answer is due (retry-after-ms; not with
 --ignore-poll-hints), then every --poll s; when it gives up it just stops polling (closes the
@@ -21,11 +39,15 @@ it takes and resubmit after Retry-After. Each setup runs, on fresh processes:
   spike   3 x the knee, 120 s
   after   0.8 x the knee, 60 s
 
-(--scale multiplies every duration.) Setups, all on one engine (--engine):
+(--scale multiplies every duration.) Setups, all on one engine (--engine), one per door:
 
   sluice             Sluice as shipped; users state their patience: deadline_s = SLO (batch: --batch-deadline)
   sluice-defaults    the same platform, no deadline_s sent: users wait on the connection for up to
                      their patience (Prefer: wait=SLO, which Sluice takes as the deadline) and hang up
+  sluice-openai      the same platform through its OpenAI door with the official openai SDK, as an
+                     application calls it: completions.create(..., timeout=SLO) (the SDK sends it as
+                     x-stainless-read-timeout; its own retries off, the user's are --retries); batch
+                     jobs are service_tier "flex" calls with timeout --batch-deadline
   sluice-ladder-off  deadline_s sent, SLUICE_LADDER_STEPS=none (no degradation step in force; the
                      promise at admission still refuses what cannot finish in time)
   vllm-server        vLLM's own OpenAI server alone (--engine vllm only), --scheduling-policy priority,
@@ -51,12 +73,14 @@ geometric bisections. A step is judged on the questions of its second half, once
 time to build; short steps (a few SLOs) still overstate the knee. The knee is the highest rate
 that passed; the realtime rate the engine sustains there is that half's answers within SLO per
 second (with --knee given, the rate itself). The batch rate defaults to --batch-share of the
-knee's realtime tokens/s.
+knee's realtime tokens/s (output tokens: a mix's batch documents bring their prefill on top).
 
 Per setup and phase (a question belongs to the phase it arrived in; its first attempt decides it):
   within SLO     answered before the client timeout
   refused fast   429/503 in < 100 ms; refused slow: later than that
-  late           the user gave up (timeout, or the platform said expired/timed_out)
+  late           the user gave up (timeout, or the platform said expired/timed_out, or a 504)
+  accepted, then late  of the questions not refused (the platform promised them), the share that
+                 came late: the promise's own figure (per phase, and per setup over the run)
   failed         any other error
   retries        the extra attempts of users whose page hung
   batch tok/s    batch output tokens generated in the phase (each request's tokens spread evenly
@@ -70,9 +94,10 @@ Per setup and phase (a question belongs to the phase it arrived in; its first at
   peak queue     Sluice: queued tokens, realtime/batch, from GET /v1/admin/load once a second;
                  vllm-server: requests waiting (vllm:num_requests_waiting), it has no token figure
 
-Goals (issue 8), judged per setup: at 3x, >= 99% of questions answered within SLO or refused fast,
-in the spike and in the minute after; answers within SLO per second in the spike >= 90% of the
-knee's; < 1% of generated tokens wasted; batch tokens still generated during the spike.
+Goals (issues 8 and 34), judged per setup: at 3x, >= 99% of questions answered within SLO or refused
+fast, in the spike and in the minute after; answers within SLO per second in the spike >= 90% of
+the knee's; accepted, then expired or late <= 1% of what was accepted; < 1% of generated tokens
+wasted; batch tokens still generated during the spike.
 """
 
 from __future__ import annotations
@@ -81,6 +106,7 @@ import argparse
 import contextlib
 import functools
 import http.client
+import importlib.util
 import json
 import math
 import os
@@ -104,21 +130,33 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from users import Arrivals, Http, Question, SluiceFront, VllmFront, batch_job, realtime_user  # noqa: E402
+from prompts import MIXES, Prompts, clamp, context_tokens, describe, lengths, longest  # noqa: E402
+from users import (  # noqa: E402
+    Arrivals,
+    Http,
+    OpenAIFront,
+    Question,
+    SluiceFront,
+    VllmFront,
+    batch_job,
+    realtime_user,
+)
 
 from core.settings import Settings  # noqa: E402
 from launcher.argv import monitor_argv, web_argv  # noqa: E402
 from launcher.database import upgrade_database  # noqa: E402
 from launcher.harness import BeatProcess, WorkerProcess, free_redis_db, pin_engine, scratch_database  # noqa: E402
 
-SETUPS = ("sluice", "sluice-defaults", "sluice-ladder-off", "vllm-server")
+SETUPS = ("sluice", "sluice-defaults", "sluice-openai", "sluice-ladder-off", "vllm-server")
 PHASES = (("warm", 0.8, 60.0), ("spike", 3.0, 120.0), ("after", 0.8, 60.0))
 NO_LIMITS = {"tokens_per_minute": 10**9, "requests_per_minute": 10**8, "max_concurrent": 10**8}
 # Per engine: the batch size, the realtime and batch output lengths.
 DEFAULTS = {"sim": {"seqs": 4, "rt_tokens": 32, "batch_tokens": 256},
             "vllm": {"seqs": 4, "rt_tokens": 128, "batch_tokens": 512}}
 MODEL_NAME = "tiny-llama"
-VLLM_FLAGS = {"dtype": "float32", "max-model-len": "2048", "max-num-batched-tokens": "2048"}
+VLLM_FLAGS = {"dtype": "float32", "max-num-batched-tokens": "2048"}  # and --max-model-len: max_model_len()
+MIN_MODEL_LEN = 2048
+PROMPT_SAMPLE = 200  # prompts of each kind whose lengths are printed before the run
 KV_BYTES = {"tiny": 128 * 2**20, "92m": 2**30}  # the 94M model's KV is 72 KiB a token
 READY_S = {"sim": 120.0, "vllm": 900.0}
 
@@ -172,10 +210,12 @@ def wait_http(api: str, path: str, proc: subprocess.Popen, log: Path, timeout_s:
 def engine_env(args: argparse.Namespace) -> dict[str, str]:
     """The Sluice settings that choose and size the engine, the same for every Sluice setup."""
     if args.engine == "sim":
+        # With the tokenizer the prompts were measured with, Sluice counts the same prompt tokens.
+        tokenizer = getattr(args, "tokenizer_dir", None)
         return {"SLUICE_ENGINE": "simulated", "SLUICE_SIM_SPEED": str(args.sim_speed),
-                "SLUICE_SIM_PROFILE": args.sim_profile}
+                "SLUICE_SIM_PROFILE": args.sim_profile, **({"SLUICE_MODEL_PATH": str(tokenizer)} if tokenizer else {})}
     return {"SLUICE_ENGINE": "vllm", "SLUICE_MODEL": MODEL_NAME, "SLUICE_MODEL_PATH": str(args.model),
-            "SLUICE_MAX_CONTEXT_TOKENS": VLLM_FLAGS["max-model-len"], "SLUICE_VLLM_ENFORCE_EAGER": "1",
+            "SLUICE_MAX_CONTEXT_TOKENS": str(args.max_model_len), "SLUICE_VLLM_ENFORCE_EAGER": "1",
             "SLUICE_VLLM_DTYPE": VLLM_FLAGS["dtype"], "SLUICE_VLLM_MAX_NUM_SEQS": str(args.seqs),
             "SLUICE_VLLM_MAX_NUM_BATCHED_TOKENS": VLLM_FLAGS["max-num-batched-tokens"],
             "SLUICE_VLLM_KV_CACHE_BYTES": str(args.kv_bytes)}
@@ -207,10 +247,13 @@ def start_sluice(args: argparse.Namespace, setup: str, exits: contextlib.ExitSta
         "POST", "/admin/tenants", {"name": "bench", **NO_LIMITS}, timeout_s=30)
     if created.status != 201:
         raise RuntimeError(f"creating the tenant: HTTP {created.status} {created.doc}")
-    front = SluiceFront(api, created.doc["api_key"], admin_key, deadline=setup != "sluice-defaults",
-                        slo_s=args.slo, rt_tokens=args.rt_tokens, batch_tokens=args.batch_tokens,
-                        batch_deadline_s=args.batch_deadline, poll_s=args.poll, database_url=database_url,
-                        follow_hints=not args.ignore_poll_hints)
+    users = {"slo_s": args.slo, "rt_tokens": args.rt_tokens, "batch_tokens": args.batch_tokens,
+             "batch_deadline_s": args.batch_deadline, "poll_s": args.poll, "database_url": database_url,
+             "follow_hints": not args.ignore_poll_hints}
+    if setup == "sluice-openai":
+        front = OpenAIFront(api, created.doc["api_key"], admin_key, model=settings.model, **users)
+    else:
+        front = SluiceFront(api, created.doc["api_key"], admin_key, deadline=setup != "sluice-defaults", **users)
     deadline = time.monotonic() + 30
     while front.sample()["level"] is None:  # admission promises nothing until the monitor publishes
         if time.monotonic() > deadline:
@@ -226,6 +269,7 @@ def start_vllm_server(args: argparse.Namespace, exits: contextlib.ExitStack, tmp
             "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
             "--scheduling-policy", "priority", "--max-num-seqs", str(args.seqs), "--enforce-eager",
             "--enable-prefix-caching", *(x for k, v in VLLM_FLAGS.items() for x in (f"--{k}", v)),
+            "--max-model-len", str(args.max_model_len),
             "--kv-cache-memory-bytes", str(args.kv_bytes)]
     log = tmp / "vllm-server.log"
     server = spawn(argv, {}, log, exits)
@@ -327,8 +371,9 @@ def sample(front: SluiceFront | VllmFront) -> dict:
         return {"t": time.time()}
 
 
-def run_load(front: SluiceFront | VllmFront, args: argparse.Namespace, phases: list[tuple[str, float, float]],
-             batch_rate: float, first: int, drain_s: float | None = None) -> Run:
+def run_load(front: SluiceFront | VllmFront, args: argparse.Namespace, prompts: Prompts,
+             phases: list[tuple[str, float, float]], batch_rate: float, first: int,
+             drain_s: float | None = None) -> Run:
     """Realtime arrivals phase by phase, batch arrivals throughout; then wait for the users, give
     batch work ``drain_s`` (default --drain) seconds to finish, and stop what is left of it."""
     drain_s = args.drain if drain_s is None else drain_s
@@ -347,12 +392,16 @@ def run_load(front: SluiceFront | VllmFront, args: argparse.Namespace, phases: l
     def user(number: int) -> None:
         question = Question(number, "realtime", phase[0], time.time())
         run.questions.append(question)
-        realtime_user(front, question, args.retries)
+        prompt = prompts.realtime(number)
+        question.prompt_tokens = prompt.tokens
+        realtime_user(front, question, prompt.text, args.retries)
 
     def job(number: int) -> None:
         question = Question(number, "batch", phase[0], time.time())
         run.batch.append(question)
-        batch_job(front, question, cut)
+        prompt = prompts.batch(number)
+        question.prompt_tokens = prompt.tokens
+        batch_job(front, question, prompt.text, cut)
 
     total_s = sum(seconds for _, _, seconds in phases)
     feeder = threading.Thread(target=jobs.run, args=(batch_rate, total_s, job, stop_arrivals), daemon=True)
@@ -373,8 +422,7 @@ def run_load(front: SluiceFront | VllmFront, args: argparse.Namespace, phases: l
     if left and drain_s > 0:
         say(f"    {left} batch jobs still waiting after the {drain_s:.0f} s drain; stopping them")
     cut.set()
-    if isinstance(front, VllmFront):
-        front.cut()
+    front.cut()
     jobs.join(30)
     done.set()
     run.ended = time.time()
@@ -474,11 +522,14 @@ def summarise(run: Run, tokens: dict[str, Counter] | None) -> list[dict]:
         outcomes = Counter(q.outcome for q in questions)
         asked = len(questions)
         answered = [q.attempts[0].latency_s for q in questions if q.outcome == "within_slo"]
+        # Accepted: not refused (the promise was made); of those, the ones that came too late.
+        accepted = asked - outcomes["refused_fast"] - outcomes["refused_slow"] - outcomes["pending"]
         refusals = [q.attempts[0].latency_s for q in questions if q.outcome.startswith("refused")]
         peak = [s for s in run.samples if w.start <= s["t"] < w.end]
         row = {"phase": w.name, "rate": w.rate, "seconds": round(w.seconds, 1), "asked": asked,
                **{k: outcomes[k] for k in ("within_slo", "refused_fast", "refused_slow", "late", "failed",
                                            "pending")},
+               "accepted": accepted, "accepted_late_pct": 100 * outcomes["late"] / accepted if accepted else 0.0,
                "retries": sum(q.retries for q in questions),
                "answered_on_retry": sum(1 for q in questions if q.retries and q.attempts[-1].outcome == "answered"),
                "within_slo_per_s": outcomes["within_slo"] / w.seconds,
@@ -541,7 +592,7 @@ def batch_rate_at(args: argparse.Namespace, rate: float) -> float:
     return args.batch_share * rate * args.rt_tokens / args.batch_tokens
 
 
-def find_knee(front: SluiceFront | VllmFront, args: argparse.Namespace) -> dict:
+def find_knee(front: SluiceFront | VllmFront, args: argparse.Namespace, prompts: Prompts) -> dict:
     """The highest realtime rate at which --knee-target of questions are answered within SLO,
     beside the batch load the phases bring at that rate (without it, the warm phase's 0.8 x plus
     its batch was past what vLLM's own server could serve): x1.5 steps up to the first failure
@@ -552,8 +603,8 @@ def find_knee(front: SluiceFront | VllmFront, args: argparse.Namespace) -> dict:
     half_s = args.knee_step * args.scale / 2
     rate, passed, failed, steps, bisections = args.knee_start, None, None, [], 0
     while len(steps) < args.knee_max_steps:
-        run = run_load(front, args, [("ramp", rate, half_s), ("knee", rate, half_s)], batch_rate_at(args, rate),
-                       first=(len(steps) + 1) * 10**6, drain_s=0.0)
+        run = run_load(front, args, prompts, [("ramp", rate, half_s), ("knee", rate, half_s)],
+                       batch_rate_at(args, rate), first=(len(steps) + 1) * 10**6, drain_s=0.0)
         row = summarise(run, None)[1]
         share = row["within_slo"] / row["asked"] if row["asked"] else 0.0
         steps.append({**row, "share_within_slo": share})
@@ -596,17 +647,20 @@ def start(args: argparse.Namespace, setup: str, exits: contextlib.ExitStack) -> 
     return start_sluice(args, setup, exits, tmp)
 
 
-def run_setup(front: SluiceFront | VllmFront, args: argparse.Namespace, knee: dict) -> dict:
+def run_setup(front: SluiceFront | VllmFront, args: argparse.Namespace, knee: dict, prompts: Prompts) -> dict:
     phases = [(name, factor * knee["rate"], seconds * args.scale) for name, factor, seconds in PHASES]
     batch_rate = batch_rate_at(args, knee["rate"])
     say(f"  phases {', '.join(f'{n} {r:.2f}/s x {s:.0f}s' for n, r, s in phases)}; batch {batch_rate:.3f} jobs/s")
-    run = run_load(front, args, phases, batch_rate, first=0)
+    run = run_load(front, args, prompts, phases, batch_rate, first=0)
     tokens = vllm_tokens(run) if isinstance(front, VllmFront) else sluice_tokens(front, run)
     rows, total = summarise(run, tokens), totals(tokens)
     questions = [{"number": q.number, "kind": q.kind, "phase": q.phase, "arrived": q.arrived, "outcome": q.outcome,
-                  "attempts": [asdict(a) for a in q.attempts]} for q in run.questions + run.batch]
-    return {"batch_rate": batch_rate, "phases": rows, "totals": total, "goals": goals(rows, total, knee),
-            "samples": run.samples, "questions": questions}
+                  "prompt_tokens": q.prompt_tokens, "attempts": [asdict(a) for a in q.attempts]}
+                 for q in run.questions + run.batch]
+    sent = {"realtime": lengths([q.prompt_tokens for q in run.questions if q.prompt_tokens is not None]),
+            "batch": lengths([q.prompt_tokens for q in run.batch if q.prompt_tokens is not None])}
+    return {"batch_rate": batch_rate, "prompt_tokens": sent, "phases": rows, "totals": total,
+            "goals": goals(rows, total, knee), "samples": run.samples, "questions": questions}
 
 
 def goals(rows: list[dict], total: dict, knee: dict) -> dict:
@@ -616,7 +670,11 @@ def goals(rows: list[dict], total: dict, knee: dict) -> dict:
         return 100 * (row["within_slo"] + row["refused_fast"]) / row["asked"] if row["asked"] else 100.0
 
     spike, after = by["spike"], by["after"]
+    accepted, late = sum(r["accepted"] for r in rows), sum(r["late"] for r in rows)
+    accepted_late = 100 * late / accepted if accepted else 0.0
     return {"spike_kept_pct": kept(spike), "after_kept_pct": kept(after),
+            "accepted": accepted, "accepted_late": late, "accepted_late_pct": accepted_late,
+            "accepted_late_met": accepted_late <= 1,
             "kept_met": kept(spike) >= 99 and kept(after) >= 99,
             "spike_goodput_vs_knee": spike["within_slo_per_s"] / knee["goodput"] if knee["goodput"] else None,
             "goodput_met": spike["within_slo_per_s"] >= 0.9 * knee["goodput"],
@@ -631,13 +689,21 @@ def pct(n: int, of: int) -> str:
     return f"{100 * n / of:.1f}%" if of else "-"
 
 
+def sent_lengths(results: dict[str, dict], kind: str) -> dict:
+    """The prompt lengths of ``kind`` sent in every setup, together."""
+    return lengths([q["prompt_tokens"] for result in results.values() for q in result.get("questions", ())
+                    if q["kind"] == kind and q["prompt_tokens"] is not None])
+
+
 def table(args: argparse.Namespace, knee: dict, results: dict[str, dict]) -> None:
-    say(f"\n### {args.engine}: SLO {args.slo:g} s, knee {knee['rate']:.2f} questions/s "
+    say(f"\n### {args.engine}, {args.mix} mix: SLO {args.slo:g} s, knee {knee['rate']:.2f} questions/s "
         f"({knee['goodput']:.2f} answered within SLO per s), retries {args.retries}, "
-        f"realtime {args.rt_tokens} / batch {args.batch_tokens} tokens, {args.seqs} seqs\n")
+        f"realtime {args.rt_tokens} / batch {args.batch_tokens} tokens out, {args.seqs} seqs\n")
+    say(f"Prompts sent (tokens of the model's tokenizer): realtime {describe(sent_lengths(results, 'realtime'))}; "
+        f"batch {describe(sent_lengths(results, 'batch'))}\n")
     say("| setup | phase | rate/s | asked | within SLO | refused fast | refused slow | late | failed | retries "
-        "| within SLO/s | batch tok/s | wasted | peak queue |")
-    say("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        "| accepted, then late | within SLO/s | batch tok/s | wasted | peak queue |")
+    say("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for setup, result in results.items():
         if "error" in result:
             say(f"| {setup} | - | failed to run: {result['error']} |")
@@ -650,16 +716,20 @@ def table(args: argparse.Namespace, knee: dict, results: dict[str, dict]) -> Non
                 peak = f"{r['peak_realtime_queued_tokens'] or 0} / {r['peak_batch_queued_tokens'] or 0}"
             say(f"| {setup} | {r['phase']} | {r['rate']:.2f} | {n} | {pct(r['within_slo'], n)} "
                 f"| {pct(r['refused_fast'], n)} | {pct(r['refused_slow'], n)} | {pct(r['late'], n)} "
-                f"| {pct(r['failed'] + r['pending'], n)} | {r['retries']} | {r['within_slo_per_s']:.2f} "
-                f"| {r['batch_tokens_per_s']:.0f} | {r['wasted_pct']:.1f}% | {peak} |")
+                f"| {pct(r['failed'] + r['pending'], n)} | {r['retries']} | {pct(r['late'], r['accepted'])} "
+                f"| {r['within_slo_per_s']:.2f} | {r['batch_tokens_per_s']:.0f} | {r['wasted_pct']:.1f}% | {peak} |")
     say("\npeak queue: Sluice realtime / batch queued tokens; vllm-server requests waiting. "
-        "wasted: share of the phase's generated output tokens.\n")
+        "wasted: share of the phase's generated output tokens. accepted, then late: of the questions not "
+        "refused, the share that expired or came too late.\n")
     for setup, result in results.items():
         if "error" in result:
             continue
-        g = result["goals"]
+        g, sent = result["goals"], result["prompt_tokens"]
         ratio = g["spike_goodput_vs_knee"]
-        say(f"{setup}: within SLO or refused fast {g['spike_kept_pct']:.1f}% in the spike, "
+        say(f"{setup} (prompts: realtime {describe(sent['realtime'])}; batch {describe(sent['batch'])}):")
+        say(f"  accepted, then expired or late: {g['accepted_late']} of {g['accepted']} accepted, "
+            f"{g['accepted_late_pct']:.1f}% (<= 1%: {mark(g['accepted_late_met'])})")
+        say(f"  within SLO or refused fast {g['spike_kept_pct']:.1f}% in the spike, "
             f"{g['after_kept_pct']:.1f}% after (>= 99%: {mark(g['kept_met'])}); "
             f"spike answers within SLO/s = {'-' if ratio is None else f'{ratio:.2f}'} x knee "
             f"(>= 0.90: {mark(g['goodput_met'])}); wasted {g['wasted_pct']:.2f}% (< 1%: {mark(g['wasted_met'])}); "
@@ -680,8 +750,11 @@ def interrupt(signum: int, frame: object) -> None:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=("sim", "vllm"), default="sim")
+    parser.add_argument("--mix", choices=tuple(MIXES), default="short",
+                        help="prompt lengths in the model's tokens: "
+                             + "; ".join(f"{m.name}: {m.summary}" for m in MIXES.values()).replace("%", "%%"))
     parser.add_argument("--setups", default=None,
-                        help=f"comma-separated, from {', '.join(SETUPS)} (default: the three sluice ones, "
+                        help=f"comma-separated, from {', '.join(SETUPS)} (default: every sluice one, "
                              "plus vllm-server with --engine vllm)")
     parser.add_argument("--slo", type=float, default=5.0, help="realtime SLO = client timeout = deadline_s, seconds")
     parser.add_argument("--retries", type=int, default=2, help="times a user whose page hung asks again")
@@ -728,7 +801,8 @@ def parse_args() -> argparse.Namespace:
     for name, value in DEFAULTS[args.engine].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    default_setups = "sluice,sluice-defaults,sluice-ladder-off" + (",vllm-server" if args.engine == "vllm" else "")
+    default_setups = ("sluice,sluice-defaults,sluice-openai,sluice-ladder-off"
+                      + (",vllm-server" if args.engine == "vllm" else ""))
     args.setups = [s.strip() for s in (args.setups or default_setups).split(",") if s.strip()]
     unknown = set(args.setups) - set(SETUPS)
     if unknown:
@@ -736,15 +810,40 @@ def parse_args() -> argparse.Namespace:
     args.knee_setup = args.knee_setup or ("vllm-server" if args.engine == "vllm" else "sluice-ladder-off")
     if args.engine != "vllm" and "vllm-server" in args.setups + [args.knee_setup]:
         parser.error("vllm-server runs only with --engine vllm")
+    if "sluice-openai" in args.setups + [args.knee_setup] and importlib.util.find_spec("openai") is None:
+        parser.error("sluice-openai needs the openai package (the dev extra)")
     return args
+
+
+def prompt_source(args: argparse.Namespace) -> tuple[Prompts, list[str]]:
+    """The mix's prompts in the tokens of ``args.tokenizer_dir``, cut to what the context leaves
+    beside the longest answer (with a sentence saying so), and ``args.max_model_len``: the
+    context the engines are given (vLLM's --max-model-len, SLUICE_MAX_CONTEXT_TOKENS), enough
+    for the longest prompt and answer, at least MIN_MODEL_LEN as before there were mixes (the
+    simulated engine: Sluice's SLUICE_MAX_CONTEXT_TOKENS, which the prompts are cut to fit)."""
+    context = context_tokens(args.tokenizer_dir) or MIN_MODEL_LEN
+    if args.engine == "sim":
+        context = min(context, Settings().max_context_tokens)
+    answer = max(args.rt_tokens, args.batch_tokens)
+    mix, notes = clamp(MIXES[args.mix], context - answer)
+    needed = (longest(mix) or 0) + answer
+    # The simulated engine keeps Sluice's own context setting; vLLM gets what the mix needs.
+    args.max_model_len = context if args.engine == "sim" else min(
+        context, max(MIN_MODEL_LEN, 1024 * math.ceil(needed / 1024)))
+    return Prompts(mix, args.tokenizer_dir, args.seed), notes
 
 
 def main() -> int:
     args = parse_args()
-    if args.engine == "vllm" and args.model is None:
-        from tiny_model import cached_model
+    from tiny_model import cached_model
 
+    if args.engine == "vllm" and args.model is None:
         args.model = cached_model(ROOT / ".cache", args.shape)
+    # Prompts are measured in the model's tokens; the simulated engine has no model: the tiny one's.
+    args.tokenizer_dir = args.model if args.engine == "vllm" else cached_model(ROOT / ".cache", "tiny")
+    prompts, notes = prompt_source(args)
+    sample = {kind: lengths([getattr(prompts, kind)(n).tokens for n in range(PROMPT_SAMPLE)])
+              for kind in ("realtime", "batch")}
     if args.pin_engine is not None:
         try:
             pin_engine(args.pin_engine)
@@ -757,13 +856,17 @@ def main() -> int:
     order = sorted(args.setups, key=lambda s: s != args.knee_setup)  # reuse the knee's server for its run
     knee = {"rate": args.knee, "goodput": args.knee, "steps": []} if args.knee else None
     say(f"# {os.cpu_count()} CPUs; engine {args.engine}; setups {', '.join(order)}; SLO {args.slo:g} s; "
-        f"scale {args.scale:g}")
+        f"scale {args.scale:g}; context {args.max_model_len} tokens")
+    say(f"# {args.mix} mix ({prompts.mix.summary}); the first {PROMPT_SAMPLE} prompts of each kind, in tokens: "
+        f"realtime {describe(sample['realtime'])}; batch {describe(sample['batch'])}")
+    for note in notes:
+        say(f"# {note}")
     results: dict[str, dict] = {}
     try:
         if knee is None and args.knee_setup not in order:
             with contextlib.ExitStack() as exits:
                 say(f"knee search on {args.knee_setup}")
-                knee = find_knee(start(args, args.knee_setup, exits), args)
+                knee = find_knee(start(args, args.knee_setup, exits), args, prompts)
         for setup in order:
             say(f"{setup}: starting")
             try:
@@ -773,10 +876,10 @@ def main() -> int:
                         say(f"  engine processes' CPUs: {engine_cpus() or 'none found'}")
                     if knee is None:
                         say(f"knee search on {setup}")
-                        knee = find_knee(front, args)
+                        knee = find_knee(front, args, prompts)
                         time.sleep(args.slo)
                     say(f"  knee {knee['rate']:.2f}/s ({knee['goodput']:.2f} within SLO/s)")
-                    results[setup] = run_setup(front, args, knee)
+                    results[setup] = run_setup(front, args, knee, prompts)
                     say(f"{setup}: done; stopping it")
             except (RuntimeError, OSError) as exc:
                 if knee is None:
@@ -789,7 +892,9 @@ def main() -> int:
     table(args, knee, results)
     if args.json:
         config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "json"}
-        args.json.write_text(json.dumps({"config": config, "knee": knee, "results": results}, indent=1))
+        mix = {"name": args.mix, "summary": prompts.mix.summary, "first_prompts": sample, "notes": notes,
+               "sent": {kind: sent_lengths(results, kind) for kind in ("realtime", "batch")}}
+        args.json.write_text(json.dumps({"config": config, "mix": mix, "knee": knee, "results": results}, indent=1))
         say(f"\nwrote {args.json}")
     return 0
 

@@ -1,14 +1,18 @@
 """Simulated users for bench/overload.py: open-loop arrivals, impatient questions, patient batch jobs.
 
-A realtime user asks one short question and waits at most the SLO for its answer (the client
+A realtime user asks one question and waits at most the SLO for its answer (the client
 timeout). When the page hangs (no answer in time, or the platform says the request expired) the
 user asks again, as a new request with the same question, up to ``retries`` times. A user who is
 refused (429/503) got an answer with Retry-After and does not ask again. A batch job submits long
-work, waits as long as it takes, and resubmits after Retry-After when refused.
+work, waits as long as it takes, and resubmits after Retry-After when refused. The prompts come
+from the caller (bench/prompts.py writes them at the lengths of a mix).
 
-Two front ends play the same users against different servers:
+Three front ends play the same users against different servers:
 
   SluiceFront  POST /v1/requests, then GET /v1/requests/<id> every ``poll_s`` until terminal
+  OpenAIFront  Sluice's OpenAI door through the official ``openai`` SDK: one blocking
+               ``client.completions.create(..., timeout=SLO)`` per attempt (the SDK sends its
+               timeout as ``x-stainless-read-timeout``); batch as ``service_tier: flex``
   VllmFront    POST /v1/completions on vLLM's OpenAI server: one blocking call; closing the
                connection on timeout makes the server abort the request
 
@@ -32,30 +36,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from prompts import question_prompt  # noqa: F401  (bench/bulk.py takes the short question from here)
+
 TERMINAL = {"succeeded", "failed", "timed_out", "cancelled", "expired", "rejected"}
 # The platform gave up on the request for lack of time: to the user that is a page that hangs.
 TOO_LATE = {"expired", "timed_out"}
 REFUSED = {429, 503}
 FAST_REFUSAL_S = 0.1
+REQUEST_ID = "Sluice-Request-Id"  # the row of an OpenAI-door call
 # Errors of a keep-alive connection the server closed while it sat idle; a GET is simply resent.
 STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
-
-TOPICS = ("why queues collapse under load", "what a token bucket is", "how continuous batching works",
-          "when to shed load", "what a KV cache holds", "how retries amplify overload",
-          "what Little's law says", "why deadlines beat timeouts", "how priority scheduling works",
-          "what a prefix cache saves", "why p99 matters", "how to size a batch")
-
-
-def question_prompt(number: int) -> str:
-    """A short realtime question; the number makes each user's question its own."""
-    return f"Question {number}: in two sentences, {TOPICS[number % len(TOPICS)]}?"
-
-
-def batch_prompt(number: int) -> str:
-    """A longer document to summarise, distinct per job so no prefix cache flatters the batch."""
-    body = " ".join(f"Line {i} of report {number}: throughput, latency and queue depth by hour."
-                    for i in range(12))
-    return f"Summarise report {number}.\n{body}"
 
 
 @dataclass
@@ -177,6 +167,7 @@ class Question:
     phase: str
     arrived: float
     attempts: list[Attempt] = field(default_factory=list)
+    prompt_tokens: int | None = None  # its prompt's length in the model's tokens
 
     @property
     def outcome(self) -> str:
@@ -224,8 +215,8 @@ class SluiceFront:
         wait = {} if self.deadline else {"Prefer": f"wait={max(1, math.floor(self.slo_s))}"}
         self._run(attempt, body, timeout_s=self.slo_s, poll_s=self.poll_s, stop=None, headers=wait)
 
-    def batch(self, attempt: Attempt, number: int, stop: threading.Event) -> None:
-        body = {"prompt": batch_prompt(number), "max_tokens": self.batch_tokens, "priority": "batch",
+    def batch(self, attempt: Attempt, prompt: str, stop: threading.Event) -> None:
+        body = {"prompt": prompt, "max_tokens": self.batch_tokens, "priority": "batch",
                 "ignore_eos": True, "metadata": {"bench_attempt": attempt.tag},
                 **({"deadline_s": self.batch_deadline_s} if self.deadline else {})}
         self._run(attempt, body, timeout_s=None, poll_s=1.0, stop=stop)
@@ -313,6 +304,83 @@ class SluiceFront:
         finally:
             client.close()
 
+    def cut(self) -> None:
+        """End the batch work still waiting: nothing to do here, each job's poller sees its stop."""
+
+
+class OpenAIFront(SluiceFront):
+    """Users of Sluice's OpenAI door through the official ``openai`` SDK, called as an application
+    calls it: ``client.completions.create(..., timeout=SLO)``, which the SDK also sends as
+    ``x-stainless-read-timeout`` (whether the door takes it as the deadline is the door's
+    business). Batch jobs are ``service_tier: flex`` calls that wait up to ``batch_deadline_s``.
+
+    The completions route, so that every door's engine sees the same prompt tokens (a chat
+    template would add its own); ``service_tier``, ``metadata`` and ``ignore_eos`` travel in
+    ``extra_body``, as the SDK takes the fields its completions signature lacks. The SDK's own
+    retries are off: a user retries as every other front's users do (``realtime_user``). Outcomes
+    count as on the native door: 429/503 refused, the client's timeout or a 504 late."""
+
+    def __init__(self, api: str, key: str, admin_key: str, *, model: str, **kwargs: object) -> None:
+        super().__init__(api, key, admin_key, deadline=False, **kwargs)
+        from openai import OpenAI
+
+        self.model = model
+        self._sdk = OpenAI(base_url=f"{api}/v1", api_key=key, max_retries=0)
+        self._waiting: set[str] = set()  # tags of the batch calls in flight
+        self._lock = threading.Lock()
+
+    def ask(self, attempt: Attempt, prompt: str) -> None:
+        self._complete(attempt, prompt, self.rt_tokens, timeout_s=self.slo_s)
+
+    def batch(self, attempt: Attempt, prompt: str, stop: threading.Event) -> None:
+        if stop.is_set():
+            return
+        with self._lock:
+            self._waiting.add(attempt.tag)
+        try:
+            self._complete(attempt, prompt, self.batch_tokens, timeout_s=self.batch_deadline_s, flex=True, stop=stop)
+        finally:
+            with self._lock:
+                self._waiting.discard(attempt.tag)
+
+    def _complete(self, attempt: Attempt, prompt: str, max_tokens: int, timeout_s: float, flex: bool = False,
+                  stop: threading.Event | None = None) -> None:
+        import openai
+
+        extra = {"ignore_eos": True, "metadata": {"bench_attempt": attempt.tag},
+                 **({"service_tier": "flex"} if flex else {})}
+        began = time.monotonic()
+        try:
+            raw = self._sdk.completions.with_raw_response.create(
+                model=self.model, prompt=prompt, max_tokens=max_tokens, timeout=timeout_s, extra_body=extra)
+            attempt.status, attempt.request_id = raw.http_response.status_code, raw.headers.get(REQUEST_ID)
+            usage = raw.parse().usage
+            attempt.end("answered", began, tokens=usage.completion_tokens if usage else None)
+        except openai.APITimeoutError:
+            attempt.end("cut" if stop is not None and stop.is_set() else "late", began)
+        except openai.APIStatusError as exc:
+            status, headers = exc.status_code, exc.response.headers
+            attempt.status, attempt.request_id = status, headers.get(REQUEST_ID)
+            code = str(exc.code or status)
+            if stop is not None and stop.is_set():
+                attempt.end("cut", began, code=code)
+            elif status in REFUSED:
+                attempt.end("refused", began, code=code, retry_after_s=_seconds(headers.get("Retry-After"), 1.0))
+            else:
+                attempt.end("late" if status == 504 else "failed", began, code=code)
+        except openai.APIConnectionError as exc:
+            attempt.end("cut" if stop is not None and stop.is_set() else "failed", began,
+                        code=type(exc.__cause__ or exc).__name__)
+
+    def cut(self) -> None:
+        """End the batch calls still waiting: cancel their rows (found by their tags), which
+        answers each call."""
+        with self._lock:
+            tags = list(self._waiting)
+        for request_id in self.ids_by_tag(tags).values():
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                self.cancel(request_id)
+
 
 class VllmFront:
     """Users of vLLM's OpenAI server (priority scheduling on: realtime 0, batch 1; lower runs first).
@@ -331,9 +399,9 @@ class VllmFront:
     def ask(self, attempt: Attempt, prompt: str) -> None:
         self._complete(attempt, prompt, self.rt_tokens, priority=0, timeout_s=self.slo_s)
 
-    def batch(self, attempt: Attempt, number: int, stop: threading.Event) -> None:
+    def batch(self, attempt: Attempt, prompt: str, stop: threading.Event) -> None:
         if not stop.is_set():
-            self._complete(attempt, batch_prompt(number), self.batch_tokens, priority=1, timeout_s=None)
+            self._complete(attempt, prompt, self.batch_tokens, priority=1, timeout_s=None)
 
     def _complete(self, attempt: Attempt, prompt: str, max_tokens: int, priority: int,
                   timeout_s: float | None) -> None:
@@ -388,6 +456,13 @@ def metrics(text: str) -> dict:
     return out
 
 
+def _seconds(raw: str | None, default: float) -> float:
+    try:
+        return float(raw) if raw else default
+    except ValueError:
+        return default
+
+
 def _code(reply: Reply) -> str:
     """The error code, with the gate's reason when there is one (``overloaded:deadline``)."""
     error = reply.doc.get("error")
@@ -397,9 +472,8 @@ def _code(reply: Reply) -> str:
     return f"{error.get('code', reply.status)}:{reason}" if reason else str(error.get("code", reply.status))
 
 
-def realtime_user(front: SluiceFront | VllmFront, question: Question, retries: int) -> None:
+def realtime_user(front: SluiceFront | VllmFront, question: Question, prompt: str, retries: int) -> None:
     """Ask, and ask again (up to ``retries`` times) while the answer does not come in time."""
-    prompt = question_prompt(question.number)
     for _ in range(1 + retries):
         attempt = Attempt("realtime", time.time())
         question.attempts.append(attempt)
@@ -408,12 +482,12 @@ def realtime_user(front: SluiceFront | VllmFront, question: Question, retries: i
             return
 
 
-def batch_job(front: SluiceFront | VllmFront, question: Question, stop: threading.Event) -> None:
+def batch_job(front: SluiceFront | VllmFront, question: Question, prompt: str, stop: threading.Event) -> None:
     """Submit until accepted (sleeping Retry-After, at most 10 s, between refusals), then wait."""
     while not stop.is_set():
         attempt = Attempt("batch", time.time())
         question.attempts.append(attempt)
-        front.batch(attempt, question.number, stop)
+        front.batch(attempt, prompt, stop)
         if attempt.outcome != "refused":
             return
         stop.wait(min(10.0, max(0.5, attempt.retry_after_s)))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, ApiClient, WorkerProcess, make_settings
-from sqlalchemy import select
+from test_governor import wait_terminal
 
 from models import InferenceRequest, Status
 from web.services import services
@@ -85,14 +85,7 @@ def cached_model() -> Path:
 
 
 def ended(application, ids: list[str], timeout: float = 300) -> list[InferenceRequest]:
-    deadline = time.monotonic() + timeout
-    while True:
-        with services(application).db.session() as session:
-            rows = session.scalars(select(InferenceRequest).where(InferenceRequest.id.in_(ids))).all()
-            session.expunge_all()
-        if all(r.status.terminal for r in rows) or time.monotonic() > deadline:
-            return rows
-        time.sleep(0.25)
+    return wait_terminal(application, ids, timeout)
 
 
 def test_the_worker_prices_a_prompt_token_from_its_own_steps(stack, api):

@@ -8,14 +8,18 @@ over within a lease if it dies. Each tick it reads, without touching Postgres:
 * the heartbeats of warm workers: which classes each serves, and its engine's step count.
 
 From those it publishes per class, with a short TTL: the drain rate, the speed one running
-sequence gets, the room left in the engines and the wait for a slot while they are full, the
-estimated wait (queued work ÷ drain rate, plus that slot wait) and a degradation level.
+sequence gets, the price of a prompt token, the room left in the engines and the wait for a slot
+while they are full, the estimated wait (in engine time, below, plus that slot wait) and a
+degradation level.
 Admission judges each request by its own class's level (a batch request also by its model's
 realtime level); the platform's level, the highest realtime one, is what the operator sees.
 
 Workers that govern their engines (``workers/governor.py``) report their in-engine limit, the
-speed each sequence gets at it (from the step curve learned from every engine step) and their
-room; then the drain is Σ limit × that speed, always fresh, never a memory of an overload: once the
+speed each sequence gets at it, what the limit decodes a second with no prefill in its steps, the
+price of a prompt token (all from the step curve learned from every engine step), the prefill
+waiting inside the engine and their room. The wait is then in engine time: the queued output at
+Σ what the limits decode, plus the queued prompts and the engines' prefill backlog at the price
+of a prompt token, shared by the engines. Always fresh, never a memory of an overload: once the
 load is gone, the limit and the speeds are those of the engine now. The rest of this note is how
 the drain is found for workers that report no limit (an engine that cannot time its steps).
 

@@ -60,9 +60,9 @@ MEMORY_S = 60.0
 # the bank holds about the slack of the last 1 / (1 - BANK_KEEP) steps, which the realtime requests
 # in the engine now mostly lived through, not slack left by requests long gone.
 BANK_KEEP = 1.0 - 1.0 / 32
-# Prompt tokens released to the engine are looked for in this many prefilling steps after the
-# last release; later they are taken as never prefilled as counted (the workers also forget a
-# request's prompt when it leaves, and expire what no step showed for seconds).
+# A prompt released to the engine is looked for in the steps that began after its release; after
+# this many it is taken as never prefilled as counted (the workers also forget a request's prompt
+# when it leaves, and expire what no step showed for seconds).
 PENDING_STEPS = 4
 
 
@@ -79,16 +79,17 @@ class StepCurve:
         self._prompt_mean = 0.0  # prompt tokens per step, smoothed: the prefill share of a step
         self._batch_mean = 0.0  # of which batch prompts, smoothed the same way
         # Prompts let into the engine and not yet seen prefilled, oldest first: [id, tokens, batch,
-        # released at]. The steps' prefilled tokens (computed and cached) are taken off the head.
+        # released at, steps begun since]. The steps' prefilled tokens (computed and cached) are
+        # taken off the head.
         self._pending: deque[list] = deque()
-        self._pending_age = 0
         self._cached_share = 0.0  # of the prompt tokens prefilled lately, the share the prefix cache held
         self.samples = 0
         self._lock = threading.Lock()
 
     def add(self, sample: StepSample) -> None:
+        self._prefilled(sample)
         if sample.seconds <= 0 or sample.seqs <= 0:
-            return
+            return  # not timed: it teaches the fit nothing
         x = (1.0, sample.seqs / SEQ_SCALE, sample.prompt_tokens / TOKEN_SCALE)
         with self._lock:
             for i in range(3):
@@ -97,7 +98,17 @@ class StepCurve:
                     self._xx[i][j] = self._xx[i][j] * self._decay + x[i] * x[j]
             self._weight = self._weight * self._decay + 1.0
             self._prompt_mean = 0.98 * self._prompt_mean + 0.02 * sample.prompt_tokens
-            seen = sample.prompt_tokens + sample.cached_tokens
+            self.samples += 1
+            self._coef = None
+
+    def _prefilled(self, sample: StepSample) -> None:
+        """Take what ``sample`` prefilled (computed and cached) off the prompts pending, oldest
+        first; a prompt still pending after ``PENDING_STEPS`` steps that began after it was let in
+        was not prefilled as counted (its count was high, or the engine took it some other way)
+        and is dropped. A step of unknown time (``at`` 0) counts as after every release."""
+        seen = sample.prompt_tokens + sample.cached_tokens
+        began = sample.at - max(0.0, sample.seconds) if sample.at else math.inf
+        with self._lock:
             if seen:
                 self._cached_share = 0.9 * self._cached_share + 0.1 * sample.cached_tokens / seen
             batch = 0
@@ -109,14 +120,13 @@ class StepCurve:
                 batch += taken if head[2] else 0
                 if head[1] <= 0:
                     self._pending.popleft()
-            if sample.prompt_tokens + sample.cached_tokens:  # only steps that prefilled age what is pending
-                self._pending_age += 1
-            if self._pending_age > PENDING_STEPS:
-                self._pending.clear()
+            for entry in self._pending:
+                if entry[3] <= began:
+                    entry[4] += 1
+            self._pending = deque(p for p in self._pending if p[4] <= PENDING_STEPS)
             # The batch share of what this step computed (cached tokens cost it nothing).
-            self._batch_mean = 0.98 * self._batch_mean + 0.02 * min(batch, sample.prompt_tokens)
-            self.samples += 1
-            self._coef = None
+            if sample.seconds > 0:
+                self._batch_mean = 0.98 * self._batch_mean + 0.02 * min(batch, sample.prompt_tokens)
 
     def note_prefill(self, prompt_tokens: int, batch: bool, request_id: str | None = None,
                      now: float | None = None) -> None:
@@ -126,8 +136,7 @@ class StepCurve:
         if prompt_tokens <= 0:
             return
         with self._lock:
-            self._pending.append([request_id, prompt_tokens, batch, time.monotonic() if now is None else now])
-            self._pending_age = 0
+            self._pending.append([request_id, prompt_tokens, batch, time.monotonic() if now is None else now, 0])
 
     def note_batch_prefill(self, prompt_tokens: int) -> None:
         """A batch prompt of ``prompt_tokens`` was let into the engine (``note_prefill``)."""
@@ -365,12 +374,12 @@ class Governor:
         coef = self.curve.coefficients()
         price = coef[2] if coef is not None else 0.0
         cost = price * max(0, prompt_tokens)
-        # What is already let in and not yet prefilled: batch prompts weigh against batch only (beside
-        # realtime the bank paces them), every prompt against realtime.
-        pending = price * (self.curve.batch_pending() if batch else self.curve.pending())
         budget = self.step_budget_s()
         limit = self.limit()
-        with self._lock:
+        with self._lock:  # the curve never calls the governor: its lock may be taken inside this one
+            # What is already let in and not yet prefilled: batch prompts weigh against batch only
+            # (beside realtime the bank paces them), every prompt against realtime.
+            pending = price * (self.curve.batch_pending() if batch else self.curve.pending())
             me = self._in_engine.get(request_id) if request_id is not None else None
             if me is not None:
                 if me.started:
@@ -433,36 +442,39 @@ class Governor:
         return realtime_queued > 0 or (realtime and seqs >= self.limit())
 
     def preempt(self, realtime_queued: int, grant: Callable[[int, int], int] | None = None,
-                exempt: Callable[[list[str]], set[str]] | None = None) -> list[str]:
+                exempt: Callable[[list[str]], set[str]] | None = None, leaving: set[str] = frozenset()) -> list[str]:
         """Batch requests to take out of the engine now, newest first: as many as realtime needs,
         while the engine is over its limit (in sequences) or full with realtime queued.
 
-        ``grant(slots, queued)``: of the slots this engine would free for the ``queued`` realtime
-        requests, how many it may (the fleet's claims, ``workers/preemption.py``: one queued
-        request makes one worker yield); by default all. What is over the limit always leaves.
-        ``exempt(ids)``: batch requests that are not to be preempted again."""
+        ``leaving``: requests already being taken out (preempted earlier, not gone yet): neither
+        counted nor chosen again. ``exempt(ids)``: batch requests not to be preempted again (the
+        cap). ``grant(slots, queued)``: of the slots this engine could free for the ``queued``
+        realtime requests, how many it may (the fleet's claims, ``workers/preemption.py``: one
+        queued request makes one worker yield); by default all. What is over the limit always
+        leaves."""
         limit = self.limit()
         with self._lock:
-            total = sum(e.seqs for e in self._in_engine.values())
-            batch = sorted(((e.entered, rid, e.seqs) for rid, e in self._in_engine.items() if e.batch), reverse=True)
-            realtime = any(not e.batch for e in self._in_engine.values())
+            staying = {rid: e for rid, e in self._in_engine.items() if rid not in leaving}
+        total = sum(e.seqs for e in staying.values())
+        realtime = any(not e.batch for e in staying.values())
         if not realtime and realtime_queued <= 0:
             return []
+        batch = sorted(((e.entered, rid, e.seqs) for rid, e in staying.items() if e.batch), reverse=True)
+        skip = exempt([rid for _, rid, _ in batch]) if exempt is not None and batch else set()
+        batch = [b for b in batch if b[1] not in skip]
         over = max(0, total - limit)
-        # Room for the realtime requests waiting (at most the whole limit), and none over the limit.
+        # Room for the realtime requests waiting (at most the whole limit), and none over the limit;
+        # never more than this engine's batch can free (a claim it could not honour would stop
+        # another worker from yielding).
         for_queued = max(0, total - limit + min(max(0, realtime_queued), limit)) - over
+        for_queued = min(for_queued, max(0, sum(seqs for _, _, seqs in batch) - over))
         if for_queued and grant is not None:
             for_queued = grant(for_queued, realtime_queued)
         want = over + for_queued
-        if want <= 0:
-            return []
-        skip = exempt([rid for _, rid, _ in batch]) if exempt is not None else set()
         victims = []
         for _, rid, seqs in batch:
             if want <= 0:
                 break
-            if rid in skip:
-                continue
             victims.append(rid)
             want -= seqs
         return victims

@@ -287,9 +287,12 @@ class EngineRuntime:
         self.write_room()
         began = time.monotonic()
         try:
-            if not self._await_start(rid, prompt_tokens, batch=request.priority > 0):
-                # Never reached the engine: handed back (preempted, stopped) or ended (cancelled).
+            if not self._await_start(rid, prompt_tokens, request.priority > 0, limit):
+                # Never reached the engine: handed back (preempted, stopped), ended (cancelled) or,
+                # realtime, out of time before it could go in.
                 ended = self._why_stopped(rid)
+                if ended == "engine_abort":  # stopped by nobody: its time ran out at the gate
+                    ended = ends_as
                 if request.stream:
                     self._token_sink().end(rid, ended)
                 return RunResult(None, None, ended)
@@ -367,16 +370,22 @@ class EngineRuntime:
                 self._room_written = None
                 log.warning("could not write the engine's room (%s)", type(exc).__name__)
 
-    def _await_start(self, rid: str, prompt_tokens: int, batch: bool) -> bool:
+    def _await_start(self, rid: str, prompt_tokens: int, batch: bool, limit_s: float) -> bool:
         """Wait until the governor lets this request into the engine (``Governor.take_prefill``:
         realtime first and in order, within the limit in sequences, a realtime burst's prompts one
         step budget at a time, batch prompts beside realtime once the slack of the engine's steps
         pays for them). While it waits the steps are learned every poll, not every governor
         round: the prefill it waits for is seen done within a poll. False when it must not start
-        at all: cancelled, stopped, or preempted while it waited."""
+        at all: cancelled, stopped, or preempted while it waited, or it waited ``limit_s`` (its
+        time: a realtime request's deadline passed, a batch request goes back to its queue)."""
+        began = time.monotonic()
         while not self.governor.take_prefill(prompt_tokens, rid, batch):
             with self._lock:
                 if rid in self._cancelled or rid in self._preempted or self._handing_back:
+                    return False
+                if time.monotonic() - began >= limit_s:
+                    if batch:  # never started: back to its queue, no attempt spent
+                        self._preempted.add(rid)
                     return False
             time.sleep(PREFILL_WAIT_S)
             if self._governing:
@@ -587,8 +596,11 @@ class EngineRuntime:
             log.warning("could not set the prefetch count to the in-engine limit", exc_info=True)
         queued = self._realtime_queued()
         self._batch_open = not self.governor.batch_yields(queued)
+        with self._lock:
+            leaving = set(self._preempted)
         victims = [] if self._handing_back else self.governor.preempt(
-            queued, self._claims.grant if self._claims else None, self._claims.exhausted if self._claims else None)
+            queued, self._claims.grant if self._claims else None, self._claims.exhausted if self._claims else None,
+            leaving)
         if self._claims and queued <= 0:
             self._claims.release()
         if victims:
@@ -668,12 +680,18 @@ class EngineRuntime:
         last_steps, last_progress = -1, time.monotonic()
         while not self._stop.wait(self._heartbeat_s):
             answered = threading.Event()
-            self._loop.call_soon_threadsafe(answered.set)
+            try:
+                self._loop.call_soon_threadsafe(answered.set)
+            except RuntimeError:  # the loop is closed: the worker is stopping
+                return
             if not answered.wait(self._watchdog_s) and not self._stop.is_set():
                 self._die(f"engine loop unresponsive for {self._watchdog_s:.0f}s")
-            engine_stats = self.engine.stats()
-            scheduled = self._in_flight or engine_stats.running + engine_stats.waiting > 0
-            if engine_stats.steps != last_steps or not scheduled:
-                last_steps, last_progress = engine_stats.steps, time.monotonic()
-            else:
-                self._check_progress(time.monotonic() - last_progress)
+            try:
+                engine_stats = self.engine.stats()
+                scheduled = self._in_flight or engine_stats.running + engine_stats.waiting > 0
+                if engine_stats.steps != last_steps or not scheduled:
+                    last_steps, last_progress = engine_stats.steps, time.monotonic()
+                else:
+                    self._check_progress(time.monotonic() - last_progress)
+            except Exception:  # this thread must outlive any error, or a hung engine keeps its requests
+                log.warning("watchdog round failed; retrying", exc_info=True)

@@ -176,6 +176,7 @@ class StepSample:
     seqs: int  # sequences in the step (decoding or prefilling)
     prompt_tokens: int = 0  # prompt tokens the step prefilled (computed: prefix-cache hits not included)
     cached_tokens: int = 0  # prompt tokens of the prompts it finished that the prefix cache held
+    at: float = 0.0  # time.monotonic() when it ended (0: unknown); seconds 0: a step not timed
 
 
 class StepLog:

@@ -396,7 +396,8 @@ class SimulatedEngine(Engine):
                     self._in_step = False
                 # The wall time the step took, as a real engine's would be measured: on a loaded
                 # host the loop oversleeps, and the worker's step curve should see that.
-                self.step_log.add(StepSample(time.monotonic() - began, len(batch), prefill))
+                ended = time.monotonic()
+                self.step_log.add(StepSample(ended - began, len(batch), prefill, at=ended))
                 self._update(batch, cost)
         except Exception as exc:  # fan the failure out so no consumer hangs: the engine is dead
             log.exception("simulated engine loop failed")

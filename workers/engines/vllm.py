@@ -178,11 +178,15 @@ class _StatsProbe(StatLoggerBase):
             # A step's time is the gap since the previous step's record while the engine was busy
             # (after an idle spell the gap holds the idleness, not a step).
             now = time.monotonic()
-            if e._last_record is not None and e._running > 0 and scheduler_stats.num_running_reqs > 0:
-                # What the step computed is what it cost; what the prefix cache held was free.
-                prompt = iteration_stats.prompt_token_stats if iteration_stats is not None else None
-                e.step_log.add(StepSample(now - e._last_record, scheduler_stats.num_running_reqs,
-                                          prompt.computed if prompt else 0, prompt.cached_tokens if prompt else 0))
+            # What the step computed is what it cost; what the prefix cache held was free. A step
+            # after an idle spell cannot be timed (the gap holds the idleness), but what it
+            # prefilled still counts: the worker waits for prompts to be seen prefilled.
+            prompt = iteration_stats.prompt_token_stats if iteration_stats is not None else None
+            timed = e._last_record is not None and e._running > 0 and scheduler_stats.num_running_reqs > 0
+            if timed or (prompt is not None and prompt.total):
+                e.step_log.add(StepSample(now - e._last_record if timed else 0.0, scheduler_stats.num_running_reqs,
+                                          prompt.computed if prompt else 0, prompt.cached_tokens if prompt else 0,
+                                          at=now))
             e._last_record = now
             e._steps += 1
             e._running = scheduler_stats.num_running_reqs

@@ -104,16 +104,24 @@ end
 -- overload (an estimate never locks an idle door).
 local wait, finish, basis = -1, -1, ''
 local drain, seq, room, slot_wait, price, engines = 0, 0, -1, 0, 0, 0
-local rooms, backlog, seq_now, live_rooms = {}, 0, 0, 0
+local rooms, backlogs, speeds, backlog, seq_now, live_rooms = {}, {}, {}, 0, 0, 0
 local raw_rooms = redis.call('HGETALL', KEYS[7])
 for i = 1, #raw_rooms, 2 do
   local r, b, s = string.match(raw_rooms[i + 1], '^(%S+) (%S+) (%S+)$')
   if not r then r = raw_rooms[i + 1] end
   r = math.max(0, tonumber(r) or 0)
   rooms[raw_rooms[i]] = r
+  backlogs[raw_rooms[i]] = math.max(0, tonumber(b) or 0)
+  speeds[raw_rooms[i]] = tonumber(s) or 0
+end
+-- A worker's backlog counts, and its live speed where it has room (the slowest such: the one a
+-- request may land on), if the worker counts: every one the monitor kept (it drops the dead),
+-- or while it is away those whose heartbeat is recent.
+local function count_room(worker)
   live_rooms = live_rooms + 1
-  backlog = backlog + math.max(0, tonumber(b) or 0)
-  if r > 0 and (tonumber(s) or 0) > seq_now then seq_now = tonumber(s) end
+  backlog = backlog + (backlogs[worker] or 0)
+  local s = speeds[worker] or 0
+  if (rooms[worker] or 0) > 0 and s > 0 and (seq_now == 0 or s < seq_now) then seq_now = s end
 end
 local snap = redis.call('HMGET', KEYS[6], 'drain_tps', 'seq_tps', 'updated_at_ms', 'room', 'slot_wait_s',
                         'prefill_s_tok', 'engines')
@@ -126,7 +134,10 @@ if snap[3] and now - tonumber(snap[3]) <= tonumber(ARGV[9]) then
   -- the snapshot's (a heartbeat old) only where no worker wrote it.
   if #raw_rooms > 0 then
     room = 0
-    for _, r in pairs(rooms) do room = room + r end
+    for worker, r in pairs(rooms) do
+      room = room + r
+      count_room(worker)
+    end
   end
 else
   local caps = redis.call('HGETALL', KEYS[8])
@@ -141,6 +152,7 @@ else
       local r = rooms[caps[i]] or 0
       if room < 0 then room = 0 end
       room = room + r
+      if rooms[caps[i]] then count_room(caps[i]) end
       if r > 0 then all_full = false
       elseif full_wait == nil or tonumber(sw) < full_wait then full_wait = tonumber(sw) end
     end

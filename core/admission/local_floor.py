@@ -62,8 +62,16 @@ class TokenBucket:
         self.level = min(self.cap, level + amount)
 
     def wait_ms(self, need: float, now_ms: float) -> int:
+        """How long until the bucket holds ``need``, as its refill will compute it then: the
+        division's answer can leave that refill a float's hair short, and waiting as told must be
+        enough (admit.lua's wait_ms, the same arithmetic)."""
         level = self.level_at(now_ms)[0]
-        return 0 if level >= need else math.ceil((need - level) * 60000 / self.cap)
+        if level >= need:
+            return 0
+        wait = math.ceil((need - level) * 60000 / self.cap)
+        while self.level_at(now_ms + wait)[0] < need:
+            wait += 1
+        return wait
 
     def quota(self, now_ms: float) -> Quota:
         level = self.level_at(now_ms)[0]

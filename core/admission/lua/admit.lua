@@ -51,16 +51,23 @@
 local now = clock_ms(ARGV[13])
 
 -- The bucket's level refilled up to now, and the time that level belongs to.
+-- Also the stored level and its time, which the wait is checked against.
 local function bucket(key, field, cap)
   local v = redis.call('HMGET', key, field, field .. '_t')
   local level, t = tonumber(v[1]), tonumber(v[2])
-  if level == nil or t == nil then return cap, now end
-  return refill(level, t, cap, now)
+  if level == nil or t == nil then return cap, now, cap, now end
+  local l, lt = refill(level, t, cap, now)
+  return l, lt, level, t
 end
 
-local function wait_ms(level, need, cap)
+-- How long until the bucket holds `need`, as the refill from what is stored will compute it then:
+-- the division's answer can leave that refill a float's hair short, and waiting as told must be
+-- enough. The same arithmetic as TokenBucket.wait_ms (core/admission/local_floor.py).
+local function wait_ms(level, need, cap, stored, t)
   if level >= need then return 0 end
-  return math.ceil((need - level) * 60000 / cap)
+  local w = math.ceil((need - level) * 60000 / cap)
+  while refill(stored, t, cap, now + w) < need do w = w + 1 end
+  return w
 end
 
 local cost = tonumber(ARGV[2])
@@ -77,8 +84,8 @@ if lv[1] and now - tonumber(lv[1]) <= tonumber(ARGV[9]) then
   load = tonumber(lv[2] or lv[4]) or 0
   if ARGV[7] == 'batch' then load = math.max(load, tonumber(lv[3] or lv[4]) or 0) end
 end
-local ptok, pt = 0, now
-if ptpm > 0 then ptok, pt = bucket(KEYS[1], 'tok', ptpm) end
+local ptok, pt, pstored, pst = 0, now, 0, now
+if ptpm > 0 then ptok, pt, pstored, pst = bucket(KEYS[1], 'tok', ptpm) end
 if not full then
   -- no global gate: it uses no engine now
 elseif load >= tonumber(ARGV[11]) then
@@ -86,7 +93,7 @@ elseif load >= tonumber(ARGV[11]) then
 elseif load >= tonumber(ARGV[10]) and ARGV[7] == 'batch' then
   gate, reason = 'global', 'batch_paused'
 elseif ptpm > 0 and ptok < math.min(cost, ptpm) then
-  gate, reason, retry = 'global', 'platform_tokens', wait_ms(ptok, math.min(cost, ptpm), ptpm)
+  gate, reason, retry = 'global', 'platform_tokens', wait_ms(ptok, math.min(cost, ptpm), ptpm, pstored, pst)
 end
 
 -- The promise, in engine time. Ahead of it: the output queued in its class (their max_tokens) at
@@ -194,13 +201,13 @@ if full and drain > 0 then
 end
 
 -- 2. Tenant: tokens per minute, requests per minute, requests in flight.
-local tok, tt = bucket(KEYS[3], 'tok', tpm)
-local req, rt = bucket(KEYS[3], 'req', rpm)
+local tok, tt, tstored, tst = bucket(KEYS[3], 'tok', tpm)
+local req, rt, rstored, rst = bucket(KEYS[3], 'req', rpm)
 if gate == '' then
   if not hit and tok < math.min(cost, tpm) then
-    gate, reason, retry = 'tenant', 'tokens_per_minute', wait_ms(tok, math.min(cost, tpm), tpm)
+    gate, reason, retry = 'tenant', 'tokens_per_minute', wait_ms(tok, math.min(cost, tpm), tpm, tstored, tst)
   elseif req < 1 then
-    gate, reason, retry = 'tenant', 'requests_per_minute', wait_ms(req, 1, rpm)
+    gate, reason, retry = 'tenant', 'requests_per_minute', wait_ms(req, 1, rpm, rstored, rst)
   elseif not hit and redis.call('ZCARD', KEYS[4]) >= tonumber(ARGV[6]) then
     gate, reason = 'tenant', 'concurrency'
   end

@@ -41,6 +41,15 @@ def isolated_app(database_url, admission_redis_url) -> Iterator[Callable[..., ob
     flush.close()
 
 
+@pytest.fixture
+def promising(isolated_app, new_client):
+    """An app no worker consumes and its client, with the shipped 30 s realtime deadline and the
+    promise keeping no margin, to keep the arithmetic plain (test_promise.py's
+    test_the_promise_keeps_its_margin checks the shipped one)."""
+    application = isolated_app(realtime_deadline_s=30.0, promise_factor=1.0)
+    return application, new_client(application)
+
+
 def tenant_id_of(app, client: ApiClient) -> uuid.UUID:
     with services(app).db.session() as session:
         return session.scalar(select(ApiKey.tenant_id).where(ApiKey.key_hash == hash_key(client.key)))

@@ -201,13 +201,6 @@ def test_many_prompts_and_embeddings_take_the_patience_too(app, sdk):
     assert raw.headers["Sluice-Service-Tier"] == "default"
 
 
-@pytest.fixture
-def promising(isolated_app, new_client):
-    """An app no worker consumes, a 30 s realtime default, and the promise with no margin (test_promise.py's)."""
-    application = isolated_app(realtime_deadline_s=30.0, promise_factor=1.0)
-    return application, new_client(application)
-
-
 def test_the_promise_judges_the_clients_patience(promising):
     application, client = promising
     # 500 tokens ahead at 100 tokens/s: 5 s of queue + 2 s of its own = 7 s, inside the 30 s default.

@@ -34,14 +34,6 @@ def publish(app, *, queued_work: int, drain_tps: float, seq_tps: float, priority
     svc.redis.hset(counters_key(priority, model), "queued_work", queued_work)
 
 
-@pytest.fixture
-def promising(isolated_app, new_client):
-    # The shipped 30 s realtime deadline; no margin, to keep the arithmetic plain (see
-    # test_the_promise_keeps_its_margin for the shipped one).
-    application = isolated_app(realtime_deadline_s=30.0, promise_factor=1.0)
-    return application, new_client(application)
-
-
 def test_a_request_that_cannot_finish_in_time_is_refused_at_once(promising):
     application, client = promising
     # 5,000 tokens of work ahead drain in 50 s at 100 tokens/s: past the 30 s realtime deadline.

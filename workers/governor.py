@@ -123,7 +123,8 @@ class StepCurve:
             for entry in self._pending:
                 if entry[3] <= began:
                     entry[4] += 1
-            self._pending = deque(p for p in self._pending if p[4] <= PENDING_STEPS)
+            if any(p[4] > PENDING_STEPS for p in self._pending):
+                self._pending = deque(p for p in self._pending if p[4] <= PENDING_STEPS)
             # The batch share of what this step computed (cached tokens cost it nothing).
             if sample.seconds > 0:
                 self._batch_mean = 0.98 * self._batch_mean + 0.02 * min(batch, sample.prompt_tokens)
@@ -137,10 +138,6 @@ class StepCurve:
             return
         with self._lock:
             self._pending.append([request_id, prompt_tokens, batch, time.monotonic() if now is None else now, 0])
-
-    def note_batch_prefill(self, prompt_tokens: int) -> None:
-        """A batch prompt of ``prompt_tokens`` was let into the engine (``note_prefill``)."""
-        self.note_prefill(prompt_tokens, True)
 
     def forget(self, request_id: str) -> None:
         """The request left the engine: whatever of its prompt is still counted pending never will
@@ -320,10 +317,14 @@ class Governor:
     def limit(self) -> int:
         """The most sequences the engine may hold so that a step stays within ``safety`` × the
         governing pace; the whole engine while the curve is unknown or flat."""
+        return self._limit_at(self.pace_s())
+
+    def _limit_at(self, pace_s: float) -> int:
+        """``limit()`` for a governing pace of ``pace_s``."""
         coef = self.curve.coefficients()
         if coef is None:
             return self.max_seqs
-        budget = self.safety * self.pace_s()
+        budget = self.safety * pace_s
         if not math.isfinite(budget):
             return self.max_seqs
         b = coef[1]
@@ -374,8 +375,8 @@ class Governor:
         coef = self.curve.coefficients()
         price = coef[2] if coef is not None else 0.0
         cost = price * max(0, prompt_tokens)
-        budget = self.step_budget_s()
-        limit = self.limit()
+        pace = self.pace_s()  # once: it sorts the realtime paces of the last minute
+        budget, limit = self.safety * pace, self._limit_at(pace)
         with self._lock:  # the curve never calls the governor: its lock may be taken inside this one
             # What is already let in and not yet prefilled: batch prompts weigh against batch only
             # (beside realtime the bank paces them), every prompt against realtime.
@@ -437,9 +438,8 @@ class Governor:
         """Batch work stops entering this engine while realtime waits for it: realtime is queued
         on this worker's realtime queues, or realtime runs here and the engine is at its limit."""
         with self._lock:
-            seqs = sum(e.seqs for e in self._in_engine.values())
             realtime = any(not e.batch for e in self._in_engine.values())
-        return realtime_queued > 0 or (realtime and seqs >= self.limit())
+        return realtime_queued > 0 or (realtime and self.seqs() >= self.limit())
 
     def preempt(self, realtime_queued: int, grant: Callable[[int, int], int] | None = None,
                 exempt: Callable[[list[str]], set[str]] | None = None, leaving: set[str] = frozenset()) -> list[str]:
@@ -460,13 +460,15 @@ class Governor:
         if not realtime and realtime_queued <= 0:
             return []
         batch = sorted(((e.entered, rid, e.seqs) for rid, e in staying.items() if e.batch), reverse=True)
-        skip = exempt([rid for _, rid, _ in batch]) if exempt is not None and batch else set()
-        batch = [b for b in batch if b[1] not in skip]
         over = max(0, total - limit)
-        # Room for the realtime requests waiting (at most the whole limit), and none over the limit;
-        # never more than this engine's batch can free (a claim it could not honour would stop
-        # another worker from yielding).
+        # Room for the realtime requests waiting (at most the whole limit), and none over the limit.
         for_queued = max(0, total - limit + min(max(0, realtime_queued), limit)) - over
+        if not batch or over + for_queued <= 0:
+            return []  # nothing wanted: the cap is not looked up
+        skip = exempt([rid for _, rid, _ in batch]) if exempt is not None else set()
+        batch = [b for b in batch if b[1] not in skip]
+        # Never more for the queued than this engine's batch can free (a claim it could not honour
+        # would stop another worker from yielding).
         for_queued = min(for_queued, max(0, sum(seqs for _, _, seqs in batch) - over))
         if for_queued and grant is not None:
             for_queued = grant(for_queued, realtime_queued)

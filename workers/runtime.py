@@ -138,6 +138,7 @@ class EngineRuntime:
         self._room_lock = threading.RLock()  # drain() may run in a signal handler
         self._learn_lock = threading.Lock()
         self._governing = False  # the governor thread runs: requests waiting to go in learn steps too
+        self._gate_ticked = 0.0  # when a request waiting to go in last learned the steps for all
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -287,12 +288,10 @@ class EngineRuntime:
         self.write_room()
         began = time.monotonic()
         try:
-            if not self._await_start(rid, prompt_tokens, request.priority > 0, limit):
-                # Never reached the engine: handed back (preempted, stopped), ended (cancelled) or,
-                # realtime, out of time before it could go in.
-                ended = self._why_stopped(rid)
-                if ended == "engine_abort":  # stopped by nobody: its time ran out at the gate
-                    ended = ends_as
+            ended = self._await_start(rid, prompt_tokens, request.priority > 0, limit, ends_as)
+            if ended is not None:
+                # Never reached the engine: handed back (preempted, stopped), ended (cancelled) or
+                # out of time before it could go in.
                 if request.stream:
                     self._token_sink().end(rid, ended)
                 return RunResult(None, None, ended)
@@ -370,28 +369,38 @@ class EngineRuntime:
                 self._room_written = None
                 log.warning("could not write the engine's room (%s)", type(exc).__name__)
 
-    def _await_start(self, rid: str, prompt_tokens: int, batch: bool, limit_s: float) -> bool:
+    def _await_start(self, rid: str, prompt_tokens: int, batch: bool, limit_s: float, ends_as: str) -> str | None:
         """Wait until the governor lets this request into the engine (``Governor.take_prefill``:
         realtime first and in order, within the limit in sequences, a realtime burst's prompts one
         step budget at a time, batch prompts beside realtime once the slack of the engine's steps
-        pays for them). While it waits the steps are learned every poll, not every governor
-        round: the prefill it waits for is seen done within a poll. False when it must not start
-        at all: cancelled, stopped, or preempted while it waited, or it waited ``limit_s`` (its
-        time: a realtime request's deadline passed, a batch request goes back to its queue)."""
+        pays for them). While requests wait the steps are learned every poll, not every governor
+        round: the prefill they wait for is seen done within a poll. None when it may go in; else
+        how it ends without the engine: stopped while it waited (``_why_stopped``), or it waited
+        ``limit_s``: a realtime request ends as ``ends_as`` (its deadline or time limit passed), a
+        batch request goes back to its queue (``preempted``: no attempt spent)."""
         began = time.monotonic()
         while not self.governor.take_prefill(prompt_tokens, rid, batch):
             with self._lock:
-                if rid in self._cancelled or rid in self._preempted or self._handing_back:
-                    return False
-                if time.monotonic() - began >= limit_s:
-                    if batch:  # never started: back to its queue, no attempt spent
-                        self._preempted.add(rid)
-                    return False
+                stopped = rid in self._cancelled or rid in self._preempted or self._handing_back
+            if stopped:
+                return self._why_stopped(rid)
+            if time.monotonic() - began >= limit_s:
+                return "preempted" if batch else ends_as
             time.sleep(PREFILL_WAIT_S)
-            if self._governing:
-                self._learn_steps()
-            self.write_room()
-        return True
+            self._gate_tick()
+        return None
+
+    def _gate_tick(self) -> None:
+        """What a poll at the gate does for all who wait, at most once a poll whoever many wait:
+        learn the steps taken (the prefill they wait for) and tell admission the backlog left."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._gate_ticked < PREFILL_WAIT_S:
+                return
+            self._gate_ticked = now
+        if self._governing:
+            self._learn_steps()
+        self.write_room()
 
     def _token_sink(self) -> TokenSink:
         with self._lock:

@@ -98,6 +98,13 @@ def capacity_key(priority: Priority | str, model: str) -> str:
     return CAPACITY_PREFIX + class_name(priority, model)
 
 
+def decode_drain(beat: dict) -> float:
+    """What a governed worker's heartbeat ``beat`` says its limit decodes a second, its prompts'
+    prefill priced apart (``decode_tps``; a worker that does not state it: its limit × the speed a
+    sequence gets there)."""
+    return float(beat.get("decode_tps") or beat.get("engine_limit", 0) * float(beat["limit_seq_tps"]))
+
+
 def capacity_entry(beat: dict, at_ms: int) -> str | None:
     """A worker's capacity as its heartbeat ``beat`` states it, in the form admission's script
     reads (``at_ms drain_tps seq_tps slot_wait_s prefill_s_tok``); None while it knows no speed yet.
@@ -108,7 +115,7 @@ def capacity_entry(beat: dict, at_ms: int) -> str | None:
     finished runs got, discounted for a full batch (PRIOR_SHARE)."""
     if beat.get("limit_seq_tps"):
         seq = float(beat["limit_seq_tps"])
-        drain = float(beat.get("decode_tps") or beat.get("engine_limit", 0) * seq)
+        drain = decode_drain(beat)
     elif beat.get("seq_tps"):
         seq = float(beat["seq_tps"])
         drain = beat.get("threads", 0) * seq * PRIOR_SHARE

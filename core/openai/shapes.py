@@ -47,6 +47,7 @@ TIERS = {"auto": "realtime", "default": "realtime", "priority": "realtime", "fle
 # Sluice priority → the service_tier an answer names: the class that served it (auto, default and
 # priority are one class here, so an answer never claims a priority tier it did not get).
 SERVED_TIERS = {"realtime": "default", "batch": "flex"}
+SERVICE_TIER_HEADER = "Sluice-Service-Tier"  # the answer's header naming that tier, as the body's service_tier
 # Row status → the HTTP status a call answers when its request ended without an answer.
 ENDED = {"failed": 500, "timed_out": 504, "expired": 504, "cancelled": 409, "rejected": 503}
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}

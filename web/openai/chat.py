@@ -47,7 +47,6 @@ from web.sse import relay
 log = logging.getLogger(__name__)
 bp = Blueprint("openai", __name__, url_prefix="/v1")
 REQUEST_ID_HEADER = "Sluice-Request-Id"
-SERVICE_TIER_HEADER = "Sluice-Service-Tier"  # the body's service_tier: the class that serves the call
 NO_RETRY = {"x-should-retry": "false"}  # read by the OpenAI SDKs before their own retry rules
 WAIT_GRACE_S = 5.0  # past its deadline a request is being expired: how long to wait for that
 MAX_PROMPTS = 64  # a list of prompts on /v1/completions: one request row each
@@ -184,7 +183,7 @@ def _submit(svc: Services, tenant: Tenant, url: str, body: dict[str, Any],
     try:
         asked, data = shapes.to_native_for(url, body, svc.settings.registry.default.name)
         given = patience.deadline(request.headers, data["priority"], bool(data.get("stream")), svc.settings)
-        called = {**given.headers(), SERVICE_TIER_HEADER: shapes.SERVED_TIERS[data["priority"]]}
+        called = {**given.headers(), shapes.SERVICE_TIER_HEADER: shapes.SERVED_TIERS[data["priority"]]}
         header = request.headers.get(idempotency.HEADER)
         key = idempotency.key_from(header[:250] + key_suffix if header and key_suffix else header, tenant.id,
                                    body, svc.settings.idempotency_window_s)
@@ -195,7 +194,7 @@ def _submit(svc: Services, tenant: Tenant, url: str, body: dict[str, Any],
         raise
     row = accepted.row
     headers = {REQUEST_ID_HEADER: str(row.id), **accepted.headers, **called,
-               SERVICE_TIER_HEADER: shapes.SERVED_TIERS[row.priority.value]}
+               shapes.SERVICE_TIER_HEADER: shapes.SERVED_TIERS[row.priority.value]}
     if accepted.replayed:
         headers["Idempotent-Replayed"] = "true"
     if row.degradation_step:

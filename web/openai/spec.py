@@ -99,7 +99,7 @@ def add_paths(spec: APISpec) -> None:
         patience.SOURCE_HEADER: {"schema": {"enum": [patience.READ_TIMEOUT_HEADER, patience.PREFER,
                                                      patience.DEFAULT]},
                                  "description": "Where the deadline came from."},
-        "Sluice-Service-Tier": {"schema": {"enum": sorted(set(shapes.SERVED_TIERS.values()))},
+        shapes.SERVICE_TIER_HEADER: {"schema": {"enum": sorted(set(shapes.SERVED_TIERS.values()))},
                                 "description": "The tier that serves the call (flex: Sluice's batch class)."}}
     answer_headers = {**limit_headers, **call_headers,
                       "Sluice-Request-Id": {"schema": {"type": "string", "format": "uuid"},

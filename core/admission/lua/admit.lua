@@ -184,10 +184,13 @@ if full and drain > 0 then
     -- keeps fast enough, which decode counts nothing against.
     speed = seq_now
   end
-  if speed > 0 then own = own + tonumber(ARGV[15]) * 1000 / speed end
   -- When it is due (the 202's poll hint): at the limit's speed where no live speed stands.
-  if speed > 0 then finish = math.floor(wait + own)
-  elseif seq > 0 then finish = math.floor(wait + own + tonumber(ARGV[15]) * 1000 / seq) end
+  if speed > 0 then
+    own = own + tonumber(ARGV[15]) * 1000 / speed
+    finish = math.floor(wait + own)
+  elseif seq > 0 then
+    finish = math.floor(wait + own + tonumber(ARGV[15]) * 1000 / seq)
+  end
   local factor = tonumber(ARGV[18])
   if load >= tonumber(ARGV[16]) then factor = tonumber(ARGV[17]) end
   local spent = tonumber(ARGV[19]) or 0

@@ -18,7 +18,7 @@ from core.admission.load import room_key
 from models import InferenceRequest, Status
 from web.services import services
 from workers.engines.base import StepSample
-from workers.governor import Governor, StepCurve
+from workers.governor import MIN_PREFILL_CHUNK, Governor, StepCurve
 from workers.monitor import Monitor
 
 
@@ -133,39 +133,48 @@ def test_batch_yields_and_is_preempted_newest_first_while_realtime_waits():
     assert governor.preempt(0) == ["b7", "b6"]
 
 
-def test_batch_prefill_beside_realtime_is_paid_for_by_the_slack_of_its_steps():
-    """On a compute-bound engine one batch prompt prefilled in a step costs realtime decoding
-    beside it more than a whole step's budget: it waits until the steps realtime lived through
-    left that much time unused, and spends it."""
+def test_prompts_are_prefilled_in_the_slack_the_realtime_steps_leave():
+    """On a compute-bound engine one prompt prefilled whole in a step costs the realtime decoding
+    beside it more than a step's budget: the engine is told to prefill no more per step than the
+    budget leaves beside the decodes, and batch documents go in beside realtime, one at a time,
+    for the engine to chunk; realtime prompts never wait behind a batch document."""
     governor = Governor(cpu_curve(), max_seqs=64, default_pace_s=1.0, clock=Clock())
 
-    def prefilled(tokens: int) -> None:  # the engine's step that prefilled a prompt, on the curve
+    def prefilled(tokens: int) -> None:  # the engine's step that prefilled that many prompt tokens
         governor.curve.add(StepSample(0.010 + 0.0015 * 4 + 0.001 * tokens, 4, tokens))
 
-    assert governor.take_prefill(200), "no realtime in the engine: batch prefills at once"
-    prefilled(200)
+    # No realtime seen: the default pace (1 s a token) leaves ~0.69 s a step, ~690 tokens.
+    assert governor.prefill_cap_tokens() == pytest.approx(690, abs=5)
     governor.enter("rt", batch=False, deadline_s=5.0, max_tokens=32)  # pace 156 ms: budget 109 ms a step
-    budget = governor.step_budget_s()
-    assert budget == pytest.approx(0.7 * 5.0 / 32)
-    assert not governor.take_prefill(200), "nothing banked: a 200-token prompt costs ~0.2 s"
-    governor.earn_prefill([StepSample(budget + 0.01, 4)] * 50)
-    assert not governor.take_prefill(200), "steps at or over budget leave no slack"
-    governor.earn_prefill([StepSample(budget - 0.05, 4)] * 6)  # ~0.29 s banked
-    assert governor.take_prefill(200)
-    prefilled(200)
-    assert not governor.take_prefill(200), "the prefill spent the bank"
-    governor.earn_prefill([StepSample(budget - 0.05, 4)] * 6)
-    governor.earn_prefill([StepSample(budget, 4)] * 300)
-    assert not governor.take_prefill(200), "slack of steps long past fades from the bank"
-    governor.leave("rt")
-    governor.earn_prefill([])
-    assert governor.take_prefill(200)
-    assert not governor.take_prefill(200), "one prompt's prefill at a time, while it costs over a step budget"
-    prefilled(200)
-    assert governor.take_prefill(200)
-    for _ in range(5):  # steps that prefilled others' prompts, never this one (cached, aborted): not waited for
-        governor.curve.add(StepSample(0.026, 4, 10))
-    assert governor.take_prefill(20) and governor.take_prefill(20), "small prompts share a step's budget"
+    assert governor.take_prefill(0, "rt", batch=False)
+    assert governor.step_budget_s() == pytest.approx(0.7 * 5.0 / 32)
+    assert governor.prefill_cap_tokens() == pytest.approx(97, abs=3), "109 ms less one sequence's 11.5 ms"
+    governor.enter("doc", batch=True, deadline_s=None, max_tokens=64, prompt_tokens=2000)
+    assert governor.take_prefill(2000, "doc"), "beside realtime: the engine prefills it in the slack"
+    governor.enter("doc2", batch=True, deadline_s=None, max_tokens=64, prompt_tokens=2000)
+    assert not governor.take_prefill(2000, "doc2"), "one document over a step budget at a time"
+    governor.enter("q", batch=False, deadline_s=5.0, max_tokens=32, prompt_tokens=400)
+    assert governor.take_prefill(400, "q", batch=False), "a realtime prompt never waits behind batch prefill"
+    assert governor.backlog_s(batch=False) == pytest.approx(0.4, rel=0.05), "only realtime prefill is ahead"
+    governor.enter("q2", batch=False, deadline_s=5.0, max_tokens=32, prompt_tokens=400)
+    assert not governor.take_prefill(400, "q2", batch=False), "a burst goes in a step budget at a time"
+    # The engine prefills in chunks, realtime's first: the ledger follows, and nothing is dropped
+    # while chunks come, however many steps a document takes.
+    for _ in range(4):
+        prefilled(100)
+    assert governor.curve.realtime_pending() == 0 and governor.curve.batch_pending() == 2000
+    assert governor.take_prefill(400, "q2", batch=False)
+    for _ in range(24):
+        prefilled(100)
+    assert governor.curve.pending() == 0
+    assert governor.take_prefill(2000, "doc2")
+    # Four steps with no prefill at all: what is still counted pending was never prefilled as counted.
+    for _ in range(5):
+        prefilled(0)
+    assert governor.curve.pending() == 0
+    # A pace that leaves less than a step's decodes: the cap stays at its floor, and prompts move on.
+    tight = Governor(cpu_curve(), max_seqs=64, default_pace_s=0.015, clock=Clock())
+    assert tight.prefill_cap_tokens() == MIN_PREFILL_CHUNK
 
 
 def test_batch_prefill_does_not_lower_the_limit_realtime_prefill_does():
@@ -439,20 +448,20 @@ def test_the_runtime_drops_a_request_its_wait_left_too_little_time_and_runs_one_
         assert run("unjudged", left_s=0.2, whole_s=0.3).ended_by == "finished", "the sim is faster than the curve"
 
 
-def test_a_batch_request_waiting_beside_realtime_for_prefill_is_handed_back_if_preempted(redis_url):
-    """Beside a realtime request whose steps leave no slack, a batch prompt waits outside the
+def test_a_batch_request_waiting_beside_realtime_for_room_is_handed_back_if_preempted(redis_url):
+    """Beside a realtime request whose sequences fill the limit, a batch request waits outside the
     engine; preempted meanwhile, it ends `preempted` (handed back, requeued) without the engine
-    ever seeing it; once the realtime has left, batch prefills at once."""
+    ever seeing it; once the realtime has left, batch goes in at once."""
     from workers.engines.base import GenerationRequest, SamplingParams
 
     governor = Governor(cpu_curve(), max_seqs=8, default_pace_s=1.0)
 
-    def request(rid: str, priority: int, max_tokens: int) -> GenerationRequest:
+    def request(rid: str, priority: int, max_tokens: int, n: int = 1) -> GenerationRequest:
         return GenerationRequest(request_id=rid, prompt="q " * 200, priority=priority, prompt_tokens=400,
-                                 params=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+                                 params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, n=n))
 
     with sim_runtime(redis_url, governor, 1.0, "test-prefill-wait") as runtime, ThreadPoolExecutor(2) as pool:
-        realtime = pool.submit(runtime.run, request("rt", 0, 4000), 60.0)
+        realtime = pool.submit(runtime.run, request("rt", 0, 4000, n=8), 60.0)
         deadline = time.monotonic() + 10
         while governor.in_engine() != (1, 0) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -460,12 +469,12 @@ def test_a_batch_request_waiting_beside_realtime_for_prefill_is_handed_back_if_p
         while governor.in_engine() != (2, 1) and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.2)
-        assert not batch.done(), "no slack banked: the 400-token prompt (~0.4 s by the curve) waits"
-        assert runtime.engine.stats().prompt_tokens == 400, "only the realtime prompt reached the engine"
+        assert not batch.done(), "the realtime request's eight sequences fill the limit: batch waits"
+        assert runtime.engine.stats().prompt_tokens == 8 * 400, "only the realtime sequences reached the engine"
         with runtime._lock:
             runtime._preempted.add("batch")  # what govern_once does when realtime needs the room
         assert batch.result(timeout=5).ended_by == "preempted"
-        assert runtime.engine.stats().prompt_tokens == 400
+        assert runtime.engine.stats().prompt_tokens == 8 * 400
         runtime._call(runtime.engine.abort("rt"))
         assert realtime.result(timeout=10).ended_by == "engine_abort", "aborted, cancelled by nobody"
         assert governor.in_engine() == (0, 0)

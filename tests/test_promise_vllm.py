@@ -118,6 +118,28 @@ def test_the_in_engine_limit_counts_sequences_not_requests(stack, api):
     worker.wait_stats(lambda s: s.get("seqs") == 0, timeout=60)
 
 
+def test_a_long_document_is_prefilled_in_chunks_after_a_realtime_prompt(stack, api):
+    """The worker tells vLLM's scheduler how many prompt tokens a step may prefill; a batch
+    document is prefilled in chunks of that, and a realtime question that reaches the engine
+    while the document is part way through gets its first token before the document does."""
+    application, worker = stack
+    stats = worker.wait_stats(lambda s: s.get("in_flight") == 0 and (s.get("prefill_cap") or 0) > 0, timeout=120)
+    assert 0 < stats["prefill_cap"] < 2800, stats
+    doc = api.submit(prompt=prompt_of(2800, 400), max_tokens=4, priority="batch")
+    assert doc.status_code == 202, doc.get_json()
+    worker.wait_stats(lambda s: s.get("in_flight") == 1 and (s.get("backlog_s") or 0) > 0, timeout=60)
+    question = api.submit(prompt=prompt_of(400, 401), max_tokens=4, deadline_s=60)
+    assert question.status_code == 202, question.get_json()
+    rows = {str(r.id): r for r in ended(application, [doc.get_json()["id"], question.get_json()["id"]])}
+    doc_row, question_row = rows[doc.get_json()["id"]], rows[question.get_json()["id"]]
+    assert {doc_row.status, question_row.status} == {Status.SUCCEEDED}
+    # Realtime first, as far as the order of events allows: a question that reached the engine
+    # before the document's first token has its own first token before the document's.
+    if question_row.started_at < doc_row.first_token_at:
+        assert question_row.first_token_at < doc_row.first_token_at, (question_row.first_token_at,
+                                                                       doc_row.first_token_at)
+
+
 def test_a_burst_with_long_prompts_beside_batch_documents_keeps_the_promise(stack, api):
     """The issue's acceptance check: realtime questions of ~400 prompt tokens with a 5 s deadline
     arrive in a burst beside batch documents of ~2,000 tokens. Every question is served by its

@@ -251,3 +251,25 @@ def test_decode_step_time_matches_h200_calibration(batch, context, measured_ms):
 def test_prefill_time_matches_h200_calibration(tokens, measured_ms):
     model_ms = step_time_s(SimulatedConfig(), prefill_tokens=tokens) * 1e3
     assert abs(model_ms / measured_ms - 1) < 0.25
+
+
+def test_a_prefill_cap_chunks_long_prompts_and_prefills_realtime_first():
+    """With a cap set, no step prefills more than the cap; a realtime prompt that arrives while a
+    batch document is part way through its prefill is prefilled first, and the document goes on
+    in chunks after it (as Sluice's vLLM scheduler does)."""
+    async def body(engine):
+        engine.set_prefill_cap(64)
+        started: list[str] = []
+        decoding = asyncio.ensure_future(collect(engine, req("rt-decoding", 200), started))
+        await until(lambda: started == ["rt-decoding"])
+        engine.step_samples()
+        doc = asyncio.ensure_future(collect(engine, req("doc", 4, priority=1, prompt_tokens=2000), started))
+        await until(lambda: engine.stats().prompt_tokens > 64 * 3)  # some chunks of it are in
+        question = asyncio.ensure_future(collect(engine, req("question", 4, prompt_tokens=300), started))
+        await asyncio.gather(decoding, doc, question)
+        return started, engine.step_samples(), engine.stats()
+    started, steps, stats = run(SimulatedConfig(speed=50.0), body)
+    assert max(s.prompt_tokens for s in steps) <= 64, [s.prompt_tokens for s in steps]
+    assert sum(s.prompt_tokens for s in steps) == 2000 + 300
+    assert started.index("question") < started.index("doc"), started
+    assert stats.generated_tokens == 200 + 4 + 4

@@ -22,10 +22,12 @@ which every request in it meets its own deadline, not the one with the best thro
 
 The worker carries the limit out as its Celery prefetch count (the consumer holds at most that
 many unacknowledged messages: each one is a request in the engine), and tells batch work to yield
-(:meth:`Governor.batch_yields`, :meth:`Governor.preempt`) while realtime needs the engine. Beside
-realtime, a batch prompt is prefilled only with the time the steps realtime lived through left
-unused (:meth:`Governor.earn_prefill`, :meth:`Governor.take_prefill`): on a compute-bound engine
-one prompt in a step can cost the realtime decoding in it more than its whole margin.
+(:meth:`Governor.batch_yields`, :meth:`Governor.preempt`) while realtime needs the engine. On a
+compute-bound engine one prompt in a step can cost the realtime decoding in it more than its whole
+margin, so prompts are prefilled in the slack: the engine is told how many prompt tokens a step may
+prefill (:meth:`Governor.prefill_cap_tokens`: the step budget less what the step's decodes take,
+at the curve's price per token) and chunks long prompts to that, realtime prompts first (Sarathi's
+chunked prefill, with the chunk set by the tightest deadline instead of a fixed size).
 Pure logic with an injectable clock: ``tests/test_governor.py`` drives it without an engine.
 """
 
@@ -56,13 +58,13 @@ SAFETY = 0.7
 # The paces of requests that entered this long ago still count: the traffic they came with is
 # likely still arriving.
 MEMORY_S = 60.0
-# Batch prefill credit: each step hands on this share of what it had banked (the rest fades), so
-# the bank holds about the slack of the last 1 / (1 - BANK_KEEP) steps, which the realtime requests
-# in the engine now mostly lived through, not slack left by requests long gone.
-BANK_KEEP = 1.0 - 1.0 / 32
+# The fewest prompt tokens a step may prefill, however little slack the realtime pace leaves: a
+# prompt always moves on.
+MIN_PREFILL_CHUNK = 32
 # A prompt released to the engine is looked for in the steps that began after its release; after
-# this many it is taken as never prefilled as counted (the workers also forget a request's prompt
-# when it leaves, and expire what no step showed for seconds).
+# this many such steps that prefilled none of the prompts counted pending, it is taken as never
+# prefilled as counted (the workers also forget a request's prompt when it leaves, and expire what
+# no step showed for seconds).
 PENDING_STEPS = 4
 
 
@@ -102,29 +104,33 @@ class StepCurve:
             self._coef = None
 
     def _prefilled(self, sample: StepSample) -> None:
-        """Take what ``sample`` prefilled (computed and cached) off the prompts pending, oldest
-        first; a prompt still pending after ``PENDING_STEPS`` steps that began after it was let in
-        was not prefilled as counted (its count was high, or the engine took it some other way)
-        and is dropped. A step of unknown time (``at`` 0) counts as after every release."""
+        """Take what ``sample`` prefilled (computed and cached) off the prompts pending: realtime
+        ones first, then batch, oldest first in each, the order the engine prefills them in (a
+        long prompt over many steps, in chunks). A prompt still pending after ``PENDING_STEPS``
+        steps that began after it was let in and prefilled none of the prompts pending was not
+        prefilled as counted (its count was high, or the engine took it some other way) and is
+        dropped. A step of unknown time (``at`` 0) counts as after every release."""
         seen = sample.prompt_tokens + sample.cached_tokens
         began = sample.at - max(0.0, sample.seconds) if sample.at else math.inf
         with self._lock:
             if seen:
                 self._cached_share = 0.9 * self._cached_share + 0.1 * sample.cached_tokens / seen
             batch = 0
-            while seen > 0 and self._pending:
-                head = self._pending[0]
-                taken = min(seen, head[1])
-                head[1] -= taken
+            for entry in sorted(self._pending, key=lambda p: p[2]) if seen else ():  # stable: oldest first
+                taken = min(seen, entry[1])
+                entry[1] -= taken
                 seen -= taken
-                batch += taken if head[2] else 0
-                if head[1] <= 0:
-                    self._pending.popleft()
-            for entry in self._pending:
-                if entry[3] <= began:
-                    entry[4] += 1
-            if any(p[4] > PENDING_STEPS for p in self._pending):
-                self._pending = deque(p for p in self._pending if p[4] <= PENDING_STEPS)
+                batch += taken if entry[2] else 0
+                if seen <= 0:
+                    break
+            if any(p[1] <= 0 for p in self._pending):
+                self._pending = deque(p for p in self._pending if p[1] > 0)
+            if not sample.prompt_tokens + sample.cached_tokens:
+                for entry in self._pending:
+                    if entry[3] <= began:
+                        entry[4] += 1
+                if any(p[4] > PENDING_STEPS for p in self._pending):
+                    self._pending = deque(p for p in self._pending if p[4] <= PENDING_STEPS)
             # The batch share of what this step computed (cached tokens cost it nothing).
             if sample.seconds > 0:
                 self._batch_mean = 0.98 * self._batch_mean + 0.02 * min(batch, sample.prompt_tokens)
@@ -156,6 +162,11 @@ class StepCurve:
         """Prompt tokens let into the engine and not yet seen prefilled."""
         with self._lock:
             return sum(p[1] for p in self._pending)
+
+    def realtime_pending(self) -> int:
+        """Realtime prompt tokens let into the engine and not yet seen prefilled."""
+        with self._lock:
+            return sum(p[1] for p in self._pending if not p[2])
 
     def batch_pending(self) -> int:
         """Batch prompt tokens let into the engine and not yet seen prefilled."""
@@ -263,7 +274,6 @@ class Governor:
         self.clock = clock
         self._in_engine: dict[str, _Entry] = {}
         self._recent: deque[tuple[float, float]] = deque()  # (entered, pace) of recent realtime entries
-        self._credit_s = 0.0  # batch prefill credit beside realtime, seconds of engine time
         self._tickets = 0
         self._lock = threading.Lock()
 
@@ -331,56 +341,48 @@ class Governor:
         if b <= 0:
             return self.max_seqs
         # A step's fixed part plus the prefill realtime arrivals bring; batch prefill is fitted into
-        # the slack that leaves (earn_prefill), so it never lowers the limit.
+        # the slack that leaves (prefill_cap_tokens), so it never lowers the limit.
         base = self.curve.step_s(0, self.curve.realtime_prompt_mean())
         return max(1, min(self.max_seqs, int((budget - base) / b)))
-
-    def _realtime_here(self) -> bool:
-        """Whether a realtime request is in the engine (the caller holds the lock)."""
-        return any(not e.batch for e in self._in_engine.values())
 
     def step_budget_s(self) -> float:
         """The longest a step may take now: ``safety`` × the governing pace."""
         return self.safety * self.pace_s()
 
-    def earn_prefill(self, steps: list[StepSample]) -> None:
-        """Bank batch prefill credit from the steps just taken, while realtime runs: each step
-        earns its slack, the step budget less what the step really took, in seconds of engine
-        time. The bank fades (``BANK_KEEP``): it holds the slack of steps that the realtime requests
-        in the engine now lived through, which they can give up and still finish in time."""
+    def prefill_cap_tokens(self) -> int:
+        """The most prompt tokens a step may prefill now (``Engine.set_prefill_cap``): what the
+        step budget leaves beside the decodes of the sequences in the engine, at the curve's price
+        per computed prompt token; at least ``MIN_PREFILL_CHUNK``. 0 (no cap) while the curve has
+        no price for a prompt token or no pace governs."""
+        coef = self.curve.coefficients()
         budget = self.step_budget_s()
-        with self._lock:
-            if not self._realtime_here():
-                self._credit_s = 0.0  # nobody to keep the slack for
-            elif math.isfinite(budget):
-                for step in steps:
-                    self._credit_s = self._credit_s * BANK_KEEP + max(0.0, budget - step.seconds)
+        if coef is None or coef[2] <= 0 or not math.isfinite(budget):
+            return 0
+        decodes = self.curve.step_s(max(1, self.seqs()), 0) or 0.0
+        return max(MIN_PREFILL_CHUNK, int((budget - decodes) / coef[2]))
 
     def take_prefill(self, prompt_tokens: int, request_id: str | None = None, batch: bool = True) -> bool:
         """Whether a prompt of ``prompt_tokens`` may go into the engine now; if so it is counted
-        pending prefill until a step shows it prefilled (``StepCurve.note_prefill``).
+        pending prefill until steps show it prefilled (``StepCurve.note_prefill``).
 
         Realtime first: a batch prompt waits while a realtime request waits here, and realtime
         requests go in the order they came. The limit counts sequences: a request whose sequences
         would take the engine past it waits for room (unless the engine is empty). A realtime
         prompt goes in while the prompts pending prefill cost less than a step budget (so a burst
-        is prefilled one step budget at a time, in order, not all in one long step that every
-        sequence decoding beside it waits for); there is always one going in. A batch prompt, its
-        price by the curve being c × its tokens, beside realtime once the bank holds that price,
-        which it spends (a prompt the bank never holds waits until the realtime has left the
-        engine); without realtime at once, but never more than one step budget of prefill at a
-        time (or one prompt, if larger), so that realtime arriving meanwhile waits for one
-        prefill, not for a wave of them in one long step. ``request_id`` None: a prompt not
-        entered (tests of the bank alone)."""
+        is prefilled a step budget at a time, in order); there is always one going in. A batch
+        prompt goes in while the batch prompts pending cost less than a step budget with it, or
+        alone when it costs more: beside realtime as without, since the engine prefills it in
+        the slack of its steps, chunked at ``prefill_cap_tokens`` and after realtime's prompts.
+        ``request_id`` None: a prompt not entered (tests of the gate alone)."""
         coef = self.curve.coefficients()
         price = coef[2] if coef is not None else 0.0
         cost = price * max(0, prompt_tokens)
         pace = self.pace_s()  # once: it sorts the realtime paces of the last minute
         budget, limit = self.safety * pace, self._limit_at(pace)
         with self._lock:  # the curve never calls the governor: its lock may be taken inside this one
-            # What is already let in and not yet prefilled: batch prompts weigh against batch only
-            # (beside realtime the bank paces them), every prompt against realtime.
-            pending = price * (self.curve.batch_pending() if batch else self.curve.pending())
+            # What is already let in and not yet prefilled, of the request's own class: the engine
+            # prefills realtime's prompts first and batch's in the slack.
+            pending = price * (self.curve.batch_pending() if batch else self.curve.realtime_pending())
             me = self._in_engine.get(request_id) if request_id is not None else None
             if me is not None:
                 if me.started:
@@ -394,10 +396,6 @@ class Governor:
             if batch:
                 if pending > 0 and pending + cost > budget:
                     return False
-                if self._realtime_here():
-                    if self._credit_s < cost:
-                        return False
-                    self._credit_s -= cost
             elif pending > 0 and pending >= budget:
                 return False
             if me is not None:
@@ -409,10 +407,11 @@ class Governor:
         """Engine seconds of prefill ahead of a request that comes now, at the price per prompt
         token: the prompts let into the engine and not yet prefilled, and those of the requests
         waiting to go in that go before it (for a realtime request, the realtime ones only:
-        realtime goes in first)."""
+        realtime goes in first, and the engine prefills its prompts first)."""
         with self._lock:
             waiting = sum(e.prompt for e in self._in_engine.values() if not e.started and (batch or not e.batch))
-        return (self.curve.pending() + waiting) * self.curve.prompt_token_s()
+        pending = self.curve.pending() if batch else self.curve.realtime_pending()
+        return (pending + waiting) * self.curve.prompt_token_s()
 
     def tokens_take_s(self, max_tokens: int, prompt_tokens: int = 0, batch: bool = False) -> float | None:
         """Seconds a request entering now takes to finish: the prefill ahead of it and its own,

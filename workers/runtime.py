@@ -120,6 +120,7 @@ class EngineRuntime:
         # The highest limit governed since start: the engine never holds more than this (a lowered
         # limit takes nobody out; those in the engine finish), so max_batch_seen is checked against it.
         self.limit_peak = 0
+        self.prefill_cap = 0  # prompt tokens a step may prefill, as last told to the engine (0: no cap)
         self._batch_open = True
         self._preempted: set[str] = set()
         self._slowest_step_s = 0.0
@@ -572,7 +573,9 @@ class EngineRuntime:
             for sample in samples:
                 self.governor.curve.add(sample)
                 self._slowest_step_s = max(self._slowest_step_s, sample.seconds)
-            self.governor.earn_prefill(samples)
+            # What the step budget leaves for prompts now: the engine chunks them to it.
+            self.prefill_cap = self.governor.prefill_cap_tokens()
+            self.engine.set_prefill_cap(self.prefill_cap)
             # A prompt counted pending that no step showed for this long never reached the
             # prefill as counted (the engine took it in a way its steps do not report).
             self.governor.curve.expire(time.monotonic() - max(PENDING_MAX_S, 20 * self._slowest_step_s))
@@ -633,7 +636,8 @@ class EngineRuntime:
         view = {"engine_limit": self.limit, "engine_limit_peak": self.limit_peak, "room": self.room(),
                 "seqs": self.governor.seqs(),
                 "slot_wait_s": round(self.governor.slot_wait_s(self.limit), 3),
-                "batch_open": self._batch_open, "pace_ms": round(self.governor.pace_s() * 1e3, 2)}
+                "batch_open": self._batch_open, "pace_ms": round(self.governor.pace_s() * 1e3, 2),
+                "prefill_cap": self.prefill_cap}
         curve = self.governor.curve
         coef = curve.coefficients()
         if coef is not None:

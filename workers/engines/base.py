@@ -228,6 +228,14 @@ class Engine(abc.ABC):
         engine for slowness: a saturated or CPU-starved engine is slow, not hung."""
         return None
 
+    def set_prefill_cap(self, tokens: int) -> None:
+        """The most prompt tokens one step may prefill from now on (0: no cap beyond the engine's
+        own token budget). An engine that honours it chunks long prompts to the cap and prefills
+        the better priority's prompts first, so that no step outlasts what the realtime
+        requests decoding in it can afford (``Governor.prefill_cap_tokens``). By default ignored:
+        such an engine prefills each prompt as its own scheduler does."""
+        return None
+
     def step_samples(self) -> list[StepSample]:
         """The steps taken since the last call, oldest first (an engine that cannot time its
         steps returns none: its worker then keeps the whole engine open)."""

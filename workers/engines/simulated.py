@@ -198,6 +198,7 @@ class SimulatedEngine(Engine):
         self._steps = self._max_batch = self._generated = self._prompt = self._aborted = 0
         self._preemptions = 0
         self._last_batch, self._last_step_ms, self._sim_time_s = 0, 0.0, 0.0
+        self._prefill_cap = 0  # prompt tokens a step may prefill (0: the token budget alone)
 
     async def start(self) -> None:
         """Start the engine loop on the running event loop; idempotent."""
@@ -411,14 +412,27 @@ class SimulatedEngine(Engine):
         Running sequences go first in priority order; if one cannot grow its KV, the worst
         running sequence is preempted back to waiting (recomputed later). New sequences are
         admitted in priority order only if no preemption happened and their whole prompt plus
-        output so far fits; the head of the queue blocks the rest so priority is strict.
+        output so far fits; the head of the queue blocks the rest so priority is strict. With a
+        prefill cap (``set_prefill_cap``, as Sluice's vLLM scheduler does) a step prefills at most
+        that many prompt tokens, chunking a long prompt, and a prompt part way through its
+        prefill sits a step out while one of a better priority waits or is part way through.
         """
         cfg, budget, batch = self.config, self.config.max_num_batched_tokens, []
         self._running.sort(key=_Seq.sort_key)
+        cap = self._prefill_cap
+        prefill_left = cap if cap > 0 else math.inf
+        chunks = [seq.request.priority for seq in self._running if seq.num_computed < seq.prompt_tokens]
+        best = min(chunks + ([self._waiting[0].request.priority] if self._waiting else []), default=0)
         preempted, i = False, 0
         while i < len(self._running) and budget > 0:
             seq = self._running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
+            prefilling = seq.num_computed < seq.prompt_tokens
+            if prefilling and cap > 0:
+                if seq.request.priority > best or prefill_left <= 0:
+                    i += 1
+                    continue
+                n = min(n, prefill_left)
             need = math.ceil((seq.num_computed + n) / cfg.block_size) - seq.blocks
             while need > self._num_blocks - self._used_blocks:
                 victim = self._running.pop()
@@ -434,9 +448,10 @@ class SimulatedEngine(Engine):
             self._used_blocks += max(0, need)
             batch.append((seq, n))
             budget -= n
+            prefill_left -= n if prefilling else 0
             i += 1
         # After a preemption KV is tight, so admit nothing new unless the batch is empty.
-        while ((not preempted or not self._running) and self._waiting and budget > 0
+        while ((not preempted or not self._running) and self._waiting and budget > 0 and prefill_left > 0
                and len(self._running) < cfg.max_num_seqs):
             seq = self._waiting[0]
             need = math.ceil(seq.num_tokens / cfg.block_size)
@@ -446,10 +461,14 @@ class SimulatedEngine(Engine):
             seq.state, seq.blocks = "running", need
             self._used_blocks += need
             self._running.append(seq)
-            n = min(seq.num_tokens, budget)
+            n = min(seq.num_tokens, budget, prefill_left)
             batch.append((seq, n))
             budget -= n
+            prefill_left -= n
         return batch
+
+    def set_prefill_cap(self, tokens: int) -> None:
+        self._prefill_cap = max(0, int(tokens))
 
     def _cost(self, batch: list[tuple[_Seq, int]]) -> tuple[float, int]:
         """The step's cost in real-GPU seconds, and the prompt tokens it prefills."""

@@ -3,7 +3,9 @@
 One ``AsyncLLM`` per worker process, with prefix caching and priority scheduling on. All
 calls run on the runtime's event loop thread; vLLM's engine core runs in a child process it
 spawns itself and batches every request in flight continuously (``max_num_seqs`` sequences and
-``max_num_batched_tokens`` tokens per step at most).
+``max_num_batched_tokens`` tokens per step at most). Its scheduler is vLLM's own with the worker's
+prefill cap (``_Governed``): long prompts chunked so that no step outlasts what the realtime
+requests decoding in it can afford, the better priority's prompts prefilled first.
 
 Engine statistics come from a stat logger that vLLM calls on the event loop after every step
 (and after aborts), so ``stats()`` reads plain attributes and is safe from any thread.
@@ -13,7 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import os
+import struct
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -47,11 +52,96 @@ from vllm.config import StructuredOutputsConfig  # noqa: E402
 from vllm.exceptions import VLLMClientError  # noqa: E402
 from vllm.renderers.inputs.preprocess import parse_model_prompt  # noqa: E402
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
 from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
 
 log = logging.getLogger(__name__)
+
+# Where the engine-core process finds the prefill cap its worker sets (a file of one int64, mapped
+# by both): set in the environment only while the engine is built, so the core inherits it.
+PREFILL_CAP_ENV = "SLUICE_VLLM_PREFILL_CAP_FILE"
+_CAP = struct.Struct("<q")
+
+
+class _PrefillCap:
+    """The worker's prefill cap, shared with vLLM's engine-core process through a mapped file: the
+    worker writes it each governor round, the scheduler reads it each step (no message, no lock:
+    one aligned 8-byte word)."""
+
+    def __init__(self, path: str, create: bool = False) -> None:
+        self.path = path
+        if create:
+            with open(path, "wb") as f:
+                f.write(bytes(_CAP.size))
+        with open(path, "r+b") as f:
+            self._map = mmap.mmap(f.fileno(), _CAP.size)
+
+    def get(self) -> int:
+        return _CAP.unpack_from(self._map)[0]
+
+    def set(self, tokens: int) -> None:
+        _CAP.pack_into(self._map, 0, max(0, int(tokens)))
+
+    def close(self) -> None:
+        self._map.close()
+
+
+class _Governed:
+    """vLLM's scheduler with Sluice's prefill cap (mixed into vLLM's own scheduler class, sync or
+    async, whichever the engine's configuration picks; ``governed_scheduler``).
+
+    With a cap of ``c`` tokens set, a step prefills at most about ``c`` prompt tokens (its token
+    budget is one per running request for the decodes, plus ``c``; a prompt is chunked at ``c``),
+    and the better priority prefills first: a prompt of a worse priority that is part way through
+    its prefill sits a step out while one of a better priority waits to start or is part way
+    through its own (the running requests are taken in priority order, so realtime decodes first).
+    Without a cap (0, or no cap file) it is vLLM's scheduler unchanged."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        path = os.environ.get(PREFILL_CAP_ENV)
+        self._sluice_cap = _PrefillCap(path) if path and os.path.exists(path) else None
+        self._sluice_budget = self.max_num_scheduled_tokens
+        self._sluice_threshold = self.scheduler_config.long_prefill_token_threshold
+
+    def schedule(self, *args, **kwargs):
+        cap = self._sluice_cap.get() if self._sluice_cap is not None else 0
+        held: list = []
+        if cap > 0:
+            self.running.sort(key=lambda r: r.priority)  # stable: arrival order within a priority
+            chunks = [r for r in self.running if r.is_prefill_chunk]
+            best = min([r.priority for r in chunks] + ([self.waiting.peek_request().priority] if self.waiting else []),
+                       default=None)
+            held = [r for r in chunks if best is not None and r.priority > best]
+            if held:
+                self.running[:] = [r for r in self.running if r not in held]
+            self.max_num_scheduled_tokens = min(self._sluice_budget, len(self.running) + cap)
+            self.scheduler_config.long_prefill_token_threshold = cap
+        else:
+            self.max_num_scheduled_tokens = self._sluice_budget
+            self.scheduler_config.long_prefill_token_threshold = self._sluice_threshold
+        try:
+            return super().schedule(*args, **kwargs)
+        finally:
+            self.running.extend(held)
+
+
+class _GovernedScheduler(_Governed, Scheduler):
+    pass
+
+
+class _GovernedAsyncScheduler(_Governed, AsyncScheduler):
+    pass
+
+
+def governed_scheduler(*args, **kwargs):
+    """vLLM's ``scheduler_cls`` for a Sluice worker: its own scheduler (async when the engine
+    schedules asynchronously) with the prefill cap (``_Governed``)."""
+    config = kwargs["vllm_config"].scheduler_config
+    return (_GovernedAsyncScheduler if config.async_scheduling else _GovernedScheduler)(*args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -181,12 +271,17 @@ class _StatsProbe(StatLoggerBase):
             # What the step computed is what it cost; what the prefix cache held was free. A step
             # after an idle spell cannot be timed (the gap holds the idleness), but what it
             # prefilled still counts: the worker waits for prompts to be seen prefilled.
+            # The prompt tokens the step computed are the scheduler's context tokens (a chunk of a
+            # long prompt counts in the step that ran it); vLLM's prompt figures come once a prompt
+            # is done, with what the prefix cache held of it.
             prompt = iteration_stats.prompt_token_stats if iteration_stats is not None else None
+            details = scheduler_stats.iteration_details
+            computed = details.num_ctx_tokens if details is not None else (prompt.computed if prompt else 0)
+            cached = prompt.cached_tokens if prompt else 0
             timed = e._last_record is not None and e._running > 0 and scheduler_stats.num_running_reqs > 0
-            if timed or (prompt is not None and prompt.total):
+            if timed or computed or cached:
                 e.step_log.add(StepSample(now - e._last_record if timed else 0.0, scheduler_stats.num_running_reqs,
-                                          prompt.computed if prompt else 0, prompt.cached_tokens if prompt else 0,
-                                          at=now))
+                                          computed, cached, at=now))
             e._last_record = now
             e._steps += 1
             e._running = scheduler_stats.num_running_reqs
@@ -222,6 +317,7 @@ class VllmEngine(Engine):
         self._kv_usage = 0.0
         self._last_record: float | None = None
         self._core_cpu_s: float | None = None
+        self._cap: _PrefillCap | None = None
 
     async def start(self) -> None:
         c = self.config
@@ -237,14 +333,32 @@ class VllmEngine(Engine):
             # a named backend: xgrammar, its default (a schema xgrammar cannot compile fails its
             # request with invalid_response_format instead of falling back to guidance).
             structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True),
-            disable_log_stats=True)
+            # The prefill cap (set_prefill_cap) and each step's prefill as the scheduler ran it.
+            scheduler_cls=None if c.embed else f"{__name__}.governed_scheduler",
+            enable_logging_iteration_details=True, disable_log_stats=True)
         # Built in a thread: loading takes seconds to minutes and the loop must keep answering
         # the watchdog meanwhile.
         from vllm.platforms import current_platform
 
         cpus = bound_cpus() if current_platform.is_cpu() else None
-        self._llm = await asyncio.get_running_loop().run_in_executor(None, lambda: _build_in(
-            cpus, lambda: AsyncLLM.from_engine_args(args, stat_loggers=[lambda cfg, idx: _StatsProbe(self)])))
+        fd, path = tempfile.mkstemp(prefix="sluice-prefill-cap-")
+        os.close(fd)
+        self._cap = _PrefillCap(path, create=True)
+
+        def build() -> AsyncLLM:
+            os.environ[PREFILL_CAP_ENV] = path  # the engine core inherits it as it starts
+            try:
+                return AsyncLLM.from_engine_args(args, stat_loggers=[lambda cfg, idx: _StatsProbe(self)])
+            finally:
+                os.environ.pop(PREFILL_CAP_ENV, None)
+
+        try:
+            self._llm = await asyncio.get_running_loop().run_in_executor(None, lambda: _build_in(cpus, build))
+        except BaseException:
+            self._cap.close()
+            os.unlink(path)
+            self._cap = None
+            raise
         if c.embed and c.dimensions is not None and self._llm.model_config.get_hidden_size() != c.dimensions:
             raise RuntimeError(f"model {c.model_name} embeds in {self._llm.model_config.get_hidden_size()} "
                                f"dimensions, not the {c.dimensions} the registry says: fix its dimensions")
@@ -366,6 +480,10 @@ class VllmEngine(Engine):
             extra={"prefix_cache_hit_tokens": self._prefix_hits, "prefix_cache_query_tokens": self._prefix_queries,
                    "kv_cache_usage": round(self._kv_usage, 4), "in_flight": len(self._in_flight)})
 
+    def set_prefill_cap(self, tokens: int) -> None:
+        if self._cap is not None:
+            self._cap.set(tokens)
+
     def busy(self) -> bool | None:
         """Whether vLLM's engine-core process used the CPU since the last call (on a GPU host a
         host thread waiting on the device counts too). None without such a process."""
@@ -381,6 +499,10 @@ class VllmEngine(Engine):
 
     async def shutdown(self) -> None:
         llm, self._llm = self._llm, None
+        cap, self._cap = self._cap, None
+        if cap is not None:
+            cap.close()
+            os.unlink(cap.path)  # the core mapped it already; the mapping outlives the name
         if llm is None:
             return
         if self._in_flight:

@@ -106,3 +106,34 @@ def test_fewer_batch_requests_start_while_realtime_runs():
     shared = batch_slots(settings, 64, ["realtime.small", "batch.small"])
     assert (shared.limit, shared.beside) == (48, 24)
     assert batch_slots(settings, 64, ["batch.small"]).beside == 64  # a batch-only worker: no realtime to yield to
+
+
+def test_a_request_handed_back_at_the_head_of_its_queue_is_taken_next(database_url, redis_dbs, new_client, tmp_path):
+    """What a preempted batch request gets: published again at the head of its queue, so the one
+    worker thread takes it before the requests queued after it first came."""
+    import uuid
+    from types import SimpleNamespace
+
+    from core.broker.queues import publish_committed, to_head
+    from web import create_app
+
+    redis_url = redis_dbs()
+    application = create_app(make_settings(database_url, redis_url))
+    client = new_client(application)
+    svc = services(application)
+    ids = [client.submit(prompt=f"batch {i}", max_tokens=4, priority="batch").get_json()["id"] for i in range(4)]
+    assert not to_head(svc.redis, "batch.small", str(uuid.uuid4())), "a message not there is not moved"
+    # The last one queued, published again at the head (its first message stays: only one
+    # delivery can claim the row, the other finds it taken).
+    publish_committed(svc.lifecycle, svc.broker, [SimpleNamespace(id=uuid.UUID(ids[-1]), queue="batch.small")],
+                      svc.epoch, head=svc.redis)
+    worker = WorkerProcess(database_url, redis_url, tmp_path, concurrency=1)
+    try:
+        views = {i: client.wait(i) for i in ids}
+    finally:
+        worker.stop()
+        svc.redis.flushdb()
+        svc.db.dispose()
+    assert {v["status"] for v in views.values()} == {"succeeded"}
+    order = sorted(ids, key=lambda i: views[i]["timings"]["started_at"])
+    assert order == [ids[-1], *ids[:-1]], order

@@ -28,7 +28,7 @@ from core.submit.tokens import message_text
 from core.submit.twins import Twins
 from models import Priority, Status
 from models import lifecycle as lc
-from models.lifecycle import Claimed, Ended, Lifecycle, Requeued
+from models.lifecycle import Claimed, Ended, Lifecycle
 from models.request import storable_text
 from workers.engines import GenerationRequest, SamplingParams
 from workers.engines.base import Constraint, ConstraintError, RequestRefused
@@ -66,7 +66,7 @@ def with_db_retries(attempt):
 
 def execute(lifecycle: Lifecycle, redis_client: redis.Redis, runtime: EngineRuntime, request_id: uuid.UUID,
             answers: AnswerCache | None = None, twins: Twins | None = None,
-            publish: Callable[[list[Requeued]], None] | None = None) -> None:
+            publish: Callable[..., None] | None = None) -> None:
     """Claim, run and finish one request. ``publish`` sends a request this worker hands back
     (it stopped before the request finished) to its queue again; without it the sweep does."""
     claimed = with_db_retries(lambda: lifecycle.claim(request_id, runtime.worker_id, runtime.info["device"]))
@@ -90,7 +90,7 @@ def execute(lifecycle: Lifecycle, redis_client: redis.Redis, runtime: EngineRunt
 
 
 def run(lifecycle: Lifecycle, runtime: EngineRuntime, claimed: Claimed, claimed_mono: float, key: str,
-        answers: AnswerCache | None, publish: Callable[[list[Requeued]], None] | None = None) -> None:
+        answers: AnswerCache | None, publish: Callable[..., None] | None = None) -> None:
     """Run a claimed request in the engine and write its outcome; a success goes into the cache."""
     request_id = claimed.id
     try:
@@ -114,7 +114,9 @@ def run(lifecycle: Lifecycle, runtime: EngineRuntime, claimed: Claimed, claimed_
             with_db_retries(lambda: lifecycle.finish(request_id, runtime.worker_id, lc.CANCELLED_RUNNING))
         elif publish is not None:
             try:
-                publish([requeued])
+                # A preempted batch request goes back to the head of its queue: it was in line
+                # before everything queued behind it, and its preemptions are capped.
+                publish([requeued], head=result.ended_by == "preempted")
             except Exception:
                 log.warning("handed-back request not published; the sweep will publish it", exc_info=True)
         return

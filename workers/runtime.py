@@ -647,7 +647,7 @@ class EngineRuntime:
             # with no prefill in its steps (decode_tps); backlog_s of prefill is ahead of it here.
             view.update(limit_seq_tps=round(curve.seq_tps(self.limit), 3), idle_seq_tps=round(curve.seq_tps(1), 3),
                         decode_tps=round(self.limit / curve.step_s(self.limit, 0), 3),
-                        prefill_s_tok=round(curve.prompt_token_s(), 7),
+                        prefill_s_tok=round(self.governor.prompt_token_s(), 7),
                         cached_share=round(curve.cached_share(), 3),
                         backlog_s=round(self.governor.backlog_s(), 3),
                         realtime_backlog_s=round(self.governor.backlog_s(batch=False), 3),

@@ -256,7 +256,7 @@ def sluice_stack(args, model: Path):
            "SLUICE_VLLM_ENFORCE_EAGER": "1" if args.eager else "0", "SLUICE_VLLM_DTYPE": args.dtype,
            "SLUICE_VLLM_MAX_NUM_SEQS": str(args.max_num_seqs),
            "SLUICE_VLLM_MAX_NUM_BATCHED_TOKENS": str(args.max_batched_tokens),
-           "SLUICE_LOG_LEVEL": "WARNING",
+           "SLUICE_LOG_LEVEL": "WARNING", "SLUICE_TIME_LIMIT_S": str(args.deadline),
            **({"SLUICE_WORKER_CONCURRENCY": str(args.concurrency)} if args.concurrency else {}),
            **({"SLUICE_VLLM_KV_CACHE_BYTES": str(args.kv_bytes)} if args.kv_bytes else {})}
     env = {"DATABASE_URL": db_url, "REDIS_URL": args.redis_url, **env}
@@ -293,7 +293,7 @@ def run_through_sluice(app, key: str, items: list[str], tokens: int, *, serial: 
 
     def submit(prompt: str) -> str:
         asked = {"prompt": prompt, **(body or structured_body(False, tokens)), "deadline_s": deadline_s,
-                 "time_limit_s": min(deadline_s, 120)}
+                 "time_limit_s": deadline_s}
         response = app.test_client().post("/v1/requests", json=asked, headers=headers)
         assert response.status_code == 202, response.get_json()
         return response.get_json()["id"]

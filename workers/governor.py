@@ -110,7 +110,7 @@ class StepCurve:
         steps that began after it was let in and prefilled none of the prompts pending was not
         prefilled as counted (its count was high, or the engine took it some other way) and is
         dropped. A step of unknown time (``at`` 0) counts as after every release."""
-        seen = sample.prompt_tokens + sample.cached_tokens
+        seen = total = sample.prompt_tokens + sample.cached_tokens
         began = sample.at - max(0.0, sample.seconds) if sample.at else math.inf
         with self._lock:
             if seen:
@@ -125,7 +125,7 @@ class StepCurve:
                     break
             if any(p[1] <= 0 for p in self._pending):
                 self._pending = deque(p for p in self._pending if p[1] > 0)
-            if not sample.prompt_tokens + sample.cached_tokens:
+            if not total:
                 for entry in self._pending:
                     if entry[3] <= began:
                         entry[4] += 1
@@ -354,8 +354,11 @@ class Governor:
         step budget leaves beside the decodes of the sequences in the engine, at the curve's price
         per computed prompt token; at least ``MIN_PREFILL_CHUNK``. 0 (no cap) while the curve has
         no price for a prompt token or no pace governs."""
+        return self._cap_at(self.step_budget_s())
+
+    def _cap_at(self, budget: float) -> int:
+        """``prefill_cap_tokens()`` for a step budget of ``budget`` seconds."""
         coef = self.curve.coefficients()
-        budget = self.step_budget_s()
         if coef is None or coef[2] <= 0 or not math.isfinite(budget):
             return 0
         decodes = self.curve.step_s(max(1, self.seqs()), 0) or 0.0
@@ -409,10 +412,11 @@ class Governor:
         so a token costs at least the step budget over the cap, more than the curve's price when
         the decodes beside it leave the prompts little of each step; the prefix cache's share off."""
         price = self.curve.prompt_token_s()
-        cap = self.prefill_cap_tokens()
+        budget = self.step_budget_s()  # once: it sorts the realtime paces of the last minute
+        cap = self._cap_at(budget)
         if cap <= 0:
             return price
-        return max(price, self.step_budget_s() / cap * (1.0 - self.curve.cached_share()))
+        return max(price, budget / cap * (1.0 - self.curve.cached_share()))
 
     def backlog_s(self, batch: bool = True) -> float:
         """Engine seconds of prefill ahead of a request that comes now, at the price per prompt

@@ -121,7 +121,8 @@ def to_head(client: redis.Redis, queue: str, request_id: str, near: int = 1000) 
     ``near`` messages published last; False when it is not among them (taken already, or a
     thousand published since: it then keeps its place at the tail). Atomic: nothing is lost or
     doubled, whoever publishes or consumes meanwhile."""
-    return bool(client.eval(_TO_HEAD, len(_lists(queue)), *_lists(queue), request_id, near))
+    keys = _lists(queue)
+    return bool(client.eval(_TO_HEAD, len(keys), *keys, request_id, near))
 
 
 # Which life of the broker's data a message was published into. Redis that restarts without its

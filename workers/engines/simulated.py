@@ -419,10 +419,11 @@ class SimulatedEngine(Engine):
         """
         cfg, budget, batch = self.config, self.config.max_num_batched_tokens, []
         self._running.sort(key=_Seq.sort_key)
-        cap = self._prefill_cap
+        cap, best = self._prefill_cap, 0
         prefill_left = cap if cap > 0 else math.inf
-        chunks = [seq.request.priority for seq in self._running if seq.num_computed < seq.prompt_tokens]
-        best = min(chunks + ([self._waiting[0].request.priority] if self._waiting else []), default=0)
+        if cap > 0:  # the best priority part way through its prefill or waiting to start
+            best = min([seq.request.priority for seq in self._running if seq.num_computed < seq.prompt_tokens]
+                       + ([self._waiting[0].request.priority] if self._waiting else []), default=0)
         preempted, i = False, 0
         while i < len(self._running) and budget > 0:
             seq = self._running[i]

@@ -85,8 +85,10 @@ class _PrefillCap:
     def set(self, tokens: int) -> None:
         _CAP.pack_into(self._map, 0, max(0, int(tokens)))
 
-    def close(self) -> None:
+    def remove(self) -> None:
+        """Unmap and delete the file (a process that mapped it keeps its mapping)."""
         self._map.close()
+        os.unlink(self.path)
 
 
 class _Governed:
@@ -113,11 +115,12 @@ class _Governed:
         if cap > 0:
             self.running.sort(key=lambda r: r.priority)  # stable: arrival order within a priority
             chunks = [r for r in self.running if r.is_prefill_chunk]
-            best = min([r.priority for r in chunks] + ([self.waiting.peek_request().priority] if self.waiting else []),
-                       default=None)
-            held = [r for r in chunks if best is not None and r.priority > best]
-            if held:
-                self.running[:] = [r for r in self.running if r not in held]
+            if chunks:
+                waiting = [self.waiting.peek_request().priority] if self.waiting else []
+                best = min([r.priority for r in chunks] + waiting)
+                held = [r for r in chunks if r.priority > best]
+                if held:
+                    self.running[:] = [r for r in self.running if r.priority <= best or not r.is_prefill_chunk]
             self.max_num_scheduled_tokens = min(self._sluice_budget, len(self.running) + cap)
             self.scheduler_config.long_prefill_token_threshold = cap
         else:
@@ -355,8 +358,7 @@ class VllmEngine(Engine):
         try:
             self._llm = await asyncio.get_running_loop().run_in_executor(None, lambda: _build_in(cpus, build))
         except BaseException:
-            self._cap.close()
-            os.unlink(path)
+            self._cap.remove()
             self._cap = None
             raise
         if c.embed and c.dimensions is not None and self._llm.model_config.get_hidden_size() != c.dimensions:
@@ -501,8 +503,7 @@ class VllmEngine(Engine):
         llm, self._llm = self._llm, None
         cap, self._cap = self._cap, None
         if cap is not None:
-            cap.close()
-            os.unlink(cap.path)  # the core mapped it already; the mapping outlives the name
+            cap.remove()
         if llm is None:
             return
         if self._in_flight:

@@ -77,7 +77,7 @@ def test_a_window_pauses_batch_on_shared_workers_and_resumes_after_a_scheduler_r
         # The remote-control command reaches the worker in its own time (seconds on a loaded
         # machine; lost when its consumer is not listening yet, and then sent again at a later
         # tick, as the scheduler ticks on): wait until the worker itself says it reads no batch queue.
-        node = worker.stats()["node"]
+        node = worker.wait_stats(lambda s: "node" in s)["node"]
         control = services(application).broker.control
         deadline = time.monotonic() + 60
         while True:

@@ -114,7 +114,7 @@ def test_max_tokens_and_stop_are_honoured(api):
 
 
 def test_cancel_aborts_in_the_engine_and_frees_kv(api, engine):
-    aborted = engine.stats()["aborted"]
+    aborted = engine.wait_stats(lambda s: "aborted" in s)["aborted"]  # a beat, not a lapse between two
     request_id = api.submit(prompt="A very long story", max_tokens=6000, ignore_eos=True).get_json()["id"]
     api.wait(request_id, statuses={"running"})
     assert engine.wait_stats(lambda s: s["kv_used_tokens"] > 0)["kv_used_tokens"] > 0
@@ -164,7 +164,8 @@ def test_realtime_overtakes_queued_batch_work(api, engine):
     for request_id in fill:
         view = api.wait(request_id, statuses={"running", *TERMINAL})
         assert view["status"] == "running", view
-    assert engine.stats()["engine_limit"] <= 4, "the limit never passes the engine's own batch cap"
+    limit = engine.wait_stats(lambda s: "engine_limit" in s)["engine_limit"]
+    assert limit <= 4, "the limit never passes the engine's own batch cap"
     # The realtime request holds its slot for 64 steps: a queued batch request can only start when
     # it ends (or when a filler does, 6,000 steps on). A first token is stamped as started_at (the
     # database clock at the claim) plus the worker's monotonic offset from the claim's return, which

@@ -26,7 +26,7 @@ import math
 import random
 import struct
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,7 @@ from workers.engines.base import (
 log = logging.getLogger(__name__)
 
 MARKER = "[simulated] "
+_PIECE_CHARS = 4  # characters of a constrained answer per token
 _WORDS = ("alpha", "river", "stone", "cloud", "ember", "maple", "quartz", "harbor", "signal",
           "lantern", "meadow", "copper", "falcon", "glacier", "orbit", "willow", "cedar", "delta",
           "prism", "summit", "tundra", "velvet", "anchor", "beacon", "canyon", "dune", "fjord",
@@ -256,7 +257,7 @@ class SimulatedEngine(Engine):
         rng = random.Random(seed)
         seq = _Seq(request, prompt_tokens, next(self._arrivals), rng, tuple(s for s in request.params.stop if s))
         if request.params.constraint is not None:
-            seq.text, seq.script = "", _pieces(_constrained(request.params.constraint, rng))
+            seq.text, seq.script = "", _pieces(_constrained(request.params.constraint, rng, (max_tokens + 1) * _PIECE_CHARS))
         if request.params.logprobs is not None:
             seq.logprobs = []
         self._seqs[rid] = seq
@@ -564,75 +565,122 @@ def _vector(text: str, size: int, keep: int) -> bytes:
     return struct.pack(f"<{len(values)}f", *(v / norm for v in values))
 
 
-def _pieces(text: str, size: int = 4) -> list[str]:
+def _pieces(text: str, size: int = _PIECE_CHARS) -> list[str]:
     """A constrained answer cut into the pieces the engine emits, a token's worth each."""
     return [text[i:i + size] for i in range(0, len(text), size)] or [""]
 
 
-def _constrained(constraint, rng: random.Random) -> str:
-    """A text that meets ``constraint``; its strings say ``[simulated]``. A regex is beyond the
-    simulated engine (it would need a generator for any regular language): ConstraintError."""
+def _constrained(constraint, rng: random.Random, max_chars: int) -> str:
+    """A text that meets ``constraint``, cut at ``max_chars`` (a piece more than ``max_tokens``
+    carries, so that a cut answer ends by length); its strings say ``[simulated]``. A JSON answer is written lazily, so a schema that asks
+    for more than that (``minItems: 1e300``, arrays nested four deep) costs the event loop only
+    the characters sent. A regex is beyond the simulated engine (it would need a generator for any
+    regular language): ConstraintError."""
     if constraint.kind == "choice":
-        return rng.choice(list(constraint.spec))
+        return rng.choice(list(constraint.spec))[:max_chars]
     if constraint.kind == "json_object":
-        return json.dumps({"answer": MARKER + rng.choice(_WORDS)}, separators=(",", ":"))
+        return json.dumps({"answer": MARKER + rng.choice(_WORDS)}, separators=(",", ":"))[:max_chars]
     if constraint.kind == "json":
         schema = json.loads(constraint.spec)
-        return json.dumps(_instance(schema, schema, rng, 0), separators=(",", ":"), ensure_ascii=False)
+        text, size = [], 0
+        for piece in _json_text(schema, schema, rng, 0):
+            text.append(piece)
+            size += len(piece)
+            if size >= max_chars:
+                break
+        return "".join(text)[:max_chars]
     raise ConstraintError(f"the simulated engine cannot decode under a {constraint.kind} constraint")
 
 
-def _instance(node: Any, root: dict, rng: random.Random, depth: int) -> Any:
-    """A value valid under the JSON schema ``node`` (a practical subset: types, properties,
-    required, items and their counts, enum, const, numeric and length bounds, anyOf/oneOf/allOf,
-    local $ref). A keyword it cannot honour (pattern, format) is a ConstraintError."""
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _json_text(node: Any, root: dict, rng: random.Random, depth: int) -> Iterator[str]:
+    """The JSON text, in pieces, of a value valid under the JSON schema ``node`` (a practical
+    subset: types, properties, required, items and their counts, enum, const, numeric and length
+    bounds, anyOf/oneOf/allOf, local $ref). Every piece is at least one character and comes after
+    at most ``depth`` calls, so its consumer bounds the work by the characters it takes. A keyword
+    it cannot honour (pattern, format, an empty enum, a $ref to nothing) is a ConstraintError."""
     if node is True or node == {} or node is None:
-        return MARKER.strip()
+        yield _dumps(MARKER.strip())
+        return
+    if not isinstance(node, dict):
+        raise ConstraintError("the simulated engine cannot decode under a schema that admits nothing")
     if depth > 32:
         raise ConstraintError("the schema nests deeper than the simulated engine follows")
     if "$ref" in node:
         target: Any = root
         for part in node["$ref"].lstrip("#/").split("/"):
             if part:
-                target = target[part.replace("~1", "/").replace("~0", "~")]
-        return _instance(target, root, rng, depth + 1)
+                part = part.replace("~1", "/").replace("~0", "~")
+                if isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                    target = target[int(part)]
+                elif isinstance(target, dict) and part in target:
+                    target = target[part]
+                else:
+                    raise ConstraintError(f"$ref {node['$ref'][:80]!r} points at nothing in the schema")
+        yield from _json_text(target, root, rng, depth + 1)
+        return
     if "const" in node:
-        return node["const"]
+        yield _dumps(node["const"])
+        return
     if "enum" in node:
-        return node["enum"][0]
+        if not node["enum"]:
+            raise ConstraintError("an empty enum admits no value")
+        yield _dumps(node["enum"][0])
+        return
     for key in ("anyOf", "oneOf"):
-        if key in node:
-            return _instance(node[key][0], root, rng, depth + 1)
+        if node.get(key):
+            yield from _json_text(node[key][0], root, rng, depth + 1)
+            return
     if "allOf" in node:
         merged: dict[str, Any] = {}
         for part in node["allOf"]:
+            part = part if isinstance(part, dict) else {}
             merged = {**merged, **part, "properties": {**merged.get("properties", {}), **part.get("properties", {})},
                       "required": [*merged.get("required", []), *part.get("required", [])]}
-        return _instance(merged, root, rng, depth + 1)
+        yield from _json_text(merged, root, rng, depth + 1)
+        return
     kind = node.get("type", "object" if "properties" in node else "string")
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), "null")
     if kind == "object":
-        properties = node.get("properties", {})
-        return {name: _instance(sub, root, rng, depth + 1) for name, sub in properties.items()}
-    if kind == "array":
+        yield "{"
+        for i, (name, sub) in enumerate(node.get("properties", {}).items()):
+            yield ("," if i else "") + _dumps(name) + ":"
+            yield from _json_text(sub, root, rng, depth + 1)
+        yield "}"
+    elif kind == "array":
         count = max(1, node.get("minItems", 1))
         count = min(count, node.get("maxItems", count))
-        items = node.get("items", {})
-        return [_instance(items, root, rng, depth + 1) for _ in range(count)]
-    if kind in ("integer", "number"):
+        items, i = node.get("items", {}), 0
+        yield "["
+        while i < count:  # a count of 1e300 is only ever taken as far as the answer's length
+            yield from _json_text(items, root, rng, depth + 1)
+            i += 1
+            if i < count:
+                yield ","
+        yield "]"
+    elif kind in ("integer", "number"):
         if "minimum" in node or "exclusiveMinimum" in node:
             low = node.get("minimum", node.get("exclusiveMinimum", 0) + 1)
         else:
             low = min(0, node.get("maximum", 0), node.get("exclusiveMaximum", 1) - 1)
-        return math.ceil(low) if kind == "integer" else float(low)
-    if kind == "boolean":
-        return True
-    if kind == "null":
-        return None
-    if "pattern" in node or "format" in node:
+        yield _dumps(math.ceil(low) if kind == "integer" else float(low))
+    elif kind == "boolean":
+        yield "true"
+    elif kind == "null":
+        yield "null"
+    elif "pattern" in node or "format" in node:
         raise ConstraintError("the simulated engine cannot generate strings for a pattern or format")
-    text = MARKER + rng.choice(_WORDS)
-    if len(text) > node.get("maxLength", len(text)):
-        text = text[:node["maxLength"]]
-    return text + "x" * max(0, node.get("minLength", 0) - len(text))
+    else:
+        text = MARKER + rng.choice(_WORDS)
+        if len(text) > node.get("maxLength", len(text)):
+            text = text[:int(node["maxLength"])]
+        yield '"' + _dumps(text)[1:-1]
+        missing = node.get("minLength", 0) - len(text)
+        while missing > 0:  # as lazily as the items of an array
+            yield "x" * int(min(missing, 256))
+            missing -= 256
+        yield '"'

@@ -13,7 +13,7 @@ from core.submit.plan import with_patience
 from models import InferenceRequest
 from web import prefer, sse, waits
 from web.auth import authenticate, bearer_key
-from web.bodies import json_object, list_page, page_limit, validated
+from web.bodies import BODY_REFUSALS, json_object, large, list_page, page_limit, validated
 from web.errors import ApiError
 from web.schemas import AcceptedSchema, RequestViewSchema, SubmitRequestSchema
 from web.services import services
@@ -39,6 +39,8 @@ def submit_request() -> Response | tuple[Response, int, dict[str, str]]:
         tenant = authenticate(svc.db, svc.recent_keys)
     try:
         body = json_object()
+        if large(request.content_length):
+            svc.admission.refuse_over_limits(tenant)
         data = with_patience(validated(_submit_schema, body),
                              prefer.patience_seconds(request.headers.getlist("Prefer")),
                              svc.settings.realtime_deadline_s)
@@ -54,6 +56,7 @@ def submit_request() -> Response | tuple[Response, int, dict[str, str]]:
     except ApiError as exc:
         if exc.status in (401, 403):
             raise
+        spend_refused(tenant, exc)
         if not fresh and not svc.recent_keys.confirm(api_key, svc.admission.redis):
             # Refused on a remembered key, and keys may have been revoked since (the epoch moved, or
             # Redis did not say): a revoked key gets 401 instead, a disabled tenant 403, a live key this.
@@ -139,6 +142,13 @@ def cancel_request(request_id: str) -> Response:
     svc = services()
     tenant = authenticate(svc.db, svc.recent_keys)
     return jsonify(_view_schema.dump(svc.requests.cancel(tenant.id, request_id)))
+
+
+def spend_refused(tenant, exc: ApiError) -> None:
+    """A body refused after it was read spends one request of the tenant's rate (``BODY_REFUSALS``)."""
+    if exc.status in BODY_REFUSALS:
+        services().admission.spend_refused(tenant, "too_large" if exc.status == 413 else "invalid",
+                                           counted=exc.code == "request_too_large")
 
 
 def add_quotas(exc: ApiError, tenant) -> None:

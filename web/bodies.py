@@ -17,6 +17,10 @@ from web.errors import ApiError, InvalidRequest
 # Nothing Sluice accepts nests deeper; a body that does is refused before anything recurses on it
 # (the JSON encoder of the idempotency hash, Postgres's JSONB, marshmallow).
 MAX_DEPTH = 32
+LARGE_BODY_BYTES = 16_000  # as core/submit/service.py's CHEAP_GATE_CHARS
+# A body refused with one of these after it was read (invalid, too large) still spends one request
+# of its tenant's rate (``Admission.spend_refused``): checking it was the web tier's work.
+BODY_REFUSALS = (400, 413, 422)
 # A number as a query parameter may write it: ASCII digits only (str.isdigit() also takes "²",
 # which int() refuses), few enough that int() never meets its limit of 4,300 digits.
 _WHOLE_NUMBER = re.compile(r"[0-9]{1,9}")
@@ -51,6 +55,10 @@ def json_object() -> dict[str, Any]:
         body = request.get_json(silent=True)
     except RecursionError:  # nested deeper than the parser's recursion allows
         body = None
+    except RequestEntityTooLarge:  # as an ApiError, which the submit routes count against the tenant
+        limit = request.max_content_length
+        raise ApiError(f"The request body is larger than this server accepts ({limit} bytes).",
+                       code="body_too_large", status=413) from None
     if body is None:
         raise ApiError("The body is not valid JSON.", code="malformed_json", status=400)
     if _deeper_than(body, MAX_DEPTH):
@@ -59,6 +67,12 @@ def json_object() -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequest("The body must be a JSON object.")
     return body
+
+
+def large(body_bytes: int | None) -> bool:
+    """Whether a body this long is run past the tenant's gate before it is validated (the schemas
+    of tools, the messages): a tenant over its limits then costs the web tier one Redis call."""
+    return (body_bytes or 0) > LARGE_BODY_BYTES
 
 
 def _deeper_than(value: Any, limit: int) -> bool:

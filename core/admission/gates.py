@@ -188,6 +188,18 @@ class Admission:
         log.info("refused before planning: tenant %s", verdict.reason)
         raise _rejection(verdict, limits, 0, None, ratelimit_headers(verdict))
 
+    def spend_refused(self, tenant: Tenant, reason: str, counted: bool = False) -> None:
+        """Count a request refused for its body (read and parsed, then found invalid or too large)
+        as one request of the tenant's rate (no tokens, no slot: admit.lua's ``hit``): reading and
+        checking it cost the web tier its work, so a key over its rate pays with 429s like any
+        other, however it errs. Counted in ``sluice_admission_rejections_total`` (gate request).
+        Best effort: with Redis away the refusal stands and nothing is counted. ``counted``: the
+        gates refused it (413 request_too_large) and the metric has it already."""
+        if not counted:
+            metrics.REJECTIONS.labels(gate="request", reason=reason).inc()
+        limits = self.limits_for(tenant)
+        self._shared(lambda: self.shared.admit("", str(tenant.id), limits, 0, "realtime", charge="hit"))
+
     def _gates(self, tenant: Tenant, limits: Limits, plan: Plan, *, too_large: bool = False,
                dry_run: bool = False, charge: str = "full", charges: list[Charge] = (), count: str = "*"
                ) -> Verdict:

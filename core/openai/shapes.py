@@ -28,6 +28,7 @@ from core.submit.sampling import (
     EmbedInputField,
     LogitBiasField,
     ResponseFormatSchema,
+    SchemasWithinCaps,
     ToolChoiceField,
     ToolSchema,
     tool_calls,
@@ -157,7 +158,7 @@ class _CommonSchema(Schema):
                                   "metadata")
 
 
-class ChatCompletionRequestSchema(_CommonSchema):
+class ChatCompletionRequestSchema(SchemasWithinCaps, _CommonSchema):
     """Body of POST /v1/chat/completions."""
 
     messages = fields.List(fields.Nested(OpenAIChatMessageSchema), required=True,

@@ -18,17 +18,26 @@ request on the worker with ``invalid_response_format`` and the engine's reason.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import re
 from typing import Any
 
 import jsonschema
-from marshmallow import Schema, ValidationError, fields, validate, validates_schema
+from marshmallow import Schema, ValidationError, fields, pre_load, validate, validates_schema
 
 from core.submit.fields import SafeString, StrictBoolean
 
 MAX_SCHEMA_BYTES = 32 * 1024  # a JSON schema, serialized (response_format or one tool's parameters)
+# Every schema of one request together (its tools' parameters and its response_format), checked
+# on the raw body before any of them is validated: validating a schema against its draft's
+# meta-schema costs the web tier ~0.8 ms of CPU per subschema (2020-12, on a 2-core VM), so a body
+# of 36 tools of 1,340 properties each held a process for 19 s. 5,000 is OpenAI's cap on the
+# object properties of a structured output; 64 KiB leaves two schemas of the largest size.
+MAX_REQUEST_SCHEMA_BYTES = 64 * 1024
+MAX_SCHEMA_NODES = 5_000  # JSON objects and arrays inside a request's schemas together
+MAX_SCHEMA_DEPTH = 32
 MAX_TOOLS = 64
 MAX_N = 16  # choices per request; each is priced max_tokens at admission
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
@@ -52,26 +61,160 @@ class JsonSchemaField(fields.Dict):
 
 def schema_problem(schema: dict[str, Any]) -> str | None:
     """Why ``schema`` cannot constrain decoding (or be stored: no NaN or Infinity, no NUL or lone
-    surrogate in any key or string), or None."""
+    surrogate in any key or string), or None. The cheap checks come first; the meta-schema's, the
+    costly one, runs once per distinct schema a process sees (clients send the same tools call
+    after call) and, under gevent, in a thread of its own, so the other greenlets go on meanwhile."""
     try:
-        size = len(json.dumps(schema, ensure_ascii=False, allow_nan=False).encode("utf-8"))
+        text = json.dumps(schema, ensure_ascii=False, allow_nan=False, sort_keys=True)
     except UnicodeEncodeError:  # (a ValueError too: first)
         return "Strings must be valid Unicode (no unpaired surrogates)."
     except (TypeError, ValueError):
         return "Not a JSON schema: numbers must be finite (no NaN or Infinity)."
-    if any("\x00" in text for text in _strings(schema)):
-        return "Strings must not contain the NUL character (\\u0000)."
+    except RecursionError:
+        return f"The schema nests more than {MAX_SCHEMA_DEPTH} levels deep."
+    size = len(text.encode("utf-8", errors="surrogatepass"))
     if size > MAX_SCHEMA_BYTES:
         return f"The schema is {size} bytes; at most {MAX_SCHEMA_BYTES} are accepted."
+    shape = _shape_problem([schema])
+    if shape:
+        return shape
+    if any("\x00" in string for string in _strings(schema)):
+        return "Strings must not contain the NUL character (\\u0000)."
     remote = next(_remote_refs(schema), None)
     if remote is not None:
         return f"$ref {remote[:80]!r} points outside the schema; only local references (#...) are followed."
+    return _meta_problem(hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest(), schema)
+
+
+def _shape_problem(schemas: list[Any]) -> str | None:
+    """Whether ``schemas`` together nest deeper than MAX_SCHEMA_DEPTH or hold more than
+    MAX_SCHEMA_NODES objects and arrays (iteratively, stopping at the first excess)."""
+    stack, nodes = [(node, 1) for node in schemas], 0
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            nodes += 1
+            if depth > MAX_SCHEMA_DEPTH:
+                return f"The schemas nest more than {MAX_SCHEMA_DEPTH} levels deep."
+            if nodes > MAX_SCHEMA_NODES:
+                return f"The schemas hold more than {MAX_SCHEMA_NODES} objects and arrays; at most that are accepted."
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return None
+
+
+_MET: collections.OrderedDict[str, str | None] = collections.OrderedDict()  # digest → its meta-schema verdict
+_MET_SIZE = 1024
+
+
+def _meta_problem(digest: str, schema: dict[str, Any]) -> str | None:
+    """The meta-schema's verdict on ``schema`` (whose canonical text hashes to ``digest``),
+    remembered for the last 1,024 distinct schemas."""
+    try:
+        _MET.move_to_end(digest)
+        return _MET[digest]
+    except KeyError:
+        pass
+    problem = _off_loop(_check_schema, schema)
+    _MET[digest] = problem
+    while len(_MET) > _MET_SIZE:
+        _MET.popitem(last=False)
+    return problem
+
+
+def _check_schema(schema: dict[str, Any]) -> str | None:
     try:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.absolute_path)
         return f"Not a valid JSON schema{f' at {where}' if where else ''}: {exc.message[:200]}"
+    except RecursionError:  # a `pattern` of hundreds of nested groups: compiling it recurses too deep
+        return "A pattern of the schema nests more groups than a regular expression may."
+    return _local_problem(schema)
+
+
+def _off_loop(fn, *args):
+    """``fn(*args)``, in one of gevent's real threads where this process runs gevent (the web
+    tier): the hub keeps serving other requests while it computes, instead of stalling them all."""
+    try:
+        from gevent import get_hub, monkey
+    except ImportError:
+        return fn(*args)
+    if not monkey.is_module_patched("threading"):
+        return fn(*args)
+    return get_hub().threadpool.apply(fn, args)
+
+
+def _local_problem(schema: dict[str, Any]) -> str | None:
+    """A local ``$ref`` that points at nothing, or an ``enum`` that admits nothing: valid JSON
+    Schema, yet nothing can be decoded under it (the engine would fail the request later)."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) and not _resolves(schema, ref):
+                return f"$ref {ref[:80]!r} points at nothing in the schema."
+            if isinstance(node.get("enum"), list) and not node["enum"]:
+                return "An empty enum admits no value."
+            stack.extend(node.values())
     return None
+
+
+def _resolves(root: Any, ref: str) -> bool:
+    target = root
+    for part in ref[2:].split("/") if ref != "#" else ():
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(target, dict) and part in target:
+            target = target[part]
+        elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+            target = target[int(part)]
+        else:
+            return False
+    return True
+
+
+def request_schemas_problem(data: Any) -> tuple[str, str] | None:
+    """(field, why) when the raw body ``data`` carries schemas (its tools' parameters and its
+    response_format's) that together pass MAX_REQUEST_SCHEMA_BYTES, MAX_SCHEMA_NODES or
+    MAX_SCHEMA_DEPTH; None otherwise (each is still checked alone when its field is loaded)."""
+    if not isinstance(data, dict):
+        return None
+    tools = data.get("tools") if isinstance(data.get("tools"), list) else []
+    schemas = [tool["function"].get("parameters") for tool in tools
+               if isinstance(tool, dict) and isinstance(tool.get("function"), dict)]
+    response_format = data.get("response_format")
+    if isinstance(response_format, dict) and isinstance(response_format.get("json_schema"), dict):
+        schemas.append(response_format["json_schema"].get("schema"))
+    schemas = [schema for schema in schemas if isinstance(schema, dict)]
+    if not schemas:
+        return None
+    where = "tools" if tools else "response_format"
+    problem = _shape_problem(schemas)
+    if problem:
+        return where, problem
+    try:
+        size = sum(len(json.dumps(schema, ensure_ascii=False).encode("utf-8", errors="surrogatepass"))
+                   for schema in schemas)
+    except (TypeError, ValueError, RecursionError):
+        return None  # the field's own check names it
+    if size > MAX_REQUEST_SCHEMA_BYTES:
+        return where, (f"The request's schemas (tools' parameters and response_format) are {size} bytes together; "
+                       f"at most {MAX_REQUEST_SCHEMA_BYTES} are accepted.")
+    return None
+
+
+class SchemasWithinCaps(Schema):
+    """A body with ``tools`` and ``response_format``: their schemas are measured together, on the
+    raw body, before any is validated alone (:func:`request_schemas_problem`)."""
+
+    @pre_load
+    def _schemas_within_caps(self, data, **kwargs):
+        problem = request_schemas_problem(data)
+        if problem:
+            raise ValidationError(problem[1], problem[0])
+        return data
 
 
 def _strings(node: Any):
@@ -136,6 +279,9 @@ class ResponseFormatSchema(Schema):
                 re.compile(data["regex"])
             except re.error as exc:
                 raise ValidationError(f"Not a regular expression: {exc}.", "regex") from None
+            except (RecursionError, OverflowError):  # hundreds of nested groups: the parser's recursion ends
+                raise ValidationError("The regular expression nests more groups than may be compiled.",
+                                      "regex") from None
 
 
 class _FunctionSchema(Schema):

@@ -22,6 +22,7 @@ from core.submit.sampling import (
     EmbedInputField,
     LogitBiasField,
     ResponseFormatSchema,
+    SchemasWithinCaps,
     ToolCallSchema,
     ToolChoiceField,
     ToolSchema,
@@ -50,7 +51,7 @@ class ChatMessageSchema(Schema):
             raise ValidationError("Missing data for required field.", "content")
 
 
-class SubmitRequestSchema(Schema):
+class SubmitRequestSchema(SchemasWithinCaps):
     """Body of POST /v1/requests. Exactly one of `prompt` or `messages`."""
 
     prompt = SafeString(validate=validate.Length(min=1),

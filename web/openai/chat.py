@@ -35,9 +35,9 @@ from core.openai import shapes
 from core.submit import idempotency, ladder
 from models import InferenceRequest, Source, Status, Tenant
 from web import waits
-from web.api import add_quotas
+from web.api import add_quotas, spend_refused
 from web.auth import authenticate
-from web.bodies import json_object
+from web.bodies import json_object, large
 from web.errors import ApiError
 from web.openai import patience
 from web.openai.errors import error_body
@@ -93,7 +93,10 @@ def _create(url: str) -> Response | tuple[Response, int, dict[str, str]]:
     tenant = authenticate(svc.db, svc.recent_keys)
     try:
         body = json_object()
+        if large(request.content_length):
+            svc.admission.refuse_over_limits(tenant)
     except ApiError as exc:
+        spend_refused(tenant, exc)
         add_quotas(exc, tenant)
         raise
     prompts = body.get("prompt") if url == shapes.COMPLETIONS_URL else None
@@ -189,6 +192,7 @@ def _submit(svc: Services, tenant: Tenant, url: str, body: dict[str, Any],
                                    body, svc.settings.idempotency_window_s)
         accepted = svc.requests.submit(tenant, given.applied(data), key, source=Source.OPENAI)
     except ApiError as exc:
+        spend_refused(tenant, exc)
         add_quotas(exc, tenant)  # as on the native route: quotas on every answer
         exc.headers = {**exc.headers, **called}  # a copy: an error may have been raised with a shared dict
         raise

@@ -257,7 +257,8 @@ class SimulatedEngine(Engine):
         rng = random.Random(seed)
         seq = _Seq(request, prompt_tokens, next(self._arrivals), rng, tuple(s for s in request.params.stop if s))
         if request.params.constraint is not None:
-            seq.text, seq.script = "", _pieces(_constrained(request.params.constraint, rng, (max_tokens + 1) * _PIECE_CHARS))
+            answer = _constrained(request.params.constraint, rng, (max_tokens + 1) * _PIECE_CHARS)
+            seq.text, seq.script = "", _pieces(answer)
         if request.params.logprobs is not None:
             seq.logprobs = []
         self._seqs[rid] = seq
@@ -572,10 +573,10 @@ def _pieces(text: str, size: int = _PIECE_CHARS) -> list[str]:
 
 def _constrained(constraint, rng: random.Random, max_chars: int) -> str:
     """A text that meets ``constraint``, cut at ``max_chars`` (a piece more than ``max_tokens``
-    carries, so that a cut answer ends by length); its strings say ``[simulated]``. A JSON answer is written lazily, so a schema that asks
-    for more than that (``minItems: 1e300``, arrays nested four deep) costs the event loop only
-    the characters sent. A regex is beyond the simulated engine (it would need a generator for any
-    regular language): ConstraintError."""
+    carries, so that a cut answer ends by length); its strings say ``[simulated]``. A JSON answer
+    is written lazily, so a schema that asks for more (``minItems: 1e300``, arrays nested four
+    deep) costs the event loop only the characters sent. A regex is beyond the simulated engine
+    (it would need a generator for any regular language): ConstraintError."""
     if constraint.kind == "choice":
         return rng.choice(list(constraint.spec))[:max_chars]
     if constraint.kind == "json_object":

@@ -5,6 +5,9 @@ from __future__ import annotations
 import redis
 
 CANCEL_PREFIX = "sluice:cancel:"
+# Request id → why: a request whose own code held its worker's event loop until the watchdog ended
+# the worker (workers/runtime.py); the sweep fails it instead of requeueing it into the next one.
+STALLED_PREFIX = "sluice:stalled:"
 WORKER_PREFIX = "sluice:worker:"
 NODE_PREFIX = "sluice:node:"
 CONVERSATION_PREFIX = "sluice:conv:"
@@ -34,6 +37,10 @@ def cancel_key(request_id: str) -> str:
 def raise_cancel_flag(client: redis.Redis, request_id: str, time_limit_s: float) -> None:
     """Ask whichever worker runs ``request_id`` to abort it; the flag outlives any run of it."""
     client.set(cancel_key(request_id), "1", ex=int(time_limit_s) + 600)
+
+
+def stalled_key(request_id: str) -> str:
+    return STALLED_PREFIX + request_id
 
 
 def worker_key(worker_id: str) -> str:

@@ -136,6 +136,12 @@ class Settings:
         "Fault injection: this long after start the simulated engine stops taking steps while its loop "
         "still answers (an engine core that stopped scheduling), so the progress watchdog can be "
         "tested. Unset: never.")
+    sim_poison_prompt: str | None = _field(
+        "SLUICE_SIM_POISON_PROMPT", None,
+        "Fault injection: a request whose prompt contains this text blocks the simulated engine's "
+        "event loop for good, in that request's own code (a request that kills every worker it "
+        "reaches), so that the watchdog's blame and the sweep's stalled_worker can be tested. Unset: "
+        "never.")
     sim_die_after_s: float | None = _field(
         "SLUICE_SIM_DIE_AFTER_S", None,
         "Fault injection: this long after start the simulated engine dies and says so (as vLLM's "

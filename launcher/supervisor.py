@@ -60,11 +60,21 @@ DEMO_BODY = {"prompt": "In one sentence: why put a job queue in front of GPUs?",
 say = functools.partial(print, flush=True)
 
 
-MAX_WORKER_RESTARTS = 5
 # A worker that exits within this long of its start failed to start (bad model, no memory): no
 # restart. One that ran this long since its last restart starts its restart count afresh.
 STARTUP_FAILURE_S = 30.0
 HEALTHY_RUN_S = 600.0
+# A worker that stopped on its own is restarted after 1 s, then 2, 4 ... up to a minute between
+# restarts, for as long as it takes: a crash loop (requests that each kill a worker) slows the
+# restarts down and never takes the stack down. The sweep fails a request that stalled a worker
+# (stalled_worker) and, after SLUICE_MAX_ATTEMPTS, one whose workers keep dying (worker_lost).
+RESTART_BACKOFF_S = (1.0, 60.0)
+
+
+def restart_delay(restarts: int) -> float:
+    """Seconds before restart number ``restarts`` (1, 2, ...) of a worker since it last ran healthy."""
+    first, most = RESTART_BACKOFF_S
+    return min(most, first * 2.0 ** min(max(restarts - 1, 0), 16))
 # Each `sluice up` starts a log past this size afresh, keeping the previous LOG_KEEP.
 LOG_ROTATE_BYTES = 50 * 1024 * 1024
 LOG_KEEP = 3
@@ -79,6 +89,7 @@ class Child:
     env: dict[str, str]
     restarts: int = 0
     started_at: float = field(default_factory=time.monotonic)
+    restart_at: float | None = None  # a worker that stopped on its own: when it starts again
 
 
 @dataclass
@@ -112,18 +123,26 @@ class Platform:
 
     def dead(self) -> str | None:
         """A line saying which piece stopped on its own, with its log tail; None if all run."""
+        now = time.monotonic()
         for child in self.children:
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    child.proc, child.started_at, child.restart_at = self._start(child.name, child.argv, child.env), \
+                        now, None
+                continue
             if _is_worker(child) and child.proc.poll() is not None and _restartable(child):
                 # Its watchdog found the engine stuck (exit 70), or Celery gave up after running a
-                # while (kombu's Redis transport can die on a broker restart): restart it; the sweep
-                # requeues what it ran. A worker that fails as it starts is reported instead.
-                if time.monotonic() - child.started_at > HEALTHY_RUN_S:
+                # while (kombu's Redis transport can die on a broker restart): restart it, later
+                # each time it does so again; the sweep requeues (or fails) what it ran. A worker
+                # that fails as it starts is reported instead.
+                if now - child.started_at > HEALTHY_RUN_S:
                     child.restarts = 0  # a long healthy run: an old crash does not count against it
                 child.restarts += 1
                 why = "by its watchdog" if child.proc.returncode == EngineRuntime.WATCHDOG_EXIT_CODE else \
                     f"with code {child.proc.returncode}"
-                say(f"worker exited {why}; restarting it ({child.restarts}/{MAX_WORKER_RESTARTS})")
-                child.proc, child.started_at = self._start(child.name, child.argv, child.env), time.monotonic()
+                delay = restart_delay(child.restarts)
+                say(f"worker exited {why}; restarting it in {delay:.0f}s ({child.restarts} restarts in a row)")
+                child.restart_at = now + delay
                 continue
             if child.proc.poll() is not None:
                 return _report(f"{child.name} exited unexpectedly (code {child.proc.returncode})", child.log)
@@ -277,8 +296,7 @@ def _reachable(bind_host: str) -> str:
 def _restartable(child: Child) -> bool:
     code = child.proc.returncode
     ran_s = time.monotonic() - child.started_at
-    return child.restarts < MAX_WORKER_RESTARTS and (
-        code == EngineRuntime.WATCHDOG_EXIT_CODE or (code != 0 and ran_s > STARTUP_FAILURE_S))
+    return code == EngineRuntime.WATCHDOG_EXIT_CODE or (code != 0 and ran_s > STARTUP_FAILURE_S)
 
 
 def _terminate(child: Child) -> None:

@@ -93,6 +93,11 @@ def engine_refused(reason: str) -> End:
     return End(Status.FAILED, "engine_refused", f"The engine refused this request: {reason}"[:500])
 
 
+STALLED_WORKER = End(Status.FAILED, "stalled_worker",
+                     "Running it held its worker's event loop until the watchdog restarted the worker; "
+                     "it is not run again.")
+
+
 def worker_lost(attempts: int) -> End:
     return End(Status.FAILED, "worker_lost", f"The worker running this died {attempts} times; gave up.")
 
@@ -409,15 +414,16 @@ class Lifecycle:
         log.warning("handed back: %s", why, extra=about(request_id))
         return Requeued(request_id, row[-1])
 
-    def recover_orphans(self, *where: ColumnElement[bool], max_attempts: int, limit: int
-                        ) -> tuple[dict[str, int], list[Requeued]]:
+    def recover_orphans(self, *where: ColumnElement[bool], max_attempts: int, limit: int,
+                        stalled: frozenset[uuid.UUID] = frozenset()) -> tuple[dict[str, int], list[Requeued]]:
         """Rows ``running`` on a dead worker (``where`` says which): cancelled if the client asked
-        for that, ``worker_lost`` once they used every attempt, else back to ``queued``.
+        for that, ``stalled_worker`` if its worker's watchdog found the loop inside it (``stalled``),
+        ``worker_lost`` once they used every attempt, else back to ``queued``.
 
         Rows another sweep holds are skipped. Returns counts and the requeued rows, which the
         caller publishes (they are committed by then).
         """
-        counts = {"requeued": 0, "worker_lost": 0, "cancelled_orphans": 0}
+        counts = {"requeued": 0, "worker_lost": 0, "cancelled_orphans": 0, "stalled_worker": 0}
         requeued: list[Requeued] = []
         with self._moving() as moved, self.db.session() as session:
             orphans = [Orphan(*r) for r in session.execute(
@@ -426,11 +432,14 @@ class Lifecycle:
                 .order_by(_t.started_at).limit(limit).with_for_update(skip_locked=True))]
             for orphan in orphans:
                 owned = (_t.id == orphan.id, _t.worker == orphan.worker)  # None: IS NULL
-                if orphan.cancel_requested_at is not None or orphan.attempts >= max_attempts:
-                    end = CANCELLED_ORPHAN if orphan.cancel_requested_at is not None else worker_lost(orphan.attempts)
+                if (orphan.cancel_requested_at is not None or orphan.id in stalled
+                        or orphan.attempts >= max_attempts):
+                    end = (CANCELLED_ORPHAN if orphan.cancel_requested_at is not None else
+                           STALLED_WORKER if orphan.id in stalled else worker_lost(orphan.attempts))
                     row = session.execute(_ending(Status.RUNNING, end, *owned).returning(*_MOVED_COLUMNS)).one()
                     moved.append(_moved(Status.RUNNING, row))
-                    counts["cancelled_orphans" if end is CANCELLED_ORPHAN else "worker_lost"] += 1
+                    counts["cancelled_orphans" if end is CANCELLED_ORPHAN else
+                           "stalled_worker" if end is STALLED_WORKER else "worker_lost"] += 1
                 else:
                     row = session.execute(_transition(Status.RUNNING, Status.QUEUED, *owned).values(
                         worker=None, device=None, started_at=None, enqueued_at=None).returning(*_MOVED_COLUMNS)).one()

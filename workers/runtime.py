@@ -36,6 +36,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -44,7 +45,7 @@ import redis
 
 from core.admission.load import capacity_entry, capacity_key, room_key
 from core.delivery.streams import TokenSink
-from core.rediskeys import cancel_key, node_key, worker_key
+from core.rediskeys import cancel_key, node_key, stalled_key, worker_key
 from workers.engines import Engine, GenerationOutput, GenerationRequest, SamplingParams
 from workers.engines.base import EngineDead
 from workers.governor import Governor
@@ -62,6 +63,8 @@ PREFILL_WAIT_S = 0.02
 PENDING_MAX_S = 10.0
 # How often the governor learns from the engine's steps and sets the in-engine limit.
 GOVERN_S = 0.25
+# How long a request that stalled the loop stays marked for the sweep (which acts within seconds).
+STALLED_TTL_S = 86400
 # The watchdog's patience: a step may take this many times the slowest one seen lately ...
 STEP_GRACE = 4.0
 # ... and an engine that says it is working on one, this many times more.
@@ -154,6 +157,7 @@ class EngineRuntime:
         loop_thread = threading.Thread(target=self._loop.run_forever, name="engine-loop", daemon=True)
         loop_thread.start()
         self._threads.append(loop_thread)
+        self._loop_thread = loop_thread
         self._call(self.engine.start())
         # Twice: the first run pays for lazy initialisation; the second measures a sequence's speed.
         for attempt in range(2):
@@ -512,6 +516,36 @@ class EngineRuntime:
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
+    def _blame(self, why: str) -> str:
+        """Mark the requests whose own code holds the stalled loop (``_stalling``) in Redis, so
+        that the sweep fails them instead of requeueing them into the next worker (a schema that
+        asks the engine for an unbounded answer would kill that one too); ``why``, naming them.
+        A loop stuck in the engine's own step blames nobody: every request there is requeued."""
+        culprits = self._stalling()
+        for rid in culprits:
+            try:
+                self._redis.set(stalled_key(rid), why, ex=STALLED_TTL_S)
+            except Exception:  # dying anyway: the sweep then requeues it, up to its attempts
+                log.warning("could not mark %s as the request that stalled the loop", rid, exc_info=True)
+        return f"{why}, inside request {', '.join(culprits)}" if culprits else why
+
+    def _stalling(self) -> list[str]:
+        """The requests in flight whose own code the engine loop's thread is in now: a frame of
+        its stack holding a local ``request`` (a GenerationRequest) of one of them. Empty when the
+        loop is stuck in code every request shares (the engine's step)."""
+        thread = getattr(self, "_loop_thread", None)
+        frame = sys._current_frames().get(thread.ident) if thread is not None else None
+        with self._lock:
+            in_flight = set(self._in_flight)
+        found: list[str] = []
+        while frame is not None:
+            request = frame.f_locals.get("request")
+            rid = request.request_id.split("#", 1)[0] if isinstance(request, GenerationRequest) else None
+            if rid in in_flight and rid not in found:
+                found.append(rid)
+            frame = frame.f_back
+        return found
+
     def _die(self, why: str) -> None:
         """Exit now: rows stay `running`, the heartbeat stops, the sweep requeues them."""
         log.critical("watchdog: %s; exiting so the worker restarts and its requests are requeued", why)
@@ -698,7 +732,7 @@ class EngineRuntime:
             except RuntimeError:  # the loop is closed: the worker is stopping
                 return
             if not answered.wait(self._watchdog_s) and not self._stop.is_set():
-                self._die(f"engine loop unresponsive for {self._watchdog_s:.0f}s")
+                self._die(self._blame(f"engine loop unresponsive for {self._watchdog_s:.0f}s"))
             try:
                 engine_stats = self.engine.stats()
                 scheduled = self._in_flight or engine_stats.running + engine_stats.waiting > 0

@@ -11,7 +11,9 @@ on rows locked with SKIP LOCKED, so overlapping sweeps never act on one row twic
    behind, a worker killed as it took the message) → publish again.
 2. Orphaned: `running` on a worker whose heartbeat expired (SIGKILL, OOM, lost host) →
    back to `queued` and republished, or `failed` with `worker_lost` once it used all its
-   attempts, or `cancelled` if the client had asked for that.
+   attempts, or `cancelled` if the client had asked for that. One whose worker's watchdog found
+   the event loop held inside it (``workers/runtime.py _blame``) → `failed` with
+   `stalled_worker`: requeued, it would stall the next worker too.
 3. Reserved but unclaimed: messages a dead worker had taken off a queue but not yet claimed
    (recorded in Redis on receipt) → republish the row if it is still `queued`.
 4. Stranded conversation turns: `queued` on the direct queue of a worker that is gone →
@@ -35,11 +37,12 @@ write and the release, a Redis blip), and delete idempotency keys past their win
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
 
@@ -57,7 +60,15 @@ from core.broker.queues import (
     queue_name,
 )
 from core.delivery.waits import abandon_idle_pollers
-from core.rediskeys import EPOCH_SEEN_KEY, LOST_CHECK_KEY, RESERVED_KEY, node_key, raise_cancel_flag, worker_key
+from core.rediskeys import (
+    EPOCH_SEEN_KEY,
+    LOST_CHECK_KEY,
+    RESERVED_KEY,
+    STALLED_PREFIX,
+    node_key,
+    raise_cancel_flag,
+    worker_key,
+)
 from core.services import Services
 from core.settings import Settings
 from core.submit.twins import Twins
@@ -240,14 +251,24 @@ def _recover_orphans(db: Database, lifecycle: Lifecycle, redis_client: redis.Red
     with db.session() as session:
         workers = session.scalars(select(_t.worker).where(*running).distinct()).all()
     dead = [w for w in workers if w is not None and not redis_client.exists(worker_key(w))]
+    # Requests a dying worker's watchdog found its loop inside: failed, not run into the next one.
+    # (A mark outlives its row's end by a day at most: it names a request that has ended by then.)
+    stalled = frozenset(_stalled(redis_client)) if dead else frozenset()
     counts, requeued = lifecycle.recover_orphans(
         running[1], or_(_t.worker.in_(dead), _t.worker.is_(None), overdue),
-        max_attempts=settings.max_attempts, limit=BATCH)
+        max_attempts=settings.max_attempts, limit=BATCH, stalled=stalled)
     # Publish only after the requeue is committed.
     publish(requeued)
     if any(counts.values()):
         log.warning("recovered requests of dead workers: %s", counts)
     return counts
+
+
+def _stalled(redis_client: redis.Redis) -> Iterator[uuid.UUID]:
+    for key in redis_client.scan_iter(match=STALLED_PREFIX + "*", count=500):
+        text = (key if isinstance(key, str) else key.decode())[len(STALLED_PREFIX):]
+        with contextlib.suppress(ValueError):
+            yield uuid.UUID(text)
 
 
 def _recover_reserved(db: Database, redis_client: redis.Redis, publish: Publish) -> int:

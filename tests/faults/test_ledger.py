@@ -477,3 +477,41 @@ def test_hung_request_and_hung_engine(platform, database_url, tmp_path, hang):
         assert view["error"]["code"] == "time_limit_exceeded", view
     finally:
         keeper.stop()
+
+
+def test_a_request_that_stalls_its_worker_is_failed_not_run_into_the_next(platform, database_url, tmp_path):
+    """A request whose own code holds its worker's event loop (SLUICE_SIM_POISON_PROMPT, as a
+    schema that asked for an unbounded answer did) kills that worker by its watchdog, and only
+    that one: the watchdog names it, the sweep fails it as ``stalled_worker`` instead of
+    requeueing it, the restarted worker never sees it, and what ran beside it is requeued and runs
+    once. Requeued, it would have killed every worker in turn (a crash loop)."""
+    application, client, _ = platform
+    env = {"SLUICE_SIM_POISON_PROMPT": "poison pill", "SLUICE_WORKER_WATCHDOG_S": "3"}
+    keeper = Keeper(lambda: FaultWorker(database_url, redis_url_of(application), tmp_path, extra_env=env))
+    try:
+        with Load(client, every_s=0.1, max_tokens=50) as load:
+            for _ in range(4):
+                keeper.tick()
+                time.sleep(0.5)
+            poison = client.submit(prompt="a poison pill", max_tokens=8).get_json()["id"]
+            load.accepted.append(poison)
+            for _ in range(60):  # the watchdog's 3 s, the exit, and a restart
+                keeper.tick()
+                if keeper.restarts:
+                    break
+                time.sleep(0.5)
+            fault_at = time.monotonic()
+            time.sleep(3)  # load on the restarted worker
+        check_ledger(application, client, load, [], "a request that stalls its worker's loop", fault_at,
+                     bound_s=DEATH_BOUND_S, keeper=keeper)
+        view = client.get(poison).get_json()
+        assert view["status"] == "failed" and view["error"]["code"] == "stalled_worker", view
+        assert keeper.restarts == 1, "the restarted worker never ran the request that stalled the first"
+        assert keeper.workers[0].proc.returncode == 70
+        assert f"inside request {poison}" in keeper.workers[0].log_path.read_text()
+    finally:
+        keeper.stop()
+
+
+def redis_url_of(application) -> str:
+    return services(application).settings.redis_url

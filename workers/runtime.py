@@ -578,18 +578,18 @@ class EngineRuntime:
                     self._cancelled.add(rid)
                 asyncio.run_coroutine_threadsafe(self.engine.abort(rid), self._loop)
 
-    def _check_progress(self, stalled_s: float) -> None:
+    def _check_progress(self, stalled_s: float, busy: bool | None) -> None:
         """The engine has work scheduled and took no step for ``stalled_s``: exit if it is hung.
 
-        Slow is not hung: while the engine says it is working on a step (``Engine.busy``: a step
-        under way, its process using the CPU) the watchdog waits, up to ``HUNG_FACTOR`` times
-        longer, and the limit is the longer of ``watchdog_s`` and ``STEP_GRACE`` times the slowest
-        step seen lately, so a saturated or CPU-starved engine never trips it. An engine that
+        Slow is not hung: while the engine says it is working on a step (``busy``, from
+        ``Engine.busy`` over the watchdog's last round: a step under way, its process using the
+        CPU) the watchdog waits, up to ``HUNG_FACTOR`` times longer, and the limit is the longer of
+        ``watchdog_s`` and ``STEP_GRACE`` times the slowest step seen lately, so a saturated or
+        CPU-starved engine never trips it. An engine that
         works on nothing (a hung engine-core process) is restarted after ``watchdog_s``."""
         allowed = max(self._watchdog_s, STEP_GRACE * self._slowest_step_s)
         if stalled_s <= allowed:
             return
-        busy = self.engine.busy()
         if busy and stalled_s <= HUNG_FACTOR * allowed:
             log.warning("engine took no step for %.0fs but is working: slow, not hung", stalled_s)
             return
@@ -735,10 +735,14 @@ class EngineRuntime:
                 self._die(self._blame(f"engine loop unresponsive for {self._watchdog_s:.0f}s"))
             try:
                 engine_stats = self.engine.stats()
+                # Every round, so that it measures the last interval: asked only once a stall had
+                # passed the patience, its first answer (None: no interval yet) let the first stall
+                # of a busy vLLM engine core kill the worker.
+                busy = self.engine.busy()
                 scheduled = self._in_flight or engine_stats.running + engine_stats.waiting > 0
                 if engine_stats.steps != last_steps or not scheduled:
                     last_steps, last_progress = engine_stats.steps, time.monotonic()
                 else:
-                    self._check_progress(time.monotonic() - last_progress)
+                    self._check_progress(time.monotonic() - last_progress, busy)
             except Exception:  # this thread must outlive any error, or a hung engine keeps its requests
                 log.warning("watchdog round failed; retrying", exc_info=True)

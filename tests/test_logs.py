@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import time
@@ -179,3 +180,24 @@ def test_web_and_worker_write_json_lines_with_ids_and_never_the_prompt_or_output
     assert any("received" in m for m in task) and any("succeeded in" in m for m in task), "Celery's own lines"
     about = [e for e in worker_log if e["request_id"] == rid]
     assert any("running on" in e["message"] for e in about) and any(e["message"] == "succeeded" for e in about)
+
+
+def test_what_gunicorn_refuses_itself_is_answered_in_the_json_envelope(database_url, scratch_redis_url, tmp_path):
+    """A request line or headers past gunicorn's limits never reach the app: gunicorn's own answer
+    (414, 431) is the API's JSON error envelope, not an HTML page."""
+    env = service_env(database_url, scratch_redis_url, {"SLUICE_DATA_DIR": str(tmp_path / "data")})
+    web = WebProcess(env, tmp_path)
+    try:
+        answers = {}
+        for name, extra in (("uri", {"path": "/v1/requests?" + "q" * 9000}),
+                            ("headers", {"headers": {f"X-Filler-{i}": "v" for i in range(120)}})):
+            connection = http.client.HTTPConnection("127.0.0.1", web.port, timeout=10)
+            connection.request("GET", extra.get("path", "/healthz"), headers=extra.get("headers", {}))
+            response = connection.getresponse()
+            answers[name] = (response.status, response.getheader("Content-Type"), json.loads(response.read()))
+            connection.close()
+    finally:
+        web.stop()
+    assert answers["uri"][:2] == (414, "application/json") and answers["uri"][2]["error"]["code"] == "uri_too_long"
+    assert answers["headers"][:2] == (431, "application/json"), answers["headers"]
+    assert answers["headers"][2]["error"]["code"] == "headers_too_large" and answers["headers"][2]["error"]["message"]

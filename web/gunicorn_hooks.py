@@ -1,5 +1,5 @@
-"""gunicorn's side of `sluice web`: its server hooks (loaded with ``-c python:web.gunicorn_hooks``)
-and its logger class (``--logger-class web.gunicorn_hooks.GunicornLogger``).
+"""gunicorn's side of `sluice web`: its server hooks (loaded with ``-c python:web.gunicorn_hooks``),
+its logger class (``--logger-class web.gunicorn_hooks.GunicornLogger``) and its own error answers.
 
 Metrics: every web process writes its series into ``PROMETHEUS_MULTIPROC_DIR``; when one exits,
 its live gauges must stop counting (its counters stay in the sums, as Prometheus expects).
@@ -7,12 +7,32 @@ its live gauges must stop counting (its counters stay in the sums, as Prometheus
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
-from gunicorn import glogging
+from gunicorn import glogging, util
 
 from core.observe.logs import configure_logging, log_context
+
+# gunicorn answers what it refuses before the app sees a request (a request line over
+# limit_request_line: 414; headers over limit_request_fields or their size: 431; a malformed
+# request: 400) with an HTML page of its own. Clients of an API parse JSON: these answers carry the
+# one error envelope instead (web/errors.py), with a stable code. gunicorn writes them through
+# ``util.write_error``; this module is its config, imported by the master before it forks.
+_GUNICORN_CODES = {400: "bad_request", 403: "forbidden", 414: "uri_too_long", 417: "expectation_failed",
+                   431: "headers_too_large", 500: "internal_error", 501: "not_implemented"}
+
+
+def write_error(sock, status_int: int, reason: str, mesg: str) -> None:
+    body = json.dumps({"error": {"code": _GUNICORN_CODES.get(status_int, "bad_request"),
+                                 "message": f"{reason}: {mesg}" if mesg else reason}}).encode()
+    head = (f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode("latin1")
+    util.write_nonblock(sock, head + body)
+
+
+util.write_error = write_error
 
 
 def child_exit(server, worker) -> None:

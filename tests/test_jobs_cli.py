@@ -167,9 +167,13 @@ def test_ctrl_c_stops_waiting_without_cancelling_and_cancel_stops_the_job(sluice
     source = write_jsonl(sluice.tmp / "many.jsonl", [{"custom_id": str(i), "text": doc(i, 40)} for i in range(1500)])
     log = sluice.tmp / "wait.log"
     with log.open("w") as stderr:
+        # As started from a terminal, whose Ctrl-C it answers: a test run started in the background
+        # (`make test &`, a CI runner's shell) passes SIGINT on ignored, and Python then installs
+        # no KeyboardInterrupt handler, so the SIGINT below did nothing and the wait ran on.
         waiting = subprocess.Popen([sys.executable, "-m", "launcher.cli", "jobs", "submit", str(source), "--wait",
                                     "--summary-tokens", "64"], cwd=sluice.tmp, env=sluice.env(key),
-                                   stdout=subprocess.PIPE, stderr=stderr, text=True)
+                                   stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             deadline = time.monotonic() + 30
             while "/1500" not in log.read_text():

@@ -184,6 +184,7 @@ def test_ctrl_c_stops_waiting_without_cancelling_and_cancel_stops_the_job(sluice
         finally:
             if waiting.poll() is None:
                 waiting.kill()
+                waiting.communicate()  # closes its pipe: left open, a later test failed on the ResourceWarning
     job_id = out.strip()
     said = log.read_text()
     assert waiting.returncode == 130, said

@@ -238,3 +238,31 @@ def test_a_job_cancelled_while_its_file_is_read_keeps_the_cancel(app, db, tenant
     assert view["status"] == "cancelling" and view["counts"]["total"] == 0 and view["cancel_requested_at"]
     with db.session() as session:
         assert session.scalar(select(func.count()).select_from(JobItem).where(JobItem.job_id == view["id"])) == 0
+
+
+def test_an_item_another_writer_holds_waits_for_a_later_tick_instead_of_failing(app, client, worker):
+    """A job's cancel updates every item in one transaction; the feeder starting one of them then
+    waits on its row lock, up to the session's lock_timeout (5 s), and gets LockNotAvailable. That
+    used to fail the item as internal_error (one item lost); it is a conflict: the item stays
+    pending, and the next tick starts it."""
+    from core.jobs.feeder import Feeder
+
+    lines = b'{"custom_id": "a", "text": "one document"}\n{"custom_id": "b", "text": "another one"}\n'
+    upload = client.http.post("/v1/jobs", data=lines, headers={**client.headers, "Content-Type": "application/jsonl"})
+    assert upload.status_code in (200, 201, 202), upload.get_json()
+    job_id = uuid.UUID(upload.get_json()["id"])
+    db = services(app).db
+
+    def statuses() -> list[ItemStatus]:
+        with db.session() as session:
+            return list(session.scalars(select(JobItem.status).where(JobItem.job_id == job_id).order_by(JobItem.line)))
+
+    with app.app_context():
+        with db.session() as holder:  # another writer, holding every item's row
+            holder.execute(select(JobItem.line).where(JobItem.job_id == job_id).with_for_update()).all()
+            Feeder(services(app)).tick()
+            assert statuses() == [ItemStatus.PENDING, ItemStatus.PENDING]
+            holder.rollback()
+        Feeder(services(app)).tick()
+    assert set(statuses()) <= {ItemStatus.RUNNING, ItemStatus.SUCCEEDED}, statuses()
+    client.http.post(f"/v1/jobs/{job_id}/cancel", headers=client.headers)

@@ -84,7 +84,8 @@ class Scheduler:
             line, custom_id, text_, body = item
             outcome, tokens, made = self.stages.guarded(job.id, line, self.stages.start, job.id, line, job,
                                                         tenants[tenant_id], text_, body, 0, [],
-                                                        custom_id=custom_id) or ("failed", 0, 1)
+                                                        custom_id=custom_id, on_conflict=("retry", 0, 0)
+                                                        ) or ("failed", 0, 1)
             free[(job.model, job.priority)] -= max(made, 1)
             weight = max(float(tenants[tenant_id].batch_weight or 1.0), 1e-6)
             self.tenant_used[tenant_id] += max(tokens, 1) / weight

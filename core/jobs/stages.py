@@ -18,7 +18,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from psycopg import errors as pg_errors
 from sqlalchemy import select, update
+from sqlalchemy.exc import OperationalError
 
 from core.errors import ApiError
 from core.jobs.bodies import Bodies
@@ -31,6 +33,10 @@ from models.job import ItemStatus, Job, JobItem, JobStatus
 from models.job_lifecycle import NOTHING, Spent
 
 log = logging.getLogger(__name__)
+
+# What another writer's lock on an item's row raises after the session's lock_timeout (a job's
+# cancel updating every item in one transaction, say): a conflict to retry at a later tick.
+_CONFLICTS = (pg_errors.LockNotAvailable, pg_errors.DeadlockDetected, pg_errors.SerializationFailure)
 
 
 @dataclass
@@ -174,14 +180,25 @@ class Stages:
             current_request_id.set("-")  # the feeder's own lines are about no one request
         return None
 
-    def guarded(self, job_id: uuid.UUID, line: int, step, *args, **kwargs):
+    def guarded(self, job_id: uuid.UUID, line: int, step, *args, on_conflict=None, **kwargs):
         """Run one item's step; an unexpected error fails that item (logged), never the whole tick:
-        a tick that failed on the same item every time would stop every job."""
+        a tick that failed on the same item every time would stop every job. A lock another
+        writer held past the lock timeout is no error of the item's: the step's transaction rolled
+        back, the item's rows still say where it stands, a later tick goes on from there, and this
+        answers ``on_conflict``. Failing it lost an item to a cancel that was locking its job."""
         try:
             return step(*args, **kwargs)
+        except OperationalError as exc:
+            if not isinstance(exc.orig, _CONFLICTS):
+                return self._failed(job_id, line)
+            log.info("job item %s:%d: its row is locked by another writer (%s); retried at a later tick",
+                     job_id, line, type(exc.orig).__name__)
+            return on_conflict
         except Exception:
-            log.exception("job item %s:%d failed in the feeder", job_id, line)
-            with self.db.session() as session:
-                job_lifecycle.fail(session, job_id, line, "internal_error",
-                                   "Sluice could not run this item; the error was logged.")
-            return None
+            return self._failed(job_id, line)
+
+    def _failed(self, job_id: uuid.UUID, line: int) -> None:
+        log.exception("job item %s:%d failed in the feeder", job_id, line)
+        with self.db.session() as session:
+            job_lifecycle.fail(session, job_id, line, "internal_error",
+                               "Sluice could not run this item; the error was logged.")

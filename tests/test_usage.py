@@ -430,3 +430,22 @@ def test_a_hard_budget_is_never_charged_on_the_local_floor(own_redis, isolated_a
     assert refused.get_json()["error"]["code"] == "budget_unavailable"
     assert int(refused.headers["Retry-After"]) > 0
     assert free.submit(prompt="during", max_tokens=8).status_code == 202
+
+
+def test_a_bulk_job_is_refused_when_the_tenants_other_open_jobs_already_hold_the_budget(client, app):
+    """The hard-budget check at job submit counts what the tenant's other unfinished jobs have
+    queued (items not started yet: no row in flight, nothing in the rollups). Two jobs that each
+    fit alone do not both fit: the second is refused with the numbers."""
+    tenant = uuid.UUID(tenant_of(app, client.key))
+    lines = "".join(json.dumps({"custom_id": f"doc-{i}", "text": "a document to summarise " * 20}) + "\n"
+                    for i in range(10)).encode()
+    headers = {**client.headers, "Content-Type": "application/jsonl"}
+    first = client.http.post("/v1/jobs", data=lines, headers=headers)
+    assert first.status_code == 201, first.get_json()
+    estimate = first.get_json()["estimated_tokens"]
+    add_budget(app, tenant, unit="tokens", amount=Decimal(estimate * 3 // 2), period="day", hard=True)
+    second = client.http.post("/v1/jobs", data=lines, headers=headers)
+    assert second.status_code == 429, second.get_json()
+    error = second.get_json()["error"]
+    assert error["code"] == "budget_exhausted" and error["details"]["used"] >= estimate, error
+    client.http.post(f"/v1/jobs/{first.get_json()['id']}/cancel", headers=client.headers)

@@ -25,6 +25,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import IO, Any
 
 from sqlalchemy import delete, func, select, text
@@ -38,7 +39,7 @@ from core.submit.tokens import estimate_text_tokens
 from core.tenants.tiers import effective_limits
 from core.usage.budgets import Budgets
 from models import Tenant, job_lifecycle
-from models.job import LIVE_JOB, ItemStatus, Job, JobStatus
+from models.job import LIVE_JOB, ItemStatus, Job, JobItem, JobStatus
 from models.session import Database
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,8 @@ def _load(settings: Settings, db: Database, tenant: Tenant, job: Job, params: Jo
         # may ask for at its model's batch price) refuses it now rather than line by line later.
         price = settings.price_for(params.model, batch=True)
         Budgets(db).covers(tenant.id, tenant.via_key, priced,
-                           price.cost(tally.input_tokens, 0, max(priced - tally.input_tokens, 0)))
+                           price.cost(tally.input_tokens, 0, max(priced - tally.input_tokens, 0)),
+                           queued=_queued(session, settings, tenant.id, job.id))
         if not job_lifecycle.admit(session, job.id, params.completion_window_s, total_items=tally.valid,
                                    invalid_lines=tally.invalid, input_bytes=tally.bytes, estimated_tokens=priced):
             raise _NotValidating  # its lines roll back; the job stays as the cancel (or stale check) left it
@@ -223,6 +225,24 @@ def _standing(session, tenant_id: uuid.UUID, excluding: uuid.UUID | None = None)
         func.coalesce(func.sum(Job.total_items + Job.invalid_lines).filter(Job.redacted_at.is_(None)), 0),
     ).where(*others)).one()
     return Standing(int(row[0]), int(row[1]), int(row[2]))
+
+
+def _queued(session, settings: Settings, tenant_id: uuid.UUID, excluding: uuid.UUID
+            ) -> list[tuple[uuid.UUID | None, int, Decimal]]:
+    """What the tenant's other unfinished jobs still hold for a hard budget: for each, (its key,
+    its estimate's share of the items not started yet, that priced as output at its model's batch
+    price: the most it may cost). Items running or ended are in the budget's own figures already
+    (requests in flight, rollups)."""
+    pending = (select(func.count()).where(JobItem.job_id == Job.id, JobItem.status == ItemStatus.PENDING)
+               .correlate(Job).scalar_subquery())
+    rows = session.execute(select(Job.api_key_id, Job.model, Job.estimated_tokens, Job.total_items, pending).where(
+        Job.tenant_id == tenant_id, Job.id != excluding, Job.status.in_(LIVE_JOB))).all()
+    queued = []
+    for key, model, estimate, items, waiting in rows:
+        tokens = int(estimate * waiting / items) if items else 0
+        if tokens:
+            queued.append((key, tokens, settings.price_for(model, batch=True).cost(0, 0, tokens)))
+    return queued
 
 
 def check_standing(settings: Settings, db: Database, tenant: Tenant) -> None:

@@ -30,7 +30,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -218,17 +218,23 @@ class Budgets:
                      "remaining": _amount(rule, left), "requested": _amount(rule, charge.amount),
                      "resets_at": charge.resets_at.isoformat(), "scope": "key" if rule.api_key_id else "tenant"})
 
-    def covers(self, tenant_id: uuid.UUID, key_id: uuid.UUID | None, tokens: int, cost: Decimal) -> None:
+    def covers(self, tenant_id: uuid.UUID, key_id: uuid.UUID | None, tokens: int, cost: Decimal,
+               queued: Sequence[tuple[uuid.UUID | None, int, Decimal]] = ()) -> None:
         """Raise ``budget_exhausted`` when a hard budget in force cannot hold ``tokens`` (or
-        ``cost``) on top of what its window already used and holds in flight (Postgres's figures):
-        a bulk job refused at submit."""
+        ``cost``) on top of what its window already used and holds in flight (Postgres's figures)
+        and what the tenant's other unfinished jobs have queued (``queued``: (their key, tokens,
+        cost) of items not started yet; a key's budget counts its own key's): a bulk job refused at
+        submit."""
         in_force = list(self.in_force(tenant_id, key_id, datetime.now(UTC)))  # read before: its own session
         if not in_force:
             return
         with self.db.session() as session:  # one for every budget's figures
             for rule, (start, end) in in_force:
                 needed = tokens if rule.unit == "tokens" else micro(cost)
-                spent = sum(self._spent(session, rule, start, end, in_flight=True))
+                spent = sum(self._spent(session, rule, start, end, in_flight=True)) + sum(
+                    (queued_tokens if rule.unit == "tokens" else micro(queued_cost))
+                    for queued_key, queued_tokens, queued_cost in queued
+                    if rule.api_key_id is None or queued_key == rule.api_key_id)
                 if spent + needed > rule.limit:
                     raise self.refusal(Charge(rule, rule.counter(start), needed, end), spent)
 

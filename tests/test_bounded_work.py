@@ -21,6 +21,7 @@ import pytest
 from admission_support import set_limits
 from test_api_errors import assert_envelope
 
+from core.observe import submit_metrics
 from core.submit import sampling
 
 MODEL = "simulated-llama-8b"  # the test settings' default model
@@ -72,11 +73,14 @@ def test_a_megabyte_of_tool_schemas_is_refused_before_any_is_validated(client, m
 
 def test_a_body_refused_after_reading_spends_a_request_of_the_rate(app, client):
     set_limits(app, client, requests_per_minute=3)
+    counted = submit_metrics.REJECTIONS.labels(gate="request", reason="invalid")
+    before = counted._value.get()
     refused = [client.submit(messages=[{"role": "user", "content": "x"}], tools=tools(2, 3000)),
                client.submit(prompt="x", max_tokens=0),
                client.submit(prompt="x", response_format={"type": "regex", "regex": NESTED_GROUPS})]
     assert [r.status_code for r in refused] == [422, 422, 422]
     assert [r.headers["x-ratelimit-remaining-requests"] for r in refused] == ["2", "1", "0"]
+    assert counted._value.get() == before + 3  # in sluice_admission_rejections_total, as every refusal
     over = client.submit(prompt="a fine request", max_tokens=4)
     assert assert_envelope(over, 429, "rate_limited")["details"]["reason"] == "requests_per_minute"
 

@@ -279,16 +279,21 @@ def test_a_list_of_prompts_is_one_row_each_and_one_answer(client, app):
     assert refused.value.param == "prompt"
 
 
-def test_a_refused_prompt_of_a_list_cancels_the_ones_admitted_before_it(client, app):
+def test_a_refused_prompt_of_a_list_cancels_the_ones_admitted_before_it(client, app, worker):
     openai, api = sdk(app, client.key)
     too_long = "x" * (services(app).settings.max_prompt_chars + 1)
     with pytest.raises(openai.APIStatusError) as refused:
-        # The first would take ~20 s: it is certainly still queued or running when the second is refused.
-        api.completions.create(model=MODEL, prompt=[f"fine {uuid.uuid4()}", too_long], max_tokens=4000,
-                               extra_body={"ignore_eos": True})
+        # The first is short: published at once, a worker could answer it before the second is
+        # refused, and the tenant would pay for part of a call answered with an error.
+        api.completions.create(model=MODEL, prompt=[f"fine {uuid.uuid4()}", f"fine {uuid.uuid4()}", too_long],
+                               max_tokens=2)
     assert refused.value.status_code == 400
     rows = client.http.get("/v1/requests", headers=client.headers).get_json()["data"]
-    assert len(rows) == 1 and client.wait(rows[0]["id"])["status"] == "cancelled"  # nothing half-done
+    assert len(rows) == 2
+    for row in rows:  # nothing half-done: none was published before every prompt was admitted
+        view = client.wait(row["id"])
+        assert view["status"] == "cancelled" and view["attempts"] == 0
+        assert view["timings"]["enqueued_at"] is None and view["timings"]["started_at"] is None, view["timings"]
 
 
 def test_the_context_holds_one_sequence_and_the_reservation_all_n(app):

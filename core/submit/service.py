@@ -56,6 +56,7 @@ class Accepted:
     degradation: tuple[str, ...] = ()  # ladder steps that changed it
     cache_hit: bool = False  # answered from the hot cache: already succeeded
     estimated_finish_s: float | None = None  # when its answer is due, as admission predicted it
+    unpublished: bool = False  # admitted and committed with publish=False: the caller publishes it
 
 
 # Inputs longer than this are run past the tenant gate before they are tokenized.
@@ -103,9 +104,11 @@ class RequestService:
         self.admission.refuse_early(tenant, plan)
 
     def submit(self, tenant: Tenant, body: dict[str, Any], key: idempotency.Key | None = None,
-               plan: Plan | None = None, source: Source = Source.API) -> Accepted:
+               plan: Plan | None = None, source: Source = Source.API, publish: bool = True) -> Accepted:
         """Plan (unless ``prepare`` did), admit, insert, publish; raises the ApiError of the step
-        that refused."""
+        that refused. ``publish=False``: an admitted row is left for the caller to publish (its
+        Accepted says ``unpublished``), so that several can be admitted before any runs; the
+        sweep publishes one the caller never does."""
         original = idempotency.find(self.db, key) if key else None
         if original is None:
             if "webhook_url" in body:
@@ -127,9 +130,10 @@ class RequestService:
                 if original is None:  # the winner's key expired in between: vanishingly rare
                     raise
             else:
-                self.publish(row)
+                if publish:
+                    self.publish(row)
                 return Accepted(row, False, ticket.headers, ticket.estimated_wait_s, plan.degradation,
-                                estimated_finish_s=ticket.estimated_finish_s)
+                                estimated_finish_s=ticket.estimated_finish_s, unpublished=not publish)
         metrics.IDEMPOTENT_REPLAYS.inc()
         bind_request(str(original.id))
         return Accepted(original, True, self.admission.headers(tenant))

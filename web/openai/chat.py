@@ -138,12 +138,18 @@ def _create_many(svc: Services, tenant: Tenant, body: dict[str, Any],
         raise ApiError("A list of prompts cannot stream: send one streaming call per prompt.",
                        code="invalid_request", status=400, details={"prompt": ["One string, to stream."]})
     made: list[tuple[dict[str, Any], InferenceRequest, dict[str, str]]] = []
+    unpublished: list[InferenceRequest] = []
     try:
         for i, prompt in enumerate(prompts):
-            made.append(_submit(svc, tenant, shapes.COMPLETIONS_URL, {**body, "prompt": prompt}, f"#{i}"))
+            made.append(_submit(svc, tenant, shapes.COMPLETIONS_URL, {**body, "prompt": prompt}, f"#{i}",
+                                held=unpublished))
     except Exception:  # a refusal, or the request store failing midway: none of them runs
         _cancel(svc, tenant, [row for _, row, _ in made])
         raise
+    # Published once every prompt is admitted: a refusal partway used to find the first ones already
+    # answered (and billed) by a fast engine, for a call that answers with an error.
+    for row in unpublished:
+        svc.requests.publish(row)
     rows = [_until_ended(svc, tenant, row) for _, row, _headers in made]
     headers = {**made[0][2], "Sluice-Request-Ids": ",".join(str(row.id) for row in rows)}
     failed = next((row for row in rows if row.status != Status.SUCCEEDED), None)
@@ -177,11 +183,12 @@ def _cancel(svc: Services, tenant: Tenant, rows: list[InferenceRequest]) -> None
             pass  # it ended meanwhile
 
 
-def _submit(svc: Services, tenant: Tenant, url: str, body: dict[str, Any],
-            key_suffix: str = "") -> tuple[dict[str, Any], InferenceRequest, dict[str, str]]:
+def _submit(svc: Services, tenant: Tenant, url: str, body: dict[str, Any], key_suffix: str = "",
+            held: list[InferenceRequest] | None = None) -> tuple[dict[str, Any], InferenceRequest, dict[str, str]]:
     """Validate, translate and submit the body with its client's patience as its deadline; the
     OpenAI fields, the row and the answer's headers (a refusal's carry the deadline and tier too).
-    ``key_suffix``: the prompt's place in a list, which its idempotency key carries."""
+    ``key_suffix``: the prompt's place in a list, which its idempotency key carries. ``held``: an
+    admitted row is not published but appended there, for the caller to publish."""
     called: dict[str, str] = {}
     try:
         asked, data = shapes.to_native_for(url, body, svc.settings.registry.default.name)
@@ -190,13 +197,16 @@ def _submit(svc: Services, tenant: Tenant, url: str, body: dict[str, Any],
         header = request.headers.get(idempotency.HEADER)
         key = idempotency.key_from(header[:250] + key_suffix if header and key_suffix else header, tenant.id,
                                    body, svc.settings.idempotency_window_s)
-        accepted = svc.requests.submit(tenant, given.applied(data), key, source=Source.OPENAI)
+        accepted = svc.requests.submit(tenant, given.applied(data), key, source=Source.OPENAI,
+                                       publish=held is None)
     except ApiError as exc:
         spend_refused(tenant, exc)
         add_quotas(exc, tenant)  # as on the native route: quotas on every answer
         exc.headers = {**exc.headers, **called}  # a copy: an error may have been raised with a shared dict
         raise
     row = accepted.row
+    if accepted.unpublished and held is not None:
+        held.append(row)
     headers = {REQUEST_ID_HEADER: str(row.id), **accepted.headers, **called,
                shapes.SERVICE_TIER_HEADER: shapes.SERVED_TIERS[row.priority.value]}
     if accepted.replayed:

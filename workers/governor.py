@@ -52,6 +52,9 @@ TOKEN_SCALE = 1024.0
 # more than none) where the steps seen so far cannot tell: with only one batch size seen, the
 # curve stays flat until a bigger batch shows its price.
 RIDGE = 1e-5
+# The least a prompt token is priced at, as a share of the price the warm-up measured (an idle
+# engine): half, for the noise of those few warm-up steps.
+TOKEN_FLOOR_SHARE = 0.5
 # The share of a request's pace its steps may take: the rest is left for its prefill, its queue
 # wait and the noise of a shared machine.
 SAFETY = 0.7
@@ -87,6 +90,11 @@ class StepCurve:
         self._cached_share = 0.0  # of the prompt tokens prefilled lately, the share the prefix cache held
         self.samples = 0
         self._lock = threading.Lock()
+        # The least a prompt token is priced at: a share of what the warm-up measured on an idle
+        # engine (``hold_token_floor``). A host whose CPUs other processes take slows every step;
+        # the fit can then put that in the intercept and price a prompt token near zero (one test
+        # run saw a prefill cap of 26,771 tokens): the promise would count prompts as free.
+        self._token_floor = 0.0
 
     def add(self, sample: StepSample) -> None:
         self._prefilled(sample)
@@ -202,8 +210,17 @@ class StepCurve:
                 m[1][1] += ridge
                 m[2][2] += ridge
                 a, b, c = _solve(m, self._xt[:])
-                self._coef = (a, max(0.0, b) / SEQ_SCALE, max(0.0, c) / TOKEN_SCALE)
+                self._coef = (a, max(0.0, b) / SEQ_SCALE, max(self._token_floor, max(0.0, c) / TOKEN_SCALE))
             return self._coef
+
+    def hold_token_floor(self, share: float = TOKEN_FLOOR_SHARE) -> None:
+        """From now on, never price a prompt token below ``share`` of what the fit prices it at
+        now (called once the warm-up measured it on an idle engine: an engine does not prefill
+        faster than that later, whatever the fit makes of noisy steps)."""
+        coef = self.coefficients()
+        with self._lock:
+            self._token_floor = share * coef[2] if coef is not None else 0.0
+            self._coef = None
 
     def step_s(self, seqs: float, prompt_tokens: float | None = None) -> float | None:
         """Predicted seconds of a step with ``seqs`` sequences (and ``prompt_tokens`` prefilled:

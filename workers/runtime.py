@@ -224,6 +224,7 @@ class EngineRuntime:
                 await beside
             self._learn_steps()  # its steps, while its prompts are still counted as batch prefill
             self.governor.curve.expire(time.monotonic() + 1)  # then nothing of the warm-up is pending
+            self.governor.curve.hold_token_floor()  # measured idle: never priced below half of it
 
     def _warm_request(self, request_id: str, prompt: str) -> GenerationRequest:
         """A warm-up: eight tokens generated, or (an embedding model's engine) one text embedded."""

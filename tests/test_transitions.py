@@ -115,20 +115,23 @@ def test_expire_late_touches_only_queued_rows_past_their_deadline(db, tenant_id,
                                                                          Status.RUNNING]
 
 
-def test_orphans_are_requeued_lost_or_cancelled(db, tenant_id, lifecycle):
-    requeue, lost, cancelled = (add_row(db, tenant_id) for _ in range(3))
-    for rid in (requeue, lost, cancelled):
+def test_orphans_are_requeued_lost_stalled_or_cancelled(db, tenant_id, lifecycle):
+    requeue, lost, cancelled, stalled = (add_row(db, tenant_id) for _ in range(4))
+    for rid in (requeue, lost, cancelled, stalled):
         lifecycle.claim(rid, "w/dead", "dev0")
     with db.session() as session:
         session.execute(update(InferenceRequest).where(InferenceRequest.id == lost).values(attempts=3))
     lifecycle.cancel(tenant_id, cancelled)
-    counts, requeued = lifecycle.recover_orphans(InferenceRequest.tenant_id == tenant_id, max_attempts=3, limit=10)
-    assert counts == {"requeued": 1, "worker_lost": 1, "cancelled_orphans": 1}
+    counts, requeued = lifecycle.recover_orphans(InferenceRequest.tenant_id == tenant_id, max_attempts=3, limit=10,
+                                                 stalled=frozenset({stalled}))
+    assert counts == {"requeued": 1, "worker_lost": 1, "cancelled_orphans": 1, "stalled_worker": 1}
     assert [r.id for r in requeued] == [requeue]
     back = row_of(db, requeue)
     assert back.status == Status.QUEUED and back.worker is None and back.started_at is None
     assert row_of(db, lost).error_code == "worker_lost" and row_of(db, cancelled).status == Status.CANCELLED
-    assert {(r, s) for r, s, _ in lifecycle.seen} == {(lost, Status.FAILED), (cancelled, Status.CANCELLED)}
+    assert row_of(db, stalled).status == Status.FAILED and row_of(db, stalled).error_code == "stalled_worker"
+    assert {(r, s) for r, s, _ in lifecycle.seen} == {(lost, Status.FAILED), (cancelled, Status.CANCELLED),
+                                                      (stalled, Status.FAILED)}
 
 
 def test_a_failing_hook_never_undoes_the_transition(db, tenant_id):

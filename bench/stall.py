@@ -194,8 +194,10 @@ def main() -> None:
                 if view.get("status") not in ("queued", "running"):
                     break
                 time.sleep(0.5)
+            error = view.get("error") or {}
             outcomes[name] = (view.get("status"), (view.get("output") or {}).get("finish_reason"),
-                              (view.get("usage") or {}).get("output_tokens"))
+                              (view.get("usage") or {}).get("output_tokens"), error.get("code"),
+                              (error.get("message") or "")[:160])
 
         print(f"\n## bench/stall.py, engine {args.engine}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
         print("\nattacker (all sent at once):")

@@ -41,7 +41,7 @@ def meta_checks(monkeypatch) -> list[dict]:
     """The schemas the meta-schema check validated (the costly step), in order."""
     seen: list[dict] = []
     real = sampling._check_schema
-    monkeypatch.setattr(sampling, "_MET", collections.OrderedDict())  # no verdict remembered from before
+    monkeypatch.setattr(sampling, "_VERDICTS", collections.OrderedDict())  # no verdict remembered from before
     monkeypatch.setattr(sampling, "_check_schema", lambda schema: seen.append(schema) or real(schema))
     return seen
 

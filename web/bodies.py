@@ -12,12 +12,12 @@ from flask import Response, jsonify, request
 from marshmallow import Schema, ValidationError
 from werkzeug.exceptions import RequestEntityTooLarge
 
+from core.submit.service import CHEAP_GATE_CHARS
 from web.errors import ApiError, InvalidRequest
 
 # Nothing Sluice accepts nests deeper; a body that does is refused before anything recurses on it
 # (the JSON encoder of the idempotency hash, Postgres's JSONB, marshmallow).
 MAX_DEPTH = 32
-LARGE_BODY_BYTES = 16_000  # as core/submit/service.py's CHEAP_GATE_CHARS
 # A body refused with one of these after it was read (invalid, too large) still spends one request
 # of its tenant's rate (``Admission.spend_refused``): checking it was the web tier's work.
 BODY_REFUSALS = (400, 413, 422)
@@ -72,7 +72,7 @@ def json_object() -> dict[str, Any]:
 def large(body_bytes: int | None) -> bool:
     """Whether a body this long is run past the tenant's gate before it is validated (the schemas
     of tools, the messages): a tenant over its limits then costs the web tier one Redis call."""
-    return (body_bytes or 0) > LARGE_BODY_BYTES
+    return (body_bytes or 0) > CHEAP_GATE_CHARS
 
 
 def _deeper_than(value: Any, limit: int) -> bool:

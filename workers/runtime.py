@@ -114,6 +114,7 @@ class EngineRuntime:
         self._stop = threading.Event()
         self._background: set[asyncio.Future] = set()
         self._threads: list[threading.Thread] = []
+        self._loop_thread: threading.Thread | None = None  # runs the engine's event loop, once started
         self.cold_start_s: float | None = None
         self.seq_tps: float | None = None  # decode tokens per second one sequence gets, smoothed
         self._sink: TokenSink | None = None  # token increments of streaming requests, to Redis
@@ -534,7 +535,7 @@ class EngineRuntime:
         """The requests in flight whose own code the engine loop's thread is in now: a frame of
         its stack holding a local ``request`` (a GenerationRequest) of one of them. Empty when the
         loop is stuck in code every request shares (the engine's step)."""
-        thread = getattr(self, "_loop_thread", None)
+        thread = self._loop_thread
         frame = sys._current_frames().get(thread.ident) if thread is not None else None
         with self._lock:
             in_flight = set(self._in_flight)

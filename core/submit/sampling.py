@@ -86,38 +86,44 @@ def schema_problem(schema: dict[str, Any]) -> str | None:
     return _meta_problem(hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest(), schema)
 
 
-def _shape_problem(schemas: list[Any]) -> str | None:
-    """Whether ``schemas`` together nest deeper than MAX_SCHEMA_DEPTH or hold more than
-    MAX_SCHEMA_NODES objects and arrays (iteratively, stopping at the first excess)."""
-    stack, nodes = [(node, 1) for node in schemas], 0
+def _nodes(schemas: list[Any]):
+    """Every object and array inside ``schemas``, with its depth (1 for a schema itself),
+    iteratively: a body's nesting never reaches Python's recursion limit here."""
+    stack = [(node, 1) for node in schemas]
     while stack:
         node, depth = stack.pop()
         if isinstance(node, dict | list):
-            nodes += 1
-            if depth > MAX_SCHEMA_DEPTH:
-                return f"The schemas nest more than {MAX_SCHEMA_DEPTH} levels deep."
-            if nodes > MAX_SCHEMA_NODES:
-                return f"The schemas hold more than {MAX_SCHEMA_NODES} objects and arrays; at most that are accepted."
+            yield node, depth
             stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+
+
+def _shape_problem(schemas: list[Any]) -> str | None:
+    """Whether ``schemas`` together nest deeper than MAX_SCHEMA_DEPTH or hold more than
+    MAX_SCHEMA_NODES objects and arrays (stopping at the first excess)."""
+    for count, (_, depth) in enumerate(_nodes(schemas), 1):
+        if depth > MAX_SCHEMA_DEPTH:
+            return f"The schemas nest more than {MAX_SCHEMA_DEPTH} levels deep."
+        if count > MAX_SCHEMA_NODES:
+            return f"The schemas hold more than {MAX_SCHEMA_NODES} objects and arrays; at most that are accepted."
     return None
 
 
-_MET: collections.OrderedDict[str, str | None] = collections.OrderedDict()  # digest → its meta-schema verdict
-_MET_SIZE = 1024
+_VERDICTS: collections.OrderedDict[str, str | None] = collections.OrderedDict()  # digest → meta-schema verdict
+_VERDICTS_KEPT = 1024
 
 
 def _meta_problem(digest: str, schema: dict[str, Any]) -> str | None:
     """The meta-schema's verdict on ``schema`` (whose canonical text hashes to ``digest``),
     remembered for the last 1,024 distinct schemas."""
     try:
-        _MET.move_to_end(digest)
-        return _MET[digest]
+        _VERDICTS.move_to_end(digest)
+        return _VERDICTS[digest]
     except KeyError:
         pass
     problem = _off_loop(_check_schema, schema)
-    _MET[digest] = problem
-    while len(_MET) > _MET_SIZE:
-        _MET.popitem(last=False)
+    _VERDICTS[digest] = problem
+    while len(_VERDICTS) > _VERDICTS_KEPT:
+        _VERDICTS.popitem(last=False)
     return problem
 
 
@@ -147,32 +153,34 @@ def _off_loop(fn, *args):
 def _local_problem(schema: dict[str, Any]) -> str | None:
     """A local ``$ref`` that points at nothing, or an ``enum`` that admits nothing: valid JSON
     Schema, yet nothing can be decoded under it (the engine would fail the request later)."""
-    stack = [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-        elif isinstance(node, dict):
+    for node, _ in _nodes([schema]):
+        if isinstance(node, dict):
             ref = node.get("$ref")
-            if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) and not _resolves(schema, ref):
+            if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) and local_target(schema, ref) is NOWHERE:
                 return f"$ref {ref[:80]!r} points at nothing in the schema."
             if isinstance(node.get("enum"), list) and not node["enum"]:
                 return "An empty enum admits no value."
-            stack.extend(node.values())
     return None
 
 
-def _resolves(root: Any, ref: str) -> bool:
+NOWHERE = object()  # what local_target answers for a pointer to nothing
+
+
+def local_target(root: Any, ref: str) -> Any:
+    """The part of ``root`` a local ``$ref`` (``#`` or ``#/a/b``, JSON Pointer escapes) points
+    at, or ``NOWHERE``. The simulated engine follows a schema's references with it too."""
     target = root
-    for part in ref[2:].split("/") if ref != "#" else ():
+    for part in ref.lstrip("#/").split("/"):
+        if not part:
+            continue
         part = part.replace("~1", "/").replace("~0", "~")
         if isinstance(target, dict) and part in target:
             target = target[part]
         elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
             target = target[int(part)]
         else:
-            return False
-    return True
+            return NOWHERE
+    return target
 
 
 def request_schemas_problem(data: Any) -> tuple[str, str] | None:

@@ -205,7 +205,7 @@ def _submit(svc: Services, tenant: Tenant, url: str, body: dict[str, Any], key_s
         exc.headers = {**exc.headers, **called}  # a copy: an error may have been raised with a shared dict
         raise
     row = accepted.row
-    if accepted.unpublished and held is not None:
+    if accepted.unpublished:  # only when ``held`` asked for it
         held.append(row)
     headers = {REQUEST_ID_HEADER: str(row.id), **accepted.headers, **called,
                shapes.SERVICE_TIER_HEADER: shapes.SERVED_TIERS[row.priority.value]}

@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.submit.sampling import NOWHERE, local_target
 from workers.engines.base import (
     Choice,
     ConstraintError,
@@ -618,16 +619,9 @@ def _json_text(node: Any, root: dict, rng: random.Random, depth: int) -> Iterato
     if depth > 32:
         raise ConstraintError("the schema nests deeper than the simulated engine follows")
     if "$ref" in node:
-        target: Any = root
-        for part in node["$ref"].lstrip("#/").split("/"):
-            if part:
-                part = part.replace("~1", "/").replace("~0", "~")
-                if isinstance(target, list) and part.isdigit() and int(part) < len(target):
-                    target = target[int(part)]
-                elif isinstance(target, dict) and part in target:
-                    target = target[part]
-                else:
-                    raise ConstraintError(f"$ref {node['$ref'][:80]!r} points at nothing in the schema")
+        target = local_target(root, node["$ref"])
+        if target is NOWHERE:
+            raise ConstraintError(f"$ref {node['$ref'][:80]!r} points at nothing in the schema")
         yield from _json_text(target, root, rng, depth + 1)
         return
     if "const" in node:

@@ -60,19 +60,61 @@ def scratch_database(admin_url: str, prefix: str) -> Iterator[str]:
         drop_database(admin_url, name)
 
 
+REDIS_LOCK_KEY = "sluice:test:lock"
+
+
 def free_redis_db(base: str, taken: set[int]) -> int:
     """A Redis database number that is empty now and locked for this process, so parallel runs
-    do not collide; ``taken`` lists numbers this process already holds."""
+    do not collide; ``taken`` lists numbers this process already holds.
+
+    The lock names its holder (``host:pid``) and never expires: a run longer than any expiry keeps
+    its databases. A database whose holder on this host is gone (a killed run, which left its data
+    behind) is flushed and taken; one whose holder lives, or that has data and no lock, is left."""
+    me = f"{socket.gethostname()}:{os.getpid()}"
     for number in range(15, 0, -1):
         if number in taken:
             continue
         client = redis_lib.Redis.from_url(f"{base}/{number}")
         try:
-            if client.dbsize() == 0 and client.set("sluice:test:lock", os.getpid(), nx=True, ex=3600):
+            if client.dbsize() == 0 and client.set(REDIS_LOCK_KEY, me, nx=True):
+                return number
+            if _reclaim(client, me):
                 return number
         finally:
             client.close()
-    raise RuntimeError("no empty Redis database left")
+    raise RuntimeError("no empty Redis database left (15 in use by live runs, or holding data with no lock)")
+
+
+def _reclaim(client, me: str) -> bool:
+    """Flush and lock a database whose lock's holder is gone, atomically: of two runs reclaiming
+    it at once, the transaction of the second fails on the first's lock (WATCH)."""
+    with client.pipeline() as pipe:
+        try:
+            pipe.watch(REDIS_LOCK_KEY)
+            holder = pipe.get(REDIS_LOCK_KEY)
+            if holder is None or not _holder_gone(holder.decode(errors="replace")):
+                return False
+            pipe.multi()
+            pipe.flushdb()
+            pipe.set(REDIS_LOCK_KEY, me)
+            pipe.execute()
+            return True
+        except redis_lib.WatchError:
+            return False
+
+
+def _holder_gone(holder: str) -> bool:
+    """Whether the process named ``host:pid`` by a database lock has exited (only on this host)."""
+    host, _, pid = holder.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 class WorkerProcess:

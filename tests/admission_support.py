@@ -18,7 +18,7 @@ from web.services import services
 @pytest.fixture(scope="session")
 def admission_redis_url(redis_dbs) -> str:
     """One Redis database for every admission test (there are only 15), emptied after each."""
-    return redis_dbs()
+    return redis_dbs(keep=True)
 
 
 @pytest.fixture

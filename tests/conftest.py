@@ -99,31 +99,62 @@ def database_url(admin_db_url) -> Iterator[str]:
 
 
 class RedisDbs:
-    """Hands out empty Redis database URLs (there are only 15); ``release`` returns one."""
+    """Hands out empty Redis database URLs (there are only 15); ``release`` returns one.
+
+    A database taken without ``keep`` is the module's: whatever takes it, the module's end hands it
+    back (``release_module``). Module fixtures used to flush theirs and keep the number, and a run
+    of the whole suite ran out of numbers two thirds of the way through."""
 
     def __init__(self, base: str) -> None:
         self.base = base
         self.taken: set[int] = set()
+        self.module: set[int] = set()
 
-    def __call__(self) -> str:
+    def __call__(self, keep: bool = False) -> str:
         number = harness.free_redis_db(self.base, self.taken)
         self.taken.add(number)
+        if not keep:
+            self.module.add(number)
         return f"{self.base}/{number}"
 
     def release(self, url: str) -> None:
+        """Flush the database and give its number back; a second release of it does nothing (the
+        number may be another run's by then)."""
+        number = int(url.rsplit("/", 1)[1])
+        if number not in self.taken:
+            return
         client = redis_lib.Redis.from_url(url)
         client.flushdb()
         client.close()
-        self.taken.discard(int(url.rsplit("/", 1)[1]))
+        self.taken.discard(number)
+        self.module.discard(number)
+
+    def release_module(self) -> None:
+        for number in list(self.module):
+            self.release(f"{self.base}/{number}")
+
+
+_REDIS_DBS: list[RedisDbs] = []
 
 
 @pytest.fixture(scope="session")
 def redis_dbs(redis_base) -> Iterator[RedisDbs]:
     """Hands out fresh Redis database URLs; flushes them at the end."""
     dbs = RedisDbs(redis_base)
+    _REDIS_DBS.append(dbs)
     yield dbs
     for number in list(dbs.taken):
         dbs.release(f"{redis_base}/{number}")
+    _REDIS_DBS.remove(dbs)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_redis_dbs() -> Iterator[None]:
+    """Hands back, at the end of each module, every database the module took (set up first, so
+    torn down after the module's own fixtures have stopped their workers)."""
+    yield
+    for dbs in _REDIS_DBS:
+        dbs.release_module()
 
 
 @pytest.fixture
@@ -136,7 +167,7 @@ def scratch_redis_url(redis_dbs) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def redis_url(redis_dbs) -> str:
-    return redis_dbs()
+    return redis_dbs(keep=True)
 
 
 def make_settings(database_url: str, redis_url: str, env: dict[str, str] | None = None, **overrides) -> Settings:

@@ -111,7 +111,10 @@ def test_parked_twins_are_charged_to_their_tenant(isolated_app, new_client):
 
     application = isolated_app()
     client = new_client(application)
-    set_limits(application, client, max_concurrent=4, requests_per_minute=100)
+    # Buckets that refill slowly: 20 requests and 12,000 tokens a minute (a third of a request and
+    # 200 tokens a second). With the tier's millions a minute, a submit slower than ~45 ms found the
+    # bucket refilled to the brim, and two answers showed the same remaining count.
+    set_limits(application, client, max_concurrent=4, requests_per_minute=20, tokens_per_minute=12_000)
     body = {"prompt": f"X {uuid.uuid4()}", "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
             "priority": "batch", "deadline_s": 3600}
     answers = [client.submit(**body) for _ in range(10)]

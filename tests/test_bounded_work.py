@@ -5,8 +5,10 @@ event loop is bounded before the costly part runs (issue 35).
   raw body, before any is validated against its draft's meta-schema (~0.8 ms of web CPU per
   subschema): 36 tools of 1,340 properties held a gevent process for 19 s.
 * A body refused after it was read spends one request of its tenant's rate.
-* The simulated engine writes a schema's answer lazily, no further than ``max_tokens`` carries
-  it: ``minItems: 1e300`` froze its event loop until the watchdog killed the worker.
+* A schema's counts are bounded at submit: 1e300 anywhere, or a smallest answer past a million
+  characters, is a 4xx. Under that, the simulated engine writes a schema's answer lazily, no
+  further than ``max_tokens`` carries it: ``minItems: 1e300`` froze its event loop until the
+  watchdog killed the worker.
 * Patterns nested past the regex parser's recursion are a 4xx naming the field, not a 500.
 * A local ``$ref`` to nothing, or an empty ``enum``, is refused at submit (it failed later on the
   worker, as engine_error with a traceback).
@@ -118,12 +120,46 @@ def test_patterns_past_the_parser_and_schemas_that_admit_nothing_are_refused_by_
     assert upload.status_code == 422, upload.get_json()
 
 
-@pytest.mark.parametrize("schema", [
+UNBOUNDED = [
     {"type": "array", "minItems": 1e300},
     {"type": "array", "minItems": 30, "items": {"type": "array", "minItems": 30, "items": {
         "type": "array", "minItems": 30, "items": {"type": "array", "minItems": 30, "items": {"type": "integer"}}}}},
     {"type": "object", "properties": {"text": {"type": "string", "minLength": 1e300}}},
-], ids=["huge_count", "nested_arrays", "huge_string"])
+    {"type": "object", "properties": {"text": {"type": "string", "maxLength": 1e300}}},
+]
+
+
+@pytest.mark.parametrize("schema", UNBOUNDED, ids=["huge_count", "nested_arrays", "huge_string", "huge_bound"])
+def test_a_schema_whose_counts_no_answer_can_meet_is_refused_at_submit(client, schema):
+    """1e300 as a count (a valid JSON Schema integer that xgrammar cannot read), or counts whose
+    smallest answer passes a million characters (30 x 30 x 30 x 30 integers): refused on both doors
+    and in a job's lines, naming the field, instead of failing on the worker."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "unbounded", "schema": schema}}
+    error = assert_envelope(client.submit(prompt="x", max_tokens=16, response_format=response_format),
+                            422, "invalid_request")
+    assert "json_schema" in error["details"]["response_format"], error
+    why = json.dumps(error["details"])
+    assert "counts up to" in why or "smallest answer" in why, why
+    openai = client.http.post("/v1/chat/completions", headers=client.headers, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": response_format})
+    assert openai.status_code == 400 and openai.get_json()["error"]["param"].startswith("response_format"), \
+        openai.get_json()
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": schema}, "required": ["a"]}}}
+    with_tool = client.http.post("/v1/chat/completions", headers=client.headers, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [tool]})
+    assert with_tool.status_code == 400 and with_tool.get_json()["error"]["param"].startswith("tools"), \
+        with_tool.get_json()
+
+
+# Under the caps, yet far more than max_tokens carries: the simulated engine writes such an
+# answer lazily (it built the whole instance on its loop: 30^4 integers held it 3.5 s).
+@pytest.mark.parametrize("schema", [
+    {"type": "array", "minItems": 400_000},
+    {"type": "array", "minItems": 22, "items": {"type": "array", "minItems": 22, "items": {
+        "type": "array", "minItems": 22, "items": {"type": "array", "minItems": 22, "items": {"type": "integer"}}}}},
+    {"type": "object", "properties": {"text": {"type": "string", "minLength": 900_000}}, "required": ["text"]},
+], ids=["large_count", "nested_arrays", "long_string"])
 def test_a_schema_asking_for_an_unbounded_answer_costs_the_simulated_engine_its_max_tokens(client, worker, schema):
     key_before = worker.worker_key
     response_format = {"type": "json_schema", "json_schema": {"name": "unbounded", "schema": schema}}

@@ -38,6 +38,11 @@ MAX_SCHEMA_BYTES = 32 * 1024  # a JSON schema, serialized (response_format or on
 MAX_REQUEST_SCHEMA_BYTES = 64 * 1024
 MAX_SCHEMA_NODES = 5_000  # JSON objects and arrays inside a request's schemas together
 MAX_SCHEMA_DEPTH = 32
+# The smallest answer a schema admits, in characters, at most: a million characters is ~250,000
+# tokens, longer than any model here writes. A count past it (``minItems: 1e300``, four nested
+# arrays of ``minItems: 30``) can only end cut short, and it made the simulated engine build the
+# instance on its loop and xgrammar fail to compile it on the worker: refused at submit instead.
+MAX_SMALLEST_ANSWER_CHARS = 1_000_000
 MAX_TOOLS = 64
 MAX_N = 16  # choices per request; each is priced max_tokens at admission
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
@@ -78,6 +83,13 @@ def schema_problem(schema: dict[str, Any]) -> str | None:
     shape = _shape_problem([schema])
     if shape:
         return shape
+    count = _count_problem(schema)
+    if count:
+        return count
+    smallest = smallest_answer(schema)
+    if smallest > MAX_SMALLEST_ANSWER_CHARS:
+        return (f"The schema's smallest answer is {_amount(smallest)} characters (its minItems, minLength, "
+                f"minProperties and required fields); at most {MAX_SMALLEST_ANSWER_CHARS:,} can be written.")
     if any("\x00" in string for string in _strings(schema)):
         return "Strings must not contain the NUL character (\\u0000)."
     remote = next(_remote_refs(schema), None)
@@ -106,6 +118,80 @@ def _shape_problem(schemas: list[Any]) -> str | None:
         if count > MAX_SCHEMA_NODES:
             return f"The schemas hold more than {MAX_SCHEMA_NODES} objects and arrays; at most that are accepted."
     return None
+
+
+_COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties",
+           "minContains", "maxContains")
+MAX_COUNT = 2**31 - 1  # xgrammar reads a count as a 32-bit integer and fails the request past it
+
+
+def _count_problem(schema: dict[str, Any]) -> str | None:
+    """A count keyword past MAX_COUNT anywhere in ``schema``: valid JSON Schema (1e300 is an
+    integer), yet no engine decodes under it."""
+    for node, _ in _nodes([schema]):
+        if isinstance(node, dict):
+            for key in _COUNTS:
+                value = node.get(key)
+                if isinstance(value, int | float) and not isinstance(value, bool) and value > MAX_COUNT:
+                    return f"{key} is {_amount(float(value))}; counts up to {MAX_COUNT:,} are accepted."
+    return None
+
+
+def smallest_answer(schema: Any, depth: int = 0) -> float:
+    """A lower bound on the characters of the smallest JSON value ``schema`` admits, from its
+    counts alone (``minItems``, ``minLength``, ``minProperties``, ``required``); references and
+    what it cannot read count 1. A float: ``minItems: 1e300`` under ``minItems: 30`` is no error.
+    Its recursion follows the schema's nesting, which ``_shape_problem`` has already capped."""
+    if not isinstance(schema, dict) or depth > MAX_SCHEMA_DEPTH:
+        return 1.0
+    types = schema.get("type")
+    types = [t for t in (types if isinstance(types, list) else [types]) if isinstance(t, str)]
+    sizes = [_smallest_of_type(schema, kind, depth) for kind in types] if types else [_smallest_untyped(schema, depth)]
+    smallest = min(sizes) if sizes else 1.0
+    for key, pick in (("allOf", max), ("anyOf", min), ("oneOf", min)):
+        parts = schema.get(key)
+        if isinstance(parts, list) and parts:
+            smallest = max(smallest, pick(smallest_answer(part, depth + 1) for part in parts))
+    return smallest
+
+
+def _smallest_untyped(schema: dict[str, Any], depth: int) -> float:
+    """An untyped schema's smallest answer: what its array or object keywords ask, if any."""
+    if any(key in schema for key in ("minItems", "items", "prefixItems")):
+        return _smallest_of_type(schema, "array", depth)
+    if any(key in schema for key in ("required", "minProperties")):
+        return _smallest_of_type(schema, "object", depth)
+    if "minLength" in schema:
+        return _smallest_of_type(schema, "string", depth)
+    return 1.0
+
+
+def _count(schema: dict[str, Any], key: str) -> float:
+    value = schema.get(key)
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and value > 0 else 0.0
+
+
+def _smallest_of_type(schema: dict[str, Any], kind: str, depth: int) -> float:
+    if kind == "string":
+        return 2 + _count(schema, "minLength")
+    if kind == "array":
+        prefix = schema.get("prefixItems") if isinstance(schema.get("prefixItems"), list) else []
+        items = min(_count(schema, "minItems"), 1e300)
+        first = [smallest_answer(part, depth + 1) + 1 for part in prefix[:int(min(items, len(prefix)))]]
+        rest = max(0.0, items - len(first)) * (smallest_answer(schema.get("items"), depth + 1) + 1)
+        return 2 + sum(first) + rest
+    if kind == "object":
+        properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        required = [name for name in schema.get("required", []) if isinstance(name, str)] \
+            if isinstance(schema.get("required"), list) else []
+        named = sum(len(name) + 4 + smallest_answer(properties.get(name), depth + 1) for name in set(required))
+        others = max(0.0, _count(schema, "minProperties") - len(set(required))) * 6  # "a":1,
+        return 2 + named + others
+    return 1.0
+
+
+def _amount(chars: float) -> str:
+    return f"{chars:,.0f}" if chars < 1e15 else f"{chars:.1e}"
 
 
 _VERDICTS: collections.OrderedDict[str, str | None] = collections.OrderedDict()  # digest → meta-schema verdict

@@ -7,6 +7,7 @@ them without knowing about HTTP frameworks.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -42,3 +43,68 @@ class NotFound(ApiError):
 
 class Conflict(ApiError):
     status, code = 409, "conflict"
+
+
+class RateLimited(ApiError):
+    status, code = 429, "rate_limited"
+
+
+class Overloaded(ApiError):
+    status, code = 503, "overloaded"
+
+
+class RequestTooLarge(ApiError):
+    status, code = 413, "request_too_large"
+
+
+class BudgetExhausted(ApiError):
+    status, code = 429, "budget_exhausted"
+
+
+class BudgetUnavailable(ApiError):
+    status, code = 503, "budget_unavailable"
+
+    def __init__(self, why: str, retry_after_s: int) -> None:
+        super().__init__(f"A hard budget applies to this request and {why}; retry after {retry_after_s} s.",
+                         headers={"Retry-After": str(retry_after_s)})
+
+
+class OpenAIBodyError(InvalidRequest):
+    """An OpenAI request body Sluice cannot run. ``details`` maps each bad field to its reasons;
+    ``unsupported`` names those refused because Sluice does not take them (fields it does not
+    know, ``n`` other than 1, streaming in a batch line) rather than for a bad value."""
+
+    def __init__(self, details: dict[str, Any], unsupported: set[str]) -> None:
+        super().__init__("The request has invalid fields; see details.", details=details)
+        self.unsupported = unsupported
+
+    def problems(self, prefix: str = "") -> str:
+        return describe(self.details, prefix)
+
+
+def describe(problems: dict[str, Any], prefix: str = "") -> str:
+    """Fields and their reasons (marshmallow's errors) in one line, for a message:
+    ``messages: Missing data for required field.; n: …``."""
+    return "; ".join(f"{prefix}{_shown(name)}: {_reasons(why)}" for name, why in problems.items())
+
+
+def is_problem(why: Any) -> bool:
+    """Whether ``why`` is what a field's validation says (a list of reasons, or nested fields'),
+    not some other detail (the numbers of a refused budget)."""
+    if isinstance(why, list):
+        return bool(why) and all(isinstance(item, str) for item in why)
+    return isinstance(why, dict) and bool(why) and all(is_problem(item) for item in why.values())
+
+
+def _reasons(why: Any) -> str:
+    if isinstance(why, list):
+        return " ".join(_reasons(item) for item in why)
+    if isinstance(why, dict):
+        return "; ".join(f"{_shown(name)}: {_reasons(item)}" for name, item in why.items())
+    return str(why)
+
+
+def _shown(name: Any) -> str:
+    """A field name as a message quotes it: the client's own keys JSON-escaped (no NUL or lone
+    surrogate reaches a stored message) and cut short."""
+    return json.dumps(str(name))[1:-1][:60]

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from core.delivery.ssrf import AllowList
 from core.registry import ModelSpec, Registry, RegistryError, parse_registry
+from core.ssrf import AllowList
 from core.tenants.tiers import Limits, TierError, parse_tiers
 from core.usage.prices import Price, parse_prices, price, price_for
 

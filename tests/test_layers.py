@@ -202,6 +202,46 @@ def test_rules_as_written(top, module, ok):
     assert (broken_rules(top, f"{top}/x.py", module) == []) is ok
 
 
+# Inside core, the request path's packages in their order: each imports only those before it
+# (at run time; an annotation under TYPE_CHECKING may name a later one's type). They once formed a
+# circle (admission -> usage -> delivery -> admission, submit <-> delivery, usage -> submit).
+CORE_ORDER = ("usage", "admission", "submit", "delivery")
+# Imported by all of them, so they import none: the domain errors, the webhook rules, the guard.
+CORE_LEAVES = ("core.errors", "core.ssrf", "core.hooks", "core.ids")
+
+
+def runtime_imports(path: Path) -> list[tuple[int, str]]:
+    """The absolute ``core`` imports of ``path`` that run (not under ``if TYPE_CHECKING:``)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(node) for top in tree.body if isinstance(top, ast.If) and "TYPE_CHECKING" in ast.unparse(top.test)
+                   for node in ast.walk(top)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only or not isinstance(node, ast.ImportFrom) or not node.module:
+            continue
+        if node.module == "core":
+            found.extend((node.lineno, f"core.{alias.name}") for alias in node.names)
+        elif node.module.startswith("core."):
+            found.append((node.lineno, node.module))
+    return found
+
+
+def test_the_request_path_inside_core_has_no_circle():
+    problems = []
+    for path in sorted((ROOT / "core").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        module = rel.removesuffix(".py").replace("/", ".")
+        package = rel.split("/")[1] if rel.count("/") > 1 else None
+        for line, imported in runtime_imports(path):
+            target = imported.split(".")[1] if imported.count(".") else None
+            if module in CORE_LEAVES and imported not in CORE_LEAVES and imported != "core.errors":
+                problems.append(f"{rel}:{line}: {module} is a leaf of core and imports {imported}")
+            if package in CORE_ORDER and target in CORE_ORDER and \
+                    CORE_ORDER.index(target) > CORE_ORDER.index(package):
+                problems.append(f"{rel}:{line}: core.{package} imports {imported}, which comes after it")
+    assert problems == []
+
+
 PROBE = """
 import json, sys
 from workers.entry import celery_app

@@ -192,7 +192,7 @@ def test_a_thousand_mixed_requests_sum_to_the_token_and_the_cent(platform, datab
 def add_budget(app, tenant_id: uuid.UUID, allow: str | None = None, **values) -> dict:
     """A budget for the tenant, as the admin API makes one (``allow``: receivers the SSRF guard
     lets through, instead of the app's)."""
-    from core.delivery.ssrf import AllowList
+    from core.ssrf import AllowList
     from models import Tenant
 
     with services(app).db.session() as session:

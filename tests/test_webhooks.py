@@ -26,7 +26,7 @@ from sqlalchemy import func, update
 from standardwebhooks import Webhook, WebhookVerificationError
 from werkzeug.serving import make_server
 
-from core.delivery import ssrf
+from core import ssrf
 from core.rediskeys import SWEEP_LAST_KEY
 from models import Delivery, DeliveryStatus
 from web import create_app

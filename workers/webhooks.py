@@ -34,8 +34,8 @@ from celery import shared_task
 from sqlalchemy import case, delete, func, select, text
 from standardwebhooks import Webhook
 
+from core import ssrf
 from core.broker.queues import DELIVER_TASK, WEBHOOKS_QUEUE, queue_length
-from core.delivery import ssrf
 from core.services import Services
 from core.settings import Settings
 from models import Delivery, DeliveryStatus, JobStatus, Tenant, delivery_lifecycle

@@ -31,14 +31,14 @@ from redis.retry import Retry
 
 from core.admission.limiter import SharedLimiter, Verdict
 from core.admission.local_floor import LocalFloor, RedisBreaker
-from core.errors import ApiError
+from core.errors import ApiError, BudgetUnavailable, Overloaded, RateLimited, RequestTooLarge
 from core.fleet.workers import HEARTBEAT_PATIENCE
 from core.observe import submit_metrics as metrics
 from core.rediskeys import redis_client
 from core.settings import Settings
 from core.tenants.tiers import Limits, effective_limits
 from core.usage import refusals
-from core.usage.budgets import Budgets, BudgetUnavailable, Charge
+from core.usage.budgets import Budgets, Charge
 from models import SizeClass, Tenant
 from models.lifecycle import Ended
 
@@ -50,18 +50,6 @@ log = logging.getLogger(__name__)
 # When a level, not a bucket, turned the request away there is no refill time to report.
 OVERLOAD_RETRY_AFTER_S = 5
 CONCURRENCY_RETRY_AFTER_S = 1
-
-
-class RateLimited(ApiError):
-    status, code = 429, "rate_limited"
-
-
-class Overloaded(ApiError):
-    status, code = 503, "overloaded"
-
-
-class RequestTooLarge(ApiError):
-    status, code = 413, "request_too_large"
 
 
 @dataclass(frozen=True)

@@ -1,2 +1,2 @@
-"""Getting answers to clients: waits, token streams, move announcements, webhooks and the SSRF
-guard their URLs pass."""
+"""Getting answers to clients: waits, token streams, move announcements and webhooks (what a
+webhook may be is checked below, in ``core/hooks.py``)."""

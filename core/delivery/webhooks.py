@@ -30,10 +30,8 @@ from sqlalchemy import case, func, or_, select, tuple_, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from core.admission.gates import RateLimited
 from core.broker.queues import DELIVER_TASK, WEBHOOKS_QUEUE
-from core.delivery import ssrf
-from core.errors import Conflict, InvalidRequest, NotFound
+from core.errors import Conflict, NotFound, RateLimited
 from core.rediskeys import webhook_actions_key
 from core.settings import Settings
 from core.submit.schemas import RequestViewSchema
@@ -43,28 +41,9 @@ from models.session import Database
 
 log = logging.getLogger(__name__)
 
-JOB_EVENTS = ("started", "progress", "completed")
-DEFAULT_EVENTS = ("completed",)
 # A tenant's redeliveries and rotations are counted per window of this length.
 ACTIONS_WINDOW_S = 60
 _view = RequestViewSchema()
-
-
-def check_url(url: str, allow: ssrf.AllowList) -> None:
-    """422 ``webhook_url_refused`` when the SSRF guard refuses ``url``; its message says why."""
-    try:
-        ssrf.check(url, allow)
-    except ssrf.Refused as exc:
-        raise InvalidRequest(f"webhook_url refused ({exc.reason}): {exc.message}", code="webhook_url_refused",
-                             details={"webhook_url": [exc.message]}) from None
-
-
-def require_secret(tenant: Tenant) -> None:
-    """A webhook is signed with its tenant's secret, which the tenant must have been shown first."""
-    if tenant.webhook_secret is None:
-        raise InvalidRequest("This API key's tenant has no webhook signing secret yet: create it with POST "
-                             "/v1/webhooks/secret/rotate (shown once), then submit again.",
-                             code="webhook_secret_missing")
 
 
 def new_secret() -> str:

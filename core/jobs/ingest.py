@@ -22,7 +22,8 @@ from typing import IO, Any
 
 from psycopg.types.json import Jsonb
 
-from core.openai.shapes import URLS, OpenAIBodyError, to_native_for
+from core.errors import OpenAIBodyError
+from core.openai.shapes import URLS, to_native_for
 from core.submit.plan import request_input_of
 from core.submit.tokens import estimate_input_tokens, estimate_text_tokens
 from models.job import ItemStatus

@@ -12,7 +12,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from core.delivery import webhooks
+from core import hooks
 from core.errors import InvalidRequest
 from core.settings import Settings
 from core.submit.tokens import estimate_text_tokens
@@ -96,8 +96,8 @@ def parse_params(settings: Settings, args: dict[str, str], tenant: Tenant) -> Jo
     if problems:
         raise InvalidRequest("The job has invalid parameters; see details.", details=problems)
     if "webhook_url" in args:
-        webhooks.check_url(args["webhook_url"], settings.webhook_allow_list)
-        webhooks.require_secret(tenant)
+        hooks.check_url(args["webhook_url"], settings.webhook_allow_list)
+        hooks.require_secret(tenant)
     return JobParams(model.name, summary, instruction, priority, window, on_invalid, metadata,
                      args.get("webhook_url"), events)
 
@@ -111,8 +111,8 @@ def _events(args: dict[str, str], problems: dict[str, list[str]]) -> tuple[str, 
     if len(args["webhook_url"]) > 2048:
         problems["webhook_url"] = ["At most 2048 characters."]
     events = tuple(dict.fromkeys(e.strip() for e in args.get("webhook_events", "completed").split(",")))
-    if not events or not set(events) <= set(webhooks.JOB_EVENTS):
-        problems["webhook_events"] = [f"Comma-separated, of {', '.join(webhooks.JOB_EVENTS)}."]
+    if not events or not set(events) <= set(hooks.JOB_EVENTS):
+        problems["webhook_events"] = [f"Comma-separated, of {', '.join(hooks.JOB_EVENTS)}."]
     return events
 
 

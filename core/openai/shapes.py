@@ -14,12 +14,11 @@ a client must not believe it got what it did not. ``docs/openai.md`` lists every
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from marshmallow import Schema, ValidationError, fields, pre_load, validate, validates_schema
 
-from core.errors import InvalidRequest
+from core.errors import OpenAIBodyError
 from core.submit.embeddings import row_vectors
 from core.submit.sampling import (
     MAX_LOGPROBS,
@@ -206,47 +205,6 @@ class EmbeddingRequestSchema(Schema):
     encoding_format = SafeString(validate=validate.OneOf(["float", "base64"]))
     user = SafeString(validate=validate.Length(min=1, max=512),
                       metadata={"description": "Kept as the request's metadata `user`."})
-
-
-class OpenAIBodyError(InvalidRequest):
-    """An OpenAI request body Sluice cannot run. ``details`` maps each bad field to its reasons;
-    ``unsupported`` names those refused because Sluice does not take them (fields it does not
-    know, ``n`` other than 1, streaming in a batch line) rather than for a bad value."""
-
-    def __init__(self, details: dict[str, Any], unsupported: set[str]) -> None:
-        super().__init__("The request has invalid fields; see details.", details=details)
-        self.unsupported = unsupported
-
-    def problems(self, prefix: str = "") -> str:
-        return describe(self.details, prefix)
-
-
-def describe(problems: dict[str, Any], prefix: str = "") -> str:
-    """Fields and their reasons (marshmallow's errors) in one line, for a message:
-    ``messages: Missing data for required field.; n: …``."""
-    return "; ".join(f"{prefix}{_shown(name)}: {_reasons(why)}" for name, why in problems.items())
-
-
-def is_problem(why: Any) -> bool:
-    """Whether ``why`` is what a field's validation says (a list of reasons, or nested fields'),
-    not some other detail (the numbers of a refused budget)."""
-    if isinstance(why, list):
-        return bool(why) and all(isinstance(item, str) for item in why)
-    return isinstance(why, dict) and bool(why) and all(is_problem(item) for item in why.values())
-
-
-def _reasons(why: Any) -> str:
-    if isinstance(why, list):
-        return " ".join(_reasons(item) for item in why)
-    if isinstance(why, dict):
-        return "; ".join(f"{_shown(name)}: {_reasons(item)}" for name, item in why.items())
-    return str(why)
-
-
-def _shown(name: Any) -> str:
-    """A field name as a message quotes it: the client's own keys JSON-escaped (no NUL or lone
-    surrogate reaches a stored message) and cut short."""
-    return json.dumps(str(name))[1:-1][:60]
 
 
 _EMBEDDINGS = {False: EmbeddingRequestSchema(), True: EmbeddingRequestSchema(partial=("model",))}

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 
 from sqlalchemy import Select, or_, select, tuple_
 
 from core.errors import InvalidRequest, NotFound
-from core.ids import uuid_or_404
+from core.ids import instant, uuid_or_404
 from models import InferenceRequest, Priority, Status
 from models.session import Database
 
@@ -71,17 +71,6 @@ class RequestFilter:
         if problems:
             raise InvalidRequest("The list's filters are invalid; see details.", details=problems)
         return cls(tuple(statuses), priority, model, times.get("since"), times.get("until"), metadata)
-
-
-def instant(raw: str) -> datetime | None:
-    """An RFC 3339 time (naive: UTC) or Unix seconds; None when it is neither."""
-    try:
-        if raw.replace(".", "", 1).isdigit():
-            return datetime.fromtimestamp(float(raw), UTC)
-        moment = datetime.fromisoformat(raw.replace("Z", "+00:00"))
-    except (ValueError, OverflowError, OSError):
-        return None
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
 def list_requests(db: Database, tenant_id: uuid.UUID, limit: int, before: str | None,

@@ -22,10 +22,9 @@ from typing import Any
 import redis
 from sqlalchemy import func
 
-from core.admission.gates import RequestTooLarge
 from core.broker.queues import direct_queue, queue_name, size_class_for
-from core.delivery.webhooks import DEFAULT_EVENTS, check_url
-from core.errors import InvalidRequest
+from core.errors import InvalidRequest, RequestTooLarge
+from core.hooks import DEFAULT_EVENTS, check_url
 from core.rediskeys import conversation_key, node_key
 from core.registry import ModelSpec
 from core.settings import Settings
@@ -66,7 +65,7 @@ class Plan:
     deadline_s: float
     degradation: tuple[str, ...] = ()  # ladder steps that changed it (core/submit/ladder.py)
     cache_scope: str = ""  # whose cached answers and twins it may share (core/submit/answers.py)
-    webhook_url: str | None = None  # checked by the SSRF guard (core/delivery/webhooks.py)
+    webhook_url: str | None = None  # checked by the SSRF guard (core/hooks.py)
     webhook_events: tuple[str, ...] = ()
     # Whose usage it is and what it is charged (core/usage/): the key that sent it, the door it came
     # in by, and its model's prices for its priority (set by RequestService.prepare).

@@ -27,9 +27,9 @@ from celery import Celery
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from core import hooks
 from core.admission.gates import Admission, Ticket
 from core.broker.queues import BrokerEpoch, publish_committed
-from core.delivery import webhooks
 from core.errors import Conflict, NotFound
 from core.ids import uuid_or_404
 from core.observe import submit_metrics as metrics
@@ -112,7 +112,7 @@ class RequestService:
         original = idempotency.find(self.db, key) if key else None
         if original is None:
             if "webhook_url" in body:
-                webhooks.require_secret(tenant)
+                hooks.require_secret(tenant)
             plan = plan or self.prepare(tenant, body, source)
             try:
                 answered = self.from_cache(plan, tenant, key) or self.follow(plan, tenant, key)

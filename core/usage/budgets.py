@@ -39,8 +39,9 @@ from typing import TYPE_CHECKING, Any
 import redis
 from sqlalchemy import delete, func, or_, select, update
 
-from core.delivery.ssrf import AllowList
-from core.errors import ApiError, InvalidRequest, NotFound
+from core.errors import BudgetExhausted, InvalidRequest, NotFound
+from core.hooks import check_url, require_secret
+from core.ssrf import AllowList
 from models import ApiKey, Budget, InferenceRequest, Status, Tenant, UsageHourly
 from models.session import Database
 
@@ -54,18 +55,6 @@ CACHE_S = 5.0
 MICRO = 1_000_000  # a USD counter counts micro-dollars, so Lua's doubles stay exact integers
 CHARGES_KEY = "sluice:budget:charges"  # hash: request id → "unit amount counter;…", until released
 _COUNTER = "sluice:budget:{id}:{start}"
-
-
-class BudgetExhausted(ApiError):
-    status, code = 429, "budget_exhausted"
-
-
-class BudgetUnavailable(ApiError):
-    status, code = 503, "budget_unavailable"
-
-    def __init__(self, why: str, retry_after_s: int) -> None:
-        super().__init__(f"A hard budget applies to this request and {why}; retry after {retry_after_s} s.",
-                         headers={"Retry-After": str(retry_after_s)})
 
 
 @dataclass(frozen=True)
@@ -289,7 +278,6 @@ class Budgets:
         a key of this tenant, a webhook URL the SSRF guard (``allow``) lets through and a tenant
         that can sign it. Raises InvalidRequest naming the field; returns the budget's view."""
         # Here, not at the top: core/delivery/webhooks.py imports admission, which imports this module.
-        from core.delivery.webhooks import check_url, require_secret
 
         window = [values.get("starts_at"), values.get("ends_at")]
         fixed = values["period"] == "fixed"

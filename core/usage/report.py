@@ -23,7 +23,7 @@ from typing import Any
 from sqlalchemy import Select, func, literal, select
 
 from core.errors import InvalidRequest
-from core.submit.listing import instant
+from core.ids import instant
 from models import ApiKey, Tenant, UsageHourly, UsageOutcome
 from models.session import Database
 from models.usage import NO_KEY

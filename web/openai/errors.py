@@ -23,8 +23,7 @@ from typing import Any
 from apispec import APISpec
 from flask import Blueprint, Response, jsonify
 
-from core.errors import ApiError
-from core.openai.shapes import describe, is_problem
+from core.errors import ApiError, describe, is_problem
 from web.errors import register_error_handlers
 
 # Status → OpenAI's error `type`. OpenAI's error-code guide names invalid_request_error (400),

@@ -549,8 +549,12 @@ class EngineRuntime:
         return found
 
     def _die(self, why: str) -> None:
-        """Exit now: rows stay `running`, the heartbeat stops, the sweep requeues them."""
+        """Exit now: rows stay `running`, the heartbeat stops, the sweep requeues them. The
+        engine's own processes go first: a hung engine core (stopped, or stuck in a device call)
+        would outlive the worker and hold its memory, on a GPU host the device's, so the restarted
+        worker could not load its model."""
         log.critical("watchdog: %s; exiting so the worker restarts and its requests are requeued", why)
+        _kill_descendants()
         os._exit(self.WATCHDOG_EXIT_CODE)
 
     # ------------------------------------------------------------------ housekeeping
@@ -748,3 +752,22 @@ class EngineRuntime:
                     self._check_progress(time.monotonic() - last_progress, busy)
             except Exception:  # this thread must outlive any error, or a hung engine keeps its requests
                 log.warning("watchdog round failed; retrying", exc_info=True)
+
+
+def _kill_descendants() -> None:
+    """SIGKILL every process this one started (vLLM's engine core and its helpers), even one that
+    is stopped: SIGKILL needs no cooperation. Without psutil (installed with vLLM, the only engine
+    that starts processes) there is nothing to kill."""
+    try:
+        import psutil
+    except ImportError:
+        return
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    for child in children:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass

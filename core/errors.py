@@ -37,6 +37,12 @@ class Forbidden(ApiError):
     status, code = 403, "forbidden"
 
 
+class KeyScopeRefused(Forbidden):
+    """The key authenticated, but its scope (``core/tenants/scopes.py``) does not reach this call."""
+
+    code = "key_scope"
+
+
 class NotFound(ApiError):
     status, code = 404, "not_found"
 
@@ -55,6 +61,25 @@ class Overloaded(ApiError):
 
 class RequestTooLarge(ApiError):
     status, code = 413, "request_too_large"
+
+
+class FileQuotaExceeded(RequestTooLarge):
+    """An upload would take the tenant's stored files past its bytes or its count
+    (``core/openai/file_quotas.py``); ``details`` has what is used, the quota and this upload."""
+
+    code = "file_quota_exceeded"
+
+
+class UploadRateLimited(RateLimited):
+    """More ``POST /v1/files`` calls this minute than the tenant's ``uploads_per_minute``."""
+
+    code = "upload_rate_limited"
+
+
+class TooManyUploads(RateLimited):
+    """As many upload bodies of the tenant as it may spool at once are being spooled by this web process."""
+
+    code = "too_many_uploads"
 
 
 class BudgetExhausted(ApiError):

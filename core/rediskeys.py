@@ -75,6 +75,11 @@ def webhook_actions_key(tenant_id: str) -> str:
     return TENANT_LIMIT_PREFIX + tenant_id + ":webhook_actions"
 
 
+def uploads_key(tenant_id: str) -> str:
+    """A tenant's POST /v1/files calls in the current minute (a counter, core/openai/file_quotas.py)."""
+    return TENANT_LIMIT_PREFIX + tenant_id + ":uploads"
+
+
 def inflight_key(tenant_id: str) -> str:
     """Sorted set of a tenant's admitted, unfinished request ids, scored by admission time (ms)."""
     return TENANT_LIMIT_PREFIX + tenant_id + INFLIGHT_SUFFIX

@@ -18,6 +18,7 @@ from typing import Any
 
 from core.registry import ModelSpec, Registry, RegistryError, parse_registry
 from core.ssrf import AllowList
+from core.tenants.file_quotas import DEFAULT_FILE_QUOTAS, FileQuotas, parse_file_quotas
 from core.tenants.tiers import Limits, TierError, parse_tiers
 from core.usage.prices import Price, parse_prices, price, price_for
 
@@ -278,6 +279,14 @@ class Settings:
         "Tenant tiers, comma-separated: name=tokens_per_minute/requests_per_minute/max_concurrent/"
         "max_request_tokens.")
     default_tier: str = _field("SLUICE_DEFAULT_TIER", "standard", "Tier of tenants that have none set.")
+    file_quotas_spec: str = _field(
+        "SLUICE_FILE_QUOTAS", DEFAULT_FILE_QUOTAS,
+        "File quotas per tier of SLUICE_TIERS, comma-separated: name=stored_bytes/files/uploads_per_minute/"
+        "concurrent_uploads. Stored bytes and files: what a tenant keeps in /v1/files (413 file_quota_exceeded "
+        "past it); uploads per minute: POST /v1/files calls (429 upload_rate_limited); concurrent uploads: bodies "
+        "(/v1/files and /v1/jobs) one web process spools for the tenant at once (429 too_many_uploads). Bytes may "
+        "end in KiB, MiB, GiB or TiB. A tier not named gets SLUICE_DEFAULT_TIER's quotas, else the shipped "
+        "standard ones.")
     platform_tokens_per_minute: int = _field(
         "SLUICE_PLATFORM_TOKENS_PER_MINUTE", 10_000_000,
         "Global gate: tokens the whole platform admits per minute; 0 = no platform cap.")
@@ -519,6 +528,14 @@ class Settings:
             raise SettingsError(f"SLUICE_DEFAULT_TIER {self.default_tier!r} is not one of SLUICE_TIERS "
                                 f"({', '.join(tiers)})")
         try:
+            file_quotas = self.file_quotas
+        except TierError as exc:
+            raise SettingsError(f"SLUICE_FILE_QUOTAS: {exc}") from None
+        unknown = set(file_quotas) - set(tiers)
+        if unknown and self.file_quotas_spec != DEFAULT_FILE_QUOTAS:  # the shipped names may outlive a tier
+            raise SettingsError(f"SLUICE_FILE_QUOTAS names tiers SLUICE_TIERS does not have: "
+                                f"{', '.join(sorted(unknown))}")
+        try:
             self.cache_shared_tenants  # noqa: B018 - parsed once here, so a typo stops the start
         except ValueError:
             raise SettingsError("SLUICE_CACHE_SHARED_TENANTS: a comma-separated list of tenant ids (UUIDs), "
@@ -545,6 +562,10 @@ class Settings:
     @functools.cached_property
     def tiers(self) -> dict[str, Limits]:
         return parse_tiers(self.tiers_spec)
+
+    @functools.cached_property
+    def file_quotas(self) -> dict[str, FileQuotas]:
+        return parse_file_quotas(self.file_quotas_spec)
 
     @property
     def worker_threads(self) -> int:

@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 import click
 
 from core.tenants.manage import add_key, key_view, list_keys, revoke_key
+from core.tenants.scopes import SCOPES
 from launcher.tenants_cli import forget_keys, management_session, tenant_named
 from launcher.usage_cli import Moment
 
@@ -22,8 +23,8 @@ def keys() -> None:
 @click.argument("tenant")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of one line per key.")
 def list_(tenant: str, as_json: bool) -> None:
-    """List TENANT's keys, revoked ones too: id, prefix, name, owner, created, expiry, last used
-    (to the minute)."""
+    """List TENANT's keys, revoked ones too: id, prefix, scope, name, owner, created, expiry, last
+    used (to the minute)."""
     with management_session() as (session, _):
         views = list_keys(session, tenant_named(session, tenant))
     if as_json:
@@ -38,8 +39,8 @@ def list_(tenant: str, as_json: bool) -> None:
             state = "expired"
         else:
             state = "active"
-        click.echo(f"{view['id']}  {view['prefix']}  name {view['name'] or '-'}  owner {view['owner'] or '-'}  "
-                   f"created {view['created_at']}  expires {expires or 'never'}  "
+        click.echo(f"{view['id']}  {view['prefix']}  scope {view['scope']}  name {view['name'] or '-'}  "
+                   f"owner {view['owner'] or '-'}  created {view['created_at']}  expires {expires or 'never'}  "
                    f"last used {view['last_used_at'] or 'never'}  {state}")
 
 
@@ -65,12 +66,16 @@ def _text(limit: int):
 @click.option("--owner", default=None, callback=_text(200), help="Who holds it (an e-mail address, a team).")
 @click.option("--expires-at", "expires_at", type=Moment(), default=None,
               help="From then on the key is refused (401), like a revoked one (ISO 8601; UTC if no zone).")
-def create(tenant: str, name: str | None, owner: str | None, expires_at: datetime | None) -> None:
+@click.option("--scope", type=click.Choice(SCOPES), default="tenant", show_default=True,
+              help="What the key may read: tenant, everything of the tenant; own, only the requests, jobs and "
+                   "files it made (and its own usage); submit, nothing (it only submits).")
+def create(tenant: str, name: str | None, owner: str | None, expires_at: datetime | None, scope: str) -> None:
     """Create an API key for TENANT and print it. It is shown only this once."""
     if expires_at is not None and expires_at <= datetime.now(UTC):
         raise click.BadParameter("must be in the future", param_hint="--expires-at")
     with management_session() as (session, _):
-        key = add_key(session, tenant_named(session, tenant), name=name, owner=owner, expires_at=expires_at)
+        key = add_key(session, tenant_named(session, tenant), name=name, owner=owner, expires_at=expires_at,
+                      scope=scope)
     click.echo(key)
 
 

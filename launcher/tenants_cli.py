@@ -12,6 +12,7 @@ import click
 
 from core.rediskeys import bump_auth_epoch, redis_client
 from core.settings import Settings
+from core.tenants.file_quotas import QUOTA_FIELDS
 from core.tenants.manage import (
     TenantError,
     add_key,
@@ -47,7 +48,7 @@ class _LimitValue(click.ParamType):
 
 
 def _limit_options(command: Callable) -> Callable:
-    for name in reversed(LIMIT_FIELDS):
+    for name in reversed((*LIMIT_FIELDS, *QUOTA_FIELDS)):
         command = click.option(f"--{name.replace('_', '-')}", name, type=_LimitValue(), default=None,
                                help=f"Override the tier's {name.replace('_', ' ')} ('tier' removes it).")(command)
     command = click.option("--batch-weight", "batch_weight", type=click.FloatRange(0, 1000, min_open=True),
@@ -103,13 +104,18 @@ def forget_keys(settings: Settings) -> None:
 
 def _summary(view: dict[str, Any]) -> str:
     limits = view["limits"]
-    marks = {f: "*" if f in view["overrides"] else "" for f in LIMIT_FIELDS}
+    marks = {f: "*" if f in view["overrides"] else "" for f in (*LIMIT_FIELDS, *QUOTA_FIELDS)}
+    quotas = view["file_quotas"]
     return (f"{view['name']}  tier={view['tier']}{' (default)' if view['tier_is_default'] else ''}  "
             f"tokens/min={limits['tokens_per_minute']}{marks['tokens_per_minute']}  "
             f"requests/min={limits['requests_per_minute']}{marks['requests_per_minute']}  "
             f"concurrent={limits['max_concurrent']}{marks['max_concurrent']}  "
             f"max_request_tokens={limits['max_request_tokens']}{marks['max_request_tokens']}  "
-            f"batch_weight={view['batch_weight']:g}")
+            f"batch_weight={view['batch_weight']:g}  "
+            f"file_bytes={quotas['max_stored_bytes']}{marks['max_stored_bytes']}  "
+            f"files={quotas['max_files']}{marks['max_files']}  "
+            f"uploads/min={quotas['uploads_per_minute']}{marks['uploads_per_minute']}  "
+            f"concurrent_uploads={quotas['max_concurrent_uploads']}{marks['max_concurrent_uploads']}")
 
 
 @click.group()

@@ -29,6 +29,9 @@ class File(Base):
 
     id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
     tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    # The key that uploaded it: a key scoped ``own`` sees only its own files. NULL: uploaded before
+    # keys were recorded on files (only the tenant's ``tenant`` keys see it) or its key was deleted.
+    api_key_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("api_keys.id", ondelete="SET NULL"))
     purpose: Mapped[str] = mapped_column(String(32))
     filename: Mapped[str] = mapped_column(Text)
     bytes: Mapped[int] = mapped_column(BigInteger, default=0)  # as uploaded, before compression

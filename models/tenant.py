@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import secrets
 import uuid
 from datetime import datetime, timedelta
 
-from sqlalchemy import CheckConstraint, ForeignKey, String, func, or_, select, update
+from sqlalchemy import BigInteger, CheckConstraint, ForeignKey, String, func, or_, select, update
 from sqlalchemy.orm import Mapped, Session, mapped_column, relationship
 
 from models.base import Base
@@ -15,6 +16,14 @@ from models.base import Base
 KEY_PREFIX = "sk-sluice-"
 # A key's last_used_at is written at most this often, so authentication stays one read.
 LAST_USED_EVERY = timedelta(seconds=60)
+
+
+class KeyScope(enum.StrEnum):
+    """What a key may read of its tenant's (the rule itself: ``core/tenants/scopes.py``)."""
+
+    TENANT = "tenant"  # everything of its tenant: every key made before scopes existed
+    OWN = "own"  # submit; read, list and cancel only what this key made
+    SUBMIT = "submit"  # submit only: no read, list, cancel or usage
 
 
 class Tenant(Base):
@@ -30,6 +39,11 @@ class Tenant(Base):
     requests_per_minute: Mapped[int | None]
     max_concurrent: Mapped[int | None]
     max_request_tokens: Mapped[int | None]
+    # File quotas: the tier's (SLUICE_FILE_QUOTAS), unless overridden here; NULL = the tier's value.
+    max_stored_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    max_files: Mapped[int | None]
+    uploads_per_minute: Mapped[int | None]
+    max_concurrent_uploads: Mapped[int | None]
     # Set: every key of the tenant is refused (403 tenant_disabled) until it is cleared.
     disabled_at: Mapped[datetime | None]
     # Its share of batch capacity for bulk jobs, against the other tenants with jobs running
@@ -46,15 +60,19 @@ class Tenant(Base):
     # Not a column: the id of the key this tenant was authenticated by in this call (set by
     # tenant_for_key), so what the call creates is that key's usage. None for an operator's lookup.
     via_key = None  # uuid.UUID | None; unannotated, so the mapper leaves it alone
+    # Not a column either: that key's scope (KeyScope's value), which says what the call may read.
+    via_scope = KeyScope.TENANT.value
 
     __table_args__ = tuple(
         CheckConstraint(f"{column} > 0", name=f"{column}_positive")
         for column in ("tokens_per_minute", "requests_per_minute", "max_concurrent", "max_request_tokens",
-                       "batch_weight"))
+                       "batch_weight", "max_stored_bytes", "max_files", "uploads_per_minute",
+                       "max_concurrent_uploads"))
 
 
 class ApiKey(Base):
     __tablename__ = "api_keys"
+    __table_args__ = (CheckConstraint("scope IN ('tenant', 'own', 'submit')", name="scope"),)
 
     id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
     tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
@@ -72,6 +90,8 @@ class ApiKey(Base):
     name: Mapped[str | None] = mapped_column(String(100))
     owner: Mapped[str | None] = mapped_column(String(200))
     expires_at: Mapped[datetime | None]
+    # What it may read (KeyScope); keys made before scopes read the whole tenant, as they always did.
+    scope: Mapped[str] = mapped_column(String(16), default=KeyScope.TENANT, server_default=KeyScope.TENANT.value)
 
     tenant: Mapped[Tenant] = relationship(back_populates="keys")
 
@@ -86,19 +106,21 @@ def new_key() -> str:
 
 def tenant_for_key(session: Session, key: str) -> Tenant | None:
     """The tenant an active (not revoked, not expired) API key belongs to, disabled or not, with
-    ``via_key`` set to the key's id; None for any other key.
+    ``via_key`` set to the key's id and ``via_scope`` to its scope; None for any other key.
 
     Stamps the key's ``last_used_at`` when the last stamp is over a minute old: the lookup itself
     says whether it is, so most calls cost this one query.
     """
     due = or_(ApiKey.last_used_at.is_(None), ApiKey.last_used_at < func.now() - LAST_USED_EVERY)
-    row = session.execute(select(Tenant, ApiKey.id, due).join(ApiKey, ApiKey.tenant_id == Tenant.id).where(
+    row = session.execute(select(Tenant, ApiKey.id, ApiKey.scope, due).join(
+        ApiKey, ApiKey.tenant_id == Tenant.id).where(
         ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None),
         or_(ApiKey.expires_at.is_(None), ApiKey.expires_at > func.now()))).first()
     if row is None:
         return None
-    tenant, key_id, stamp = row
+    tenant, key_id, scope, stamp = row
     tenant.via_key = key_id
+    tenant.via_scope = scope
     if stamp:
         # ``due`` again: of concurrent calls that all saw an old stamp, one writes it.
         session.execute(update(ApiKey).where(ApiKey.id == key_id, due).values(last_used_at=func.now()))

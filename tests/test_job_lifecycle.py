@@ -11,6 +11,7 @@ from functools import partial
 import pytest
 from sqlalchemy import func, select, update
 
+from core.tenants.scopes import Caller
 from models import ItemStatus, Job, JobItem, JobStatus, Tenant
 from models import job_lifecycle as jl
 from models.lifecycle import TransitionRefused
@@ -231,7 +232,7 @@ def test_a_job_cancelled_while_its_file_is_read_keeps_the_cancel(app, db, tenant
                 with db.session() as session:
                     job_id = session.scalar(select(Job.id).where(Job.tenant_id == tenant_id,
                                                                  Job.status == JobStatus.VALIDATING))
-                svc.jobs.cancel(tenant_id, str(job_id))
+                svc.jobs.cancel(Caller(tenant_id), str(job_id))
             return self.chunks.pop(0) if self.chunks else b""
 
     view = svc.jobs.submit(tenant, svc.jobs.params({}, tenant), CancelledMidUpload())

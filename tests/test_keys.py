@@ -52,7 +52,9 @@ def overload(app) -> None:
 def test_the_admin_api_lists_keys_with_their_last_use(admin_app):
     name, client = new_tenant(admin_app)
     [view] = keys_of(admin_app, name)
-    assert set(view) == {"id", "prefix", "name", "owner", "created_at", "expires_at", "last_used_at", "revoked_at"}
+    assert set(view) == {"id", "prefix", "name", "owner", "scope", "created_at", "expires_at", "last_used_at",
+                         "revoked_at"}
+    assert view["scope"] == "tenant"  # what a key made without a scope reads: the whole tenant
     assert client.key.startswith(view["prefix"]) and view["created_at"]
     assert view["last_used_at"] is None and view["revoked_at"] is None
 

@@ -11,6 +11,7 @@ import pytest
 from sqlalchemy import event
 
 from core.submit.listing import RequestFilter, list_requests
+from core.tenants.scopes import Caller
 from models import Priority, Status
 from web.services import services
 
@@ -91,7 +92,7 @@ def test_each_list_query_can_be_served_by_an_index(app, tenant_id, where):
 
     event.listen(db.engine, "before_cursor_execute", explain)
     try:
-        list_requests(db, tenant_id, 21, None, where)
+        list_requests(db, Caller(tenant_id), 21, None, where)
     finally:
         event.remove(db.engine, "before_cursor_execute", explain)
     assert plans and all("Seq Scan" not in plan and "Index" in plan for plan in plans), plans

@@ -8,8 +8,9 @@ Registered only when ``SLUICE_ADMIN_KEY`` is set; every call sends ``Authorizati
     GET    /admin/tenants/<tenant>      one tenant
     PATCH  /admin/tenants/<tenant>      {tier?, <limit>?, disabled?}; null resets a value to the default;
                                         disabled: true refuses every key of the tenant (403)
-    POST   /admin/tenants/<tenant>/keys a new API key → 201 {api_key} (shown once)
-    GET    /admin/tenants/<tenant>/keys {keys: [{id, prefix, created_at, last_used_at, revoked_at}]}
+    POST   /admin/tenants/<tenant>/keys {name?, owner?, expires_at?, scope?=tenant|own|submit}
+                                        a new API key → 201 {api_key (shown once), key}
+    GET    /admin/tenants/<tenant>/keys {keys: [{id, prefix, scope, created_at, last_used_at, revoked_at}]}
     DELETE /admin/tenants/<tenant>/keys/<key id>  revoke it (401 from its next call) → the key
     GET    /v1/admin/load               the load monitor's view: per class queue, drain, wait, level,
                                         steps in force, reservations and the workers paused for them
@@ -35,6 +36,7 @@ from core.broker.queues import ROLES
 from core.ids import uuid_or_404
 from core.rediskeys import bump_auth_epoch
 from core.submit.schemas import SafeString, StrictBoolean, StrictFloat, StrictInteger
+from core.tenants.file_quotas import BIGINT_MAX
 from core.tenants.manage import (
     TenantError,
     add_key,
@@ -48,6 +50,7 @@ from core.tenants.manage import (
     tenant_view,
     update_tenant,
 )
+from core.tenants.scopes import SCOPES
 from core.usage.budgets import PERIODS, UNITS
 from core.usage.report import UsageQuery
 from models import ApiKey, hash_key
@@ -77,6 +80,15 @@ class TenantLimitsSchema(Schema):
     requests_per_minute = StrictInteger(allow_none=True, validate=validate.Range(min=1, max=INT32_MAX))
     max_concurrent = StrictInteger(allow_none=True, validate=validate.Range(min=1, max=INT32_MAX))
     max_request_tokens = StrictInteger(allow_none=True, validate=validate.Range(min=1, max=INT32_MAX))
+    # File quotas (SLUICE_FILE_QUOTAS): stored bytes is a 64-bit column, the others 32-bit.
+    max_stored_bytes = StrictInteger(allow_none=True, validate=validate.Range(min=1, max=BIGINT_MAX), metadata={
+        "description": "Bytes the tenant's uploaded files may hold together (null: the tier's)."})
+    max_files = StrictInteger(allow_none=True, validate=validate.Range(min=1, max=INT32_MAX),
+                              metadata={"description": "Uploaded files the tenant may keep (null: the tier's)."})
+    uploads_per_minute = StrictInteger(allow_none=True, validate=validate.Range(min=1, max=INT32_MAX),
+                                       metadata={"description": "POST /v1/files calls per minute (null: the tier's)."})
+    max_concurrent_uploads = StrictInteger(allow_none=True, validate=validate.Range(min=1, max=INT32_MAX), metadata={
+        "description": "Upload bodies one web process spools for the tenant at once (null: the tier's)."})
     batch_weight = StrictFloat(allow_none=True, validate=validate.Range(min=0, max=1000, min_inclusive=False),
                                metadata={"description": "Share of batch capacity for bulk jobs against other "
                                                         "tenants', counted in tokens (default 1; null resets)."})
@@ -199,6 +211,10 @@ class KeyCreateSchema(Schema):
                        metadata={"description": "Who holds it (an e-mail address, a team)."})
     expires_at = fields.AwareDateTime(allow_none=True, metadata={
         "description": "From then on the key is refused (401), like a revoked one."})
+    # Checked by add_key (core/tenants/scopes.py parse_scope): 422 invalid_scope, as the CLI's check.
+    scope = fields.Raw(allow_none=True, metadata={
+        "enum": list(SCOPES), "description": "What the key may read: tenant (default) everything of the tenant, "
+                                             "own only the requests, jobs and files it made, submit nothing."})
 
 
 class BudgetSchema(Schema):

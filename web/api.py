@@ -12,7 +12,7 @@ from core.submit import idempotency, ladder, listing
 from core.submit.plan import with_patience
 from models import InferenceRequest
 from web import prefer, sse, waits
-from web.auth import authenticate, bearer_key
+from web.auth import authenticate, authenticate_caller, bearer_key
 from web.bodies import BODY_REFUSALS, json_object, large, list_page, page_limit, validated
 from web.errors import ApiError
 from web.schemas import AcceptedSchema, RequestViewSchema, SubmitRequestSchema
@@ -103,11 +103,12 @@ def poll_hint(due: float | None) -> dict[str, str]:
 
 @bp.get("/requests")
 def list_requests() -> Response:
-    """The tenant's requests, newest first: filters and cursor in core/submit/listing.py."""
+    """The tenant's requests (a key scoped ``own``: its own), newest first: filters and cursor in
+    core/submit/listing.py."""
     svc = services()
-    tenant = authenticate(svc.db, svc.recent_keys)
+    caller = authenticate_caller(svc.db, svc.recent_keys)
     limit = page_limit()
-    rows = listing.list_requests(svc.db, tenant.id, limit + 1, request.args.get("before"),
+    rows = listing.list_requests(svc.db, caller, limit + 1, request.args.get("before"),
                                  listing.RequestFilter.parse(request.args))
     return list_page(rows, limit, _view_schema.dump)
 
@@ -116,13 +117,13 @@ def list_requests() -> Response:
 def get_request(request_id: str) -> tuple[Response, int, dict[str, str]]:
     svc = services()
     with svc.db.session() as session:  # the commonest call of all: one transaction for key and row
-        tenant = authenticate(svc.db, svc.recent_keys, session)
-        row = svc.requests.get(tenant.id, request_id, session)
+        caller = authenticate_caller(svc.db, svc.recent_keys, session)
+        row = svc.requests.get(caller, request_id, session)
     waits.polled(svc, row)
     headers: dict[str, str] = {}
     wait_s = _preferred_wait(headers)
     if wait_s:
-        row = waits.until_ended(svc, tenant.id, row, wait_s)
+        row = waits.until_ended(svc, caller.tenant_id, row, wait_s)
     return jsonify(_view_schema.dump(row)), 200, headers
 
 
@@ -140,8 +141,8 @@ def _preferred_wait(headers: dict[str, str]) -> int:
 @bp.post("/requests/<request_id>/cancel")
 def cancel_request(request_id: str) -> Response:
     svc = services()
-    tenant = authenticate(svc.db, svc.recent_keys)
-    return jsonify(_view_schema.dump(svc.requests.cancel(tenant.id, request_id)))
+    caller = authenticate_caller(svc.db, svc.recent_keys)
+    return jsonify(_view_schema.dump(svc.requests.cancel(caller, request_id)))
 
 
 def spend_refused(tenant, exc: ApiError) -> None:

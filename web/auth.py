@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 
 from core.errors import Forbidden, Unauthorized
 from core.tenants.recent_keys import RecentKeys
+from core.tenants.scopes import Caller
 from models import Tenant, tenant_for_key
 from models.session import Database
 
@@ -54,6 +55,10 @@ def authenticate(db: Database, recent: RecentKeys | None = None, session: Sessio
     epoch = recent.epoch if recent is not None else None
     with db.joined(session) as lookup:
         tenant = tenant_for_key(lookup, key)
+        if tenant is not None and session is not None:
+            # Out of the caller's transaction: a 404 or 403 later in it rolls it back, which would
+            # expire the tenant that ``recent`` remembers and fail the key's next submit.
+            lookup.expunge(tenant)
     if tenant is None:
         raise Unauthorized("Invalid or revoked API key.", headers=_CHALLENGE)
     if tenant.disabled_at is not None:
@@ -62,3 +67,9 @@ def authenticate(db: Database, recent: RecentKeys | None = None, session: Sessio
     if recent is not None:
         recent.remember(key, tenant, epoch)
     return tenant
+
+
+def authenticate_caller(db: Database, recent: RecentKeys | None = None, session: Session | None = None) -> Caller:
+    """:func:`authenticate`, as the key that called: what the routes that read hand the core
+    services, which apply the key's scope (``core/tenants/scopes.py``)."""
+    return Caller.of(authenticate(db, recent, session))

@@ -2,7 +2,8 @@
 
     POST /v1/jobs?model=&summary_tokens=&instruction=&priority=&completion_window=&on_invalid=&metadata=
          body: the JSONL file itself (Content-Type: application/jsonl), streamed
-    GET  /v1/jobs                    the tenant's jobs, newest first (?limit=, ?before=<job id>)
+    GET  /v1/jobs                    the tenant's jobs, newest first (?limit=, ?before=<job id>); a key
+                                     scoped own sees its own, one scoped submit none of these reads
     GET  /v1/jobs/<id>               status, counts per item status, tokens, rate, ETA
     GET  /v1/jobs/<id>/results       JSONL of finished items in input order (partial while it runs)
     GET  /v1/jobs/<id>/errors        JSONL of invalid lines and failed items
@@ -14,11 +15,11 @@ from __future__ import annotations
 from flask import Blueprint, Response, jsonify, request, stream_with_context
 
 from core.jobs.intake import JSONL_TYPES
-from web.auth import authenticate
+from web.auth import authenticate, authenticate_caller
 from web.bodies import list_page, page_limit
 from web.errors import ApiError
 from web.services import services
-from web.uploads import spooled_body
+from web.uploads import spooled_body, upload_slot
 
 bp = Blueprint("jobs", __name__, url_prefix="/v1")
 
@@ -36,8 +37,10 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
     params = svc.jobs.params(request.args.to_dict(), tenant)
     svc.jobs.check_intake(tenant)  # refused before its body is read: rate-limited, too many jobs or items
     request.max_content_length = limit
-    # The whole file first, then the database: a slow client holds no pooled connection (web/uploads.py).
-    with spooled_body(svc.settings, limit, lambda: _too_large(f"The file is larger than {limit} bytes", limit)) \
+    # The whole file first, then the database: a slow client holds no pooled connection (web/uploads.py);
+    # one of the tenant's concurrent-upload slots held while it spools, as for /v1/files.
+    with upload_slot(svc.settings, tenant), \
+            spooled_body(svc.settings, limit, lambda: _too_large(f"The file is larger than {limit} bytes", limit)) \
             as body:
         job = svc.jobs.submit(tenant, params, body)
     return jsonify(job), 201, {"Location": f"/v1/jobs/{job['id']}"}
@@ -51,16 +54,16 @@ def _too_large(what: str, limit: int) -> ApiError:
 @bp.get("/jobs")
 def list_jobs() -> Response:
     svc = services()
-    tenant = authenticate(svc.db, svc.recent_keys)
+    caller = authenticate_caller(svc.db, svc.recent_keys)
     limit = page_limit()
-    return list_page(svc.jobs.list(tenant.id, limit + 1, request.args.get("before")), limit)
+    return list_page(svc.jobs.list(caller, limit + 1, request.args.get("before")), limit)
 
 
 @bp.get("/jobs/<job_id>")
 def get_job(job_id: str) -> Response:
     svc = services()
-    tenant = authenticate(svc.db, svc.recent_keys)
-    return jsonify(svc.jobs.get(tenant.id, job_id))
+    caller = authenticate_caller(svc.db, svc.recent_keys)
+    return jsonify(svc.jobs.get(caller, job_id))
 
 
 @bp.get("/jobs/<job_id>/results")
@@ -76,12 +79,12 @@ def job_errors(job_id: str) -> Response:
 @bp.post("/jobs/<job_id>/cancel")
 def cancel_job(job_id: str) -> Response:
     svc = services()
-    tenant = authenticate(svc.db, svc.recent_keys)
-    return jsonify(svc.jobs.cancel(tenant.id, job_id))
+    caller = authenticate_caller(svc.db, svc.recent_keys)
+    return jsonify(svc.jobs.cancel(caller, job_id))
 
 
 def _jsonl(job_id: str, errors: bool) -> Response:
     svc = services()
-    tenant = authenticate(svc.db, svc.recent_keys)
-    lines = svc.jobs.items(tenant.id, job_id, errors)
+    caller = authenticate_caller(svc.db, svc.recent_keys)
+    lines = svc.jobs.items(caller, job_id, errors)
     return Response(stream_with_context(lines), mimetype="application/jsonl")

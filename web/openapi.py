@@ -123,7 +123,7 @@ _STATUSES = "^({0})(,({0}))*$".format("|".join(("queued", "running", "succeeded"
 
 def _request_paths(spec: APISpec) -> None:
     auth_errors = {"401": _error("Missing, malformed, invalid or revoked API key."),
-                   "403": _error("The key's tenant is disabled (tenant_disabled).")}
+                   "403": _error("Tenant disabled (tenant_disabled), or the key's scope refuses it (key_scope).")}
     id_param = {"name": "request_id", "in": "path", "required": True,
                 "schema": {"type": "string", "format": "uuid"}}
     limit_headers = {f"x-ratelimit-{kind}-{unit}": {"schema": {"type": "string"}}
@@ -229,7 +229,7 @@ JOB_FILE = {"type": "array", "minItems": 1, "items": {"oneOf": [
 
 def _job_paths(spec: APISpec, settings: Settings | None) -> None:
     auth_errors = {"401": _error("Missing, malformed, invalid or revoked API key."),
-                   "403": _error("The key's tenant is disabled (tenant_disabled).")}
+                   "403": _error("Tenant disabled (tenant_disabled), or the key's scope refuses it (key_scope).")}
     job = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string", "format": "uuid"}}
     missing = {"404": _error("No such job for this key.")}
     models = [m.name for m in settings.registry.models] if settings is not None else None
@@ -272,8 +272,9 @@ def _job_paths(spec: APISpec, settings: Settings | None) -> None:
                           "413": _error("The file is over SLUICE_JOB_MAX_BYTES or SLUICE_JOB_MAX_ITEMS lines."),
                           "415": _error("The body is not sent as application/jsonl."),
                           "429": {**_error("Over the tenant's request limits (rate_limited, "
-                                           "tenant_concurrency_limit), its unfinished jobs (too_many_open_jobs) or "
-                                           "its stored lines (job_storage_full); retry after Retry-After."),
+                                           "tenant_concurrency_limit), its unfinished jobs (too_many_open_jobs), "
+                                           "its stored lines (job_storage_full) or its uploads this web process "
+                                           "receives at once (too_many_uploads); retry after Retry-After."),
                                   "headers": {"Retry-After": {"schema": {"type": "integer"}}}},
                           "422": _error("Unknown or invalid parameters; an empty file (empty_file); bad lines "
                                         "(invalid_lines, no_valid_lines: `details.lines` lists them by line "
@@ -310,7 +311,7 @@ def _job_paths(spec: APISpec, settings: Settings | None) -> None:
 
 def _webhook_paths(spec: APISpec) -> None:
     auth_errors = {"401": _error("Missing, malformed, invalid or revoked API key."),
-                   "403": _error("The key's tenant is disabled (tenant_disabled).")}
+                   "403": _error("Tenant disabled (tenant_disabled), or the key's scope refuses it (key_scope).")}
     delivery = {"name": "delivery_id", "in": "path", "required": True, "schema": {"type": "string", "format": "uuid"}}
     missing = {"404": _error("No such delivery for this key.")}
     limited = {"429": {**_error("More than SLUICE_WEBHOOK_ACTIONS_PER_MINUTE redeliveries and rotations in a "
@@ -384,7 +385,7 @@ def usage_answers(description: str) -> dict:
 
 def _usage_paths(spec: APISpec) -> None:
     auth_errors = {"401": _error("Missing, malformed, invalid or revoked API key."),
-                   "403": _error("The key's tenant is disabled (tenant_disabled).")}
+                   "403": _error("Tenant disabled (tenant_disabled), or the key's scope refuses it (key_scope).")}
     spec.path(path="/v1/usage", operations={"get": {
         "summary": "The tenant's usage and cost in hourly or daily buckets, grouped as asked (CSV too)",
         "security": [{"bearer": []}], "parameters": usage_query(("model", "priority", "key", "source")),
@@ -519,13 +520,14 @@ def _admin_paths(spec: APISpec) -> None:
             "type": "object", "properties": {"id": {"type": "string"}, "deleted": {"type": "boolean"}}}}}},
             **denied, "404": _error("No such budget.")}}})
     spec.path(path="/admin/tenants/{tenant_ref}/keys", operations={
-        "post": {**admin, "summary": "A new API key for a tenant (shown once), with an optional name, owner "
-                                     "and expiry", "parameters": [tenant],
+        "post": {**admin, "summary": "A new API key for a tenant (shown once), with an optional name, owner, "
+                                     "expiry and scope", "parameters": [tenant],
                  "requestBody": {"required": False, "content": {"application/json": {"schema": "KeyCreate"}}},
                  "responses": {"201": {"description": "The key.", "content": {"application/json": {"schema": {
                      "type": "object", "properties": {"tenant": {"type": "string"}, "api_key": {"type": "string"},
                                                       "key": "KeyView"}}}}},
-                     **denied, "404": _error("No such tenant."), "422": _error("Invalid fields (invalid_request).")}},
+                     **denied, "404": _error("No such tenant."),
+                     "422": _error("Invalid fields (invalid_request), or an unknown scope (invalid_scope).")}},
         "get": {**admin, "summary": "A tenant's API keys, revoked ones too: prefixes, never the keys",
                 "parameters": [tenant],
                 "responses": {"200": {"description": "The keys.", "content": {"application/json": {"schema": {

@@ -122,6 +122,13 @@ class LimitsSchema(Schema):
     max_request_tokens = fields.Integer()
 
 
+class FileQuotasSchema(Schema):
+    max_stored_bytes = fields.Integer()
+    max_files = fields.Integer()
+    uploads_per_minute = fields.Integer()
+    max_concurrent_uploads = fields.Integer()
+
+
 class TenantViewSchema(Schema):
     """A tenant as the admin API shows it (``core.tenants.manage.tenant_view``)."""
 
@@ -132,6 +139,8 @@ class TenantViewSchema(Schema):
     overrides = fields.Dict(keys=fields.String(), values=fields.Integer(),
                             metadata={"description": "The limits this tenant sets itself, over its tier's."})
     limits = fields.Nested(LimitsSchema, metadata={"description": "Effective limits: tier plus overrides."})
+    file_quotas = fields.Nested(FileQuotasSchema, metadata={
+        "description": "Effective file quotas: the tier's (SLUICE_FILE_QUOTAS) plus overrides."})
     created_at = fields.DateTime(allow_none=True)
     batch_weight = fields.Float(metadata={"description": "Share of batch capacity for bulk jobs (tokens)."})
     disabled = fields.Boolean(metadata={"description": "Every key of the tenant gets 403 tenant_disabled."})
@@ -147,6 +156,9 @@ class KeyViewSchema(Schema):
     prefix = fields.String(metadata={"description": "The key's first characters, to tell keys apart."})
     name = fields.String(allow_none=True, metadata={"description": "What the key is for."})
     owner = fields.String(allow_none=True, metadata={"description": "Who holds it."})
+    scope = fields.String(metadata={"enum": ["tenant", "own", "submit"], "description":
+                                    "What it may read: tenant everything of the tenant, own only the requests, "
+                                    "jobs and files it made, submit nothing."})
     created_at = fields.DateTime()
     expires_at = fields.DateTime(allow_none=True, metadata={"description": "Refused from then on (401)."})
     last_used_at = fields.DateTime(allow_none=True, metadata={"description": "Stamped at most once a minute."})

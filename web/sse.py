@@ -26,6 +26,7 @@ from flask import Response, stream_with_context
 
 from core.delivery import streams
 from core.submit.schemas import RequestViewSchema, worker_tag
+from core.tenants.scopes import Caller
 from models import InferenceRequest
 from models.request import Status
 from web.services import Services
@@ -84,7 +85,7 @@ def relay(svc: Services, row: InferenceRequest) -> Iterator[tuple[str, Any]]:
     ended_at: float | None = None
     try:
         with svc.waiters.watch(rid) as watch:
-            row = svc.requests.get(row.tenant_id, rid)
+            row = svc.requests.get(Caller(row.tenant_id), rid)
             while time.monotonic() - began < settings.stream_max_s:
                 if not started and row.started_at is not None:
                     started = True
@@ -115,11 +116,11 @@ def relay(svc: Services, row: InferenceRequest) -> Iterator[tuple[str, Any]]:
                     abandon(svc, row, "stream")
                     return
                 if moved:
-                    row = svc.requests.get(row.tenant_id, rid)
+                    row = svc.requests.get(Caller(row.tenant_id), rid)
                 if time.monotonic() - last_sent >= settings.stream_idle_ping_s:
                     last_sent = time.monotonic()
                     yield "ping", None
-            row = svc.requests.get(row.tenant_id, rid)
+            row = svc.requests.get(Caller(row.tenant_id), rid)
         text = row.output_text or ""
         if text.startswith(streamed) and len(text) > len(streamed):
             yield "token", (text[len(streamed):], row.output_tokens or 0)

@@ -12,6 +12,13 @@ temporary file for ever, so the body must keep arriving: a client that sends not
 ``SLUICE_UPLOAD_STALL_S``, or falls behind ``SLUICE_UPLOAD_MIN_BYTES_PER_S`` on average after
 that grace, is cut off with 408 ``body_timeout`` (a watchdog shuts the socket's read side, so a
 read blocked in the server returns). Under Flask's test client there is no socket and no watchdog.
+
+Each spool takes the web host's disk (up to ``SLUICE_JOB_MAX_BYTES``), so a tenant may have only
+its ``max_concurrent_uploads`` (``SLUICE_FILE_QUOTAS``) spooling in one web process at once
+(``upload_slot``; job and file uploads alike): one more is refused with 429 ``too_many_uploads``
+before a byte of it is read. The count is the process's own, kept in memory under a lock (a
+gevent lock once gunicorn's gevent worker has patched ``threading``): it guards this host's disk,
+which no other process's count would say anything about.
 """
 
 from __future__ import annotations
@@ -21,13 +28,16 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from typing import IO
+import uuid
+from collections.abc import Callable, Iterator
+from typing import IO, Any
 
-from flask import request
+from flask import current_app, request
 from werkzeug.exceptions import ClientDisconnected, RequestEntityTooLarge
 
-from core.errors import ApiError
+from core.errors import ApiError, TooManyUploads
+from core.observe import submit_metrics as metrics
+from core.openai.file_quotas import tenant_file_quotas
 from core.settings import Settings
 
 # Bodies up to this size stay in memory; larger ones go to a temporary file.
@@ -35,6 +45,9 @@ SPOOL_MEMORY_BYTES = 1 << 20
 CHUNK_BYTES = 1 << 16
 # How often the watchdog looks at the upload's progress.
 WATCH_S = 0.5
+# Retry-After of too_many_uploads: a spool ends when its upload is stored or cut off, which this
+# process cannot foresee; a few seconds, so a client polling for a free slot stays cheap.
+SLOT_RETRY_S = 5
 
 
 class BodyTimeout(ApiError):
@@ -59,6 +72,48 @@ class _Progress:
         """Nothing for ``stall_s``, or slower on average than ``min_rate`` after that grace."""
         behind = self.min_rate > 0 and now > self.began + self.stall_s + self.received / self.min_rate
         return now - self.last > self.stall_s or behind
+
+
+class SpoolSlots:
+    """Upload bodies this web process is spooling, per tenant."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[uuid.UUID, int] = {}
+
+    def take(self, tenant_id: uuid.UUID, limit: int) -> None:
+        """One more of the tenant's, or 429 ``too_many_uploads`` when it has ``limit`` already."""
+        with self._lock:
+            held = self._held.get(tenant_id, 0)
+            if held < limit:
+                self._held[tenant_id] = held + 1
+                return
+        metrics.REJECTIONS.labels(gate="files", reason="max_concurrent_uploads").inc()
+        raise TooManyUploads(
+            f"Too many uploads at once: {held} of yours are being received by this server, your limit of {limit} "
+            f"at a time; retry after one ends (Retry-After {SLOT_RETRY_S} s).",
+            headers={"Retry-After": str(SLOT_RETRY_S)},
+            details={"quota": "max_concurrent_uploads", "used": held, "limit": limit, "retry_after_s": SLOT_RETRY_S})
+
+    def give(self, tenant_id: uuid.UUID) -> None:
+        with self._lock:
+            left = self._held[tenant_id] - 1
+            if left:
+                self._held[tenant_id] = left
+            else:
+                del self._held[tenant_id]  # idle tenants cost nothing
+
+
+@contextlib.contextmanager
+def upload_slot(settings: Settings, tenant: Any) -> Iterator[None]:
+    """Hold one of the tenant's concurrent-upload slots in this process while the block runs:
+    around the spool and what reads it, since the spool's disk is held until the block ends."""
+    slots: SpoolSlots = current_app.extensions.setdefault("sluice.spool_slots", SpoolSlots())
+    slots.take(tenant.id, tenant_file_quotas(settings, tenant).max_concurrent_uploads)
+    try:
+        yield
+    finally:
+        slots.give(tenant.id)
 
 
 def spooled_body(settings: Settings, limit: int, too_large: Callable[[], ApiError]) -> IO[bytes]:

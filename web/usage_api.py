@@ -4,15 +4,19 @@
                        ?group_by=model,priority,key,source, ?format=csv or Accept: text/csv)
     GET /v1/budgets    the tenant's budgets and its keys': used, left, when each resets
 
+A key scoped ``own`` sees its own usage and its own budgets; one scoped ``submit`` neither (403).
+
 The operator's report across tenants is ``GET /v1/admin/usage`` (``web/admin.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from flask import Blueprint, Response, jsonify, request
 
 from core.usage.report import UsageQuery, as_csv, usage
-from web.auth import authenticate
+from web.auth import authenticate_caller
 from web.services import services
 
 bp = Blueprint("usage", __name__, url_prefix="/v1")
@@ -32,12 +36,13 @@ def report_response(query: UsageQuery) -> Response:
 @bp.get("/usage")
 def get_usage() -> Response:
     svc = services()
-    tenant = authenticate(svc.db, svc.recent_keys)
-    return report_response(UsageQuery.parse(request.args, tenant.id))
+    caller = authenticate_caller(svc.db, svc.recent_keys).reads("usage")
+    query = UsageQuery.parse(request.args, caller.tenant_id)
+    return report_response(dataclasses.replace(query, api_key_id=caller.only_key))
 
 
 @bp.get("/budgets")
 def list_budgets() -> Response:
     svc = services()
-    tenant = authenticate(svc.db, svc.recent_keys)
-    return jsonify({"object": "list", "data": svc.budgets.views(tenant.id, svc.redis)})
+    caller = authenticate_caller(svc.db, svc.recent_keys).reads("budgets")
+    return jsonify({"object": "list", "data": svc.budgets.views(caller.tenant_id, svc.redis, caller.only_key)})

@@ -9,6 +9,8 @@
                                                    (409 rotation_in_progress until that ends)
 
 Redeliveries and rotations share a per-tenant limit, SLUICE_WEBHOOK_ACTIONS_PER_MINUTE (429).
+The tenant's webhooks are the whole tenant's: every route here takes a key scoped ``tenant`` (a
+key scoped ``own`` or ``submit`` gets 403 ``key_scope``, ``core/tenants/scopes.py``).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from marshmallow import Schema, fields
 
 from core.ids import uuid_or_404
 from core.submit.schemas import SafeString
+from core.tenants.scopes import Caller
 from models import Delivery, DeliveryStatus
-from web.auth import authenticate
+from web.auth import authenticate_caller
 from web.bodies import list_page, whole_number
 from web.errors import InvalidRequest
 from web.services import services
@@ -82,7 +85,7 @@ def view(row: Delivery) -> dict:
 @bp.get("/deliveries")
 def list_deliveries() -> Response:
     svc = services()
-    tenant = authenticate(svc.db, svc.recent_keys)
+    caller = _tenant_key(svc)
     args, problems = request.args, {}
     limit = whole_number(args.get("limit", "20"), 1, 100)
     if limit is None:
@@ -93,7 +96,7 @@ def list_deliveries() -> Response:
         problems["status"] = [f"One of {', '.join(s.value for s in DeliveryStatus)}."]
     if problems:
         raise InvalidRequest("Invalid query parameters; see details.", details=problems)
-    rows = svc.webhooks.list(tenant.id, limit + 1, request_id=ids["request_id"], job_id=ids["job_id"],
+    rows = svc.webhooks.list(caller.tenant_id, limit + 1, request_id=ids["request_id"], job_id=ids["job_id"],
                              status=DeliveryStatus(status) if status else None, before=ids["before"])
     return list_page(rows, limit, view)
 
@@ -101,23 +104,28 @@ def list_deliveries() -> Response:
 @bp.get("/deliveries/<delivery_id>")
 def get_delivery(delivery_id: str) -> Response:
     svc = services()
-    tenant = authenticate(svc.db, svc.recent_keys)
-    return jsonify(view(svc.webhooks.get(tenant.id, _path_id(delivery_id))))
+    caller = _tenant_key(svc)
+    return jsonify(view(svc.webhooks.get(caller.tenant_id, _path_id(delivery_id))))
 
 
 @bp.post("/deliveries/<delivery_id>/redeliver")
 def redeliver(delivery_id: str) -> tuple[Response, int]:
     svc = services()
-    tenant = authenticate(svc.db, svc.recent_keys)
-    return jsonify(view(svc.webhooks.redeliver(tenant.id, _path_id(delivery_id)))), 202
+    caller = _tenant_key(svc)
+    return jsonify(view(svc.webhooks.redeliver(caller.tenant_id, _path_id(delivery_id)))), 202
 
 
 @bp.post("/secret/rotate")
 def rotate_secret() -> tuple[Response, int]:
     svc = services()
-    tenant = authenticate(svc.db, svc.recent_keys)
-    secret, previous_until = svc.webhooks.rotate(tenant.id)
+    caller = _tenant_key(svc)
+    secret, previous_until = svc.webhooks.rotate(caller.tenant_id)
     return jsonify(SecretSchema().dump({"secret": secret, "previous_valid_until": previous_until})), 201
+
+
+def _tenant_key(svc) -> Caller:
+    """The caller, when its key is scoped ``tenant``: webhooks are the whole tenant's."""
+    return authenticate_caller(svc.db, svc.recent_keys).whole_tenant("webhook deliveries and the signing secret")
 
 
 def _uuid(raw: str | None, name: str, problems: dict[str, list[str]]) -> uuid.UUID | None:

@@ -38,6 +38,7 @@ from core import ssrf
 from core.broker.queues import DELIVER_TASK, WEBHOOKS_QUEUE, queue_length
 from core.services import Services
 from core.settings import Settings
+from core.tenants.scopes import Caller
 from models import Delivery, DeliveryStatus, JobStatus, Tenant, delivery_lifecycle
 from workers.celery_app import SluiceTask
 
@@ -185,7 +186,7 @@ def _job_events(svc: Services) -> int:
                and (e == "started" or ended)]
         if not due and ("progress" not in wanted or ended or not job.progress_due):
             continue
-        view = svc.jobs.get(job.tenant_id, str(job.id))
+        view = svc.jobs.get(Caller(job.tenant_id), str(job.id))
         view.pop("feeder", None)
         if "progress" in wanted and not ended and job.progress_due and view["done"] != (job.progress_done or 0):
             due.append("progress")

@@ -19,6 +19,7 @@ from core.errors import ApiError
 from core.observe.submit_metrics import ABANDONED
 from core.rediskeys import ABANDON_KEY
 from core.services import Services
+from core.tenants.scopes import Caller
 from models import InferenceRequest
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ def until_ended(svc: Services, tenant_id: uuid.UUID, row: InferenceRequest, wait
     until = time.monotonic() + wait_s
     polled(svc, row, present_for_s=wait_s)  # a waiting client is here: no abandonment while it waits
     with svc.waiters.watch(rid) as watch:
-        row = svc.requests.get(tenant_id, rid)  # read after the watch began: no move slips between
+        row = svc.requests.get(Caller(tenant_id), rid)  # read after the watch began: no move slips between
         while not row.status.terminal:
             left = until - time.monotonic()
             if left <= 0:
@@ -55,7 +56,7 @@ def until_ended(svc: Services, tenant_id: uuid.UUID, row: InferenceRequest, wait
                 abandon(svc, row, "wait")
                 break
             if moved:
-                row = svc.requests.get(tenant_id, rid)
+                row = svc.requests.get(Caller(tenant_id), rid)
     polled(svc, row)
     return row
 
@@ -65,7 +66,7 @@ def abandon(svc: Services, row: InferenceRequest, how: str) -> None:
     if row.params.get("detach"):
         return
     try:
-        svc.requests.cancel(row.tenant_id, str(row.id))
+        svc.requests.cancel(Caller(row.tenant_id), str(row.id))
     except ApiError:  # it ended meanwhile (or is gone): nothing left to stop
         return
     ABANDONED.labels(how).inc()
@@ -102,7 +103,7 @@ def abandon_idle_pollers(svc: Services, limit: int = 1000) -> int:
     for member in due:
         rid, tenant_id = member.split(" ", 1)
         try:
-            row = svc.requests.get(uuid.UUID(tenant_id), rid)
+            row = svc.requests.get(Caller(uuid.UUID(tenant_id)), rid)
         except ApiError:
             continue
         if not row.status.terminal:

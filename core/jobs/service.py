@@ -26,6 +26,7 @@ from core.rediskeys import FEEDER_STATE_KEY
 from core.settings import Settings
 from core.submit.embeddings import shown, vectors
 from core.submit.service import RequestService
+from core.tenants.scopes import Caller
 from models import InferenceRequest, Tenant, job_lifecycle
 from models.job import ItemStatus, Job, JobItem, JobStatus
 from models.lifecycle import TransitionRefused
@@ -60,20 +61,22 @@ class JobService:
 
     def submit(self, tenant: Tenant, params: JobParams, stream: IO[bytes]) -> dict[str, Any]:
         """Create a job from an upload (refused with nothing kept, or admitted); its view."""
-        return self.get(tenant.id, str(intake.submit(self.settings, self.db, tenant, params, stream)))
+        return self.get(Caller(tenant.id), str(intake.submit(self.settings, self.db, tenant, params, stream)))
 
     # ------------------------------------------------------------------ read
 
-    def job(self, tenant_id: uuid.UUID, job_id: str) -> Job:
+    def job(self, caller: Caller, job_id: str) -> Job:
+        """A job ``caller`` sees (a key scoped ``own``: one it submitted), or 404."""
+        visible = caller.sees(Job.tenant_id, Job.api_key_id, "jobs")
         jid = _parse_id(job_id)
         with self.db.session() as session:
-            job = session.scalar(select(Job).where(Job.id == jid, Job.tenant_id == tenant_id))
+            job = session.scalar(select(Job).where(Job.id == jid, visible))
         if job is None:
-            raise NotFound(f"No job {job_id} for this API key.")
+            raise caller.missing("job", job_id)
         return job
 
-    def get(self, tenant_id: uuid.UUID, job_id: str) -> dict[str, Any]:
-        job = self.job(tenant_id, job_id)
+    def get(self, caller: Caller, job_id: str) -> dict[str, Any]:
+        job = self.job(caller, job_id)
         return {**view(job, self._progress([job.id])[job.id]), "feeder": self.feeder()}
 
     def feeder(self) -> dict[str, Any]:
@@ -87,10 +90,12 @@ class JobService:
         return {"running": True, "paused": state.get("paused") or None,
                 "in_flight": int(state.get("in_flight", 0)), "capacity": int(state.get("capacity", 0))}
 
-    def list(self, tenant_id: uuid.UUID, limit: int, before: str | None) -> list[dict[str, Any]]:
-        query = select(Job).where(Job.tenant_id == tenant_id).order_by(Job.created_at.desc()).limit(limit)
+    def list(self, caller: Caller, limit: int, before: str | None) -> list[dict[str, Any]]:
+        """The jobs ``caller`` sees, newest first; ``before``: those older than that job."""
+        visible = caller.sees(Job.tenant_id, Job.api_key_id, "jobs")
+        query = select(Job).where(visible).order_by(Job.created_at.desc()).limit(limit)
         if before:
-            anchor = self.job(tenant_id, before)
+            anchor = self.job(caller, before)
             query = query.where(Job.created_at < anchor.created_at)
         with self.db.session() as session:
             jobs = session.scalars(query).all()
@@ -121,10 +126,10 @@ class JobService:
                 one["span"] = max(one["span"], float(since or 0))
         return progress
 
-    def items(self, tenant_id: uuid.UUID, job_id: str, errors: bool) -> Iterator[bytes]:
+    def items(self, caller: Caller, job_id: str, errors: bool) -> Iterator[bytes]:
         """JSONL of the job's finished items in input order (``errors``: invalid and failed lines),
         read through a server-side cursor: a million results stream without being held."""
-        job = self.job(tenant_id, job_id)
+        job = self.job(caller, job_id)
         statuses = (ItemStatus.INVALID, ItemStatus.FAILED) if errors else (
             ItemStatus.SUCCEEDED, ItemStatus.FAILED, ItemStatus.CANCELLED, ItemStatus.EXPIRED)
         # An OpenAI line's one request (a document's stages are several; none has these): every
@@ -155,22 +160,23 @@ class JobService:
 
     # ------------------------------------------------------------------ cancel
 
-    def cancel(self, tenant_id: uuid.UUID, job_id: str) -> dict[str, Any]:
-        """Stop feeding, cancel the requests in flight, keep what finished."""
+    def cancel(self, caller: Caller, job_id: str) -> dict[str, Any]:
+        """Stop feeding, cancel the requests in flight, keep what finished (a job ``caller`` sees)."""
+        visible = caller.sees(Job.tenant_id, Job.api_key_id, "jobs")
         jid = _parse_id(job_id)
         with self.db.session() as session:
-            job = session.scalar(select(Job).where(Job.id == jid, Job.tenant_id == tenant_id).with_for_update())
+            job = session.scalar(select(Job).where(Job.id == jid, visible).with_for_update())
             if job is None:
-                raise NotFound(f"No job {job_id} for this API key.")
+                raise caller.missing("job", job_id)
             if job.status.terminal:
                 raise Conflict(f"Job is already {job.status.value}; nothing to cancel.", code="not_cancellable")
             in_flight: list[uuid.UUID] = []
             if job_lifecycle.request_cancel(session, jid):  # else it was cancelling already
                 in_flight = stop_items(session, jid, ItemStatus.CANCELLED, "cancelled",
                                        "The job was cancelled before it ran.")
-        cancel_requests(self.requests, tenant_id, in_flight)
+        cancel_requests(self.requests, caller.tenant_id, in_flight)
         log.info("job cancel requested: %d requests in flight cancelled", len(in_flight))
-        return self.get(tenant_id, job_id)
+        return self.get(caller, job_id)
 
 
 def stop_items(session, job_id: uuid.UUID, status: ItemStatus, code: str, message: str) -> list[uuid.UUID]:
@@ -185,7 +191,7 @@ def cancel_requests(requests: RequestService, tenant_id: uuid.UUID, ids: list[uu
     """Cancel each request that is still queued or running (a missing or finished one is skipped)."""
     for rid in ids:
         try:
-            requests.cancel(tenant_id, str(rid))
+            requests.cancel(Caller(tenant_id), str(rid))
         except (NotFound, Conflict, TransitionRefused):
             pass
 

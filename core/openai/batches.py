@@ -30,6 +30,7 @@ from core.jobs.service import JobService
 from core.openai.files import ChunkReader, FileStore, parse_id, unix
 from core.openai.shapes import CHAT_URL, EMBEDDINGS_URL, URLS, choices, embedding_list, token_usage
 from core.submit.embeddings import shown, vectors
+from core.tenants.scopes import Caller
 from models import Batch, InferenceRequest, ItemStatus, Job, JobItem, JobStatus, Tenant
 from models.request import storable
 from models.session import Database
@@ -71,7 +72,7 @@ class BatchService:
         kind, file_id = parse_id(body["input_file_id"])
         if kind is not None:  # a batch's results are no batch's input
             raise NotFound(f"No uploaded file {body['input_file_id']} for this API key.", code="file_not_found")
-        file = self.files.get(tenant.id, file_id, body["input_file_id"])
+        file = self.files.get(Caller.of(tenant), file_id, body["input_file_id"], to_use=True)
         args = {"completion_window": "24h", "on_invalid": "skip"}
         if metadata:
             args["metadata"] = json.dumps(metadata)
@@ -80,32 +81,33 @@ class BatchService:
         job = self.jobs.submit(tenant, params, ChunkReader(self.files.chunks(file.id)))
         with self.db.session() as session:
             session.add(Batch(job_id=uuid.UUID(job["id"]), input_file_id=file.id, endpoint=body["endpoint"]))
-        return self.get(tenant.id, f"batch_{uuid.UUID(job['id']).hex}")
+        return self.get(Caller(tenant.id), f"batch_{uuid.UUID(job['id']).hex}")  # the submit's own answer
 
-    def get(self, tenant_id: uuid.UUID, batch_id: str) -> dict[str, Any]:
-        job, batch = self._find(tenant_id, batch_id)
+    def get(self, caller: Caller, batch_id: str) -> dict[str, Any]:
+        job, batch = self._find(caller, batch_id)
         return view(job, batch, self._counts([job.id])[job.id])
 
-    def list(self, tenant_id: uuid.UUID, limit: int, after: str | None) -> list[dict[str, Any]]:
-        """The tenant's batches, newest first; ``after``: those older than that batch (OpenAI's cursor)."""
-        query = (select(Job, Batch).join(Batch, Batch.job_id == Job.id).where(Job.tenant_id == tenant_id)
+    def list(self, caller: Caller, limit: int, after: str | None) -> list[dict[str, Any]]:
+        """The batches ``caller`` sees, newest first; ``after``: those older than that batch (OpenAI's cursor)."""
+        visible = caller.sees(Job.tenant_id, Job.api_key_id, "batches")
+        query = (select(Job, Batch).join(Batch, Batch.job_id == Job.id).where(visible)
                  .order_by(Job.created_at.desc(), Job.id.desc()).limit(limit))
         if after:
-            anchor, _ = self._find(tenant_id, after)
+            anchor, _ = self._find(caller, after)
             query = query.where(tuple_(Job.created_at, Job.id) < tuple_(anchor.created_at, anchor.id))
         with self.db.session() as session:
             rows = session.execute(query).all()
         counts = self._counts([job.id for job, _ in rows])
         return [view(job, batch, counts[job.id]) for job, batch in rows]
 
-    def cancel(self, tenant_id: uuid.UUID, batch_id: str) -> dict[str, Any]:
-        job, _ = self._find(tenant_id, batch_id)
-        self.jobs.cancel(tenant_id, str(job.id))
-        return self.get(tenant_id, batch_id)
+    def cancel(self, caller: Caller, batch_id: str) -> dict[str, Any]:
+        job, _ = self._find(caller, batch_id)
+        self.jobs.cancel(caller, str(job.id))
+        return self.get(caller, batch_id)
 
-    def output(self, tenant_id: uuid.UUID, job_id: uuid.UUID, errors: bool) -> Iterator[bytes]:
+    def output(self, caller: Caller, job_id: uuid.UUID, errors: bool) -> Iterator[bytes]:
         """One OpenAI batch output line per finished item, in input order, through a server-side cursor."""
-        job, batch = self._results_of(tenant_id, job_id, errors)
+        job, batch = self._results_of(caller, job_id, errors)
         statuses = ERRORS if errors else (ItemStatus.SUCCEEDED,)
         request_id = JobItem.requests[1]
         query = (select(JobItem.line, JobItem.custom_id, JobItem.result, JobItem.finish_reason, JobItem.input_tokens,
@@ -134,30 +136,32 @@ class BatchService:
 
         return generate()
 
-    def output_file(self, tenant_id: uuid.UUID, job_id: uuid.UUID, errors: bool) -> dict[str, Any]:
+    def output_file(self, caller: Caller, job_id: uuid.UUID, errors: bool) -> dict[str, Any]:
         """The file object of a batch's output or error file; its size is known only by writing it."""
-        job, _ = self._results_of(tenant_id, job_id, errors)
+        job, _ = self._results_of(caller, job_id, errors)
         kind = "err" if errors else "out"
         return {"id": f"file-{kind}-{job.id.hex}", "object": "file", "bytes": None,
                 "created_at": unix(job.finished_at or job.created_at),
                 "filename": f"batch_{job.id.hex}_{'error' if errors else 'output'}.jsonl", "purpose": "batch_output",
                 "status": "processed", "expires_at": None, "status_details": None}
 
-    def _find(self, tenant_id: uuid.UUID, batch_id: str) -> tuple[Job, Batch]:
+    def _find(self, caller: Caller, batch_id: str) -> tuple[Job, Batch]:
+        """A batch ``caller`` sees (a key scoped ``own``: one it created), or 404."""
+        visible = caller.sees(Job.tenant_id, Job.api_key_id, "batches")
         job_id = parse_batch_id(batch_id)
         with self.db.session() as session:
             row = session.execute(select(Job, Batch).join(Batch, Batch.job_id == Job.id)
-                                  .where(Job.id == job_id, Job.tenant_id == tenant_id)).first()
+                                  .where(Job.id == job_id, visible)).first()
         if row is None:
-            raise NotFound(f"No batch {batch_id} for this API key.", code="batch_not_found")
+            raise caller.missing("batch", batch_id, code="batch_not_found", plural="batches")
         return row.Job, row.Batch
 
-    def _results_of(self, tenant_id: uuid.UUID, job_id: uuid.UUID, errors: bool) -> tuple[Job, Batch]:
+    def _results_of(self, caller: Caller, job_id: uuid.UUID, errors: bool) -> tuple[Job, Batch]:
         try:
-            return self._find(tenant_id, f"batch_{job_id.hex}")
+            return self._find(caller, f"batch_{job_id.hex}")
         except NotFound:
             shown = f"file-{'err' if errors else 'out'}-{job_id.hex}"
-            raise NotFound(f"No file {shown} for this API key.", code="file_not_found") from None
+            raise caller.missing("file", shown, code="file_not_found") from None
 
     def _counts(self, job_ids: list[uuid.UUID]) -> dict[uuid.UUID, dict[str, int]]:
         """Items per status of each job, and the tokens its items spent (``input_tokens``,

@@ -25,6 +25,8 @@ from werkzeug.sansio.multipart import File as FilePart
 
 from core.errors import ApiError, InvalidRequest, NotFound
 from core.ids import uuid_or_404
+from core.openai.file_quotas import UploadQuota
+from core.tenants.scopes import Caller
 from models import File, FileChunk, Tenant
 from models.file import CHUNK_BYTES
 from models.request import storable
@@ -57,11 +59,13 @@ class FileStore:
         self.db = db
         self.max_bytes = max_bytes  # SLUICE_JOB_MAX_BYTES: a file is worth storing only if a job takes it
 
-    def upload(self, tenant: Tenant, stream: IO[bytes], boundary: bytes) -> File:
-        """Store the ``file`` part of a multipart form whose ``purpose`` is ``batch``, as it streams in."""
+    def upload(self, tenant: Tenant, stream: IO[bytes], boundary: bytes, quota: UploadQuota | None = None) -> File:
+        """Store the ``file`` part of a multipart form whose ``purpose`` is ``batch``, as it streams in;
+        ``quota``: the tenant's stored bytes and file count, checked as it grows and, exactly, before
+        it commits (``core/openai/file_quotas.py``)."""
         # No memory limit in the decoder: it would cap a file sent as a plain field; fields are capped below.
         decoder = MultipartDecoder(boundary, max_parts=16)
-        file = File(id=uuid.uuid4(), tenant_id=tenant.id, purpose="", filename="", bytes=0)
+        file = File(id=uuid.uuid4(), tenant_id=tenant.id, api_key_id=tenant.via_key, purpose="", filename="", bytes=0)
         fields: dict[str, bytes] = {}
         part: Field | FilePart | None = None
         file_part: Field | FilePart | None = None  # the first part named file; a second one is ignored
@@ -86,6 +90,8 @@ class FileStore:
                         file.bytes += len(event.data)
                         if file.bytes > self.max_bytes:
                             raise too_large(self.max_bytes)
+                        if quota is not None:
+                            quota.grow(session, file.id, file.bytes)
                         pending += event.data
                         while len(pending) >= CHUNK_BYTES:
                             self._write(session, file.id, seq, pending[:CHUNK_BYTES])
@@ -99,6 +105,8 @@ class FileStore:
             if pending:
                 self._write(session, file.id, seq, pending)
             file.purpose = _purpose(fields.get("purpose"), file_part is not None)
+            if quota is not None:
+                quota.settle(session, file.id, file.bytes)
         return file
 
     @staticmethod
@@ -106,26 +114,30 @@ class FileStore:
         # Core insert, not session.add: the session must not keep every chunk until it commits.
         session.execute(insert(FileChunk).values(file_id=file_id, seq=seq, data=zlib.compress(bytes(data), 1)))
 
-    def get(self, tenant_id: uuid.UUID, file_id: uuid.UUID, shown: str) -> File:
+    def get(self, caller: Caller, file_id: uuid.UUID, shown: str, *, to_use: bool = False) -> File:
+        """An uploaded file ``caller`` sees (a key scoped ``own``: one it uploaded), or 404;
+        ``to_use``: one it may make a batch of without reading it (``Caller.uses``)."""
+        visible = caller.uses(File.tenant_id, File.api_key_id) if to_use else \
+            caller.sees(File.tenant_id, File.api_key_id, "files")
         with self.db.session() as session:
-            file = session.scalar(select(File).where(File.id == file_id, File.tenant_id == tenant_id))
+            file = session.scalar(select(File).where(File.id == file_id, visible))
         if file is None:
-            raise NotFound(f"No file {shown} for this API key.", code="file_not_found")
+            raise caller.missing("file", shown, code="file_not_found")
         return file
 
-    def list(self, tenant_id: uuid.UUID, limit: int, after: str | None, ascending: bool,
+    def list(self, caller: Caller, limit: int, after: str | None, ascending: bool,
              purpose: str | None) -> list[File]:
-        """The tenant's uploaded files (a batch's output files are the batch's), newest first or
-        (``ascending``) oldest first; ``after``: those past that file in the same order."""
+        """The uploaded files ``caller`` sees (a batch's output files are the batch's), newest first
+        or (``ascending``) oldest first; ``after``: those past that file in the same order."""
         order = (File.created_at.asc(), File.id.asc()) if ascending else (File.created_at.desc(), File.id.desc())
-        query = select(File).where(File.tenant_id == tenant_id).order_by(*order).limit(limit)
+        visible = caller.sees(File.tenant_id, File.api_key_id, "files")
+        query = select(File).where(visible).order_by(*order).limit(limit)
         if purpose is not None:
             query = query.where(File.purpose == purpose)
         with self.db.session() as session:
             if after:
                 kind, uid = parse_id(after)
-                anchor = None if kind else session.scalar(select(File).where(File.id == uid,
-                                                                             File.tenant_id == tenant_id))
+                anchor = None if kind else session.scalar(select(File).where(File.id == uid, visible))
                 if anchor is None:
                     raise NotFound(f"No file {after[:60]} for this API key.", code="file_not_found")
                 past = tuple_(File.created_at, File.id)
@@ -133,14 +145,15 @@ class FileStore:
                 query = query.where(past > mark if ascending else past < mark)
             return list(session.scalars(query).all())
 
-    def delete(self, tenant_id: uuid.UUID, file_id: uuid.UUID, shown: str) -> dict[str, Any]:
+    def delete(self, caller: Caller, file_id: uuid.UUID, shown: str) -> dict[str, Any]:
         """Delete an uploaded file and its chunks. A batch made from it keeps its lines (read into
-        the job when it was made) and the file's id; only the file's content goes."""
+        the job when it was made) and the file's id; only the file's content goes. Its bytes and its
+        place in the tenant's file quota are free once this commits: usage is read from ``files``."""
+        visible = caller.sees(File.tenant_id, File.api_key_id, "files")  # a key scoped own: one it uploaded
         with self.db.session() as session:
-            gone = session.execute(delete(File).where(File.id == file_id, File.tenant_id == tenant_id)
-                                   .returning(File.id)).first()
+            gone = session.execute(delete(File).where(File.id == file_id, visible).returning(File.id)).first()
         if gone is None:
-            raise NotFound(f"No file {shown} for this API key.", code="file_not_found")
+            raise caller.missing("file", shown, code="file_not_found")
         return {"id": shown, "object": "file", "deleted": True}
 
     def chunks(self, file_id: uuid.UUID) -> Iterator[bytes]:

@@ -9,7 +9,6 @@ never repeats or skips a row however many arrive meanwhile.
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -17,6 +16,7 @@ from sqlalchemy import Select, or_, select, tuple_
 
 from core.errors import InvalidRequest, NotFound
 from core.ids import instant, uuid_or_404
+from core.tenants.scopes import Caller
 from models import InferenceRequest, Priority, Status
 from models.session import Database
 
@@ -73,25 +73,27 @@ class RequestFilter:
         return cls(tuple(statuses), priority, model, times.get("since"), times.get("until"), metadata)
 
 
-def list_requests(db: Database, tenant_id: uuid.UUID, limit: int, before: str | None,
+def list_requests(db: Database, caller: Caller, limit: int, before: str | None,
                   where: RequestFilter) -> list[InferenceRequest]:
-    """Up to ``limit`` of the tenant's requests matching ``where``, newest first, created before
-    the request ``before``."""
-    query = listing_query(tenant_id, limit, where)
+    """Up to ``limit`` of the requests ``caller`` sees (its tenant's; a key scoped ``own``: those
+    it made) matching ``where``, newest first, created before the request ``before``."""
+    query = listing_query(caller, limit, where)
     with db.session() as session:
-        if before:  # a cursor is one of the tenant's rows; anything else is a 404, as GET of it would be
+        if before:  # a cursor is a row the caller sees; anything else is a 404, as GET of it would be
             rid = uuid_or_404(before, "request", hint="before is the id of a request on the page before")
-            anchor = session.execute(select(_t.created_at, _t.id).where(_t.id == rid,
-                                                                        _t.tenant_id == tenant_id)).first()
+            anchor = session.execute(select(_t.created_at, _t.id).where(
+                _t.id == rid, caller.sees(_t.tenant_id, _t.api_key_id, "requests"))).first()
             if anchor is None:
                 raise NotFound("before names no request of this API key.")
             query = query.where(tuple_(_t.created_at, _t.id) < tuple_(anchor.created_at, anchor.id))
         return list(session.scalars(query).all())
 
 
-def listing_query(tenant_id: uuid.UUID, limit: int, where: RequestFilter) -> Select:
-    """The list's query, before its cursor is applied."""
-    query = select(_t).where(_t.tenant_id == tenant_id).order_by(_t.created_at.desc(), _t.id.desc()).limit(limit)
+def listing_query(caller: Caller, limit: int, where: RequestFilter) -> Select:
+    """The list's query, before its cursor is applied: the rows ``caller``'s key sees (an ``own``
+    key's also by ``api_key_id``, filtered while the tenant's index is walked)."""
+    visible = caller.sees(_t.tenant_id, _t.api_key_id, "requests")
+    query = select(_t).where(visible).order_by(_t.created_at.desc(), _t.id.desc()).limit(limit)
     if where.statuses:
         query = query.where(_t.status.in_(where.statuses))
     if where.priority is not None:

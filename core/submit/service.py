@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session
 from core import hooks
 from core.admission.gates import Admission, Ticket
 from core.broker.queues import BrokerEpoch, publish_committed
-from core.errors import Conflict, NotFound
+from core.errors import Conflict
 from core.ids import uuid_or_404
 from core.observe import submit_metrics as metrics
 from core.observe.logs import bind_request
@@ -40,6 +40,7 @@ from core.submit.answers import AnswerCache, deterministic
 from core.submit.ladder import Ladder
 from core.submit.plan import Plan, Planner, input_chars
 from core.submit.twins import Twins
+from core.tenants.scopes import Caller
 from models import InferenceRequest, Priority, Source, Status, Tenant
 from models.lifecycle import Lifecycle, TransitionRefused
 from models.session import Database
@@ -205,26 +206,31 @@ class RequestService:
         except Exception:
             log.warning("publish failed; the sweep will publish it", exc_info=True)
 
-    def get(self, tenant_id: uuid.UUID, request_id: str, session: Session | None = None) -> InferenceRequest:
-        """The tenant's request, or 404; read in ``session`` when given (the caller's transaction)."""
+    def get(self, caller: Caller, request_id: str, session: Session | None = None) -> InferenceRequest:
+        """A request ``caller`` sees (its key's scope: ``core/tenants/scopes.py``), or 404; read in
+        ``session`` when given (the caller's transaction)."""
+        visible = caller.sees(InferenceRequest.tenant_id, InferenceRequest.api_key_id, "requests")
         rid = _parse_id(request_id)
         with self.db.joined(session) as read:
-            row = read.scalar(select(InferenceRequest).where(
-                InferenceRequest.id == rid, InferenceRequest.tenant_id == tenant_id))
+            row = read.scalar(select(InferenceRequest).where(InferenceRequest.id == rid, visible))
         if row is None:
-            raise NotFound(f"No request {request_id} for this API key.")
+            raise caller.missing("request", request_id)
         return row
 
-    def cancel(self, tenant_id: uuid.UUID, request_id: str) -> InferenceRequest:
-        """Cancel a queued request outright; ask the worker of a running one to abort it."""
+    def cancel(self, caller: Caller, request_id: str) -> InferenceRequest:
+        """Cancel a queued request outright; ask the worker of a running one to abort it. Only one
+        ``caller`` sees: a key scoped ``own`` cancels only what it made."""
+        caller.reads("requests")
+        if caller.own_only:  # another key's request: the 404 a GET of it gets (the key never changes)
+            self.get(caller, request_id)
         rid = _parse_id(request_id)
         try:
-            row = self.lifecycle.cancel(tenant_id, rid)
+            row = self.lifecycle.cancel(caller.tenant_id, rid)
         except TransitionRefused as exc:
             raise Conflict(f"Request is already {exc.status.value}; nothing to cancel.",
                            code="not_cancellable") from None
         if row is None:
-            raise NotFound(f"No request {request_id} for this API key.")
+            raise caller.missing("request", request_id)
         if row.status == Status.RUNNING:
             try:
                 raise_cancel_flag(self.admission.redis, str(rid), row.time_limit_s)

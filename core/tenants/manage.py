@@ -2,8 +2,9 @@
 update, disable, list; create, list and revoke keys.
 
 A tenant's limits are its tier's (``SLUICE_TIERS``) with its own overrides on top; an override of
-None goes back to the tier's value. Changes apply to the tenant's next submit. Revoking a key or
-disabling a tenant applies to the next call; the caller then bumps ``core.rediskeys.AUTH_EPOCH_KEY``
+None goes back to the tier's value. Its file quotas (``SLUICE_FILE_QUOTAS``) are overridden the same
+way. Changes apply to the tenant's next submit (or upload). Revoking a key or disabling a tenant
+applies to the next call; the caller then bumps ``core.rediskeys.AUTH_EPOCH_KEY``
 after the commit, so web processes also stop refusing from memory (``web/auth.py``).
 """
 
@@ -17,6 +18,8 @@ from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from core.settings import Settings
+from core.tenants.file_quotas import QUOTA_FIELDS, effective_file_quotas, most
+from core.tenants.scopes import parse_scope
 from core.tenants.tiers import LIMIT_FIELDS, effective_limits
 from models import ApiKey, Tenant, hash_key, new_key
 
@@ -51,19 +54,21 @@ def create_tenant(session: Session, settings: Settings, name: str, tier: str | N
 
 
 def update_tenant(session: Session, settings: Settings, tenant: Tenant, changes: dict[str, Any]) -> Tenant:
-    """Apply ``changes`` (``tier`` and/or limit fields); a value of None resets it to the default."""
+    """Apply ``changes`` (``tier``, limit and file quota fields); a value of None resets it to the default."""
     _apply(tenant, settings, changes)
     session.flush()
     return tenant
 
 
 def add_key(session: Session, tenant: Tenant, *, name: str | None = None, owner: str | None = None,
-            expires_at: datetime | None = None) -> str:
+            expires_at: datetime | None = None, scope: str | None = None) -> str:
     """Create an API key for ``tenant``, for a service or a person (``name``, ``owner``; refused
-    from ``expires_at`` on); the key is returned once and only its hash is stored."""
+    from ``expires_at`` on) that reads what its ``scope`` allows (``core/tenants/scopes.py``;
+    None: ``tenant``, everything; 422 ``invalid_scope`` for an unknown one); the key is returned
+    once and only its hash is stored."""
     key = new_key()
     session.add(ApiKey(tenant_id=tenant.id, prefix=key[:14], key_hash=hash_key(key), name=name, owner=owner,
-                       expires_at=expires_at))
+                       expires_at=expires_at, scope=parse_scope(scope).value))
     return key
 
 
@@ -110,7 +115,7 @@ def revoke_key(session: Session, ref: str, tenant: Tenant | None = None) -> tupl
 
 def key_view(key: ApiKey) -> dict[str, Any]:
     return {"id": str(key.id), "prefix": key.prefix, "name": key.name, "owner": key.owner,
-            "created_at": _iso(key.created_at), "expires_at": _iso(key.expires_at),
+            "scope": key.scope or "tenant", "created_at": _iso(key.created_at), "expires_at": _iso(key.expires_at),
             "last_used_at": _iso(key.last_used_at), "revoked_at": _iso(key.revoked_at)}
 
 
@@ -126,8 +131,9 @@ def tenant_view(tenant: Tenant, settings: Settings, active_keys: int | None = No
         "name": tenant.name,
         "tier": tenant.tier or settings.default_tier,
         "tier_is_default": tenant.tier is None,
-        "overrides": {f: getattr(tenant, f) for f in LIMIT_FIELDS if getattr(tenant, f) is not None},
+        "overrides": {f: getattr(tenant, f) for f in (*LIMIT_FIELDS, *QUOTA_FIELDS) if getattr(tenant, f) is not None},
         "limits": effective_limits(settings.tiers, settings.default_tier, tenant).as_dict(),
+        "file_quotas": effective_file_quotas(settings.file_quotas, settings.default_tier, tenant).as_dict(),
         "created_at": _iso(tenant.created_at),
         "batch_weight": tenant.batch_weight if tenant.batch_weight is not None else 1.0,
         "disabled": tenant.disabled_at is not None,
@@ -143,7 +149,7 @@ def _iso(moment: datetime | None) -> str | None:
 
 
 def _apply(tenant: Tenant, settings: Settings, changes: dict[str, Any]) -> None:
-    unknown = set(changes) - {"tier", "batch_weight", *LIMIT_FIELDS}
+    unknown = set(changes) - {"tier", "batch_weight", *LIMIT_FIELDS, *QUOTA_FIELDS}
     if unknown:
         raise TenantError(f"Unknown fields: {', '.join(sorted(unknown))}.", "invalid_request")
     if "tier" in changes:
@@ -164,4 +170,12 @@ def _apply(tenant: Tenant, settings: Settings, changes: dict[str, Any]) -> None:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise TenantError(f"{name} must be a whole number > 0, or null for the tier's value.",
                                   "invalid_request")
+            setattr(tenant, name, value)
+    for name in QUOTA_FIELDS:
+        if name in changes:
+            value = changes[name]
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 < value <= most(name)):
+                raise TenantError(f"{name} must be a whole number > 0 and ≤ {most(name)}, or null for the tier's "
+                                  "value.", "invalid_request")
             setattr(tenant, name, value)

@@ -252,14 +252,17 @@ class Budgets:
         flying = session.scalar(query)
         return ended, int(flying) if rule.unit == "tokens" else micro(flying)
 
-    def views(self, tenant_id: uuid.UUID, client: redis.Redis | None = None) -> list[dict[str, Any]]:
-        """The tenant's budgets as the API shows them, each with its window's ``used`` (ended
-        requests, from the rollups), ``reserved`` (a hard budget's live counter beyond that) and
-        ``remaining``."""
+    def views(self, tenant_id: uuid.UUID, client: redis.Redis | None = None,
+              key_id: uuid.UUID | None = None) -> list[dict[str, Any]]:
+        """The tenant's budgets as the API shows them (``key_id``: only that key's own, what a key
+        scoped ``own`` sees), each with its window's ``used`` (ended requests, from the rollups),
+        ``reserved`` (a hard budget's live counter beyond that) and ``remaining``."""
         now = datetime.now(UTC)
+        query = select(Budget).where(Budget.tenant_id == tenant_id)
+        if key_id is not None:
+            query = query.where(Budget.api_key_id == key_id)
         with self.db.session() as session:
-            rows = list(session.scalars(select(Budget).where(Budget.tenant_id == tenant_id)
-                                        .order_by(Budget.created_at)))
+            rows = list(session.scalars(query.order_by(Budget.created_at)))
             views = []
             for row in rows:
                 rule = Rule.of(row)

@@ -45,6 +45,7 @@ class UsageQuery:
     bucket: str  # hour | day
     group_by: tuple[str, ...]
     tenant_id: uuid.UUID | None  # None: every tenant (the operator's report)
+    api_key_id: uuid.UUID | None = None  # set: that key's usage only (a key scoped own asking)
 
     @classmethod
     def parse(cls, args, tenant_id: uuid.UUID | None, now: datetime | None = None) -> UsageQuery:
@@ -98,6 +99,8 @@ def _grouped(table, query: UsageQuery, *extra) -> Select:
     statement = select(bucket, *groups, *extra).where(table.hour >= query.start, table.hour < query.end)
     if query.tenant_id is not None:
         statement = statement.where(table.tenant_id == query.tenant_id)
+    if query.api_key_id is not None:
+        statement = statement.where(table.api_key_id == query.api_key_id)
     return statement.group_by(bucket, *groups).order_by(bucket, *groups)
 
 
@@ -111,6 +114,8 @@ def _outcomes(query: UsageQuery) -> Select:
         o.day >= floor(query.start, "day"), o.day < query.end)
     if query.tenant_id is not None:
         statement = statement.where(o.tenant_id == query.tenant_id)
+    if query.api_key_id is not None:
+        statement = statement.where(o.api_key_id == query.api_key_id)
     return statement.group_by(*keys, o.kind, o.code)
 
 

@@ -18,6 +18,7 @@ from conftest import WorkerProcess, service_env
 from test_ledger import SLACK_S, ledger, settle
 
 from core.settings import Settings
+from core.tenants.manage import find_tenant, update_tenant
 from launcher.database import create_key
 from launcher.harness import WebProcess
 from models import InferenceRequest
@@ -62,10 +63,14 @@ def test_trickling_uploads_hold_no_connection_and_are_cut_off(database_url, redi
                                                  "SLUICE_UPLOAD_STALL_S": str(UPLOAD_STALL_S),
                                                  "SLUICE_DATA_DIR": str(tmp_path)})
     url = Settings(database_url=database_url).sqlalchemy_url
-    abuser, other = (create_key(url, f"{who}-{uuid.uuid4().hex[:8]}") for who in ("trickler", "neighbour"))
+    names = [f"{who}-{uuid.uuid4().hex[:8]}" for who in ("trickler", "neighbour")]
+    abuser, other = (create_key(url, name) for name in names)
     web = WebProcess(env, tmp_path)
     worker = WorkerProcess(database_url, redis_url, tmp_path)
     application = create_app(Settings.from_env(env))
+    with services(application).db.session() as session:  # all 30 spooling at once, past its tier's 8
+        update_tenant(session, services(application).settings, find_tenant(session, names[0]),
+                      {"max_concurrent_uploads": TRICKLERS})
     sockets: list[socket.socket] = []
     try:
         began = time.monotonic()

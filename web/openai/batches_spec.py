@@ -59,7 +59,7 @@ def add_paths(spec: APISpec) -> None:
         spec.components.schema(name, schema)
     common = {"security": [{"bearer": []}]}
     auth = {"401": _error("Missing, malformed, invalid or revoked API key."),
-            "403": _error("The key's tenant is disabled (tenant_disabled).")}
+            "403": _error("Tenant disabled (tenant_disabled), or the key's scope refuses it (key_scope).")}
     file_id = {"name": "file_id", "in": "path", "required": True, "schema": {"type": "string"},
                "description": "file-<hex> (an upload), file-out-<hex> or file-err-<hex> (a batch's results)."}
     batch_id = {"name": "batch_id", "in": "path", "required": True, "schema": {"type": "string"}}
@@ -90,8 +90,13 @@ def add_paths(spec: APISpec) -> None:
         "responses": {"200": _json("OpenAIFile", "The stored file."), **auth,
                       "400": _error("Another purpose (invalid_purpose), no file part, an unreadable form."),
                       "408": _error("The upload stopped arriving (body_timeout)."),
-                      "413": _error("Over SLUICE_JOB_MAX_BYTES (file_too_large)."),
-                      "415": _error("Not multipart/form-data.")}}})
+                      "413": _error("Over SLUICE_JOB_MAX_BYTES (file_too_large), or over the tenant's stored bytes "
+                                    "or file count (file_quota_exceeded: what its files hold, its quota, this "
+                                    "upload)."),
+                      "415": _error("Not multipart/form-data."),
+                      "429": _error("Over the tenant's uploads per minute (upload_rate_limited), or as many of "
+                                    "its uploads as it may have at once are being received (too_many_uploads); "
+                                    "Retry-After.")}}})
     spec.path(path="/v1/files/{file_id}", operations={"get": {
         **common, "summary": "A file object", "parameters": [file_id],
         "responses": {"200": _json("OpenAIFile", "The file."), **auth, **no_file}}, "delete": {

@@ -33,6 +33,7 @@ from core.fleet.workers import live_workers
 from core.observe import submit_metrics
 from core.openai import shapes
 from core.submit import idempotency, ladder
+from core.tenants.scopes import Caller
 from models import InferenceRequest, Source, Status, Tenant
 from web import waits
 from web.api import add_quotas, spend_refused
@@ -118,7 +119,7 @@ def _create(url: str) -> Response | tuple[Response, int, dict[str, str]]:
         return jsonify(shapes.completion(row, chat, bool(asked.get("echo")))), 200, headers
     if not row.status.terminal:  # past its deadline yet not expired (a stuck sweep): give it up
         try:
-            svc.requests.cancel(tenant.id, str(row.id))
+            svc.requests.cancel(Caller(tenant.id), str(row.id))
         except ApiError:
             pass  # it ended meanwhile; either way this call has no answer to give
         raise ApiError("The request did not end within its deadline; it was cancelled.",
@@ -178,7 +179,7 @@ def _until_ended(svc: Services, tenant: Tenant, row: InferenceRequest) -> Infere
 def _cancel(svc: Services, tenant: Tenant, rows: list[InferenceRequest]) -> None:
     for row in rows:
         try:
-            svc.requests.cancel(tenant.id, str(row.id))
+            svc.requests.cancel(Caller(tenant.id), str(row.id))
         except ApiError:
             pass  # it ended meanwhile
 

@@ -138,7 +138,7 @@ def add_paths(spec: APISpec) -> None:
                         "headers": answer_headers},
                 "400": _error("Invalid body (invalid_request: `param` names the field), malformed JSON, n ≠ 1."),
                 "401": _error("Missing, malformed, invalid or revoked API key."),
-                "403": _error("The key's tenant is disabled (tenant_disabled)."),
+                "403": _error("Tenant disabled (tenant_disabled), or the key's scope refuses it (key_scope)."),
                 "409": _error("The request was cancelled before it ended (cancelled)."),
                 "413": _error("Body too large, or input + max_tokens over the context or the tenant's maximum."),
                 "415": _error("Body is not JSON."),
@@ -155,7 +155,7 @@ def add_paths(spec: APISpec) -> None:
         "responses": {"200": {"description": "The registry's models.",
                               "content": {"application/json": {"schema": "ModelList"}}},
                       "401": _error("Missing, malformed, invalid or revoked API key."),
-                      "403": _error("The key's tenant is disabled (tenant_disabled).")}}})
+                      "403": _error("Tenant disabled (tenant_disabled), or the key's scope refuses it (key_scope).")}}})
 
 
 def finish(document: dict[str, Any], settings: Settings | None) -> None:

@@ -137,9 +137,9 @@ class Settings:
         "Fault injection: this long after start the simulated engine stops taking steps while its loop "
         "still answers (an engine core that stopped scheduling), so the progress watchdog can be "
         "tested. Unset: never.")
-    sim_poison_prompt: str | None = _field(
-        "SLUICE_SIM_POISON_PROMPT", None,
-        "Fault injection: a request whose prompt contains this text blocks the simulated engine's "
+    fault_poison_prompt: str | None = _field(
+        "SLUICE_FAULT_POISON_PROMPT", None,
+        "Fault injection, on any engine: a request whose prompt contains this text blocks the worker's "
         "event loop for good, in that request's own code (a request that kills every worker it "
         "reaches), so that the watchdog's blame and the sweep's stalled_worker can be tested. Unset: "
         "never.")

@@ -171,7 +171,7 @@ def start_runtime(svc: Services, hostname: str, queues: list[str], threads: int 
                             heartbeat_s=settings.worker_heartbeat_s,
                             dead_after_s=settings.worker_dead_after_s,
                             cancel_poll_s=settings.cancel_poll_s, watchdog_s=settings.worker_watchdog_s, info=info,
-                            governor=governor)
+                            governor=governor, poison_prompt=settings.fault_poison_prompt)
     runtime.start()
     exporter.export(runtime, settings)
     WORKER.batch = slots = batch_slots(settings, info["threads"], queues, lambda: runtime.realtime_in_flight() > 0)

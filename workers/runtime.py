@@ -95,8 +95,10 @@ class EngineRuntime:
 
     def __init__(self, engine: Engine, redis_client: redis.Redis, worker_id: str, *,
                  heartbeat_s: float, dead_after_s: float, cancel_poll_s: float,
-                 governor: Governor, watchdog_s: float = 30.0, info: dict | None = None) -> None:
+                 governor: Governor, watchdog_s: float = 30.0, info: dict | None = None,
+                 poison_prompt: str | None = None) -> None:
         self.engine = engine
+        self._poison = poison_prompt  # SLUICE_FAULT_POISON_PROMPT: fault injection, see _run
         self.worker_id = worker_id
         self._redis = redis_client
         self._heartbeat_s = heartbeat_s
@@ -463,6 +465,10 @@ class EngineRuntime:
     async def _run(self, request: GenerationRequest, time_limit_s: float, ends_as: str) -> RunResult:
         rid = request.request_id
         timed_out = False
+        if self._poison and self._poison in request.prompt:
+            log.error("poisoned (SLUICE_FAULT_POISON_PROMPT): request %s blocks the loop now", rid)
+            while True:
+                time.sleep(3600)  # blocks the event loop itself, inside this request's own code
 
         def over_limit() -> None:
             # Abort inside the engine: it frees the KV cache and ends the stream with a final

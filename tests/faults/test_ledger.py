@@ -482,13 +482,13 @@ def test_hung_request_and_hung_engine(platform, database_url, tmp_path, hang):
 
 
 def test_a_request_that_stalls_its_worker_is_failed_not_run_into_the_next(platform, database_url, tmp_path):
-    """A request whose own code holds its worker's event loop (SLUICE_SIM_POISON_PROMPT, as a
+    """A request whose own code holds its worker's event loop (SLUICE_FAULT_POISON_PROMPT, as a
     schema that asked for an unbounded answer did) kills that worker by its watchdog, and only
     that one: the watchdog names it, the sweep fails it as ``stalled_worker`` instead of
     requeueing it, the restarted worker never sees it, and what ran beside it is requeued and runs
     once. Requeued, it would have killed every worker in turn (a crash loop)."""
     application, client, _ = platform
-    env = {"SLUICE_SIM_POISON_PROMPT": "poison pill", "SLUICE_WORKER_WATCHDOG_S": "3"}
+    env = {"SLUICE_FAULT_POISON_PROMPT": "poison pill", "SLUICE_WORKER_WATCHDOG_S": "3"}
     keeper = Keeper(lambda: FaultWorker(database_url, redis_url_of(application), tmp_path, extra_env=env))
     try:
         with Load(client, every_s=0.1, max_tokens=50) as load:

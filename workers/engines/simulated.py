@@ -96,7 +96,6 @@ class SimulatedConfig:
     die_after_s: float | None = None
     # Fault injection: a request whose prompt contains this blocks the event loop for good in its
     # own code, before it reaches the scheduler (a request that kills every worker it reaches).
-    poison_prompt: str | None = None
     stream_every: int = 0  # also yield every N tokens; 0 = first token and final output only
     # An embedding model of vectors this long (its requests carry texts); None: a generative one.
     embed_dimensions: int | None = None
@@ -260,10 +259,6 @@ class SimulatedEngine(Engine):
         seed = int.from_bytes(hashlib.sha256(digest + repr(request.params.seed).encode()).digest())
         rng = random.Random(seed)
         seq = _Seq(request, prompt_tokens, next(self._arrivals), rng, tuple(s for s in request.params.stop if s))
-        if self.config.poison_prompt and self.config.poison_prompt in request.prompt:
-            log.error("simulated engine poisoned (SLUICE_SIM_POISON_PROMPT): request %s blocks the loop now", rid)
-            while True:
-                time.sleep(3600)  # blocks the event loop itself, inside this request's own code
         if request.params.constraint is not None:
             answer = _constrained(request.params.constraint, rng, (max_tokens + 1) * _PIECE_CHARS)
             seq.text, seq.script = "", _pieces(answer)

@@ -80,6 +80,18 @@ def uploads_key(tenant_id: str) -> str:
     return TENANT_LIMIT_PREFIX + tenant_id + ":uploads"
 
 
+def count_in_window(client: redis.Redis, key: str, window_s: int) -> tuple[int, int]:
+    """Count one more call in ``key``'s fixed window, which starts with its first call: (calls in
+    the window so far, this one included; seconds until it ends). The counter and its expiry are
+    set in one transaction, so a counter never outlives its window. Raises ``redis.RedisError``."""
+    pipe = client.pipeline(transaction=True)
+    pipe.set(key, 0, ex=window_s, nx=True)
+    pipe.incr(key)
+    pipe.ttl(key)
+    _, count, ttl = pipe.execute()
+    return int(count), int(ttl)
+
+
 def inflight_key(tenant_id: str) -> str:
     """Sorted set of a tenant's admitted, unfinished request ids, scored by admission time (ms)."""
     return TENANT_LIMIT_PREFIX + tenant_id + INFLIGHT_SUFFIX

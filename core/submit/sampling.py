@@ -131,8 +131,8 @@ def _count_problem(schema: dict[str, Any]) -> str | None:
     for node, _ in _nodes([schema]):
         if isinstance(node, dict):
             for key in _COUNTS:
-                if _count(node, key) > MAX_COUNT:
-                    return f"{key} is {_amount(_count(node, key))}; counts up to {MAX_COUNT:,} are accepted."
+                if (count := _count(node, key)) > MAX_COUNT:
+                    return f"{key} is {_amount(count)}; counts up to {MAX_COUNT:,} are accepted."
     return None
 
 

@@ -113,20 +113,31 @@ class Keeper:
 
     def __init__(self, start) -> None:
         self.start = start
-        self.workers = [start()]
+        self._all = [start()]
+        self._first = 0  # where the current test's workers begin (``begin``)
         self.restarts = 0
+
+    def begin(self) -> None:
+        """Count from here: the live worker is ``workers[0]``, no restarts yet. Workers of earlier
+        tests stay in the keeper (``stop`` stops them) but leave ``workers`` and ``logs``."""
+        self._first = len(self._all) - 1
+        self.restarts = 0
+
+    @property
+    def workers(self) -> list:
+        return self._all[self._first:]
 
     @property
     def logs(self) -> list[Path]:
         return [w.log_path for w in self.workers]
 
     def tick(self) -> None:
-        if self.workers[-1].proc.poll() is not None:
+        if self._all[-1].proc.poll() is not None:
             self.restarts += 1
-            self.workers.append(self.start())
+            self._all.append(self.start())
 
     def stop(self) -> None:
-        for worker in self.workers:
+        for worker in self._all:
             worker.stop()
 
 
@@ -136,7 +147,7 @@ def settle(application, ids: list[str], timeout_s: float, tick=lambda: None) -> 
     began = time.monotonic()
     while True:
         tick()
-        statuses = _statuses(application, ids)
+        statuses = statuses_of(application, ids)
         open_ = {i: s for i, s in statuses.items() if s not in TERMINAL}
         if not open_ and len(statuses) == len(ids):
             return time.monotonic() - began
@@ -146,7 +157,7 @@ def settle(application, ids: list[str], timeout_s: float, tick=lambda: None) -> 
         time.sleep(0.5)
 
 
-def _statuses(application, ids: list[str]) -> dict[str, str]:
+def statuses_of(application, ids: list[str]) -> dict[str, str]:
     with services(application).db.session() as session:
         rows = session.execute(select(InferenceRequest.id, InferenceRequest.status).where(
             InferenceRequest.id.in_([uuid.UUID(i) for i in ids]))).all()
@@ -172,7 +183,7 @@ def check_ledger(application, client, load: Load, logs: list[Path], scenario: st
     recovered = recover(application, load.accepted, fault_at, bound_s + 60, keeper.tick if keeper else lambda: None)
     restarts = keeper.restarts if keeper else 0
     logs = [*logs, *(keeper.logs if keeper else [])]
-    statuses = _statuses(application, load.accepted)
+    statuses = statuses_of(application, load.accepted)
     runs = engine_runs(logs)
     duplicated = sorted(i for i in load.accepted if runs.get(i, 0) > 1)
     lost = sorted(i for i in load.accepted if statuses.get(i) not in TERMINAL)
@@ -390,7 +401,7 @@ def test_beat_and_monitor_away_admission_goes_on_and_recovery_resumes(platform, 
                 InferenceRequest.worker == dead_worker, InferenceRequest.status == "running"))]
         assert stranded, "the kill left nothing running: nothing to recover"
         time.sleep(5.0)  # far past the dead worker's heartbeat: only the sweep can requeue them
-        assert all(s == "running" for s in _statuses(application, stranded).values())
+        assert all(s == "running" for s in statuses_of(application, stranded).values())
         beat = BeatProcess(database_url, redis_url, tmp_path, interval_s=1.0)
         fault_at = time.monotonic()
         check_ledger(application, client, load, [first.log_path, second.log_path],

@@ -52,15 +52,20 @@ def test_request_past_its_deadline_is_dropped_not_computed(isolated, database_ur
     swept = client.submit(prompt="too late too", max_tokens=8, deadline_s=0.2).get_json()["id"]
     control = client.submit(prompt="in time", max_tokens=8).get_json()["id"]
     time.sleep(0.5)
-    # The sweep expires what it finds; a worker dequeuing a late request drops it too.
-    with services(application).db.session() as session:
-        session.execute(update(InferenceRequest).where(InferenceRequest.id == uuid.UUID(late))
-                        .values(deadline_at=utcnow() + timedelta(seconds=1)))
+    # The sweep expires what it finds; a worker dequeuing a late request drops it too. ``late``
+    # is out of the sweep's reach while it runs (a deadline an hour away: a sweep on a loaded
+    # machine once outlasted a 1 s one), and past its deadline again before a worker sees it.
+    def set_deadline(seconds: float) -> None:
+        with services(application).db.session() as session:
+            session.execute(update(InferenceRequest).where(InferenceRequest.id == uuid.UUID(late))
+                            .values(deadline_at=utcnow() + timedelta(seconds=seconds)))
+
+    set_deadline(3600)
     # The sweep is global: other tests' leftovers in the shared database may expire with it.
     assert run_sweep(application)["expired"] >= 1
     assert client.get(swept).get_json()["status"] == "expired"
     assert client.get(late).get_json()["status"] == "queued"
-    time.sleep(1.2)
+    set_deadline(-1)
     worker = WorkerProcess(database_url, redis_url, tmp_path)
     try:
         assert client.wait(control)["status"] == "succeeded"

@@ -47,10 +47,19 @@ def masked(url: str) -> str:
     return re.sub(r"//([^:/@]*):[^@]+@", r"//\1:***@", url)
 
 
+try:  # resolved once here: a child between fork and exec should not load libraries
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _PRCTL = None
+
+
 def die_with_parent() -> None:
-    """``preexec_fn``: SIGTERM this child if its parent dies (even by SIGKILL). Linux only."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    """``preexec_fn``: SIGTERM this child if its parent dies (even by SIGKILL). Linux only.
+
+    The kernel sends it when the *thread* that forked the child exits, so spawn from a thread
+    that lives as long as the process (the main thread; see ``launcher.harness``)."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 # ---------------------------------------------------------------------------- PostgreSQL

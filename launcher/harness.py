@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -25,6 +26,7 @@ import redis as redis_lib
 
 from core.rediskeys import WORKER_PREFIX
 from launcher.database import create_database, drop_database
+from launcher.embedded import die_with_parent
 
 ROOT = Path(__file__).resolve().parent.parent
 SLUICE = [sys.executable, "-m", "launcher.cli"]
@@ -134,7 +136,7 @@ class WorkerProcess:
             [*wrap, *SLUICE, "worker", "--role", role, "--concurrency", str(concurrency),
              "--name", f"{role}-{uuid.uuid4().hex[:6]}@test", *(["--model", model] if model else [])],
             cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, stdout=self._log,
-            stderr=subprocess.STDOUT, start_new_session=True)
+            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=tied())
         try:
             self.worker_key = self._wait_ready(before, ready_timeout)
         except BaseException:
@@ -193,6 +195,7 @@ class WebProcess:
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [*SLUICE, "web"], cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=tied(),
             env={**os.environ, "PYTHONUNBUFFERED": "1", **env, "SLUICE_WEB_HOST": "127.0.0.1",
                  "SLUICE_WEB_PORT": str(self.port), "SLUICE_WEB_WORKERS": env.get("SLUICE_WEB_WORKERS", "1")})
         deadline = time.monotonic() + ready_timeout
@@ -213,6 +216,13 @@ class WebProcess:
         stop_process(self.proc, group=True)
         if not self._log.closed:
             self._log.close()
+
+
+def tied() -> Callable[[], None] | None:
+    """The ``preexec_fn`` that makes a child die with this process (a test run killed mid-way
+    leaves no worker to take messages from the next run's Redis), where that is safe: only from
+    the main thread, since the kernel signals the child when the thread that spawned it exits."""
+    return die_with_parent if threading.current_thread() is threading.main_thread() else None
 
 
 def stop_process(proc: subprocess.Popen, group: bool) -> None:
@@ -237,7 +247,7 @@ class BeatProcess:
         self.log_path = tmp / f"beat-{uuid.uuid4().hex[:6]}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen([*SLUICE, "beat"], cwd=ROOT, env={**os.environ, **env}, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=tied())
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import socket
@@ -74,11 +75,13 @@ def _shares_module_state(item: pytest.Item) -> bool:
 
 
 def _unit(item: pytest.Item) -> str:
-    """What must run in the same process as ``item``, one test after another: every test of the
-    real engine (two engines at once on two cores starve each other's deadlines), the module where
-    tests share its fixtures, else the test alone."""
-    if item.get_closest_marker("vllm"):
-        return "vllm"
+    """What must run in the same process as ``item``, one test after another: the tests of the
+    real engine in a lane (``vllm("lane")``; at most two engines at once on two cores: four
+    starved each other's deadlines), the module where tests share its fixtures, else the test
+    alone."""
+    marker = item.get_closest_marker("vllm")
+    if marker:
+        return "vllm:" + (marker.args[0] if marker.args else "")
     return item.nodeid.split("::", 1)[0] if _shares_module_state(item) else item.nodeid
 
 
@@ -225,6 +228,10 @@ def redis_base(tmp_path_factory) -> Iterator[str]:
 
         server = start_redis(tmp_path_factory.mktemp("embedded"), server=shutil.which("redis-server"))
         yield server.url.rsplit("/", 1)[0]
+        # The move listeners of the session's apps (threads that live as long as the process) lose
+        # their subscription with the server: expected here, not a warning worth printing after
+        # the run's summary (where pytest's log capture is already closed).
+        logging.getLogger("core.delivery.notify").setLevel(logging.ERROR)
         server.stop()
 
 

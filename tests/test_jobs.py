@@ -256,6 +256,11 @@ def test_tenants_share_batch_capacity_by_weight_counted_in_tokens(bulk, new_clie
         long = bulk.submit(light, jsonl([{"custom_id": str(i), "text": doc(i, 240)} for i in range(500)]),
                            summary_tokens=16).get_json()
         weights = {short["id"]: 3.0, long["id"]: 1.0}
+        # Both loaded before the capacity comes back: a job still validating is not fed, and on a
+        # loaded machine the heavy tenant's shorter file was fed 17 items before the light one's
+        # had finished loading.
+        bulk.wait(heavy, short["id"], {"in_progress"}, timeout=120)
+        bulk.wait(light, long["id"], {"in_progress"}, timeout=120)
         assert bulk.sql("SELECT count(*) FROM requests WHERE metadata->>'job_id' IN (:a, :b)",
                         a=short["id"], b=long["id"])[0][0] == 0, "fed while the capacity was 0"
     finally:

@@ -88,12 +88,14 @@ def row_deadline_s(app, request_id: str) -> float:
 
 
 def assert_given(app, headers, seconds: float, source: str) -> None:
-    """The answer states ``seconds`` from ``source``, and its row has that deadline (less the
-    moment the web tier spent between planning and inserting it)."""
+    """The answer states ``seconds`` from ``source``, and its row has that deadline, less the time
+    the web tier spent between planning it and the insert's transaction (the row's created_at).
+    That time is not bounded on a loaded machine (2.6 s once, in a spread run on 2 cores), so the
+    lower bound only tells the deadlines this module uses apart; the header pins the exact value."""
     assert headers[patience.DEADLINE_HEADER] == f"{seconds:g}"
     assert headers[patience.SOURCE_HEADER] == source
     for request_id in headers.get("Sluice-Request-Ids", headers["Sluice-Request-Id"]).split(","):
-        assert seconds - 2 < row_deadline_s(app, request_id) <= seconds
+        assert 0.8 * seconds - 2 < row_deadline_s(app, request_id) <= seconds
 
 
 def tier(answer) -> str | None:

@@ -77,8 +77,7 @@ def _shares_module_state(item: pytest.Item) -> bool:
 def _unit(item: pytest.Item) -> str:
     """What must run in the same process as ``item``, one test after another: every test of the
     real engine (two engines at once on two cores starve each other's deadlines, and the fault
-    scenarios' of the simulated engine), the module where tests share its fixtures, else the test
-    alone."""
+    scenarios' too), the module where tests share its fixtures, else the test alone."""
     if item.get_closest_marker("vllm"):
         return "vllm"
     return item.nodeid.split("::", 1)[0] if _shares_module_state(item) else item.nodeid

@@ -115,17 +115,19 @@ class Keeper:
         self.start = start
         self._all = [start()]
         self._first = 0  # where the current test's workers begin (``begin``)
-        self.restarts = 0
 
     def begin(self) -> None:
         """Count from here: the live worker is ``workers[0]``, no restarts yet. Workers of earlier
         tests stay in the keeper (``stop`` stops them) but leave ``workers`` and ``logs``."""
         self._first = len(self._all) - 1
-        self.restarts = 0
 
     @property
     def workers(self) -> list:
         return self._all[self._first:]
+
+    @property
+    def restarts(self) -> int:
+        return len(self.workers) - 1
 
     @property
     def logs(self) -> list[Path]:
@@ -133,7 +135,6 @@ class Keeper:
 
     def tick(self) -> None:
         if self._all[-1].proc.poll() is not None:
-            self.restarts += 1
             self._all.append(self.start())
 
     def stop(self) -> None:
@@ -141,9 +142,9 @@ class Keeper:
             worker.stop()
 
 
-def settle(application, ids: list[str], timeout_s: float, tick=lambda: None) -> float:
+def settle(application, ids: list[str], timeout_s: float, tick=lambda: None, poll_s: float = 0.5) -> float:
     """Seconds until every id is terminal; fails with the stragglers' statuses after ``timeout_s``.
-    ``tick`` runs on every poll (a process manager's round)."""
+    ``tick`` runs on every poll (a process manager's round), every ``poll_s``."""
     began = time.monotonic()
     while True:
         tick()
@@ -154,7 +155,7 @@ def settle(application, ids: list[str], timeout_s: float, tick=lambda: None) -> 
         if time.monotonic() - began > timeout_s:
             raise AssertionError(f"{len(open_)} of {len(ids)} not terminal after {timeout_s}s: "
                                  f"{sorted(set(open_.values()))}; missing rows: {len(ids) - len(statuses)}")
-        time.sleep(0.5)
+        time.sleep(poll_s)
 
 
 def statuses_of(application, ids: list[str]) -> dict[str, str]:

@@ -28,7 +28,7 @@ import time
 import psutil
 import pytest
 from conftest import BeatProcess, make_settings
-from test_ledger import DEATH_BOUND_S, SLACK_S, TERMINAL, FaultWorker, Keeper, Load, check_ledger, statuses_of
+from test_ledger import DEATH_BOUND_S, SLACK_S, TERMINAL, FaultWorker, Keeper, Load, check_ledger, settle, statuses_of
 from test_vllm_engine import tiny_model, vllm_env  # noqa: F401 - fixtures
 
 from web.services import services
@@ -65,9 +65,7 @@ class Backlog:
             answer = client.submit(prompt=f"drain {i}", max_tokens=32, ignore_eos=True)
             assert answer.status_code == 202, answer.get_json()
             ids.append(answer.get_json()["id"])
-        while any(s not in TERMINAL for s in statuses_of(application, ids).values()):
-            assert time.monotonic() - began < 120, "the burst that measures the drain did not end"
-            time.sleep(0.1)
+        settle(application, ids, 120, poll_s=0.1)
         self.per_s = self.BURST / (time.monotonic() - began)
         self.open_at_fault = self.seen_at_fault = 0
 

@@ -2,7 +2,8 @@
 
 While it is away, realtime submits are admitted on the web process's own limits and batch ones
 get 503 with Retry-After; nothing reaches the client as a 500. Rows accepted meanwhile are
-published by the sweep once Redis is back, and admission returns to the shared limits by itself.
+published by the web process itself once Redis is back (the sweep is the backstop), and admission
+returns to the shared limits by itself.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from test_api_errors import assert_envelope
 from launcher.embedded import start_redis
 from models import InferenceRequest
 from web.services import services
-from workers.sweep import sweep
 
 
 @pytest.fixture
@@ -86,13 +86,15 @@ def test_floor_engages_when_redis_stops_and_disengages_when_it_restarts(own_redi
     assert floor_gauge(application) == 0.0
     assert client.submit(prompt="batch", max_tokens=16, priority="batch").status_code == 202
 
-    # The row admitted on the floor was committed but not published (Redis was away); the sweep
-    # publishes it now that Redis is back. Nothing accepted is lost.
+    # The row admitted on the floor was committed but not published (Redis was away); the web
+    # process publishes it itself once Redis is back, without waiting for the sweep's grace.
+    # Nothing accepted is lost.
+    republisher = services(application).requests.republisher
     deadline = time.monotonic() + 10
     while not enqueued(application, during.get_json()["id"]) and time.monotonic() < deadline:
-        sweep(services(application))
         time.sleep(0.1)
-    assert enqueued(application, during.get_json()["id"])
+    assert enqueued(application, during.get_json()["id"]), republisher.pending()
+    assert republisher.published >= 1 and republisher.pending() == 0
 
 
 def enqueued(application, request_id: str) -> bool:
@@ -120,3 +122,9 @@ def test_a_frozen_redis_costs_a_timeout_not_a_hang(own_redis, isolated_app, new_
     finally:
         os.kill(pid, signal.SIGCONT)
     back_on_shared_limits(client, admission, tenant_id)
+    # The frozen submits were committed, not published; the web process publishes them itself.
+    deadline = time.monotonic() + 10
+    frozen = [r.get_json()["id"] for r in responses[1:]]
+    while not all(enqueued(application, i) for i in frozen) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(enqueued(application, i) for i in frozen), services(application).requests.republisher.pending()

@@ -30,6 +30,7 @@ from sqlalchemy.orm import Session
 from core import hooks
 from core.admission.gates import Admission, Ticket
 from core.broker.queues import BrokerEpoch, publish_committed
+from core.broker.republish import Republisher
 from core.errors import Conflict
 from core.ids import uuid_or_404
 from core.observe import submit_metrics as metrics
@@ -66,8 +67,10 @@ CHEAP_GATE_CHARS = 16_000
 
 class RequestService:
     def __init__(self, db: Database, planner: Planner, ladder: Ladder, admission: Admission, publisher: Celery,
-                 epoch: BrokerEpoch, lifecycle: Lifecycle, answers: AnswerCache, twins: Twins) -> None:
+                 epoch: BrokerEpoch, lifecycle: Lifecycle, answers: AnswerCache, twins: Twins,
+                 republisher: Republisher) -> None:
         self.db = db
+        self.republisher = republisher
         self.answers = answers
         self.twins = twins
         self.planner = planner
@@ -198,13 +201,17 @@ class RequestService:
         return row
 
     def publish(self, row: InferenceRequest) -> None:
+        """Publish a committed row; one Redis could not take now is published again from this
+        process once it can (``core/broker/republish.py``), else by the sweep."""
         if not self.admission.redis_healthy:
-            log.warning("Redis unreachable; the sweep will publish it")
+            log.warning("Redis unreachable; publishing it once Redis answers")
+            self.republisher.add([row])
             return
         try:
             publish_committed(self.lifecycle, self.publisher, [row], self.epoch)
-        except Exception:
-            log.warning("publish failed; the sweep will publish it", exc_info=True)
+        except Exception as exc:
+            log.warning("publish failed (%s); publishing it again shortly", type(exc).__name__)
+            self.republisher.add([row])
 
     def get(self, caller: Caller, request_id: str, session: Session | None = None) -> InferenceRequest:
         """A request ``caller`` sees (its key's scope: ``core/tenants/scopes.py``), or 404; read in

@@ -26,6 +26,7 @@ import redis
 from celery import Celery
 
 from core.broker.queues import BrokerEpoch, publish_committed
+from core.broker.republish import Republisher
 from core.submit.answers import ANSWER_PREFIX
 from models.lifecycle import Lifecycle, Moved
 
@@ -44,8 +45,9 @@ return 0
 
 class Twins:
     def __init__(self, client: redis.Redis, lifecycle: Lifecycle, publisher: Celery, epoch: BrokerEpoch,
-                 healthy: Callable[[], bool] = lambda: True) -> None:
+                 healthy: Callable[[], bool] = lambda: True, republisher: Republisher | None = None) -> None:
         self.redis = client
+        self.republisher = republisher
         self.lifecycle = lifecycle
         self.publisher = publisher
         self.epoch = epoch
@@ -107,8 +109,10 @@ class Twins:
         unparked = self.lifecycle.follow_up(leader_id)
         try:
             publish_committed(self.lifecycle, self.publisher, unparked, self.epoch)
-        except Exception:
-            log.warning("un-parked twins not published; the sweep will publish them", exc_info=True)
+        except Exception as exc:
+            log.warning("un-parked twins not published (%s); publishing them again shortly", type(exc).__name__)
+            if self.republisher is not None:
+                self.republisher.add(unparked)
         return len(unparked)
 
 

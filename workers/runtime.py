@@ -247,9 +247,15 @@ class EngineRuntime:
 
     def stop(self) -> None:
         self._stop.set()
+        # The heartbeat and the governor write what the cleanup below deletes: each finishes its
+        # round first (a Redis call is bounded by its timeout), or a round under way would write
+        # this worker's entries back after they were deleted.
+        for thread in self._threads:
+            if thread.name in ("heartbeat", "governor") and thread is not threading.current_thread():
+                thread.join(timeout=5)
         with contextlib.suppress(Exception):
             self._call(self.engine.shutdown(), timeout=30)
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception), self._room_lock:  # requests still ending write no room now
             for key in (*self._room_keys, *self._capacity_keys):
                 self._redis.hdel(key, self.worker_id)
             self._redis.delete(worker_key(self.worker_id))
@@ -365,6 +371,8 @@ class EngineRuntime:
         if not self._room_keys:
             return
         with self._room_lock:  # computed and written in one go: a later figure never loses to an older
+            if self._stop.is_set():  # stopped: its entries are deleted (stop), not written again
+                return
             room = self.room_entries()
             if room == self._room_written and not force:
                 return

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TERMINAL, WorkerProcess, admitted_once_idle, make_settings, sse_events
 
+from core.admission.load import room_key
 from web.services import services
 
 # One process runs every module marked vllm, one after another, in a spread run (tests/conftest.py).
@@ -311,12 +312,19 @@ def test_one_queued_question_makes_one_of_two_full_vllm_workers_yield(database_u
         workers = [WorkerProcess(database_url, redis_url, tmp_path, concurrency=4, extra_env=env,
                                  ready_timeout=300) for i in range(2)]
         for worker in workers:
-            worker.wait_stats(lambda s: s.get("engine_limit") == 4, timeout=120)
+            stats = worker.wait_stats(lambda s: s.get("engine_limit") == 4, timeout=120)
+            assert stats.get("engine_limit") == 4, stats
         batch = [client.submit(prompt=f"a long report {i}", max_tokens=1000, ignore_eos=True, priority="batch")
                  for i in range(8)]
         assert all(r.status_code == 202 for r in batch), [r.get_json() for r in batch]
+        # Both engines full, as admission reads them (the room each worker writes as requests enter):
+        # a question that found room anywhere would be served without anyone yielding.
+        key = room_key("realtime", services(application).settings.registry.default.name)
         for worker in workers:
-            worker.wait_stats(lambda s: s.get("batch_in_flight", 0) == 4, timeout=120)
+            stats = worker.wait_stats(lambda s: s.get("batch_in_flight", 0) == 4, timeout=120)
+            assert stats.get("batch_in_flight") == 4, stats
+        rooms = services(application).redis.hgetall(key)
+        assert len(rooms) == 2 and all(v.split()[0] == "0" for v in rooms.values()), rooms
         question = client.submit(prompt="let me in", max_tokens=8, ignore_eos=True, deadline_s=120)
         assert question.status_code == 202, question.get_json()
         assert client.wait(question.get_json()["id"], timeout=120)["status"] == "succeeded"
@@ -324,7 +332,11 @@ def test_one_queued_question_makes_one_of_two_full_vllm_workers_yield(database_u
         assert {r.status.value for r in rows} == {"succeeded"}, [r.status for r in rows]
         assert max(r.attempts for r in rows) <= 1, "a preemption spends no attempt"
         lines = [line for w in workers for line in w.log_path.read_text().splitlines() if "preempting " in line]
-        assert sum(int(line.split("preempting ")[1].split()[0]) for line in lines) == 1, lines
+        # What each worker did with its batch work and the question, should the count be off.
+        story = [line[-160:] for w in workers for line in w.log_path.read_text().splitlines()
+                 if any(word in line for word in ("preempt", "handed back", "in-engine limit", "let me in",
+                                                  "requeued", "prefetch"))]
+        assert sum(int(line.split("preempting ")[1].split()[0]) for line in lines) == 1, (rooms, story)
     finally:
         for worker in workers:
             worker.stop()

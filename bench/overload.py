@@ -259,6 +259,7 @@ def start_sluice(args: argparse.Namespace, setup: str, exits: contextlib.ExitSta
         if time.monotonic() > deadline:
             raise RuntimeError(f"the load monitor published nothing in 30 s; see {tmp / 'monitor.log'}")
         time.sleep(0.5)
+    front.logs = [worker.log_path]  # where the sweep (it runs on the worker) says what it requeued
     say(f"  {setup}: web {api}, worker {worker.worker_key}")
     return front
 
@@ -647,11 +648,26 @@ def start(args: argparse.Namespace, setup: str, exits: contextlib.ExitStack) -> 
     return start_sluice(args, setup, exits, tmp)
 
 
+# The sweep's line for a running request whose worker it found dead (its heartbeat older than
+# SLUICE_WORKER_DEAD_AFTER_S): under load, a live worker declared dead is a bug of its own.
+DECLARED_DEAD = "requeued: its worker died while running it"
+
+
+def declared_dead(front: SluiceFront | VllmFront) -> int | None:
+    """Requests the sweep has taken back from a worker it found dead so far (None: not Sluice)."""
+    logs = getattr(front, "logs", None)
+    if logs is None:
+        return None
+    return sum(path.read_text(errors="replace").count(DECLARED_DEAD) for path in logs if path.exists())
+
+
 def run_setup(front: SluiceFront | VllmFront, args: argparse.Namespace, knee: dict, prompts: Prompts) -> dict:
     phases = [(name, factor * knee["rate"], seconds * args.scale) for name, factor, seconds in PHASES]
     batch_rate = batch_rate_at(args, knee["rate"])
     say(f"  phases {', '.join(f'{n} {r:.2f}/s x {s:.0f}s' for n, r, s in phases)}; batch {batch_rate:.3f} jobs/s")
+    dead_before = declared_dead(front)
     run = run_load(front, args, prompts, phases, batch_rate, first=0)
+    dead = None if dead_before is None else declared_dead(front) - dead_before
     tokens = vllm_tokens(run) if isinstance(front, VllmFront) else sluice_tokens(front, run)
     rows, total = summarise(run, tokens), totals(tokens)
     questions = [{"number": q.number, "kind": q.kind, "phase": q.phase, "arrived": q.arrived, "outcome": q.outcome,
@@ -659,7 +675,7 @@ def run_setup(front: SluiceFront | VllmFront, args: argparse.Namespace, knee: di
                  for q in run.questions + run.batch]
     sent = {"realtime": lengths([q.prompt_tokens for q in run.questions if q.prompt_tokens is not None]),
             "batch": lengths([q.prompt_tokens for q in run.batch if q.prompt_tokens is not None])}
-    return {"batch_rate": batch_rate, "prompt_tokens": sent, "phases": rows, "totals": total,
+    return {"batch_rate": batch_rate, "prompt_tokens": sent, "phases": rows, "totals": total, "declared_dead": dead,
             "goals": goals(rows, total, knee), "samples": run.samples, "questions": questions}
 
 
@@ -734,6 +750,9 @@ def table(args: argparse.Namespace, knee: dict, results: dict[str, dict]) -> Non
             f"spike answers within SLO/s = {'-' if ratio is None else f'{ratio:.2f}'} x knee "
             f"(>= 0.90: {mark(g['goodput_met'])}); wasted {g['wasted_pct']:.2f}% (< 1%: {mark(g['wasted_met'])}); "
             f"batch in the spike {g['spike_batch_tokens_per_s']:.0f} tok/s (> 0: {mark(g['batch_met'])})")
+        if result.get("declared_dead") is not None:
+            say(f"  requests requeued from a worker the sweep declared dead: {result['declared_dead']} "
+                f"(0: {mark(result['declared_dead'] == 0)})")
 
 
 def mark(ok: bool) -> str:

@@ -34,6 +34,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from prompts import question_prompt  # noqa: F401  (bench/bulk.py takes the short question from here)
@@ -198,6 +199,7 @@ class SluiceFront:
         # then every poll_s; without follow_hints it polls every poll_s from the start.
         self.follow_hints = follow_hints
         self.database_url = database_url  # the platform's (scratch) database: rows by their tag
+        self.logs: list[Path] | None = None  # the worker's log, where the sweep says what it requeued
         self.deadline, self.slo_s, self.poll_s = deadline, slo_s, poll_s
         self.rt_tokens, self.batch_tokens, self.batch_deadline_s = rt_tokens, batch_tokens, batch_deadline_s
         self._sampler = Http(api, {"Authorization": f"Bearer {admin_key}"})

@@ -124,33 +124,45 @@ class WorkerProcess:
 
     def __init__(self, env: dict[str, str], redis_url: str, tmp: Path, role: str = "all",
                  ready_timeout: float = 60, model: str | None = None, concurrency: int = 64,
-                 wrap: tuple[str, ...] = ()) -> None:
+                 wrap: tuple[str, ...] = (), wait: bool = True) -> None:
         """``wrap``: a command the worker runs under, which must exec it in place (the fault suite's
-        ``ip netns exec <host>``, so that the worker is a process of another network namespace)."""
+        ``ip netns exec <host>``, so that the worker is a process of another network namespace).
+        ``wait=False``: return once it is spawned; ``wait_ready()`` then waits for its warm engine
+        (``start_all`` starts several at once that way)."""
         self.redis = redis_lib.Redis.from_url(redis_url, decode_responses=True)
         self.role = role
         self.log_path = tmp / f"worker-{role}-{uuid.uuid4().hex[:6]}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        before = set(self.redis.keys(WORKER_PREFIX + "*"))
+        # Celery's node name; the worker's heartbeat key starts with it (workers/bootstrap.py).
+        self.name = f"{role}-{uuid.uuid4().hex[:6]}@test"
+        self._ready_timeout = ready_timeout
+        self._stopping = False
+        self.worker_key = ""
         self.proc = subprocess.Popen(
             [*wrap, *SLUICE, "worker", "--role", role, "--concurrency", str(concurrency),
-             "--name", f"{role}-{uuid.uuid4().hex[:6]}@test", *(["--model", model] if model else [])],
+             "--name", self.name, *(["--model", model] if model else [])],
             cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, stdout=self._log,
             stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=tied())
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Return once the worker's engine is warm (its first heartbeat); stop it and raise if it
+        exits first or takes longer than its ``ready_timeout``."""
         try:
-            self.worker_key = self._wait_ready(before, ready_timeout)
+            self.worker_key = self._wait_ready(self._ready_timeout)
         except BaseException:
             self.stop()
             raise
 
-    def _wait_ready(self, before: set[str], timeout: float) -> str:
+    def _wait_ready(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"worker exited early:\n{self.log_path.read_text()[-3000:]}")
-            new = set(self.redis.keys(WORKER_PREFIX + "*")) - before
-            if new:
-                return new.pop()
+            mine = self.redis.keys(f"{WORKER_PREFIX}{self.name}/*")
+            if mine:
+                return mine[0]
             time.sleep(0.2)
         raise RuntimeError(f"worker not warm after {timeout}s:\n{self.log_path.read_text()[-3000:]}")
 
@@ -173,10 +185,18 @@ class WorkerProcess:
         self.proc.wait(10)
         self.stop()
 
+    def begin_stop(self) -> None:
+        """SIGTERM the worker and return (``stop`` then waits for it, without a second SIGTERM,
+        which would hand back what it runs at once)."""
+        if not self._stopping and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+        self._stopping = True
+
     def stop(self) -> None:
         # The worker itself, as `sluice up` does: vLLM's engine core shares its group and
         # would abort every request on a SIGTERM of its own.
-        stop_process(self.proc, group=False)
+        stop_process(self.proc, group=False, signalled=self._stopping)
+        self._stopping = True
         if not self._log.closed:
             self._log.close()
             self.redis.close()
@@ -225,11 +245,40 @@ def tied() -> Callable[[], None] | None:
     return die_with_parent if threading.current_thread() is threading.main_thread() else None
 
 
-def stop_process(proc: subprocess.Popen, group: bool) -> None:
-    """SIGTERM (to ``proc`` alone, or its whole group), then SIGKILL to the group after 30 s."""
+def start_all(*workers: Callable[..., WorkerProcess]) -> list[WorkerProcess]:
+    """Start several workers at once and return them once every engine is warm: each is a
+    ``WorkerProcess`` class or partial taking ``wait=False``. Engines warm side by side, not one
+    after another (a vLLM worker takes ~15 s). Should one fail, every one is stopped."""
+    started: list[WorkerProcess] = []
+    try:
+        for make in workers:
+            started.append(make(wait=False))
+        for worker in started:
+            worker.wait_ready()
+    except BaseException:
+        stop_all(started)
+        raise
+    return started
+
+
+def stop_all(workers) -> None:
+    """Stop several workers at once: every one is told first, then each is waited for (a vLLM
+    worker takes ~5 s to stop; one after another, N take N times that)."""
+    workers = list(workers)
+    for worker in workers:
+        worker.begin_stop()
+    for worker in workers:
+        worker.stop()
+
+
+def stop_process(proc: subprocess.Popen, group: bool, signalled: bool = False) -> None:
+    """SIGTERM (to ``proc`` alone, or its whole group; not again if ``signalled``), then SIGKILL
+    to the group after 30 s."""
     if proc.poll() is not None:
         return
-    if group:
+    if signalled:
+        pass
+    elif group:
         os.killpg(proc.pid, signal.SIGTERM)
     else:
         os.kill(proc.pid, signal.SIGTERM)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 from conftest import BeatProcess, WorkerProcess, make_settings
 
+from launcher.harness import start_all, stop_all
 from web.schemas import worker_tag
 from web.services import services
 
@@ -15,10 +18,9 @@ def two_workers(database_url, redis_dbs, new_client, tmp_path):
 
     redis_url = redis_dbs()
     application = create_app(make_settings(database_url, redis_url))
-    workers = [WorkerProcess(database_url, redis_url, tmp_path) for _ in range(2)]
+    workers = start_all(*[partial(WorkerProcess, database_url, redis_url, tmp_path)] * 2)
     yield application, new_client(application), workers, redis_url
-    for worker in workers:
-        worker.stop()
+    stop_all(workers)
     services(application).redis.flushdb()
     services(application).db.dispose()
 
@@ -79,7 +81,6 @@ def test_affinity_never_puts_batch_work_on_a_realtime_worker(database_url, redis
                                     .get_json()["id"])
         assert realtime_turn["queue"] == "realtime.small" and role_of[node_of(realtime_turn)] == "realtime"
     finally:
-        for worker in workers:
-            worker.stop()
+        stop_all(workers)
         services(application).redis.flushdb()
         services(application).db.dispose()

@@ -9,12 +9,14 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
 from conftest import ApiClient, WorkerProcess, admitted_once_idle, make_settings
 from sqlalchemy import select
 
 from core.admission.load import room_key
+from launcher.harness import start_all, stop_all
 from models import InferenceRequest, Status
 from web.services import services
 from workers.engines.base import StepSample
@@ -423,8 +425,8 @@ def test_one_queued_realtime_request_makes_one_of_two_full_workers_yield(databas
 
     env = {**CPU, "SLUICE_WORKER_REALTIME_THREADS": "0"}
     application = create_app(make_settings(database_url, scratch_redis_url, env))
-    workers = [WorkerProcess(database_url, scratch_redis_url, tmp_path, concurrency=8, extra_env=env)
-               for _ in range(2)]
+    workers = start_all(*[partial(WorkerProcess, database_url, scratch_redis_url, tmp_path, concurrency=8,
+                                  extra_env=env)] * 2)
     try:
         client = new_client(application)
         for worker in workers:
@@ -447,8 +449,7 @@ def test_one_queued_realtime_request_makes_one_of_two_full_workers_yield(databas
                         for line in logs.splitlines() if "preempting " in line)
         assert preempted == 1, [line for line in logs.splitlines() if "preempting " in line]
     finally:
-        for worker in workers:
-            worker.stop()
+        stop_all(workers)
         services(application).db.dispose()
 
 

@@ -22,6 +22,7 @@ from sqlalchemy import text
 from core.admission.load import LoadLevel, write_level
 from core.broker.queues import queue_length
 from core.jobs.feeder import Feeder
+from launcher.harness import stop_all
 from web import create_app
 from web.services import services
 
@@ -88,8 +89,7 @@ def bulk(database_url, redis_dbs, tmp_path_factory):
     state.workers.append(WorkerProcess(database_url, redis_url, tmp, extra_env=ENV, concurrency=32))
     with feeder_running(app):
         yield state
-    for worker in state.workers:
-        worker.stop()
+    stop_all(state.workers)
     # No job of this module is left for another test's feeder (the database is shared).
     state.sql("UPDATE jobs SET status = 'cancelled' WHERE status IN ('in_progress', 'finalizing', 'cancelling')")
     services(app).db.dispose()

@@ -11,6 +11,7 @@ from sqlalchemy import func, select
 
 from core.admission.load import SNAPSHOT_PREFIX, ClassLoad, LoadLevel, counters_key, write_level
 from core.rediskeys import LOAD_LEVEL_KEY
+from launcher.harness import stop_all
 from models import InferenceRequest, Priority, Status
 from web.services import services
 from workers.monitor import LevelPolicy, Monitor
@@ -46,8 +47,7 @@ def slow_stack(database_url, scratch_redis_url, new_client, tmp_path):
         return worker
 
     yield application, new_client(application), start_worker
-    for worker in workers:
-        worker.stop()
+    stop_all(workers)
     services(application).db.dispose()
 
 

@@ -12,6 +12,7 @@ simulated engine); the SDK talks to the app in-process.
 from __future__ import annotations
 
 import uuid
+from functools import partial
 
 import httpx
 import pytest
@@ -23,6 +24,7 @@ from test_promise import publish
 from core.admission.load import LoadLevel, write_level
 from core.settings import Settings
 from launcher.database import create_key
+from launcher.harness import start_all, stop_all
 from models import InferenceRequest
 from web import create_app
 from web.openai import patience
@@ -44,12 +46,12 @@ def stack(database_url, redis_dbs, tmp_path_factory):
     app = create_app(make_settings(database_url, redis_url, ENV))
     workers = []
     try:
-        workers.append(WorkerProcess(database_url, redis_url, tmp, extra_env=ENV, concurrency=8))
-        workers.append(WorkerProcess(database_url, redis_url, tmp, extra_env=ENV, model=EMBED_MODEL, concurrency=8))
+        workers += start_all(partial(WorkerProcess, database_url, redis_url, tmp, extra_env=ENV, concurrency=8),
+                             partial(WorkerProcess, database_url, redis_url, tmp, extra_env=ENV, model=EMBED_MODEL,
+                                     concurrency=8))
         yield app, redis_url
     finally:
-        for worker in workers:
-            worker.stop()
+        stop_all(workers)
         services(app).db.dispose()
         redis_dbs.release(redis_url)
 

@@ -15,6 +15,7 @@ import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from functools import partial
 
 import httpx
 import pytest
@@ -26,7 +27,7 @@ from test_vllm_engine import MODEL, tiny_model, vllm_env  # noqa: F401 - fixture
 from core.settings import Settings
 from core.tenants.manage import update_tenant
 from launcher.database import create_key
-from launcher.harness import WebProcess
+from launcher.harness import WebProcess, start_all, stop_all
 from models import Database, InferenceRequest, Tenant
 from web import create_app
 from web.services import services
@@ -50,8 +51,9 @@ def sluice(database_url, redis_dbs, vllm_env, tiny_model, tmp_path_factory):  # 
     tmp = tmp_path_factory.mktemp("openai")
     env = {**vllm_env, "SLUICE_EMBED_MODEL": EMBED_MODEL, "SLUICE_EMBED_MODEL_PATH": str(tiny_model),
            "SLUICE_EMBED_DIMENSIONS": "128", "SLUICE_PRICES": f"{MODEL}={PRICES}"}
-    worker = WorkerProcess(database_url, redis_url, tmp, extra_env=env, ready_timeout=300)
-    embedder = WorkerProcess(database_url, redis_url, tmp, extra_env=env, ready_timeout=300, model=EMBED_MODEL)
+    workers = start_all(partial(WorkerProcess, database_url, redis_url, tmp, extra_env=env, ready_timeout=300),
+                        partial(WorkerProcess, database_url, redis_url, tmp, extra_env=env, ready_timeout=300,
+                                model=EMBED_MODEL))
     web = WebProcess(service_env(database_url, redis_url, env), tmp)
     app = create_app(make_settings(database_url, redis_url, {**env, "SLUICE_FEEDER_INTERVAL_S": "0.2",
                                                              "SLUICE_JOB_INFLIGHT_PER_WORKER": "8"}))
@@ -60,8 +62,7 @@ def sluice(database_url, redis_dbs, vllm_env, tiny_model, tmp_path_factory):  # 
             yield web.url
     finally:
         web.stop()
-        embedder.stop()
-        worker.stop()
+        stop_all(workers)
         with services(app).db.session() as session:  # no batch of this module is left for another's feeder
             session.execute(text("UPDATE jobs SET status = 'cancelled' WHERE status IN ('in_progress', "
                                  "'finalizing', 'cancelling') AND tenant_id IN (SELECT id FROM tenants WHERE "

@@ -18,6 +18,7 @@ import uuid
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from functools import partial
 
 import pytest
 from conftest import ApiClient, BeatProcess, WorkerProcess, make_settings
@@ -34,6 +35,7 @@ from core.tenants.tiers import Limits
 from core.usage import refusals
 from core.usage.budgets import CHARGES_KEY
 from launcher.database import create_key
+from launcher.harness import start_all, stop_all
 from web.services import services
 
 MODELS = json.dumps([{"name": "m-one", "context_tokens": 8192}, {"name": "m-two", "context_tokens": 8192}])
@@ -96,14 +98,12 @@ def platform(database_url, redis_dbs, tmp_path, request):
 
     redis_url = redis_dbs()
     application = create_app(make_settings(database_url, redis_url, ENV))
-    first = WorkerProcess(database_url, redis_url, tmp_path, extra_env=ENV)
-    second = WorkerProcess(database_url, redis_url, tmp_path, extra_env=ENV, model="m-two")
+    workers = start_all(partial(WorkerProcess, database_url, redis_url, tmp_path, extra_env=ENV),
+                        partial(WorkerProcess, database_url, redis_url, tmp_path, extra_env=ENV, model="m-two"))
     beat = BeatProcess(database_url, redis_url, tmp_path)
-    workers = [first, second]
     yield application, redis_url, workers
     beat.stop()
-    for worker in workers:
-        worker.stop()
+    stop_all(workers)
     services(application).db.dispose()
 
 

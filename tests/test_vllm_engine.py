@@ -11,12 +11,14 @@ from __future__ import annotations
 import importlib.util
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import pytest
 from conftest import ROOT, TERMINAL, WorkerProcess, admitted_once_idle, make_settings, sse_events
 
 from core.admission.load import room_key
+from launcher.harness import start_all, stop_all
 from web.services import services
 
 # One process runs every module marked vllm, one after another, in a spread run (tests/conftest.py).
@@ -309,8 +311,8 @@ def test_one_queued_question_makes_one_of_two_full_vllm_workers_yield(database_u
     client = new_client(application)
     workers = []
     try:
-        workers = [WorkerProcess(database_url, redis_url, tmp_path, concurrency=4, extra_env=env,
-                                 ready_timeout=300) for i in range(2)]
+        workers = start_all(*[partial(WorkerProcess, database_url, redis_url, tmp_path, concurrency=4,
+                                      extra_env=env, ready_timeout=300)] * 2)
         for worker in workers:
             stats = worker.wait_stats(lambda s: s.get("engine_limit") == 4, timeout=120)
             assert stats.get("engine_limit") == 4, stats
@@ -338,7 +340,6 @@ def test_one_queued_question_makes_one_of_two_full_vllm_workers_yield(database_u
                                                   "requeued", "prefetch"))]
         assert sum(int(line.split("preempting ")[1].split()[0]) for line in lines) == 1, (rooms, story)
     finally:
-        for worker in workers:
-            worker.stop()
+        stop_all(workers)
         services(application).db.dispose()
         redis_dbs.release(redis_url)

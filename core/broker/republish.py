@@ -77,18 +77,21 @@ class Republisher:
             self._wake.set()
 
     def _run(self) -> None:
-        delay = FIRST_RETRY_S
+        delay, failing = FIRST_RETRY_S, False
         while True:
             self._wake.wait(delay)
             self._wake.clear()
             time.sleep(FIRST_RETRY_S)  # a burst's failures arrive together: publish them in one go
             cutoff = self._clock() - self._give_up_s
             with self._lock:
-                for stale in [r for r in self._rows.values() if r.since < cutoff]:
-                    del self._rows[stale.id]
+                stale = [r for r in self._rows.values() if r.since < cutoff]
+                for row in stale:
+                    del self._rows[row.id]
                 batch = list(self._rows.values())
+            if stale:
+                log.warning("%d unpublished rows left to the sweep (older than %.0fs)", len(stale), self._give_up_s)
             if not batch:
-                delay = MAX_BACKOFF_S  # idle: wait to be woken
+                delay, failing = MAX_BACKOFF_S, False  # idle: wait to be woken
                 continue
             done = 0
             try:
@@ -96,11 +99,12 @@ class Republisher:
                     self._publish([row])
                     done += 1
             except Exception as exc:
-                log.info("republish failed (%s); %d rows wait, next try in %.1fs",
-                         type(exc).__name__, len(batch) - done, min(MAX_BACKOFF_S, delay * 2))
-                delay = min(MAX_BACKOFF_S, delay * 2)
+                if not failing:  # once per outage, not once per try
+                    log.warning("publishing again failed (%s); %d rows wait, retrying every %.0fs at most",
+                                type(exc).__name__, len(batch) - done, MAX_BACKOFF_S)
+                delay, failing = min(MAX_BACKOFF_S, delay * 2), True
             else:
-                delay = FIRST_RETRY_S
+                delay, failing = FIRST_RETRY_S, False
             with self._lock:
                 for row in batch[:done]:
                     self._rows.pop(row.id, None)

@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -69,6 +70,10 @@ STALLED_TTL_S = 86400
 STEP_GRACE = 4.0
 # ... and an engine that says it is working on one, this many times more.
 HUNG_FACTOR = 10.0
+# "Working" is the engine using the CPU in any round of the watchdog within this long: on a host
+# whose CPUs other processes take, a working engine may go a heartbeat without any. A stopped one
+# uses none for far longer than this.
+BUSY_WINDOW_S = 5.0
 # Sequences of the warm-up burst that shows the step curve's slope before the first request.
 WARMUP_BURST = 16
 # Words of the warm-up prompts that show the price of a prompt token before the first request.
@@ -601,9 +606,9 @@ class EngineRuntime:
     def _check_progress(self, stalled_s: float, busy: bool | None) -> None:
         """The engine has work scheduled and took no step for ``stalled_s``: exit if it is hung.
 
-        Slow is not hung: while the engine says it is working on a step (``busy``, from
-        ``Engine.busy`` over the watchdog's last round: a step under way, its process using the
-        CPU) the watchdog waits, up to ``HUNG_FACTOR`` times longer, and the limit is the longer of
+        Slow is not hung: while the engine says it is working on a step (``busy``: ``Engine.busy``
+        in any of the watchdog's rounds within ``BUSY_WINDOW_S``, its processes using the CPU) the
+        watchdog waits, up to ``HUNG_FACTOR`` times longer, and the limit is the longer of
         ``watchdog_s`` and ``STEP_GRACE`` times the slowest step seen lately, so a saturated or
         CPU-starved engine never trips it. An engine that
         works on nothing (a hung engine-core process) is restarted after ``watchdog_s``."""
@@ -745,6 +750,7 @@ class EngineRuntime:
         ``watchdog_s``), and does an engine with work scheduled still take steps? Exit if not
         (``_die``): the process manager restarts the worker and the sweep requeues its requests."""
         last_steps, last_progress = -1, time.monotonic()
+        last_busy = -math.inf  # when the engine was last seen using the CPU
         while not self._stop.wait(self._heartbeat_s):
             answered = threading.Event()
             try:
@@ -759,6 +765,10 @@ class EngineRuntime:
                 # passed the patience, its first answer (None: no interval yet) let the first stall
                 # of a busy vLLM engine core kill the worker.
                 busy = self.engine.busy()
+                if busy:
+                    last_busy = time.monotonic()
+                elif busy is not None:
+                    busy = time.monotonic() - last_busy <= BUSY_WINDOW_S
                 scheduled = self._in_flight or engine_stats.running + engine_stats.waiting > 0
                 if engine_stats.steps != last_steps or not scheduled:
                     last_steps, last_progress = engine_stats.steps, time.monotonic()

@@ -14,6 +14,7 @@ Engine statistics come from a stat logger that vLLM calls on the event loop afte
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import mmap
 import os
@@ -319,7 +320,7 @@ class VllmEngine(Engine):
         self._prefix_queries = self._prefix_hits = 0
         self._kv_usage = 0.0
         self._last_record: float | None = None
-        self._core_cpu_s: float | None = None
+        self._core_cpu_s: dict[int, float] | None = None  # CPU seconds per engine process, last read
         self._cap: _PrefillCap | None = None
 
     async def start(self) -> None:
@@ -492,12 +493,18 @@ class VllmEngine(Engine):
         try:
             import psutil
 
-            me = psutil.Process()
-            used = sum(sum(child.cpu_times()[:2]) for child in me.children(recursive=True))
+            used = {}
+            for child in psutil.Process().children(recursive=True):
+                with contextlib.suppress(psutil.Error):  # one that exited meanwhile
+                    used[child.pid] = sum(child.cpu_times()[:2])
         except Exception:
             return None
         before, self._core_cpu_s = self._core_cpu_s, used
-        return None if before is None else used > before + 0.01
+        if before is None:
+            return None
+        # Per process: a helper that exited takes its CPU time out of any sum (a compile's worker
+        # processes, say), and a new one is work started.
+        return any(pid not in before or seconds > before[pid] + 0.01 for pid, seconds in used.items())
 
     async def shutdown(self) -> None:
         llm, self._llm = self._llm, None

@@ -335,6 +335,14 @@ class BeatProcess(harness.BeatProcess):
                                                                "SLUICE_DATA_DIR": str(tmp / "beat-data")}), tmp)
 
 
+def assert_alive(*workers: harness.WorkerProcess) -> None:
+    """Fail now, with its log's tail, if a worker a module shares died in an earlier test (nothing
+    restarts it there): each test after it would otherwise wait out its deadline."""
+    for worker in workers:
+        assert worker.proc.poll() is None, (f"worker exited {worker.proc.returncode}:\n"
+                                            + worker.log_path.read_text()[-2000:])
+
+
 @pytest.fixture(scope="session")
 def worker(database_url, redis_url, tmp_path_factory) -> Iterator[WorkerProcess]:
     proc = WorkerProcess(database_url, redis_url, tmp_path_factory.mktemp("worker"))

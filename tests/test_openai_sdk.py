@@ -19,7 +19,7 @@ from functools import partial
 
 import httpx
 import pytest
-from conftest import TERMINAL, WorkerProcess, feeder_running, make_settings, service_env
+from conftest import TERMINAL, WorkerProcess, assert_alive, feeder_running, make_settings, service_env
 from constrained import CLOCK, PERSON, WEATHER
 from sqlalchemy import func, select, text
 from test_vllm_engine import MODEL, tiny_model, vllm_env  # noqa: F401 - fixtures shared with that module
@@ -44,9 +44,10 @@ PRICES = "2/1/8"  # USD per million input / cached input / output tokens
 
 
 @pytest.fixture(scope="module")
-def sluice(database_url, redis_dbs, vllm_env, tiny_model, tmp_path_factory):  # noqa: F811 - fixtures imported above
+def sluice_stack(database_url, redis_dbs, vllm_env, tiny_model, tmp_path_factory):  # noqa: F811 - fixtures imported above
     """One web, one vLLM worker and one vLLM embedding worker (the same tiny Llama, run by vLLM's
-    pooling runner as a decoder embedding model is) for the module; yields the web's base URL."""
+    pooling runner as a decoder embedding model is) for the module; yields the web's base URL and
+    the workers."""
     redis_url = redis_dbs()
     tmp = tmp_path_factory.mktemp("openai")
     env = {**vllm_env, "SLUICE_EMBED_MODEL": EMBED_MODEL, "SLUICE_EMBED_MODEL_PATH": str(tiny_model),
@@ -59,7 +60,7 @@ def sluice(database_url, redis_dbs, vllm_env, tiny_model, tmp_path_factory):  # 
                                                              "SLUICE_JOB_INFLIGHT_PER_WORKER": "8"}))
     try:
         with feeder_running(app):  # batches run too, as `sluice monitor` would feed them
-            yield web.url
+            yield web.url, workers
     finally:
         web.stop()
         stop_all(workers)
@@ -69,6 +70,15 @@ def sluice(database_url, redis_dbs, vllm_env, tiny_model, tmp_path_factory):  # 
                                  "name LIKE 'sdk-%')"))
         services(app).db.dispose()
         redis_dbs.release(redis_url)
+
+
+@pytest.fixture
+def sluice(sluice_stack) -> str:
+    """The web's base URL, once its workers are known alive: a worker that died in an earlier test
+    (nothing restarts it here) fails the tests after it at once, not each on its deadline."""
+    url, workers = sluice_stack
+    assert_alive(*workers)
+    return url
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TERMINAL, WorkerProcess, admitted_once_idle, make_settings, sse_events
+from conftest import ROOT, TERMINAL, WorkerProcess, admitted_once_idle, assert_alive, make_settings, sse_events
 
 from core.admission.load import room_key
 from launcher.harness import start_all, stop_all
@@ -62,6 +62,7 @@ def vllm_stack(database_url, redis_dbs, vllm_env, tmp_path_factory):
 
 @pytest.fixture
 def api(vllm_stack, new_client):
+    assert_alive(vllm_stack[1])
     return new_client(vllm_stack[0])
 
 

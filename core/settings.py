@@ -150,7 +150,8 @@ class Settings:
     worker_watchdog_s: float = _field(
         "SLUICE_WORKER_WATCHDOG_S", 30.0,
         "A worker whose engine loop does not answer, or whose engine takes no step with work scheduled, this "
-        "long (or 4 × its slowest recent step if longer; 10 × that while the engine is busy on a step) exits "
+        "long (or 4 × its slowest recent step if longer; 10 × that while the engine is busy on a step: its "
+        "processes used the CPU within the last 5 s) exits "
         "(status 70) to be restarted; its requests are requeued.")
     worker_concurrency: int | None = _field(
         "SLUICE_WORKER_CONCURRENCY", None,

@@ -177,22 +177,30 @@ def test_realtime_overtakes_queued_batch_work(api, engine):
     # is off by the claim's round trip (a few ms to tens of ms on a loaded machine, per request):
     # 64 steps keep the order the assertion reads well clear of that noise.
     realtime = api.submit(prompt="urgent", max_tokens=64, ignore_eos=True, priority="realtime").get_json()["id"]
-    # A queued batch request starts when a filler ends: the preempted filler went back to the head
-    # of its queue and takes the slot the realtime request leaves. 6,000 steps took ~30 s on one
-    # host and over 60 s on a slower one: their wait is not what this test judges.
-    views = {realtime: api.wait(realtime, timeout=60), **{i: api.wait(i, timeout=900) for i in queued_batch}}
-    assert {v["status"] for v in views.values()} == {"succeeded"}
-    assert "preempting" in engine.log_path.read_text()
+    views = {realtime: api.wait(realtime, timeout=60)}
+    assert views[realtime]["status"] == "succeeded", views[realtime]
+    log = engine.log_path.read_text()
+    assert "preempting" in log
+    # The preempted filler was requeued, not lost: it went back to the head of its queue and takes
+    # the slot the realtime request left, with no attempt spent.
+    preempted = [i for i in fill if any(i in line for line in log.splitlines() if "handed back: preempted" in line)]
+    assert len(preempted) == 1, preempted
+    again = api.wait(preempted[0], statuses={"running", *TERMINAL})
+    assert again["status"] == "running" and again["attempts"] == 1, again
+    # The fillers have shown what they were for: cancelled now, the queued batch requests start at
+    # once rather than 6,000 steps on (minutes on a loaded host, past the default time limit).
+    for request_id in fill:
+        api.cancel(request_id)
+    views.update({i: api.wait(i, timeout=120) for i in queued_batch})
+    assert {v["status"] for v in views.values()} == {"succeeded"}, views
     first_token = {i: v["timings"]["first_token_at"] for i, v in views.items()}
     assert all(first_token[realtime] < first_token[i] for i in queued_batch), "; ".join(
         f"{name}: started {views[i]['timings']['started_at'][11:23]} first token {first_token[i][11:23]} "
         f"finished {views[i]['timings']['finished_at'][11:23]}"
         for name, i in sorted([*(("queued batch", i) for i in queued_batch), ("realtime", realtime)],
                               key=lambda named: first_token[named[1]]))
-    # The preempted filler was requeued, not lost: every filler runs to its end.
-    fillers = [api.wait(i, timeout=900) for i in fill]
-    assert {v["status"] for v in fillers} == {"succeeded"}, fillers
-    assert {v["usage"]["output_tokens"] for v in fillers} == {6000, 6100, 6200, 6300}
+    fillers = [api.wait(i) for i in fill]
+    assert {v["status"] for v in fillers} == {"cancelled"}, fillers
 
 
 def test_a_stream_relays_vllm_tokens_and_leaving_it_aborts_the_request(api, engine):
@@ -208,15 +216,18 @@ def test_a_stream_relays_vllm_tokens_and_leaving_it_aborts_the_request(api, engi
     assert done["status"] == "succeeded" and done["usage"]["output_tokens"] == 24
     assert "".join(t["text"] for t in tokens) == done["output"]["text"]
     # A client that leaves mid-stream: vLLM aborts the sequence and frees its KV.
-    response = api.http.post("/v1/requests", json={"prompt": "nobody reads this", "max_tokens": 6000,
-                                                   "ignore_eos": True, "stream": True},
+    # Long enough that the client leaves mid-way anywhere; a deadline no engine speed refuses it by
+    # (6,000 tokens on the default 300 s were refused on a host the suite slowed down).
+    response = api.http.post("/v1/requests", json={"prompt": "nobody reads this", "max_tokens": 2000,
+                                                   "ignore_eos": True, "stream": True, "deadline_s": 3600},
                              headers=api.headers, buffered=False)
+    assert response.status_code == 200, response.get_data(as_text=True)
     chunks, seen = iter(response.response), b""
     while b"event: token" not in seen:
         seen += next(chunks)
     response.close()
     view = api.wait(sse_events([seen])[0][1]["id"], timeout=60)
-    assert view["status"] == "cancelled" and view["usage"]["output_tokens"] < 6000
+    assert view["status"] == "cancelled" and view["usage"]["output_tokens"] < 2000
     stats = engine.wait_stats(lambda s: s["kv_used_tokens"] == 0 and s["running"] == 0)
     assert stats["kv_used_tokens"] == 0 and stats["running"] == 0
 

@@ -183,6 +183,9 @@ def test_a_burst_with_long_prompts_beside_batch_documents_keeps_the_promise(stac
     assert {r.status for r in ended(application, [r.get_json()["id"] for r in batch])} == {Status.SUCCEEDED}
 
 
+HOGS_S = 20.0  # five times the tests' 4 s dead-after
+
+
 def test_a_saturated_worker_on_a_busy_host_is_never_taken_for_dead(stack, api):
     """The engine busy with long work and a process spinning on the host's CPUs: the worker's
     heartbeat key (which the sweep reads: gone means dead, its requests requeued) is there at
@@ -190,31 +193,37 @@ def test_a_saturated_worker_on_a_busy_host_is_never_taken_for_dead(stack, api):
     application, worker = stack
     worker.wait_stats(lambda s: s.get("in_flight") == 0, timeout=120)
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    missing, looks, stop = [], 0, threading.Event()
+
+    def watch() -> None:
+        nonlocal looks
+        while not stop.is_set():
+            looks += 1
+            if not worker.redis.exists(worker.worker_key):
+                missing.append(time.monotonic())
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=watch, daemon=True)
     try:
-        # Four, not eight: the hogs spin as long as the work lasts, and in a spread run they slow
-        # every other process too (eight took 102 s there on a 2-core AMD EPYC VM). Four take 17 s
-        # on that host idle: still four times the 4 s after which a silent worker counts as dead.
+        # Four take 17 s on a 2-core AMD EPYC VM idle, four times the 4 s after which a silent
+        # worker counts as dead. The hogs spin for HOGS_S at most, not as long as the work lasts:
+        # in a spread run the work took 130 s, and two hogs spinning that long took 260 CPU
+        # seconds from every other test process.
         ids = [api.submit(prompt=prompt_of(1000, 300 + i), max_tokens=100, ignore_eos=True,
                           priority="batch").get_json()["id"] for i in range(4)]
-        missing, looks, stop = [], 0, threading.Event()
-
-        def watch() -> None:
-            nonlocal looks
-            while not stop.is_set():
-                looks += 1
-                if not worker.redis.exists(worker.worker_key):
-                    missing.append(time.monotonic())
-                time.sleep(0.1)
-
-        watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
-        rows = ended(application, ids, timeout=600)
-        stop.set()
-        watcher.join(5)
+        hogged = time.monotonic() + HOGS_S
+        while time.monotonic() < hogged and not all(r.status.terminal for r in ended(application, ids, 0)):
+            time.sleep(0.5)
     finally:
         for hog in hogs:
             hog.kill()
             hog.wait()
+    try:
+        rows = ended(application, ids, timeout=600)
+    finally:
+        stop.set()
+        watcher.join(5)
     assert looks > 0 and not missing, f"the heartbeat key was gone at {len(missing)} of {looks} looks"
     assert {r.status for r in rows} == {Status.SUCCEEDED}, [r.status for r in rows]
     assert max(r.attempts for r in rows) == 1, "nothing was requeued"

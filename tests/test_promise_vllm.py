@@ -219,11 +219,14 @@ def test_a_saturated_worker_on_a_busy_host_is_never_taken_for_dead(stack, api):
         for hog in hogs:
             hog.kill()
             hog.wait()
-    try:
-        rows = ended(application, ids, timeout=600)
-    finally:
-        stop.set()
-        watcher.join(5)
+    stop.set()
+    watcher.join(5)
     assert looks > 0 and not missing, f"the heartbeat key was gone at {len(missing)} of {looks} looks"
-    assert {r.status for r in rows} == {Status.SUCCEEDED}, [r.status for r in rows]
+    # What the window was for is shown: the rest of the work is cancelled, not waited for (in a
+    # spread run it went on for 88 s after the hogs stopped, on the suite's longest lane). Each
+    # request ended succeeded or cancelled, on its first attempt: none was requeued.
+    for request_id in ids:
+        api.cancel(request_id)
+    rows = ended(application, ids, timeout=120)
+    assert {r.status for r in rows} <= {Status.SUCCEEDED, Status.CANCELLED}, [r.status for r in rows]
     assert max(r.attempts for r in rows) == 1, "nothing was requeued"

@@ -196,7 +196,6 @@ class WorkerProcess:
         # The worker itself, as `sluice up` does: vLLM's engine core shares its group and
         # would abort every request on a SIGTERM of its own.
         stop_process(self.proc, group=False, signalled=self._stopping)
-        self._stopping = True
         if not self._log.closed:
             self._log.close()
             self.redis.close()
@@ -276,12 +275,8 @@ def stop_process(proc: subprocess.Popen, group: bool, signalled: bool = False) -
     to the group after 30 s."""
     if proc.poll() is not None:
         return
-    if signalled:
-        pass
-    elif group:
-        os.killpg(proc.pid, signal.SIGTERM)
-    else:
-        os.kill(proc.pid, signal.SIGTERM)
+    if not signalled:
+        (os.killpg if group else os.kill)(proc.pid, signal.SIGTERM)
     try:
         proc.wait(30)
     except subprocess.TimeoutExpired:

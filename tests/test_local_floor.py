@@ -90,11 +90,16 @@ def test_floor_engages_when_redis_stops_and_disengages_when_it_restarts(own_redi
     # process publishes it itself once Redis is back, without waiting for the sweep's grace.
     # Nothing accepted is lost.
     republisher = services(application).requests.republisher
-    deadline = time.monotonic() + 10
-    while not enqueued(application, during.get_json()["id"]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert enqueued(application, during.get_json()["id"]), republisher.pending()
+    assert all_enqueued(application, [during.get_json()["id"]]), republisher.pending()
     assert republisher.published >= 1 and republisher.pending() == 0
+
+
+def all_enqueued(application, request_ids: list[str], timeout_s: float = 10) -> bool:
+    """Whether every one of ``request_ids`` is published (enqueued_at stamped) within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not all(enqueued(application, i) for i in request_ids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return all(enqueued(application, i) for i in request_ids)
 
 
 def enqueued(application, request_id: str) -> bool:
@@ -123,8 +128,5 @@ def test_a_frozen_redis_costs_a_timeout_not_a_hang(own_redis, isolated_app, new_
         os.kill(pid, signal.SIGCONT)
     back_on_shared_limits(client, admission, tenant_id)
     # The frozen submits were committed, not published; the web process publishes them itself.
-    deadline = time.monotonic() + 10
     frozen = [r.get_json()["id"] for r in responses[1:]]
-    while not all(enqueued(application, i) for i in frozen) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert all(enqueued(application, i) for i in frozen), services(application).requests.republisher.pending()
+    assert all_enqueued(application, frozen), services(application).requests.republisher.pending()

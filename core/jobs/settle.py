@@ -52,12 +52,12 @@ class Settler:
         for job in jobs.values():
             if job.status in (JobStatus.IN_PROGRESS, JobStatus.FINALIZING) and self._past_window(job):
                 self._expire(job)
-            elif job.status == JobStatus.CANCELLING and job.id not in running_jobs:
+            elif job.status == JobStatus.CANCELLING and not self._running(job, running_jobs):
                 self._finish(job, JobStatus.CANCELLED)
             elif job.status == JobStatus.IN_PROGRESS and not self._has_pending(job):
-                status = JobStatus.FINALIZING if job.id in running_jobs else self._outcome(job)
+                status = JobStatus.FINALIZING if self._running(job, running_jobs) else self._outcome(job)
                 self._finish(job, status)
-            elif job.status == JobStatus.FINALIZING and job.id not in running_jobs:
+            elif job.status == JobStatus.FINALIZING and not self._running(job, running_jobs):
                 self._finish(job, self._outcome(job))
 
     def _past_window(self, job: Job) -> bool:
@@ -70,6 +70,16 @@ class Settler:
         with self.db.session() as session:
             return bool(session.scalar(select(exists().where(JobItem.job_id == job.id,
                                                              JobItem.status == ItemStatus.PENDING))))
+
+    def _running(self, job: Job, running_jobs: set[uuid.UUID]) -> bool:
+        """Whether an item of ``job`` runs: seen so this tick, or running in its row now. A stale
+        leader (one whose lease lapsed mid-tick) can start an item after this tick read the running
+        ones; settling from the tick's read alone would fail a job whose item had just started."""
+        if job.id in running_jobs:
+            return True
+        with self.db.session() as session:
+            return bool(session.scalar(select(exists().where(JobItem.job_id == job.id,
+                                                             JobItem.status == ItemStatus.RUNNING))))
 
     def _outcome(self, job: Job) -> JobStatus:
         with self.db.session() as session:

@@ -43,7 +43,7 @@ def test_a_request_that_cannot_finish_in_time_is_refused_at_once(promising):
     elapsed = time.perf_counter() - began
     error = envelope(response, 503, "overloaded")
     assert error["details"] == {"gate": "global", "reason": "deadline", "estimated_wait_s": 50.0,
-                                "estimated_from": "monitor"}
+                                "estimated_from": "monitor", "estimated_run_s": 2.0}
     # Retry when the queue has drained by the excess: 50 s wait + 2 s of its own − 30 s.
     assert int(response.headers["Retry-After"]) == math.ceil(50 + 100 / 50 - 30) == 22
     standard = services(application).settings.tiers["standard"]
@@ -165,7 +165,7 @@ def test_without_the_monitor_the_live_workers_figures_keep_the_promise(promising
         refused = client.submit(prompt="a burst with the monitor dead", max_tokens=100)
         details = envelope(refused, 503, "overloaded")["details"]
         assert details == {"gate": "global", "reason": "deadline", "estimated_wait_s": 40.0,
-                           "estimated_from": "workers"}
+                           "estimated_from": "workers", "estimated_run_s": 10.0}
         assert int(refused.headers["Retry-After"]) == 40 + 10 - 30
         # w2 stopped beating a minute ago: only w1's 50 tokens/s are left, the wait doubles.
         svc.redis.hset(capacity, "w2", f"{now_ms - 60_000} 50 12 0")
@@ -232,7 +232,11 @@ def test_a_request_whose_own_length_cannot_fit_is_refused_even_at_an_idle_engine
     client, worker = own_worker
     worker.wait_stats(lambda s: "engine_limit" in s)
     refused = client.submit(prompt="too long for its deadline", max_tokens=8000, deadline_s=1.5)
-    assert envelope(refused, 503, "overloaded")["details"]["reason"] == "deadline"
+    error = envelope(refused, 503, "overloaded")
+    assert error["details"]["reason"] == "deadline" and error["details"]["estimated_run_s"] > 1.5, error
+    # No queue to wait out: the refusal says the request alone is too long, and what would fit.
+    assert "even with nothing queued" in error["message"], error["message"]
+    assert f"at least {math.ceil(error['details']['estimated_run_s'])} s" in error["message"]
 
 
 def test_batch_work_is_promised_against_its_own_queue(promising):

@@ -142,7 +142,7 @@ class Admission:
             refusal = self.budgets.refusal(charges[verdict.budget - 1], verdict.budget_spent)
             refusal.headers = {**headers, **refusal.headers}
             raise refusal
-        raise _rejection(verdict, limits, cost, too_large, headers)
+        raise _rejection(verdict, limits, cost, too_large, headers, plan.deadline_s)
 
     def _seeded(self, missing: Charge, *args, **kwargs) -> Verdict:
         """Seed a missing budget counter, then run the gates again (``_gates``' arguments)."""
@@ -159,7 +159,7 @@ class Admission:
             return
         metrics.REJECTIONS.labels(gate=verdict.gate, reason=verdict.reason).inc()
         log.info("refused early at the global gate: %s (%d tokens)", verdict.reason, plan.reserved_tokens)
-        raise _rejection(verdict, limits, plan.reserved_tokens, None, ratelimit_headers(verdict))
+        raise _rejection(verdict, limits, plan.reserved_tokens, None, ratelimit_headers(verdict), plan.deadline_s)
 
     def refuse_over_limits(self, tenant: Tenant) -> None:
         """Raise the tenant gate's 429 if it would refuse even the cheapest request (one token): its
@@ -278,12 +278,18 @@ def _seconds(ms: int) -> float | None:
     return ms / 1000 if ms >= 0 else None
 
 
-def _rejection(verdict: Verdict, limits: Limits, cost: int, too_large, headers: dict[str, str]) -> ApiError:
+def _rejection(verdict: Verdict, limits: Limits, cost: int, too_large, headers: dict[str, str],
+               deadline_s: float | None = None) -> ApiError:
     details = {"gate": verdict.gate, "reason": verdict.reason}
+    run_ms = -1
     if verdict.reason == "deadline":
         # estimated_from: "monitor" (its published rates) or "workers" (the monitor is away: the
         # capacity the live workers' heartbeats state).
         details.update(estimated_wait_s=verdict.wait_ms / 1000, estimated_from=verdict.basis)
+        if verdict.finish_ms >= 0 and verdict.wait_ms >= 0:
+            # Its own prefill and output at the engines' speed now, the wait apart.
+            run_ms = verdict.finish_ms - verdict.wait_ms
+            details["estimated_run_s"] = run_ms / 1000
     if verdict.gate == "request":
         limit, name, message = too_large
         return RequestTooLarge(message, headers=headers,
@@ -313,6 +319,12 @@ def _rejection(verdict: Verdict, limits: Limits, cost: int, too_large, headers: 
                         "retry when one of them finishes."),
     }
     message = messages[verdict.reason]
+    if deadline_s is not None and run_ms > deadline_s * 1000:
+        # No queue to wait out: the request alone outlasts its deadline (a long prompt's prefill,
+        # most often). Saying "retry" would only bring the same refusal; say what would fit.
+        message = (f"This request alone would take about {run_ms / 1000:.1f} s at the engines' speed now, "
+                   f"longer than its deadline of {deadline_s:g} s even with nothing queued; send a deadline_s "
+                   f"of at least {math.ceil(run_ms / 1000)} s, a shorter prompt or a smaller max_tokens.")
     if verdict.gate == "global":
         return Overloaded(message, headers=headers, details=details)
     code = "tenant_concurrency_limit" if verdict.reason == "concurrency" else None

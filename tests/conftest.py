@@ -43,6 +43,12 @@ PARALLEL = bool(os.environ.get("PYTEST_XDIST_WORKER"))
 # SLUICE_TEST_DURATIONS_OUT=tests/durations.json make test.
 DURATIONS_FILE = Path(__file__).with_name("durations.json")
 TERMINAL = {"succeeded", "failed", "timed_out", "cancelled", "expired", "rejected"}
+# Every vLLM engine the tests start: its OpenMP threads sleep when they wait instead of spinning.
+# A test's engine shares two cores with the platform, the load and (spread) three other test
+# processes; spinning there burned half its CPU. tests/test_vllm_engine.py beside two CPU hogs
+# on a 2-core Intel Xeon: 188 s and 211 CPU-seconds with libgomp's default spin, 110 s and 111
+# CPU-seconds with PASSIVE (2026-12-06).
+ENGINE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 # Fixtures of the admission tests (isolated apps on one shared, flushed Redis database).
 pytest_plugins = ("admission_support",)
 

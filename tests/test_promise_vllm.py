@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, ApiClient, WorkerProcess, make_settings
+from conftest import ENGINE_ENV, ROOT, ApiClient, WorkerProcess, make_settings
 from test_governor import wait_terminal
 
 from models import InferenceRequest, Status
@@ -52,7 +52,7 @@ def stack(database_url, redis_dbs, model_92m, tmp_path_factory):
            "SLUICE_VLLM_ENFORCE_EAGER": "1", "SLUICE_VLLM_DTYPE": "float32",
            "SLUICE_VLLM_KV_CACHE_BYTES": str(2**31), "SLUICE_VLLM_MAX_NUM_SEQS": "16",
            "SLUICE_VLLM_MAX_NUM_BATCHED_TOKENS": "2048", "SLUICE_WORKER_HEARTBEAT_S": "1",
-           "SLUICE_WORKER_DEAD_AFTER_S": "4", "SLUICE_TIME_LIMIT_S": "300"}
+           "SLUICE_WORKER_DEAD_AFTER_S": "4", "SLUICE_TIME_LIMIT_S": "300", **ENGINE_ENV}
     redis_url = redis_dbs()
     application = create_app(make_settings(database_url, redis_url, env))
     worker = WorkerProcess(database_url, redis_url, tmp_path_factory.mktemp("vllm92m"), extra_env=env,

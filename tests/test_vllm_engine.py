@@ -15,7 +15,16 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TERMINAL, WorkerProcess, admitted_once_idle, assert_alive, make_settings, sse_events
+from conftest import (
+    ENGINE_ENV,
+    ROOT,
+    TERMINAL,
+    WorkerProcess,
+    admitted_once_idle,
+    assert_alive,
+    make_settings,
+    sse_events,
+)
 
 from core.admission.load import room_key
 from launcher.harness import start_all, stop_all
@@ -42,7 +51,7 @@ def vllm_env(tiny_model) -> dict[str, str]:
         "SLUICE_MAX_CONTEXT_TOKENS": "16384", "SLUICE_LARGE_THRESHOLD_TOKENS": "32768",
         "SLUICE_VLLM_ENFORCE_EAGER": "1", "SLUICE_VLLM_DTYPE": "float32",
         "SLUICE_VLLM_KV_CACHE_BYTES": str(128 * 2**20), "SLUICE_VLLM_MAX_NUM_SEQS": "4",
-        "SLUICE_VLLM_MAX_NUM_BATCHED_TOKENS": "2048",
+        "SLUICE_VLLM_MAX_NUM_BATCHED_TOKENS": "2048", **ENGINE_ENV,
     }
 
 

@@ -130,7 +130,10 @@ class Platform:
                     child.proc, child.started_at, child.restart_at = self._start(child.name, child.argv, child.env), \
                         now, None
                 continue
-            if _is_worker(child) and child.proc.poll() is not None and _restartable(child):
+            # One poll per round: a worker that exits between two polls would otherwise pass the
+            # restart check as running and then be reported dead by the next line.
+            exited = child.proc.poll() is not None
+            if _is_worker(child) and exited and _restartable(child):
                 # Its watchdog found the engine stuck (exit 70), or Celery gave up after running a
                 # while (kombu's Redis transport can die on a broker restart): restart it, later
                 # each time it does so again; the sweep requeues (or fails) what it ran. A worker
@@ -144,7 +147,7 @@ class Platform:
                 say(f"worker exited {why}; restarting it in {delay:.0f}s ({child.restarts} restarts in a row)")
                 child.restart_at = now + delay
                 continue
-            if child.proc.poll() is not None:
+            if exited:
                 return _report(f"{child.name} exited unexpectedly (code {child.proc.returncode})", child.log)
         for service in self.services:
             if not service.running():

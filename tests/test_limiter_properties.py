@@ -226,6 +226,25 @@ def test_local_floor_rules():
     assert floor.admit("u", limits, 400, "realtime", too_large=False).admitted
 
 
+def test_a_class_the_promise_refused_stays_closed_on_the_floor_until_its_retry_after():
+    """The class the promise refused is refused on the floor until that refusal's Retry-After
+    (never longer than CLOSED_MAX_MS), and only that class."""
+    clock = [0.0]
+    floor = LocalFloor(tokens_per_minute=10_000, clock=lambda: clock[0])
+    limits = Limits(tokens_per_minute=6000, requests_per_minute=100, max_concurrent=10, max_request_tokens=4000)
+    floor.close("realtime:m", 2500)
+    refused = floor.admit("t", limits, 10, "realtime", too_large=False, klass="realtime:m")
+    assert (refused.gate, refused.reason, refused.retry_after_ms) == ("global", "local_floor_deadline", 2500)
+    assert floor.admit("t", limits, 10, "realtime", too_large=False, klass="realtime:other").admitted
+    floor.close("realtime:m", 1000)  # a shorter horizon later does not reopen it sooner
+    clock[0] += 2000
+    assert floor.admit("t", limits, 10, "realtime", too_large=False, klass="realtime:m").retry_after_ms == 500
+    clock[0] += 500
+    assert floor.admit("t", limits, 10, "realtime", too_large=False, klass="realtime:m").admitted
+    floor.close("realtime:m", 10**9)
+    assert floor.admit("t", limits, 10, "realtime", too_large=False, klass="realtime:m").retry_after_ms == 30_000
+
+
 def test_breaker_lets_one_probe_through_per_backoff_and_closes_on_success():
     clock = [0.0]
     breaker = RedisBreaker(base_s=1.0, max_s=4.0, clock=lambda: clock[0])

@@ -130,3 +130,24 @@ def test_a_frozen_redis_costs_a_timeout_not_a_hang(own_redis, isolated_app, new_
     # The frozen submits were committed, not published; the web process publishes them itself.
     frozen = [r.get_json()["id"] for r in responses[1:]]
     assert all_enqueued(application, frozen), services(application).requests.republisher.pending()
+
+
+def test_a_class_the_promise_just_refused_stays_refused_when_redis_stops(own_redis, isolated_app, new_client):
+    """A Redis blip in an overload must not reopen the door: the promise refused the class a moment
+    ago, so the floor refuses it too until that refusal's Retry-After, instead of admitting
+    questions the queue would make late (a spread run let 6 such in, and all 6 expired)."""
+    from test_promise import publish
+
+    application = isolated_app(redis_url=own_redis["server"].url, realtime_deadline_s=30.0)
+    client = new_client(application)
+    # 5,000 tokens of work ahead drain in 50 s at 100 tokens/s: past the 30 s realtime deadline.
+    publish(application, queued_work=5000, drain_tps=100, seq_tps=50)
+    refused = client.submit(prompt="late", max_tokens=100)
+    assert assert_envelope(refused, 503, "overloaded")["details"]["reason"] == "deadline"
+    own_redis["server"].stop()
+    on_floor = client.submit(prompt="late, Redis away", max_tokens=100)
+    error = assert_envelope(on_floor, 503, "overloaded")
+    assert error["details"]["reason"] == "local_floor_deadline", error
+    assert_retry_after(on_floor)
+    assert 0 < int(on_floor.headers["Retry-After"]) <= int(refused.headers["Retry-After"])
+    assert rows_of(application, tenant_id_of(application, client)) == []

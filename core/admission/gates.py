@@ -30,6 +30,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from core.admission.limiter import SharedLimiter, Verdict
+from core.admission.load import class_name
 from core.admission.local_floor import LocalFloor, RedisBreaker
 from core.errors import ApiError, BudgetUnavailable, Overloaded, RateLimited, RequestTooLarge
 from core.fleet.workers import HEARTBEAT_PATIENCE
@@ -128,7 +129,9 @@ class Admission:
                                     OVERLOAD_RETRY_AFTER_S)
         if verdict is None:
             verdict, limiter = self.floor.admit(str(tenant.id), limits, cost, plan.priority.value,
-                                                too_large=too_large is not None), "local_floor"
+                                                too_large=too_large is not None, klass=_class(plan)), "local_floor"
+        else:
+            self._remember(verdict, plan)
         headers = ratelimit_headers(verdict)
         if verdict.admitted:
             metrics.ADMITTED.labels(limiter=limiter).inc()
@@ -144,6 +147,17 @@ class Admission:
             raise refusal
         raise _rejection(verdict, limits, cost, too_large, headers, plan.deadline_s)
 
+    def _remember(self, verdict: Verdict, plan: Plan) -> None:
+        """A refusal of the promise that the queue caused closes the class on this process's floor
+        until its Retry-After, should Redis stop answering meanwhile. One the request alone causes
+        (its own run outlasts its deadline) says nothing of the queue."""
+        if verdict.reason != "deadline" or verdict.retry_after_ms <= 0:
+            return
+        alone_ms = verdict.finish_ms - verdict.wait_ms if verdict.finish_ms >= 0 and verdict.wait_ms >= 0 else -1
+        if alone_ms > plan.deadline_s * 1000:
+            return
+        self.floor.close(_class(plan), verdict.retry_after_ms)
+
     def _seeded(self, missing: Charge, *args, **kwargs) -> Verdict:
         """Seed a missing budget counter, then run the gates again (``_gates``' arguments)."""
         self.budgets.seed(self.redis, missing)
@@ -157,6 +171,7 @@ class Admission:
         verdict = self._shared(lambda: self._gates(tenant, limits, plan, dry_run=True, count="global"))
         if verdict is None or verdict.gate != "global":
             return
+        self._remember(verdict, plan)
         metrics.REJECTIONS.labels(gate=verdict.gate, reason=verdict.reason).inc()
         log.info("refused early at the global gate: %s (%d tokens)", verdict.reason, plan.reserved_tokens)
         raise _rejection(verdict, limits, plan.reserved_tokens, None, ratelimit_headers(verdict), plan.deadline_s)
@@ -273,6 +288,11 @@ class Admission:
                              "lower max_tokens.")
 
 
+def _class(plan: Plan) -> str:
+    """The class the promise judges ``plan`` in."""
+    return class_name(plan.priority, plan.target_model)
+
+
 def _seconds(ms: int) -> float | None:
     """An estimate from the admission script, in seconds; None where it had none (-1)."""
     return ms / 1000 if ms >= 0 else None
@@ -309,6 +329,8 @@ def _rejection(verdict: Verdict, limits: Limits, cost: int, too_large, headers: 
         "platform_tokens": f"The platform is at its token rate limit; {after}.",
         "local_floor_batch": f"Batch submissions are paused while the shared rate limiter is unreachable; {after}.",
         "local_floor_tokens": f"This server is at its emergency token limit; {after}.",
+        "local_floor_deadline": (f"A moment ago this request's class could not take more requests within their "
+                                 f"deadlines, and the shared limiter cannot be reached to say otherwise; {after}."),
         "tokens_per_minute": (f"Rate limit reached: this request needs {cost} tokens and "
                               f"{verdict.tokens.remaining} of your {limits.tokens_per_minute} tokens per minute "
                               f"are left; {after}." if cost else

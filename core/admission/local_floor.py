@@ -7,7 +7,11 @@ Each web process keeps in-process token buckets and fixed rules that read no rem
   (``SLUICE_LOCAL_FLOOR_TOKENS_PER_MINUTE``) and, per tenant, within the tenant's own tokens and
   requests per minute, counted by this process alone;
 * the per-request gate applies unchanged. The concurrency cap is not enforced: that count lives
-  in Redis, and requests admitted here are not in it.
+  in Redis, and requests admitted here are not in it;
+* a class the shared promise refused a moment ago because its queue would make a request late
+  stays closed here until the Retry-After that refusal gave (``close``): a Redis blip in an
+  overload must not reopen the door the promise had just shut (in a burst of 36 questions with
+  30 refused, one slow Redis call let 6 in on the floor, and all 6 expired).
 
 :class:`RedisBreaker` decides when to try Redis again. After a failure one request probes it after
 a backoff (0.5 s doubling to 10 s, jittered); every other request stays on the floor without
@@ -27,6 +31,7 @@ from core.admission.limiter import Quota, Verdict
 from core.tenants.tiers import Limits
 
 BATCH_RETRY_AFTER_MS = 5000
+CLOSED_MAX_MS = 30_000  # the longest a class stays closed on the floor after the promise refused it
 MAX_TENANTS = 10_000  # per-tenant buckets kept per process (least recently used dropped: full again)
 
 
@@ -124,16 +129,31 @@ class LocalFloor:
         self._clock = clock
         self._process = TokenBucket(tokens_per_minute, clock())
         self._tenants: OrderedDict[str, tuple[TokenBucket, TokenBucket]] = OrderedDict()
+        # Class ("<priority>:<model>") → until when (clock ms) the promise's last refusal keeps it
+        # closed here; as many entries as classes.
+        self._closed: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def admit(self, tenant_id: str, limits: Limits, cost: int, priority: str, *, too_large: bool) -> Verdict:
+    def close(self, klass: str, for_ms: int) -> None:
+        """The shared promise refused a request of ``klass``: its queue would make it late for
+        ``for_ms`` more (the refusal's Retry-After). Requests of that class meet the same answer
+        here until then (at most CLOSED_MAX_MS)."""
+        with self._lock:
+            until = self._clock() + min(max(0, for_ms), CLOSED_MAX_MS)
+            self._closed[klass] = max(self._closed.get(klass, 0.0), until)
+
+    def admit(self, tenant_id: str, limits: Limits, cost: int, priority: str, *, too_large: bool,
+              klass: str = "") -> Verdict:
         """The floor's gates in the shared order: global → tenant → per request."""
         with self._lock:
             now = self._clock()
             tokens, requests = self._buckets(tenant_id, limits, now)
             gate, reason, retry = "", "", 0
+            closed_until = self._closed.get(klass, 0.0) if klass else 0.0
             if priority == "batch":
                 gate, reason, retry = "global", "local_floor_batch", BATCH_RETRY_AFTER_MS
+            elif closed_until > now:
+                gate, reason, retry = "global", "local_floor_deadline", math.ceil(closed_until - now)
             elif self._process.level_at(now)[0] < min(cost, self._process.cap):
                 gate, reason = "global", "local_floor_tokens"
                 retry = self._process.wait_ms(min(cost, self._process.cap), now)

@@ -151,12 +151,8 @@ class Admission:
         """A refusal of the promise that the queue caused closes the class on this process's floor
         until its Retry-After, should Redis stop answering meanwhile. One the request alone causes
         (its own run outlasts its deadline) says nothing of the queue."""
-        if verdict.reason != "deadline" or verdict.retry_after_ms <= 0:
-            return
-        alone_ms = verdict.finish_ms - verdict.wait_ms if verdict.finish_ms >= 0 and verdict.wait_ms >= 0 else -1
-        if alone_ms > plan.deadline_s * 1000:
-            return
-        self.floor.close(_class(plan), verdict.retry_after_ms)
+        if verdict.reason == "deadline" and verdict.retry_after_ms > 0 and not _alone(verdict, plan.deadline_s):
+            self.floor.close(_class(plan), verdict.retry_after_ms)
 
     def _seeded(self, missing: Charge, *args, **kwargs) -> Verdict:
         """Seed a missing budget counter, then run the gates again (``_gates``' arguments)."""
@@ -293,6 +289,11 @@ def _class(plan: Plan) -> str:
     return class_name(plan.priority, plan.target_model)
 
 
+def _alone(verdict: Verdict, deadline_s: float | None) -> bool:
+    """Whether the request alone (its own run, nothing queued) outlasts its deadline."""
+    return deadline_s is not None and verdict.run_ms > deadline_s * 1000
+
+
 def _seconds(ms: int) -> float | None:
     """An estimate from the admission script, in seconds; None where it had none (-1)."""
     return ms / 1000 if ms >= 0 else None
@@ -301,15 +302,12 @@ def _seconds(ms: int) -> float | None:
 def _rejection(verdict: Verdict, limits: Limits, cost: int, too_large, headers: dict[str, str],
                deadline_s: float | None = None) -> ApiError:
     details = {"gate": verdict.gate, "reason": verdict.reason}
-    run_ms = -1
     if verdict.reason == "deadline":
         # estimated_from: "monitor" (its published rates) or "workers" (the monitor is away: the
         # capacity the live workers' heartbeats state).
         details.update(estimated_wait_s=verdict.wait_ms / 1000, estimated_from=verdict.basis)
-        if verdict.finish_ms >= 0 and verdict.wait_ms >= 0:
-            # Its own prefill and output at the engines' speed now, the wait apart.
-            run_ms = verdict.finish_ms - verdict.wait_ms
-            details["estimated_run_s"] = run_ms / 1000
+        if verdict.run_ms >= 0:
+            details["estimated_run_s"] = verdict.run_ms / 1000
     if verdict.gate == "request":
         limit, name, message = too_large
         return RequestTooLarge(message, headers=headers,
@@ -341,12 +339,13 @@ def _rejection(verdict: Verdict, limits: Limits, cost: int, too_large, headers: 
                         "retry when one of them finishes."),
     }
     message = messages[verdict.reason]
-    if deadline_s is not None and run_ms > deadline_s * 1000:
+    if verdict.reason == "deadline" and _alone(verdict, deadline_s):
         # No queue to wait out: the request alone outlasts its deadline (a long prompt's prefill,
         # most often). Saying "retry" would only bring the same refusal; say what would fit.
-        message = (f"This request alone would take about {run_ms / 1000:.1f} s at the engines' speed now, "
+        run_s = verdict.run_ms / 1000
+        message = (f"This request alone would take about {run_s:.1f} s at the engines' speed now, "
                    f"longer than its deadline of {deadline_s:g} s even with nothing queued; send a deadline_s "
-                   f"of at least {math.ceil(run_ms / 1000)} s, a shorter prompt or a smaller max_tokens.")
+                   f"of at least {math.ceil(run_s)} s, a shorter prompt or a smaller max_tokens.")
     if verdict.gate == "global":
         return Overloaded(message, headers=headers, details=details)
     code = "tenant_concurrency_limit" if verdict.reason == "concurrency" else None

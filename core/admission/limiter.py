@@ -74,6 +74,12 @@ class Verdict:
     def admitted(self) -> bool:
         return self.gate == ""
 
+    @property
+    def run_ms(self) -> int:
+        """The request's own part of ``finish_ms``: its prefill and output at the engines' speed,
+        the wait apart; -1 where either estimate is unknown."""
+        return self.finish_ms - self.wait_ms if self.finish_ms >= 0 and self.wait_ms >= 0 else -1
+
 
 def unused_tokens(reserved: int, input_tokens: int, output_tokens: int | None, started: bool) -> int:
     """Tokens to give back when a request ends: all of them if it never ran, else reserved - used.

@@ -64,28 +64,22 @@ class Settler:
         left = self.left.get(job.id)
         return left is not None and left <= 0
 
-    def _has_pending(self, job: Job) -> bool:
-        if self.pending.get(job.id):
-            return True
+    def _has_item(self, job: Job, status: ItemStatus) -> bool:
+        """Whether ``job`` has an item in ``status`` now, as its rows say."""
         with self.db.session() as session:
-            return bool(session.scalar(select(exists().where(JobItem.job_id == job.id,
-                                                             JobItem.status == ItemStatus.PENDING))))
+            return bool(session.scalar(select(exists().where(JobItem.job_id == job.id, JobItem.status == status))))
+
+    def _has_pending(self, job: Job) -> bool:
+        return bool(self.pending.get(job.id)) or self._has_item(job, ItemStatus.PENDING)
 
     def _running(self, job: Job, running_jobs: set[uuid.UUID]) -> bool:
         """Whether an item of ``job`` runs: seen so this tick, or running in its row now. A stale
         leader (one whose lease lapsed mid-tick) can start an item after this tick read the running
         ones; settling from the tick's read alone would fail a job whose item had just started."""
-        if job.id in running_jobs:
-            return True
-        with self.db.session() as session:
-            return bool(session.scalar(select(exists().where(JobItem.job_id == job.id,
-                                                             JobItem.status == ItemStatus.RUNNING))))
+        return job.id in running_jobs or self._has_item(job, ItemStatus.RUNNING)
 
     def _outcome(self, job: Job) -> JobStatus:
-        with self.db.session() as session:
-            any_success = session.scalar(select(exists().where(JobItem.job_id == job.id,
-                                                               JobItem.status == ItemStatus.SUCCEEDED)))
-        return JobStatus.COMPLETED if any_success else JobStatus.FAILED
+        return JobStatus.COMPLETED if self._has_item(job, ItemStatus.SUCCEEDED) else JobStatus.FAILED
 
     def _finish(self, job: Job, status: JobStatus) -> None:
         with self.db.session() as session:

@@ -22,6 +22,7 @@ from sqlalchemy import text
 from core.admission.load import LoadLevel, write_level
 from core.broker.queues import queue_length
 from core.jobs.feeder import Feeder
+from core.rediskeys import FEEDER_STATE_KEY
 from launcher.harness import stop_all
 from web import create_app
 from web.services import services
@@ -311,8 +312,16 @@ def test_the_feeder_keeps_the_queue_bounded_and_pauses_while_degraded(bulk, new_
             time.sleep(0.1)
         assert 0 < peak_rows <= 16 and peak_messages <= 16 + 2  # (+ the sweep's own message, if any)
 
+        written = time.time()
         write_level(r, LoadLevel.LIGHT_MODEL)
-        time.sleep(1.0)  # what was fed before the pause may still be created
+        # What the rounds before the first paused one fed may still be created while they end (a
+        # round on a loaded host can outlast any fixed sleep); once a round that saw the level
+        # has reported, nothing more is.
+        deadline = time.monotonic() + 30
+        while not ((state := r.hgetall(FEEDER_STATE_KEY)) and state.get(b"paused")
+                   and float(state[b"at"]) > written):
+            assert time.monotonic() < deadline, f"the feeder never paused: {state}"
+            time.sleep(0.05)
         made = bulk.sql("SELECT count(*) FROM requests WHERE metadata->>'job_id' = :j", j=job["id"])[0][0]
         time.sleep(2.0)
         assert bulk.sql("SELECT count(*) FROM requests WHERE metadata->>'job_id' = :j", j=job["id"])[0][0] == made

@@ -152,8 +152,10 @@ def test_a_killed_workers_capacity_leaves_the_estimate_at_the_next_tick(slow_sta
     after, expected = steady_tick(monitor, [first])
     assert after.workers == 1
     assert after.drain_tps == pytest.approx(expected, abs=0.15), (both, after)
-    # In engine time: the queued output at the decode drain, the queued prompts at their price.
-    prefill_s = (after.queued_prompt * after.prefill_s_tok + after.backlog_s) / after.engines
+    # In engine time: the queued output at the decode drain, the queued prompts at their price
+    # (linear in their tokens, and in their squares for their attention).
+    prefill_s = (after.queued_prompt * after.prefill_s_tok + after.queued_prompt_sq * after.prefill_s_tok2
+                 + after.backlog_s) / after.engines
     slot_s = after.slot_wait_s if after.room == 0 else 0.0
     assert after.wait_s == pytest.approx(after.queued_work / after.drain_tps + prefill_s + slot_s, rel=0.01, abs=0.002)
     first.stop()

@@ -239,6 +239,30 @@ def test_a_request_whose_own_length_cannot_fit_is_refused_even_at_an_idle_engine
     assert f"at least {math.ceil(error['details']['estimated_run_s'])} s" in error["message"]
 
 
+def test_a_prompt_is_priced_by_its_length_and_by_its_square(promising):
+    """Attention makes a long prompt dearer than its tokens one by one: the engines state a price
+    per prompt token and one per token squared, and the promise prices a queued prompt of P
+    tokens, and the request's own, at P × the first + P² × the second."""
+    application, client = promising
+    svc = services(application)
+    model = svc.settings.registry.default
+    seconds, micros = svc.redis.time()
+    # One 1,000-token prompt queued, at 1 ms a token and 1 µs a token squared: 1 s + 1 s ahead.
+    ClassLoad("realtime", model.name, 0, 1, 0, 100.0, 50.0, 2.0, 0, 1, seconds * 1000 + micros // 1000, room=0,
+              queued_prompt=1000, queued_prompt_sq=1000**2, prefill_s_tok=0.001, prefill_s_tok2=1e-6,
+              engines=1).write(svc.redis, ttl_s=30)
+    svc.redis.hset(counters_key("realtime", model.name),
+                   mapping={"queued_work": 0, "queued_prompt": 1000, "queued_prompt_sq": 1000**2})
+    prompt = "a long question about the documents " * 80
+    tokens = svc.requests.planner.counters.for_model(model).count({"prompt": prompt})
+    refused = client.submit(prompt=prompt, max_tokens=100, deadline_s=2)
+    details = envelope(refused, 503, "overloaded")["details"]
+    assert details["estimated_wait_s"] == 2.0
+    # Its own: its prompt at both prices, then 100 tokens at 50 a second.
+    assert details["estimated_run_s"] == pytest.approx(tokens * 0.001 + tokens**2 * 1e-6 + 2.0, abs=0.002)
+    assert tokens**2 * 1e-6 > 0.5, "the square's share is there to see"
+
+
 def test_batch_work_is_promised_against_its_own_queue(promising):
     application, client = promising
     publish(application, queued_work=10**9, drain_tps=1, seq_tps=1, priority=Priority.BATCH.value)

@@ -7,14 +7,15 @@ GPU. A worker that takes in whatever its threads can hold turns the engine into 
 request starts at once, then crawls, and the wait the promise at arrival watches stays at zero.
 
 So the worker learns its engine's **step curve** (:class:`StepCurve`: a step's time against the
-sequences in it and the prompt tokens it prefills, fitted online from every step the engine
-reports, with older steps forgotten) and the :class:`Governor` keeps in the engine only as many
-requests as let each of them finish by its deadline: a request admitted with a deadline of ``d``
-seconds for ``m`` tokens needs a step at most ``d / m`` long (its *pace*; the whole deadline, not
-what a queue wait left of it: the promise at arrival counts the wait), so the tightest pace among the
-requests in flight, and among those that entered in the last ``MEMORY_S`` (the traffic that is
-coming), caps the step time and with it the number of sequences. The excess stays in the broker,
-where the promise at arrival sees it as queued work and refuses what cannot be served in time.
+sequences in it, the prompt tokens it prefills and the attention those tokens pay to the context
+before them, fitted online from every step the engine reports, with older steps forgotten) and the
+:class:`Governor` keeps in the engine only as many requests as let each of them finish by its
+deadline: a request admitted with a deadline of ``d`` seconds for ``m`` tokens needs a step at most
+``d / m`` long (its *pace*; the whole deadline, not what a queue wait left of it: the promise at
+arrival counts the wait), so the tightest pace among the requests in flight, and among those that
+entered in the last ``MEMORY_S`` (the traffic that is coming), caps the step time and with it the
+number of sequences. The excess stays in the broker, where the promise at arrival sees it as queued
+work and refuses what cannot be served in time.
 
 This is the adaptive-concurrency idea (a limit measured, not configured, as in gradient/AIMD
 limiters) with the SLA-aware twist of dynamic batching research: the limit is the largest batch at
@@ -48,7 +49,8 @@ HALF_LIFE_STEPS = 300
 # Feature scales, so that the ridge pull and the numbers stay in the same range whatever the engine.
 SEQ_SCALE = 64.0
 TOKEN_SCALE = 1024.0
-# Pull of the per-sequence and per-prompt-token slopes toward 0 (flat: one sequence costs nothing
+ATTENTION_SCALE = TOKEN_SCALE * TOKEN_SCALE
+# Pull of the per-sequence, per-prompt-token and attention slopes toward 0 (flat: one sequence costs nothing
 # more than none) where the steps seen so far cannot tell: with only one batch size seen, the
 # curve stays flat until a bigger batch shows its price.
 RIDGE = 1e-5
@@ -72,20 +74,30 @@ PENDING_STEPS = 4
 
 
 class StepCurve:
-    """Step time ≈ a + b·seqs + c·prompt_tokens, by weighted least squares with exponential
-    forgetting and a ridge pull of b and c toward zero. Thread-safe."""
+    """Step time ≈ a + b·seqs + c·prompt_tokens + d·attention, by weighted least squares with
+    exponential forgetting and a ridge pull of b, c and d toward zero. Thread-safe.
+
+    ``attention`` is what a step's prompt tokens attend to: a chunk of ``k`` tokens that starts
+    ``o`` tokens into its prompt attends to ``k·(o + k/2)`` positions (causal attention), so a
+    prompt of ``P`` tokens costs ``c·P + d·P²/2`` however the engine chunks it. The linear price
+    alone runs short on long prompts (about a quarter at 3,000 tokens on the 92M test model on a
+    CPU); the offsets come from the prompts the curve already follows through their chunks."""
 
     def __init__(self, half_life_steps: float = HALF_LIFE_STEPS) -> None:
         self._decay = 0.5 ** (1.0 / half_life_steps)
-        self._xx = [[0.0] * 3 for _ in range(3)]  # Σ w·x·xᵀ
-        self._xt = [0.0] * 3  # Σ w·x·t
+        self._xx = [[0.0] * 4 for _ in range(4)]  # Σ w·x·xᵀ
+        self._xt = [0.0] * 4  # Σ w·x·t
         self._weight = 0.0
-        self._coef: tuple[float, float, float] | None = None
+        self._coef: tuple[float, float, float, float] | None = None
         self._prompt_mean = 0.0  # prompt tokens per step, smoothed: the prefill share of a step
         self._batch_mean = 0.0  # of which batch prompts, smoothed the same way
-        # Prompts let into the engine and not yet seen prefilled, oldest first: [id, tokens, batch,
-        # released at, steps begun since]. The steps' prefilled tokens (computed and cached) are
-        # taken off the head.
+        # The context a prefilled token attends to, on average over the tokens prefilled lately
+        # (Σ attention / Σ tokens, both fading): what a step's prompt tokens cost beyond their
+        # linear price (d × this, a token).
+        self._attention_sum = self._token_sum = 0.0
+        # Prompts let into the engine and not yet seen prefilled, oldest first: [id, tokens left,
+        # batch, released at, steps begun since, tokens at release]. The steps' prefilled tokens
+        # (computed and cached) are taken off the head; what was taken says where a chunk starts.
         self._pending: deque[list] = deque()
         self._cached_share = 0.0  # of the prompt tokens prefilled lately, the share the prefix cache held
         self.samples = 0
@@ -97,40 +109,53 @@ class StepCurve:
         self._token_floor = 0.0
 
     def add(self, sample: StepSample) -> None:
-        self._prefilled(sample)
+        attention = self._prefilled(sample)
         if sample.seconds <= 0 or sample.seqs <= 0:
             return  # not timed: it teaches the fit nothing
-        x = (1.0, sample.seqs / SEQ_SCALE, sample.prompt_tokens / TOKEN_SCALE)
+        x = (1.0, sample.seqs / SEQ_SCALE, sample.prompt_tokens / TOKEN_SCALE, attention / ATTENTION_SCALE)
         with self._lock:
-            for i in range(3):
+            for i in range(4):
                 self._xt[i] = self._xt[i] * self._decay + x[i] * sample.seconds
-                for j in range(3):
+                for j in range(4):
                     self._xx[i][j] = self._xx[i][j] * self._decay + x[i] * x[j]
             self._weight = self._weight * self._decay + 1.0
             self._prompt_mean = 0.98 * self._prompt_mean + 0.02 * sample.prompt_tokens
+            if sample.prompt_tokens:
+                self._attention_sum = 0.95 * self._attention_sum + attention
+                self._token_sum = 0.95 * self._token_sum + sample.prompt_tokens
             self.samples += 1
             self._coef = None
 
-    def _prefilled(self, sample: StepSample) -> None:
+    def _prefilled(self, sample: StepSample) -> float:
         """Take what ``sample`` prefilled (computed and cached) off the prompts pending: realtime
         ones first, then batch, oldest first in each, the order the engine prefills them in (a
         long prompt over many steps, in chunks). A prompt still pending after ``PENDING_STEPS``
         steps that began after it was let in and prefilled none of the prompts pending was not
         prefilled as counted (its count was high, or the engine took it some other way) and is
-        dropped. A step of unknown time (``at`` 0) counts as after every release."""
+        dropped. A step of unknown time (``at`` 0) counts as after every release.
+
+        Returns the attention of the tokens the step computed: each chunk's tokens times where it
+        starts in its prompt plus half its length; tokens no pending prompt accounts for count as
+        a prompt of their own from its start; the share the prefix cache held costs nothing."""
         seen = total = sample.prompt_tokens + sample.cached_tokens
         began = sample.at - max(0.0, sample.seconds) if sample.at else math.inf
+        attention = 0.0
         with self._lock:
             if seen:
                 self._cached_share = 0.9 * self._cached_share + 0.1 * sample.cached_tokens / seen
             batch = 0
             for entry in sorted(self._pending, key=lambda p: p[2]) if seen else ():  # stable: oldest first
                 taken = min(seen, entry[1])
+                attention += taken * (entry[5] - entry[1] + taken / 2)
                 entry[1] -= taken
                 seen -= taken
                 batch += taken if entry[2] else 0
                 if seen <= 0:
                     break
+            if seen > 0:
+                attention += seen * seen / 2
+            if total:
+                attention *= sample.prompt_tokens / total
             if any(p[1] <= 0 for p in self._pending):
                 self._pending = deque(p for p in self._pending if p[1] > 0)
             if not total:
@@ -142,6 +167,7 @@ class StepCurve:
             # The batch share of what this step computed (cached tokens cost it nothing).
             if sample.seconds > 0:
                 self._batch_mean = 0.98 * self._batch_mean + 0.02 * min(batch, sample.prompt_tokens)
+        return attention
 
     def note_prefill(self, prompt_tokens: int, batch: bool, request_id: str | None = None,
                      now: float | None = None) -> None:
@@ -151,7 +177,8 @@ class StepCurve:
         if prompt_tokens <= 0:
             return
         with self._lock:
-            self._pending.append([request_id, prompt_tokens, batch, time.monotonic() if now is None else now, 0])
+            self._pending.append([request_id, prompt_tokens, batch, time.monotonic() if now is None else now, 0,
+                                  prompt_tokens])
 
     def forget(self, request_id: str) -> None:
         """The request left the engine: whatever of its prompt is still counted pending never will
@@ -171,6 +198,13 @@ class StepCurve:
         with self._lock:
             return sum(p[1] for p in self._pending)
 
+    def pending_squares(self, batch: bool = True) -> float:
+        """What the prompts pending (realtime ones only unless ``batch``) add to Σ P² as
+        :meth:`prefill_s` prices them: ``L² − (L − r)²`` for a prompt of ``L`` tokens with ``r``
+        still to prefill (the attention of its rest, doubled)."""
+        with self._lock:
+            return sum(p[5] ** 2 - (p[5] - p[1]) ** 2 for p in self._pending if batch or not p[2])
+
     def realtime_pending(self) -> int:
         """Realtime prompt tokens let into the engine and not yet seen prefilled."""
         with self._lock:
@@ -187,10 +221,39 @@ class StepCurve:
             return self._cached_share
 
     def prompt_token_s(self) -> float:
-        """Engine seconds one prompt token costs as admission counts them (cached ones too): the
-        curve's price of a computed token, discounted by the share the prefix cache held lately."""
+        """Engine seconds one prompt token costs as admission counts them (cached ones too), its
+        linear part: the curve's price of a computed token, discounted by the share the prefix
+        cache held lately."""
         coef = self.coefficients()
         return 0.0 if coef is None else coef[2] * (1.0 - self.cached_share())
+
+    def prompt_square_s(self) -> float:
+        """Engine seconds a prompt of ``P`` tokens costs beyond its linear price, per ``P²``: half
+        the attention slope, the prefix cache's share (the prompt's head, ``h·P`` tokens) taken
+        off as ``(1 − h²)``."""
+        share = self.cached_share()
+        return self.attention_s() * (1.0 - share * share) / 2
+
+    def prefill_s(self, prompt_tokens: float, squares: float | None = None) -> float:
+        """Engine seconds the prefill of prompts of ``prompt_tokens`` tokens in all takes, with
+        ``squares`` their Σ P² (one prompt's when omitted)."""
+        squares = prompt_tokens * prompt_tokens if squares is None else squares
+        return prompt_tokens * self.prompt_token_s() + squares * self.prompt_square_s()
+
+    def attention_s(self) -> float:
+        """``d``: seconds per prompt token per token of context before it (0 before any step)."""
+        coef = self._coefficients()
+        return 0.0 if coef is None else coef[3]
+
+    def token_s(self) -> float:
+        """Seconds a prompt token costs a step as prompts come lately: ``c`` and the attention to
+        the context such tokens have had on average (what a prefill cap is counted in)."""
+        coef = self._coefficients()
+        if coef is None:
+            return 0.0
+        with self._lock:
+            context = self._attention_sum / self._token_sum if self._token_sum > 0 else 0.0
+        return coef[2] + coef[3] * context
 
     def realtime_prompt_mean(self) -> float:
         """Prompt tokens per step, smoothed, less those of batch prompts: the prefill that comes
@@ -199,38 +262,45 @@ class StepCurve:
             return max(0.0, self._prompt_mean - self._batch_mean)
 
     def coefficients(self) -> tuple[float, float, float] | None:
-        """(a, b, c) in seconds, seconds per sequence and seconds per prompt token; None before
-        any step was seen."""
+        """(a, b, c) in seconds, seconds per sequence and seconds per prompt token (its linear
+        part: :meth:`attention_s` is the rest); None before any step was seen."""
+        coef = self._coefficients()
+        return None if coef is None else coef[:3]
+
+    def _coefficients(self) -> tuple[float, float, float, float] | None:
         with self._lock:
             if self.samples == 0:
                 return None
             if self._coef is None:
                 m = [row[:] for row in self._xx]
                 ridge = RIDGE * self._weight
-                m[1][1] += ridge
-                m[2][2] += ridge
-                a, b, c = _solve(m, self._xt[:])
-                self._coef = (a, max(0.0, b) / SEQ_SCALE, max(self._token_floor, max(0.0, c) / TOKEN_SCALE))
+                for i in (1, 2, 3):
+                    m[i][i] += ridge
+                a, b, c, d = _solve(m, self._xt[:])
+                self._coef = (a, max(0.0, b) / SEQ_SCALE, max(self._token_floor, max(0.0, c) / TOKEN_SCALE),
+                              max(0.0, d) / ATTENTION_SCALE)
             return self._coef
 
     def hold_token_floor(self, share: float = TOKEN_FLOOR_SHARE) -> None:
         """From now on, never price a prompt token below ``share`` of what the fit prices it at
         now (called once the warm-up measured it on an idle engine: an engine does not prefill
-        faster than that later, whatever the fit makes of noisy steps)."""
-        coef = self.coefficients()
+        faster than that later, whatever the fit makes of noisy steps). The floor holds the
+        linear part at ``share`` of the whole price a token paid then, its attention included."""
+        price = self.token_s()
         with self._lock:
-            self._token_floor = share * coef[2] if coef is not None else 0.0
+            self._token_floor = share * price
             self._coef = None
 
     def step_s(self, seqs: float, prompt_tokens: float | None = None) -> float | None:
-        """Predicted seconds of a step with ``seqs`` sequences (and ``prompt_tokens`` prefilled:
-        by default the mean a step has prefilled lately); None before any step was seen."""
+        """Predicted seconds of a step with ``seqs`` sequences (and ``prompt_tokens`` prefilled,
+        at the context such tokens have had lately: by default the mean a step has prefilled
+        lately); None before any step was seen."""
         coef = self.coefficients()
         if coef is None:
             return None
-        a, b, c = coef
+        a, b, _ = coef
         tokens = self._prompt_mean if prompt_tokens is None else prompt_tokens
-        return max(1e-4, a + b * seqs + c * tokens)
+        return max(1e-4, a + b * seqs + self.token_s() * tokens)
 
     def seq_tps(self, seqs: float) -> float | None:
         """Tokens per second each of ``seqs`` running sequences gets (one token per step)."""
@@ -238,9 +308,9 @@ class StepCurve:
         return None if step is None else 1.0 / step
 
 
-def _solve(m: list[list[float]], v: list[float]) -> tuple[float, float, float]:
-    """Gaussian elimination with partial pivoting for a 3×3 system; zeros where singular."""
-    n = 3
+def _solve(m: list[list[float]], v: list[float]) -> tuple[float, ...]:
+    """Gaussian elimination with partial pivoting for an n×n system; zeros where singular."""
+    n = len(v)
     for col in range(n):
         pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
         if abs(m[pivot][col]) < 1e-15:
@@ -257,7 +327,7 @@ def _solve(m: list[list[float]], v: list[float]) -> tuple[float, float, float]:
         if abs(m[r][r]) < 1e-15:
             continue
         x[r] = (v[r] - sum(m[r][k] * x[k] for k in range(r + 1, n))) / m[r][r]
-    return x[0], x[1], x[2]
+    return tuple(x)
 
 
 @dataclass
@@ -375,11 +445,11 @@ class Governor:
 
     def _cap_at(self, budget: float) -> int:
         """``prefill_cap_tokens()`` for a step budget of ``budget`` seconds."""
-        coef = self.curve.coefficients()
-        if coef is None or coef[2] <= 0 or not math.isfinite(budget):
+        price = self.curve.token_s()
+        if price <= 0 or not math.isfinite(budget):
             return 0
         decodes = self.curve.step_s(max(1, self.seqs()), 0) or 0.0
-        return max(MIN_PREFILL_CHUNK, int((budget - decodes) / coef[2]))
+        return max(MIN_PREFILL_CHUNK, int((budget - decodes) / price))
 
     def take_prefill(self, prompt_tokens: int, request_id: str | None = None, batch: bool = True) -> bool:
         """Whether a prompt of ``prompt_tokens`` may go into the engine now; if so it is counted
@@ -394,8 +464,7 @@ class Governor:
         alone when it costs more: beside realtime as without, since the engine prefills it in
         the slack of its steps, chunked at ``prefill_cap_tokens`` and after realtime's prompts.
         ``request_id`` None: a prompt not entered (tests of the gate alone)."""
-        coef = self.curve.coefficients()
-        price = coef[2] if coef is not None else 0.0
+        price = self.curve.token_s()
         cost = price * max(0, prompt_tokens)
         pace = self.pace_s()  # once: it sorts the realtime paces of the last minute
         budget, limit = self.safety * pace, self._limit_at(pace)
@@ -423,27 +492,43 @@ class Governor:
         self.curve.note_prefill(prompt_tokens, batch, request_id)
         return True
 
-    def prompt_token_s(self) -> float:
-        """Seconds a prompt token takes to prefill now, as the engine is told to prefill: a step
-        (about a step budget long while it carries prefill) takes at most ``prefill_cap_tokens``,
-        so a token costs at least the step budget over the cap, more than the curve's price when
-        the decodes beside it leave the prompts little of each step; the prefix cache's share off."""
-        price = self.curve.prompt_token_s()
+    def stretch(self) -> float:
+        """How much longer prefill takes on the clock than in engine time, as the engine is told
+        to prefill: a step (about a step budget long while it carries prefill) takes at most
+        ``prefill_cap_tokens``, so a token takes at least the step budget over the cap, more than
+        the curve's price when the decodes beside it leave the prompts little of each step."""
+        price = self.curve.token_s()
         budget = self.step_budget_s()  # once: it sorts the realtime paces of the last minute
         cap = self._cap_at(budget)
-        if cap <= 0:
-            return price
-        return max(price, budget / cap * (1.0 - self.curve.cached_share()))
+        if cap <= 0 or price <= 0:
+            return 1.0
+        return max(1.0, budget / cap / price)
+
+    def prompt_token_s(self) -> float:
+        """Seconds a prompt token takes to prefill now, its linear part (the curve's, prefix cache
+        share off), stretched as the engine is told to prefill (:meth:`stretch`)."""
+        return self.curve.prompt_token_s() * self.stretch()
+
+    def prompt_square_s(self) -> float:
+        """Seconds a prompt of ``P`` tokens takes beyond ``P`` × :meth:`prompt_token_s`, per
+        ``P²``: its attention (``StepCurve.prompt_square_s``), stretched the same way."""
+        return self.curve.prompt_square_s() * self.stretch()
+
+    def prefill_s(self, prompt_tokens: float, squares: float | None = None) -> float:
+        """Seconds the prefill of prompts of ``prompt_tokens`` tokens in all (Σ P² ``squares``;
+        one prompt's when omitted) takes now, as the engine is told to prefill."""
+        squares = prompt_tokens * prompt_tokens if squares is None else squares
+        return self.curve.prefill_s(prompt_tokens, squares) * self.stretch()
 
     def backlog_s(self, batch: bool = True) -> float:
-        """Engine seconds of prefill ahead of a request that comes now, at the price per prompt
-        token: the prompts let into the engine and not yet prefilled, and those of the requests
-        waiting to go in that go before it (for a realtime request, the realtime ones only:
-        realtime goes in first, and the engine prefills its prompts first)."""
+        """Engine seconds of prefill ahead of a request that comes now: the prompts let into the
+        engine and not yet prefilled, and those of the requests waiting to go in that go before
+        it (for a realtime request, the realtime ones only: realtime goes in first, and the engine
+        prefills its prompts first)."""
         with self._lock:
-            waiting = sum(e.prompt for e in self._in_engine.values() if not e.started and (batch or not e.batch))
+            waiting = [e.prompt for e in self._in_engine.values() if not e.started and (batch or not e.batch)]
         pending = self.curve.pending() if batch else self.curve.realtime_pending()
-        return (pending + waiting) * self.prompt_token_s()
+        return self.prefill_s(pending + sum(waiting), self.curve.pending_squares(batch) + sum(p * p for p in waiting))
 
     def tokens_take_s(self, max_tokens: int, prompt_tokens: int = 0, batch: bool = False) -> float | None:
         """Seconds a request entering now takes to finish: the prefill ahead of it and its own,
@@ -452,7 +537,7 @@ class Governor:
         step = self.curve.step_s(min(self.seqs() + 1, self.limit()))
         if step is None:
             return None
-        return self.backlog_s(batch) + prompt_tokens * self.prompt_token_s() + max_tokens * step
+        return self.backlog_s(batch) + self.prefill_s(prompt_tokens) + max_tokens * step
 
     def slot_wait_s(self, limit: int) -> float:
         """How long a request that finds the engine full waits for room, on average: requests in

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import redis
 from celery import Celery
-from sqlalchemy import func, select
+from sqlalchemy import BigInteger, cast, func, select
 
 from core.admission.load import (
     CAPACITY_PREFIX,
@@ -130,6 +130,7 @@ class Engines:
     room: int  # Σ sequences their engines would take in now
     slot_wait_s: float  # the shortest wait for a slot among the full ones
     prefill_s_tok: float = 0.0  # engine seconds a prompt token costs, median over the workers
+    prefill_s_tok2: float = 0.0  # and per prompt token squared (its attention), median over them
     count: int = 0  # how many engines share the prefill ahead
     backlog_s: float = 0.0  # Σ engine seconds of prefill waiting inside them
 
@@ -146,6 +147,7 @@ def engines(serving: list[dict], priority: str = "realtime") -> Engines | None:
                    room=sum(max(0, w.get("room", 0)) for w in serving),
                    slot_wait_s=min(full) if len(full) == len(serving) else 0.0,
                    prefill_s_tok=statistics.median(w.get("prefill_s_tok") or 0.0 for w in serving),
+                   prefill_s_tok2=statistics.median(w.get("prefill_s_tok2") or 0.0 for w in serving),
                    count=len(serving), backlog_s=sum(w.get("backlog_s" if priority == Priority.BATCH.value
                                                             else "realtime_backlog_s") or 0.0 for w in serving))
 
@@ -290,11 +292,14 @@ class Monitor:
             # got at the batch sizes seen so far (often small), discounted for a full batch.
             drain = threads * state.seq_tps * PRIOR_SHARE
         prompts = max(0, counters.get("queued_prompt", 0))
-        # In engine time: the queued output at what the limits decode, the queued prompts and the
-        # prefill already waiting in the engines at what a prompt token costs, shared by them.
+        squares = max(0, counters.get("queued_prompt_sq", 0))
+        # In engine time: the queued output at what the limits decode, the queued prompts (P
+        # tokens each at P × prefill_s_tok + P² × prefill_s_tok2) and the prefill already waiting
+        # in the engines, shared by them.
         prefill_s = 0.0
         if engine is not None and engine.prefill_s_tok > 0:
-            prefill_s = (prompts * engine.prefill_s_tok + engine.backlog_s) / max(1, engine.count)
+            prefill_s = (prompts * engine.prefill_s_tok + squares * engine.prefill_s_tok2
+                         + engine.backlog_s) / max(1, engine.count)
         if queued == 0:
             wait = prefill_s
         elif drain > 0:
@@ -318,7 +323,9 @@ class Monitor:
                          round(engine.slot_wait_s, 3) if engine is not None else 0.0,
                          prompts, round(engine.prefill_s_tok, 7) if engine is not None else 0.0,
                          engine.count if engine is not None else 0,
-                         round(engine.backlog_s, 3) if engine is not None else 0.0)
+                         round(engine.backlog_s, 3) if engine is not None else 0.0,
+                         queued_prompt_sq=squares,
+                         prefill_s_tok2=engine.prefill_s_tok2 if engine is not None else 0.0)
 
     # ------------------------------------------------------------------ leading and re-counting
 
@@ -335,15 +342,16 @@ class Monitor:
                 select(t.priority, model, func.count(), func.coalesce(func.sum(t.reserved_tokens), 0),
                        func.coalesce(func.sum(t.reserved_tokens - t.input_tokens), 0),
                        func.coalesce(func.sum(t.input_tokens), 0),
+                       func.coalesce(func.sum(cast(t.input_tokens, BigInteger) * t.input_tokens), 0),
                        func.coalesce(func.sum(func.extract("epoch", t.deadline_at - t.created_at)), 0))
                 .where(t.status == Status.QUEUED, t.follows_id.is_(None)).group_by(t.priority, model)).all()
-        queued = {counters_key(p, m): (n, tokens, work, prompt, deadlines)
-                  for p, m, n, tokens, work, prompt, deadlines in rows}
+        queued = {counters_key(p, m): (n, tokens, work, prompt, squares, deadlines)
+                  for p, m, n, tokens, work, prompt, squares, deadlines in rows}
         with self.redis.pipeline(transaction=False) as pipe:
             for key in set(self.redis.scan_iter(match=COUNTERS_PREFIX + "*", count=200)) | set(queued):
-                n, tokens, work, prompt, deadlines = queued.get(key, (0, 0, 0, 0, 0))
+                n, tokens, work, prompt, squares, deadlines = queued.get(key, (0, 0, 0, 0, 0, 0))
                 pipe.hset(key, mapping={"queued_requests": n, "queued_tokens": int(tokens), "queued_work": int(work),
-                                        "queued_prompt": int(prompt),
+                                        "queued_prompt": int(prompt), "queued_prompt_sq": int(squares),
                                         "queued_deadline_ms": int(float(deadlines) * 1000)})
             pipe.execute()
 

@@ -247,8 +247,9 @@ class EngineRuntime:
         if coef is None:
             return "step curve unknown (the engine reports no steps): the whole engine is open"
         a, b, c = coef
-        return (f"step {a * 1e3:.2f} ms + {b * 1e3:.3f} ms/sequence + {c * 1e6:.1f} us/prompt token; "
-                f"in-engine limit {self.governor.limit()}")
+        d = self.governor.curve.attention_s()
+        return (f"step {a * 1e3:.2f} ms + {b * 1e3:.3f} ms/sequence + {c * 1e6:.1f} us/prompt token "
+                f"+ {d * 1e9:.2f} ns/prompt token/token of context; in-engine limit {self.governor.limit()}")
 
     def stop(self) -> None:
         self._stop.set()
@@ -701,16 +702,19 @@ class EngineRuntime:
         coef = curve.coefficients()
         if coef is not None:
             # Each sequence's speed at the limit: the slowest a request admitted now will run. The
-            # promise prices a request in engine time: its prompt at prefill_s_tok a token (the
-            # prefix cache's share taken off), its output at what the engine decodes at the limit
-            # with no prefill in its steps (decode_tps); backlog_s of prefill is ahead of it here.
+            # promise prices a request in engine time: its prompt of P tokens at P × prefill_s_tok
+            # + P² × prefill_s_tok2 (its attention; the prefix cache's share taken off), its output
+            # at what the engine decodes at the limit with no prefill in its steps (decode_tps);
+            # backlog_s of prefill is ahead of it here.
             view.update(limit_seq_tps=round(curve.seq_tps(self.limit), 3), idle_seq_tps=round(curve.seq_tps(1), 3),
                         decode_tps=round(self.limit / curve.step_s(self.limit, 0), 3),
                         prefill_s_tok=round(self.governor.prompt_token_s(), 7),
+                        prefill_s_tok2=float(f"{self.governor.prompt_square_s():.4g}"),
                         cached_share=round(curve.cached_share(), 3),
                         backlog_s=round(self.governor.backlog_s(), 3),
                         realtime_backlog_s=round(self.governor.backlog_s(batch=False), 3),
-                        step_ms=[round(coef[0] * 1e3, 3), round(coef[1] * 1e3, 4), round(coef[2] * 1e6, 2)])
+                        step_ms=[round(coef[0] * 1e3, 3), round(coef[1] * 1e3, 4), round(coef[2] * 1e6, 2),
+                                 round(curve.attention_s() * 1e9, 3)])
         return view
 
     def _heartbeat(self) -> None:

@@ -107,10 +107,12 @@ def decode_drain(beat: dict) -> float:
 
 def capacity_entry(beat: dict, at_ms: int) -> str | None:
     """A worker's capacity as its heartbeat ``beat`` states it, in the form admission's script
-    reads (``at_ms drain_tps seq_tps slot_wait_s prefill_s_tok``); None while it knows no speed yet.
+    reads (``at_ms drain_tps seq_tps slot_wait_s prefill_s_tok prefill_s_tok2``); None while it
+    knows no speed yet.
 
     A governed engine (it times its steps) decodes what its limit decodes with no prefill in its
-    steps (``decode_tps``; prompts are priced apart, at ``prefill_s_tok`` a token), as the monitor
+    steps (``decode_tps``; prompts are priced apart, a prompt of P tokens at ``prefill_s_tok`` × P
+    + ``prefill_s_tok2`` × P²), as the monitor
     counts it; one that cannot time its steps, each thread decoding one sequence at the speed its
     finished runs got, discounted for a full batch (PRIOR_SHARE)."""
     if beat.get("limit_seq_tps"):
@@ -124,15 +126,16 @@ def capacity_entry(beat: dict, at_ms: int) -> str | None:
     if drain <= 0:
         return None
     return (f"{at_ms} {drain:.3f} {seq:.3f} {float(beat.get('slot_wait_s') or 0.0):.3f} "
-            f"{float(beat.get('prefill_s_tok') or 0.0):.7f}")
+            f"{float(beat.get('prefill_s_tok') or 0.0):.7f} {float(beat.get('prefill_s_tok2') or 0.0):.4g}")
 
 
 class QueueCounters:
     """A lifecycle ``on_move`` hook keeping each class's counters in Redis.
 
     accepted or requeued (→ queued)   queued_requests += 1, queued_tokens += reserved, queued_work += max_tokens,
-                                       queued_prompt += input tokens, queued_deadline_ms += its deadline
-                                       (creation to deadline)
+                                       queued_prompt += input tokens, queued_prompt_sq += their square (a
+                                       prompt's attention grows with it), queued_deadline_ms += its
+                                       deadline (creation to deadline)
     claimed (queued → running)         queued_* −= …, claimed_work += max_tokens
     ended while queued (cancel/expiry) queued_* −= …
     ended while running                finished_tokens += input + output actually processed
@@ -157,12 +160,14 @@ class QueueCounters:
             pipe.hincrby(key, "queued_tokens", moved.reserved_tokens)
             pipe.hincrby(key, "queued_work", work)
             pipe.hincrby(key, "queued_prompt", moved.input_tokens)
+            pipe.hincrby(key, "queued_prompt_sq", moved.input_tokens ** 2)
             pipe.hincrby(key, "queued_deadline_ms", deadline_ms)
         if moved.source == Status.QUEUED:
             pipe.hincrby(key, "queued_requests", -1)
             pipe.hincrby(key, "queued_tokens", -moved.reserved_tokens)
             pipe.hincrby(key, "queued_work", -work)
             pipe.hincrby(key, "queued_prompt", -moved.input_tokens)
+            pipe.hincrby(key, "queued_prompt_sq", -moved.input_tokens ** 2)
             pipe.hincrby(key, "queued_deadline_ms", -deadline_ms)
             if moved.status == Status.RUNNING:
                 pipe.hincrby(key, "claimed_work", work)
@@ -197,6 +202,8 @@ class ClassLoad:
     prefill_s_tok: float = 0.0  # engine seconds a prompt token costs (0: unknown, or no governed worker)
     engines: int = 0  # governed engines sharing the prefill ahead (0: unknown)
     backlog_s: float = 0.0  # engine seconds of prefill waiting inside the engines, summed
+    queued_prompt_sq: int = 0  # Σ of the queued requests' input tokens squared: their attention
+    prefill_s_tok2: float = 0.0  # engine seconds a prompt of P tokens costs beyond P × prefill_s_tok, per P²
 
     def write(self, client: redis.Redis, ttl_s: float) -> None:
         key = snapshot_key(self.priority, self.model)

@@ -11,8 +11,8 @@
 --       7 the class's live room (hash worker → 'room backlog_s seq_tps': the sequences its engine
 --         would take in now, the engine seconds of prefill ahead of a request that came now, and
 --         the speed a sequence would get there; a plain number is the room alone)
---       8 the class's capacity (hash worker → 'at_ms drain_tps seq_tps slot_wait_s prefill_s_tok',
---         heartbeats)
+--       8 the class's capacity (hash worker → 'at_ms drain_tps seq_tps slot_wait_s prefill_s_tok
+--         prefill_s_tok2', heartbeats)
 -- ARGV  1 request id  2 cost in tokens  3 platform tokens/min (0 = no cap)  4 tenant tokens/min
 --       5 tenant requests/min  6 tenant max concurrent  7 priority  8 too large (1|0), the
 --       per-request gate's verdict  9 load level max age (ms)  10 reject-batch level  11 shed level
@@ -98,9 +98,10 @@ end
 
 -- The promise, in engine time. Ahead of it: the output queued in its class (their max_tokens) at
 -- the rate the engines decode at their in-engine limits, the prompts queued in its class and the
--- prefill already waiting in the engines (backlog), at the engines' measured price per prompt
--- token, shared by the engines, plus the wait for room while the engines are full. Then its own
--- prompt's prefill at that price and its own output at the speed one sequence gets at the
+-- prefill already waiting in the engines (backlog), at the engines' measured prices (a prompt of
+-- P tokens costs P × price + P² × price2: its attention grows with its length), shared by the
+-- engines, plus the wait for room while the engines are full. Then its own prompt's prefill at
+-- those prices and its own output at the speed one sequence gets at the
 -- engines' limit (with nothing queued and room in an engine: the speed a sequence would get
 -- there now, as the engine states it live). All of it must fit before its deadline.
 -- Live counters and room; the rates from the monitor's snapshot while fresh, else (the monitor
@@ -110,7 +111,7 @@ end
 -- output is judged there at the engine's live speed, never at a speed remembered from an
 -- overload (an estimate never locks an idle door).
 local wait, finish, basis = -1, -1, ''
-local drain, seq, room, slot_wait, price, engines = 0, 0, -1, 0, 0, 0
+local drain, seq, room, slot_wait, price, price2, engines = 0, 0, -1, 0, 0, 0, 0
 local rooms, backlogs, speeds, backlog, seq_now, live_rooms = {}, {}, {}, 0, 0, 0
 local raw_rooms = redis.call('HGETALL', KEYS[7])
 for i = 1, #raw_rooms, 2 do
@@ -131,12 +132,12 @@ local function count_room(worker)
   if (rooms[worker] or 0) > 0 and s > 0 and (seq_now == 0 or s < seq_now) then seq_now = s end
 end
 local snap = redis.call('HMGET', KEYS[6], 'drain_tps', 'seq_tps', 'updated_at_ms', 'room', 'slot_wait_s',
-                        'prefill_s_tok', 'engines')
+                        'prefill_s_tok', 'engines', 'prefill_s_tok2')
 if snap[3] and now - tonumber(snap[3]) <= tonumber(ARGV[9]) then
   basis = 'monitor'
   drain, seq = tonumber(snap[1]) or 0, tonumber(snap[2]) or 0
   room, slot_wait = tonumber(snap[4]) or -1, tonumber(snap[5]) or 0
-  price, engines = tonumber(snap[6]) or 0, tonumber(snap[7]) or 0
+  price, engines, price2 = tonumber(snap[6]) or 0, tonumber(snap[7]) or 0, tonumber(snap[8]) or 0
   -- Room in the engines: live, as the workers wrote it when a request last entered or left one;
   -- the snapshot's (a heartbeat old) only where no worker wrote it.
   if #raw_rooms > 0 then
@@ -150,12 +151,13 @@ else
   local caps = redis.call('HGETALL', KEYS[8])
   local workers, all_full, full_wait = 0, true, nil
   for i = 1, #caps, 2 do
-    local at, d, s, sw, p = string.match(caps[i + 1], '^(%S+) (%S+) (%S+) (%S+) ?(%S*)$')
+    local at, d, s, sw, p, p2 = string.match(caps[i + 1], '^(%S+) (%S+) (%S+) (%S+) ?(%S*) ?(%S*)$')
     if at and now - tonumber(at) <= tonumber(ARGV[21]) and (tonumber(d) or 0) > 0 then
       workers = workers + 1
       drain = drain + tonumber(d)
       if seq == 0 or tonumber(s) < seq then seq = tonumber(s) end
       price = math.max(price, tonumber(p) or 0)
+      price2 = math.max(price2, tonumber(p2) or 0)
       local r = rooms[caps[i]] or 0
       if room < 0 then room = 0 end
       room = room + r
@@ -172,12 +174,14 @@ else
 end
 if engines <= 0 then engines = math.max(1, live_rooms) end
 if full and drain > 0 then
-  local counters = redis.call('HMGET', KEYS[5], 'queued_work', 'queued_prompt')
+  local counters = redis.call('HMGET', KEYS[5], 'queued_work', 'queued_prompt', 'queued_prompt_sq')
   local queued = math.max(0, tonumber(counters[1] or '0') or 0)
   local prompts = math.max(0, tonumber(counters[2] or '0') or 0)
-  wait = math.floor(queued * 1000 / drain + (prompts * price + backlog) * 1000 / engines)
+  local squares = math.max(0, tonumber(counters[3] or '0') or 0)
+  wait = math.floor(queued * 1000 / drain + (prompts * price + squares * price2 + backlog) * 1000 / engines)
   if room == 0 then wait = wait + math.floor(slot_wait * 1000) end
-  local own = (tonumber(ARGV[26]) or 0) * price * 1000
+  local own_prompt = tonumber(ARGV[26]) or 0
+  local own = (own_prompt * price + own_prompt * own_prompt * price2) * 1000
   local speed = seq
   if queued <= 0 and room > 0 then
     -- It goes in now: at the speed the engine states live, or (no live speed) at one the limit

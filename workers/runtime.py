@@ -219,10 +219,13 @@ class EngineRuntime:
                 # Counted as batch prefill: not the prefill realtime traffic brings, which the limit
                 # makes room for.
                 self._learn_steps()
-                self.governor.curve.note_prefill(words * 8, batch=True)
+                self.governor.curve.note_prefill(words * 8, batch=True, request_id=request.request_id)
                 try:
                     await self._run(request, 120.0, "timeout")
                     self._learn_steps()
+                    # Counted generously (words of unknown tokens): what its steps did not take is
+                    # not the start of the next prompt, whose chunks' offsets the curve follows.
+                    self.governor.curve.forget(request.request_id)
                 except Exception:  # a model whose context is shorter: its price is learned from traffic
                     log.info("warm-up prompt of %d words refused; the prefill price is learned from traffic", words)
                     return

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 
 from workers.engines.base import GenerationOutput, GenerationRequest, SamplingParams
-from workers.engines.simulated import MARKER, SimulatedConfig, SimulatedEngine, step_time_s
+from workers.engines.simulated import MARKER, PROFILES, SimulatedConfig, SimulatedEngine, step_time_s
 
 FAST = SimulatedConfig(speed=1000.0)
 
@@ -250,7 +250,24 @@ def test_decode_step_time_matches_h200_calibration(batch, context, measured_ms):
 @pytest.mark.parametrize(("tokens", "measured_ms"), [(512, 11.4), (2048, 43.4), (8192, 199.7)])
 def test_prefill_time_matches_h200_calibration(tokens, measured_ms):
     model_ms = step_time_s(SimulatedConfig(), prefill_tokens=tokens) * 1e3
-    assert abs(model_ms / measured_ms - 1) < 0.25
+    assert abs(model_ms / measured_ms - 1) < 0.05
+
+
+def test_a_chunk_late_in_a_long_prompt_costs_more_than_its_first():
+    """Attention: each chunk of a prompt attends to every token before it, so the prompt's chunks
+    cost more the later they come, and a prompt's arithmetic is the same chunked or whole (each
+    step also reads the weights once)."""
+    cpu = PROFILES["cpu"]
+    first = step_time_s(cpu, prefill_tokens=512, attention_pairs=512 * 256)
+    last = step_time_s(cpu, prefill_tokens=512, attention_pairs=512 * (3584 + 256))
+    assert last > first * 1.3
+    whole = step_time_s(cpu, prefill_tokens=4096)
+    chunked = sum(step_time_s(cpu, prefill_tokens=512, attention_pairs=512 * (start + 256))
+                  for start in range(0, 4096, 512))
+    assert chunked == pytest.approx(whole + 7 * cpu.weight_bytes / cpu.memory_bandwidth, rel=1e-9)
+    # What a CPU measured (docs/benchmarks.md, bench/step_curve.py --prompts): 211 ns per prompt
+    # token per token before it, where the profile's arithmetic says 196.
+    assert cpu.attention_flops / cpu.prefill_flops == pytest.approx(211e-9, rel=0.1)
 
 
 def test_a_prefill_cap_chunks_long_prompts_and_prefills_realtime_first():

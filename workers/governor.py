@@ -54,6 +54,13 @@ ATTENTION_SCALE = TOKEN_SCALE * TOKEN_SCALE
 # more than none) where the steps seen so far cannot tell: with only one batch size seen, the
 # curve stays flat until a bigger batch shows its price.
 RIDGE = 1e-5
+# How fast the curve follows a slowdown the fit has not caught up with (a host whose CPUs the web
+# tier's spike takes): each decode step moves it this share of the way to that step's time over
+# the fit's prediction (about the last ten steps count), once this many steps were fitted; a step
+# counts at most this many times its prediction (one stall is not the engine's speed).
+SLOWDOWN_WEIGHT = 0.1
+SLOWDOWN_AFTER = 20
+SLOWDOWN_CLIP = 4.0
 # The least a prompt token is priced at, as a share of the price the warm-up measured (an idle
 # engine): half, for the noise of those few warm-up steps.
 TOKEN_FLOOR_SHARE = 0.5
@@ -107,11 +114,21 @@ class StepCurve:
         # the fit can then put that in the intercept and price a prompt token near zero (one test
         # run saw a prefill cap of 26,771 tokens): the promise would count prompts as free.
         self._token_floor = 0.0
+        # Recent decode steps' time over what the fit predicted for them, smoothed over about ten
+        # steps: the fit forgets over hundreds of steps, so a host that slows all at once (the
+        # platform's own spike on shared cores) would otherwise be priced at its calm speed for
+        # seconds, and requests admitted meanwhile run into their deadlines.
+        self._slowdown = 1.0
 
     def add(self, sample: StepSample) -> None:
         attention = self._prefilled(sample)
         if sample.seconds <= 0 or sample.seqs <= 0:
             return  # not timed: it teaches the fit nothing
+        if sample.prompt_tokens == 0 and self.samples >= SLOWDOWN_AFTER:
+            coef = self._coefficients()  # before this step teaches it: a prediction, not a fit
+            ratio = min(SLOWDOWN_CLIP, sample.seconds / max(1e-4, coef[0] + coef[1] * sample.seqs))
+            with self._lock:
+                self._slowdown += SLOWDOWN_WEIGHT * (ratio - self._slowdown)
         x = (1.0, sample.seqs / SEQ_SCALE, sample.prompt_tokens / TOKEN_SCALE, attention / ATTENTION_SCALE)
         with self._lock:
             for i in range(4):
@@ -220,19 +237,25 @@ class StepCurve:
         with self._lock:
             return self._cached_share
 
+    def slowdown(self) -> float:
+        """How much slower than the fit the engine's decode steps ran lately (1: as fitted, or
+        faster: the prices never fall below the fit's)."""
+        with self._lock:
+            return max(1.0, self._slowdown)
+
     def prompt_token_s(self) -> float:
         """Engine seconds one prompt token costs as admission counts them (cached ones too), its
         linear part: the curve's price of a computed token, discounted by the share the prefix
-        cache held lately."""
+        cache held lately, at the engine's speed lately (:meth:`slowdown`)."""
         coef = self.coefficients()
-        return 0.0 if coef is None else coef[2] * (1.0 - self.cached_share())
+        return 0.0 if coef is None else coef[2] * (1.0 - self.cached_share()) * self.slowdown()
 
     def prompt_square_s(self) -> float:
         """Engine seconds a prompt of ``P`` tokens costs beyond its linear price, per ``P²``: half
         the attention slope, the prefix cache's share (the prompt's head, ``h·P`` tokens) taken
-        off as ``(1 − h²)``."""
+        off as ``(1 − h²)``, at the engine's speed lately."""
         share = self.cached_share()
-        return self.attention_s() * (1.0 - share * share) / 2
+        return self.attention_s() * (1.0 - share * share) / 2 * self.slowdown()
 
     def prefill_s(self, prompt_tokens: float, squares: float | None = None) -> float:
         """Engine seconds the prefill of prompts of ``prompt_tokens`` tokens in all takes, with
@@ -245,15 +268,16 @@ class StepCurve:
         coef = self._coefficients()
         return 0.0 if coef is None else coef[3]
 
-    def token_s(self) -> float:
+    def token_s(self, fitted: bool = False) -> float:
         """Seconds a prompt token costs a step as prompts come lately: ``c`` and the attention to
-        the context such tokens have had on average (what a prefill cap is counted in)."""
+        the context such tokens have had on average (what a prefill cap is counted in), at the
+        engine's speed lately unless ``fitted`` (the fit's alone)."""
         coef = self._coefficients()
         if coef is None:
             return 0.0
         with self._lock:
             context = self._attention_sum / self._token_sum if self._token_sum > 0 else 0.0
-        return coef[2] + coef[3] * context
+        return (coef[2] + coef[3] * context) * (1.0 if fitted else self.slowdown())
 
     def realtime_prompt_mean(self) -> float:
         """Prompt tokens per step, smoothed, less those of batch prompts: the prefill that comes
@@ -286,7 +310,7 @@ class StepCurve:
         now (called once the warm-up measured it on an idle engine: an engine does not prefill
         faster than that later, whatever the fit makes of noisy steps). The floor holds the
         linear part at ``share`` of the whole price a token paid then, its attention included."""
-        price = self.token_s()
+        price = self.token_s(fitted=True)
         with self._lock:
             self._token_floor = share * price
             self._coef = None
@@ -294,13 +318,13 @@ class StepCurve:
     def step_s(self, seqs: float, prompt_tokens: float | None = None) -> float | None:
         """Predicted seconds of a step with ``seqs`` sequences (and ``prompt_tokens`` prefilled,
         at the context such tokens have had lately: by default the mean a step has prefilled
-        lately); None before any step was seen."""
+        lately), at the engine's speed lately; None before any step was seen."""
         coef = self.coefficients()
         if coef is None:
             return None
         a, b, _ = coef
         tokens = self._prompt_mean if prompt_tokens is None else prompt_tokens
-        return max(1e-4, a + b * seqs + self.token_s() * tokens)
+        return max(1e-4, (a + b * seqs + self.token_s(fitted=True) * tokens) * self.slowdown())
 
     def seq_tps(self, seqs: float) -> float | None:
         """Tokens per second each of ``seqs`` running sequences gets (one token per step)."""
@@ -424,7 +448,7 @@ class Governor:
         budget = self.safety * pace_s
         if not math.isfinite(budget):
             return self.max_seqs
-        b = coef[1]
+        b = coef[1] * self.curve.slowdown()  # a sequence's price at the engine's speed lately
         if b <= 0:
             return self.max_seqs
         # A step's fixed part plus the prefill realtime arrivals bring; batch prefill is fitted into

@@ -713,7 +713,7 @@ class EngineRuntime:
                         decode_tps=round(self.limit / curve.step_s(self.limit, 0), 3),
                         prefill_s_tok=round(self.governor.prompt_token_s(), 7),
                         prefill_s_tok2=float(f"{self.governor.prompt_square_s():.4g}"),
-                        cached_share=round(curve.cached_share(), 3),
+                        cached_share=round(curve.cached_share(), 3), slowdown=round(curve.slowdown(), 2),
                         backlog_s=round(self.governor.backlog_s(), 3),
                         realtime_backlog_s=round(self.governor.backlog_s(batch=False), 3),
                         step_ms=[round(coef[0] * 1e3, 3), round(coef[1] * 1e3, 4), round(coef[2] * 1e6, 2),

@@ -119,7 +119,8 @@ def test_a_host_that_slows_at_once_is_priced_at_its_speed_now_not_at_its_calm_on
     """The fit forgets over hundreds of steps. When the platform's own spike takes the CPUs the
     engine shares, every step runs slower at once: within a dozen steps the curve prices steps and
     prompts at that speed, the limit falls to keep the pace, and when the host is calm again the
-    prices come back to the fit's. Steps faster than the fit never price below it."""
+    prices come back to the fit's, as they do while the engine is idle. Steps faster than the fit
+    never price below it, and a batch bigger than any fitted is the fit's to learn."""
     clock = Clock()
     governor = Governor(cpu_curve(), max_seqs=256, default_pace_s=1.0, clock=clock)
     curve = governor.curve
@@ -131,12 +132,16 @@ def test_a_host_that_slows_at_once_is_priced_at_its_speed_now_not_at_its_calm_on
     assert 1.4 < curve.slowdown() < 1.6
     assert curve.step_s(8, 0) > 1.4 * calm_step and curve.prompt_token_s() > 1.3 * calm_token
     assert governor.limit() < 0.75 * calm_limit
+    # Idle, the engine shows no speed: what it showed fades.
+    assert curve.slowdown(now=time.monotonic() + 1 + 5 * 5) < 1.01
     for _ in range(60):  # calm again; then faster than fitted
         curve.add(StepSample(0.010 + 0.0015 * 8, 8))
     assert curve.slowdown() == pytest.approx(1.0, abs=0.05)
     for _ in range(30):
         curve.add(StepSample(0.5 * (0.010 + 0.0015 * 8), 8))
     assert curve.slowdown() == 1.0 and curve.step_s(8, 0) <= calm_step * 1.01
+    curve.add(StepSample(3 * (0.010 + 0.0015 * 128), 128))  # twice the biggest batch fitted
+    assert curve.slowdown() == 1.0
 
 
 def test_a_curve_that_saw_one_batch_size_stays_flat_and_opens_the_whole_engine():

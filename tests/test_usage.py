@@ -129,6 +129,8 @@ def test_a_thousand_mixed_requests_sum_to_the_token_and_the_cent(platform, datab
             body = {**body, "max_tokens": 4000, "time_limit_s": 0.05}  # a time-out
         if i % 50 == 9:
             body = {**body, "max_tokens": 8192}  # over the context: refused, no row
+        if i % 40 == 3:  # cancelled below: long enough to be in flight still when the cancel comes
+            body = {**body, "max_tokens": 2000, "ignore_eos": True}
         if i == 500:  # mid-way, a worker dies with work in flight; a new one takes over
             slow = [client.submit(prompt=f"slow {j}", max_tokens=1500, model="m-one").get_json()["id"]
                     for j in range(10)]

@@ -56,11 +56,15 @@ ATTENTION_SCALE = TOKEN_SCALE * TOKEN_SCALE
 RIDGE = 1e-5
 # How fast the curve follows a slowdown the fit has not caught up with (a host whose CPUs the web
 # tier's spike takes): each decode step moves it this share of the way to that step's time over
-# the fit's prediction (about the last ten steps count), once this many steps were fitted; a step
-# counts at most this many times its prediction (one stall is not the engine's speed).
+# the fit's prediction (about the last ten steps count), once this many steps were fitted and
+# only for batch sizes the fit has seen (a bigger batch is the fit's to learn, not a slowdown); a
+# step counts at most this many times its prediction (one stall is not the engine's speed). An
+# idle engine shows no speed: what was measured fades with this time constant once it has been
+# idle a second.
 SLOWDOWN_WEIGHT = 0.1
 SLOWDOWN_AFTER = 20
 SLOWDOWN_CLIP = 4.0
+SLOWDOWN_IDLE_S = 5.0
 # The least a prompt token is priced at, as a share of the price the warm-up measured (an idle
 # engine): half, for the noise of those few warm-up steps.
 TOKEN_FLOOR_SHARE = 0.5
@@ -119,16 +123,21 @@ class StepCurve:
         # platform's own spike on shared cores) would otherwise be priced at its calm speed for
         # seconds, and requests admitted meanwhile run into their deadlines.
         self._slowdown = 1.0
+        self._slowdown_at = 0.0  # time.monotonic() of the last step that moved it
+        self._seqs_seen = 0  # the largest batch among the steps fitted
 
     def add(self, sample: StepSample) -> None:
         attention = self._prefilled(sample)
         if sample.seconds <= 0 or sample.seqs <= 0:
             return  # not timed: it teaches the fit nothing
-        if sample.prompt_tokens == 0 and self.samples >= SLOWDOWN_AFTER:
+        if sample.prompt_tokens == 0 and self.samples >= SLOWDOWN_AFTER and sample.seqs <= self._seqs_seen:
             coef = self._coefficients()  # before this step teaches it: a prediction, not a fit
             ratio = min(SLOWDOWN_CLIP, sample.seconds / max(1e-4, coef[0] + coef[1] * sample.seqs))
+            now = time.monotonic()
             with self._lock:
-                self._slowdown += SLOWDOWN_WEIGHT * (ratio - self._slowdown)
+                self._slowdown = 1.0 + self._faded(now) + SLOWDOWN_WEIGHT * (ratio - 1.0 - self._faded(now))
+                self._slowdown_at = now
+        self._seqs_seen = max(self._seqs_seen, sample.seqs)
         x = (1.0, sample.seqs / SEQ_SCALE, sample.prompt_tokens / TOKEN_SCALE, attention / ATTENTION_SCALE)
         with self._lock:
             for i in range(4):
@@ -237,11 +246,16 @@ class StepCurve:
         with self._lock:
             return self._cached_share
 
-    def slowdown(self) -> float:
+    def slowdown(self, now: float | None = None) -> float:
         """How much slower than the fit the engine's decode steps ran lately (1: as fitted, or
-        faster: the prices never fall below the fit's)."""
+        faster: the prices never fall below the fit's), fading while the engine is idle."""
         with self._lock:
-            return max(1.0, self._slowdown)
+            return 1.0 + max(0.0, self._faded(time.monotonic() if now is None else now))
+
+    def _faded(self, now: float) -> float:
+        """The slowdown's excess over 1 (negative: faster than fitted), faded by the idle time."""
+        idle = now - self._slowdown_at - 1.0
+        return (self._slowdown - 1.0) * (math.exp(-idle / SLOWDOWN_IDLE_S) if idle > 0 else 1.0)
 
     def prompt_token_s(self) -> float:
         """Engine seconds one prompt token costs as admission counts them (cached ones too), its

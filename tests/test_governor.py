@@ -424,14 +424,15 @@ def test_a_starved_engine_is_slow_not_hung_and_the_watchdog_lets_it_finish(datab
                                                                            new_client, tmp_path):
     from web import create_app
 
-    # Every step takes 5 s once the engine is warm, against a 2 s watchdog: the engine is working
-    # on each step all along (a host whose CPU other processes take), so it must not be restarted.
-    env = {"SLUICE_SIM_STARVE_AFTER_S": "3", "SLUICE_WORKER_WATCHDOG_S": "2"}
+    # Every step takes 5 s once the engine serves its first request, against a 2 s watchdog: the
+    # engine is working on each step all along (a host whose CPU other processes take), so it must
+    # not be restarted.
+    env = {"SLUICE_SIM_STARVE_AFTER_S": "0", "SLUICE_WORKER_WATCHDOG_S": "2"}
     application = create_app(make_settings(database_url, scratch_redis_url, env))
     worker = WorkerProcess(database_url, scratch_redis_url, tmp_path, concurrency=4, extra_env=env)
     try:
         client = new_client(application)
-        time.sleep(3)
+        worker.wait_stats(lambda s: "engine_limit" in s)
         request_id = client.submit(prompt="slow going", max_tokens=3, ignore_eos=True).get_json()["id"]
         view = client.wait(request_id, timeout=60)
         assert view["status"] == "succeeded", view

@@ -48,7 +48,7 @@ from core.admission.load import capacity_entry, capacity_key, room_key
 from core.delivery.streams import TokenSink
 from core.rediskeys import cancel_key, node_key, stalled_key, worker_key
 from workers.engines import Engine, GenerationOutput, GenerationRequest, SamplingParams
-from workers.engines.base import EngineDead
+from workers.engines.base import WARMUP_PREFIX, EngineDead
 from workers.governor import Governor
 from workers.preemption import Claims
 
@@ -169,7 +169,7 @@ class EngineRuntime:
         self._call(self.engine.start())
         # Twice: the first run pays for lazy initialisation; the second measures a sequence's speed.
         for attempt in range(2):
-            warmup = self._warm_request(f"warmup-{attempt}-{self.worker_id}", "warm up")
+            warmup = self._warm_request(f"{WARMUP_PREFIX}{attempt}-{self.worker_id}", "warm up")
             result = self._call(self._run(warmup, 120.0, "timeout"))
             if attempt == 0:
                 self.engine.step_samples()  # its steps paid for the lazy start: not the engine's price
@@ -192,8 +192,9 @@ class EngineRuntime:
         n = min(WARMUP_BURST, self.governor.max_seqs)
         if n < 2:
             return
-        await asyncio.gather(*(self._run(self._warm_request(f"warmup-burst-{i}-{self.worker_id}", f"warm up {i}"),
-                                         120.0, "timeout") for i in range(n)))
+        ids = [f"{WARMUP_PREFIX}burst-{i}-{self.worker_id}" for i in range(n)]
+        await asyncio.gather(*(self._run(self._warm_request(rid, f"warm up {i}"), 120.0, "timeout")
+                               for i, rid in enumerate(ids)))
 
     async def _warm_prefill(self) -> None:
         """Prompts of a few sizes, one after another, beside a sequence decoding all along (an
@@ -203,7 +204,7 @@ class EngineRuntime:
         cannot hold them."""
         if self.engine.embeds or self.governor.max_seqs < 2:
             return
-        carrier = GenerationRequest(request_id=f"warmup-carrier-{self.worker_id}", prompt="carry on",
+        carrier = GenerationRequest(request_id=f"{WARMUP_PREFIX}carrier-{self.worker_id}", prompt="carry on",
                                     params=SamplingParams(max_tokens=100_000, ignore_eos=True))
         beside = asyncio.ensure_future(self._run(carrier, 600.0, "timeout"))
         try:
@@ -213,7 +214,7 @@ class EngineRuntime:
                 await asyncio.sleep(0.01)
             for i, words in enumerate(WARMUP_PROMPTS):
                 prompt = " ".join(f"w{i}x{k}" for k in range(words))
-                request = GenerationRequest(request_id=f"warmup-prefill-{i}-{self.worker_id}", prompt=prompt,
+                request = GenerationRequest(request_id=f"{WARMUP_PREFIX}prefill-{i}-{self.worker_id}", prompt=prompt,
                                             prompt_tokens=words * 3,
                                             params=SamplingParams(max_tokens=2, ignore_eos=True))
                 # Counted as batch prefill: not the prefill realtime traffic brings, which the limit

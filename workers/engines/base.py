@@ -168,6 +168,10 @@ class EngineStats:
     extra: dict = field(default_factory=dict)
 
 
+# The ids of the requests a worker's warm-up sends its engine begin with this (workers/runtime.py).
+WARMUP_PREFIX = "warmup-"
+
+
 @dataclass(frozen=True)
 class StepSample:
     """One engine step, as the worker's step curve learns from it (``workers/governor.py``)."""

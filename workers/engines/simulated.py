@@ -32,6 +32,7 @@ from typing import Any
 
 from core.submit.sampling import NOWHERE, local_target
 from workers.engines.base import (
+    WARMUP_PREFIX,
     Choice,
     ConstraintError,
     Engine,
@@ -90,8 +91,10 @@ class SimulatedConfig:
     # Fault injection (the fault suite): this long after start, a step blocks the event loop for
     # good, as a CUDA call that never returns would. None: never.
     wedge_after_s: float | None = None
-    # Fault injection: this long after start every step takes at least ``starved_step_s`` of wall
-    # time, as on a host whose CPU is taken by other processes; the engine is slow, not hung.
+    # Fault injection: this long after the first request that is not its worker's warm-up, every
+    # step takes at least ``starved_step_s`` of wall time, as on a host whose CPU is taken by other
+    # processes; the engine is slow, not hung. (From the first request, not from start: a warm-up
+    # slowed by a loaded host must not be starved, or the worker would start out measuring it.)
     starve_after_s: float | None = None
     starved_step_s: float = 5.0
     # Fault injection: this long after start the loop takes no more steps but keeps answering (an
@@ -225,8 +228,6 @@ class SimulatedEngine(Engine):
             self._task = asyncio.create_task(self._loop(), name="simulated-engine")
             wedge = self.config.wedge_after_s
             self._wedge_at = None if wedge is None else time.monotonic() + wedge
-            starve = self.config.starve_after_s
-            self._starve_at = None if starve is None else time.monotonic() + starve
             stall, die = self.config.stall_after_s, self.config.die_after_s
             self._stall_at = None if stall is None else time.monotonic() + stall
             self._die_at = None if die is None else time.monotonic() + die
@@ -247,6 +248,9 @@ class SimulatedEngine(Engine):
             raise EngineDead("the simulated engine loop has stopped")
         if (request.texts is not None) != self.embeds:
             raise RequestRefused("an embedding model takes texts to embed, and only it does")
+        starve = self.config.starve_after_s
+        if starve is not None and self._starve_at is None and not request.request_id.startswith(WARMUP_PREFIX):
+            self._starve_at = time.monotonic() + starve
         if request.texts is not None:
             yield await self._embed(request)
             return

@@ -125,9 +125,9 @@ class Settings:
         "sequence in a step makes it longer). See docs/calibration.md.")
     sim_starve_after_s: float | None = _field(
         "SLUICE_SIM_STARVE_AFTER_S", None,
-        "Fault injection: this long after start every simulated step takes at least 5 s of wall time, "
-        "as on a host whose CPU other processes take (slow, not hung: the watchdog must not fire). "
-        "Unset: never.")
+        "Fault injection: this long after the first request that is not the worker's warm-up, every "
+        "simulated step takes at least 5 s of wall time, as on a host whose CPU other processes take "
+        "(slow, not hung: the watchdog must not fire). Unset: never.")
     sim_wedge_after_s: float | None = _field(
         "SLUICE_SIM_WEDGE_AFTER_S", None,
         "Fault injection: the simulated engine's loop blocks for good this long after start (a hung "

@@ -56,11 +56,13 @@ def upload(http, headers: dict[str, str], body: bytes, purpose: str = "batch"):
                      data={"purpose": purpose, "file": (io.BytesIO(body), "input.jsonl")})
 
 
-def sdk(app, key: str):
-    """The official OpenAI client, talking to ``app`` in-process (no socket)."""
+def sdk(app, key: str, **options):
+    """The official OpenAI client, talking to ``app`` in-process (no socket); ``options`` go to
+    ``openai.OpenAI`` (``timeout``, say)."""
     openai = pytest.importorskip("openai")
     http = httpx.Client(transport=httpx.WSGITransport(app=app), base_url="http://sluice.test")
-    return openai, openai.OpenAI(api_key=key, base_url="http://sluice.test/v1", max_retries=0, http_client=http)
+    return openai, openai.OpenAI(api_key=key, base_url="http://sluice.test/v1", max_retries=0, http_client=http,
+                                 **options)
 
 
 def tenant_sql(app, key: str, statement: str) -> None:

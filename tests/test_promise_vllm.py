@@ -18,10 +18,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 from conftest import ENGINE_ENV, ROOT, ApiClient, WorkerProcess, make_settings
 from test_governor import wait_terminal
+from test_openai_errors import sdk
 
 from models import InferenceRequest, Status
 from web.services import services
@@ -95,6 +95,19 @@ def ended(application, ids: list[str], timeout: float = 300) -> list[InferenceRe
     return wait_terminal(application, ids, timeout)
 
 
+def batch_documents(api, seed: int) -> list:
+    """Three batch documents of ~2,000 prompt tokens, accepted: what the acceptance bursts run beside."""
+    batch = [api.submit(prompt=prompt_of(2000, seed + i), max_tokens=64, priority="batch") for i in range(3)]
+    assert all(r.status_code == 202 for r in batch), [r.get_json() for r in batch]
+    return batch
+
+
+def question_alone_s(worker: WorkerProcess) -> float:
+    """Seconds a burst's question (400 prompt tokens, 32 out) takes alone by the worker's own figures."""
+    stats = worker.stats()
+    return 400 * stats["prefill_s_tok"] + 400 ** 2 * stats["prefill_s_tok2"] + 32 / stats["idle_seq_tps"]
+
+
 def test_the_worker_prices_a_prompt_token_from_its_own_steps(stack, api):
     application, worker = stack
     # Its warm-up prompts showed the price before any request came.
@@ -158,8 +171,7 @@ def test_a_burst_with_long_prompts_beside_batch_documents_keeps_the_promise(stac
     deadline or refused; at most 3 are accepted and then late; at least 5 are served."""
     application, worker = stack
     worker.wait_stats(lambda s: s.get("in_flight") == 0, timeout=120)
-    batch = [api.submit(prompt=prompt_of(2000, 100 + i), max_tokens=64, priority="batch") for i in range(3)]
-    assert all(r.status_code == 202 for r in batch), [r.get_json() for r in batch]
+    batch = batch_documents(api, 100)
 
     def ask(i: int):
         client = ApiClient(application, api.key)
@@ -178,8 +190,7 @@ def test_a_burst_with_long_prompts_beside_batch_documents_keeps_the_promise(stac
     # At least five are served where a question alone takes at most a third of its deadline by
     # the engine's own figures; a host so loaded that it does not can serve fewer in time, and
     # then the promise must refuse them rather than let them expire (checked above).
-    stats = worker.stats()
-    alone_s = 400 * stats["prefill_s_tok"] + 400 ** 2 * stats["prefill_s_tok2"] + 32 / stats["idle_seq_tps"]
+    alone_s = question_alone_s(worker)
     if alone_s <= DEADLINE_S / 3:
         assert statuses.count(Status.SUCCEEDED) >= 5, f"{len(refused)} refused, {statuses}, alone {alone_s:.2f} s"
     assert {r.status for r in ended(application, [r.get_json()["id"] for r in batch])} == {Status.SUCCEEDED}
@@ -189,16 +200,12 @@ def test_the_same_burst_through_the_openai_sdk_is_answered_or_refused_never_time
     """The acceptance check on the OpenAI door: the official SDK with ``timeout=5``, whose read
     timeout the door takes as the deadline, sends the burst of ~400-token questions beside batch
     documents. Every call is answered or refused (503 or 429, with Retry-After); none gets a 504."""
-    openai = pytest.importorskip("openai")
     application, worker = stack
     worker.wait_stats(lambda s: s.get("in_flight") == 0, timeout=120)
-    batch = [api.submit(prompt=prompt_of(2000, 500 + i), max_tokens=64, priority="batch") for i in range(3)]
-    assert all(r.status_code == 202 for r in batch), [r.get_json() for r in batch]
+    batch = batch_documents(api, 500)
 
     def ask(i: int) -> tuple[int, str | None]:
-        http = httpx.Client(transport=httpx.WSGITransport(app=application), base_url="http://sluice.test")
-        client = openai.OpenAI(api_key=api.key, base_url="http://sluice.test/v1", max_retries=0,
-                               timeout=DEADLINE_S, http_client=http)
+        openai, client = sdk(application, api.key, timeout=DEADLINE_S)
         try:
             client.chat.completions.create(model=MODEL, max_tokens=32,
                                            messages=[{"role": "user", "content": prompt_of(400, 600 + i)}])
@@ -213,8 +220,7 @@ def test_the_same_burst_through_the_openai_sdk_is_answered_or_refused_never_time
     codes = [code for code, _ in calls]
     assert set(codes) <= {200, 429, 503}, codes
     assert all(retry for code, retry in calls if code != 200), calls
-    stats = worker.stats()
-    alone_s = 400 * stats["prefill_s_tok"] + 400 ** 2 * stats["prefill_s_tok2"] + 32 / stats["idle_seq_tps"]
+    alone_s = question_alone_s(worker)
     if alone_s <= DEADLINE_S / 3:
         assert codes.count(200) >= 5, f"{codes}, alone {alone_s:.2f} s"
     assert {r.status for r in ended(application, [r.get_json()["id"] for r in batch])} == {Status.SUCCEEDED}

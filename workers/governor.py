@@ -84,6 +84,18 @@ MIN_PREFILL_CHUNK = 32
 PENDING_STEPS = 4
 
 
+@dataclass(slots=True)
+class _Pending:
+    """A prompt let into the engine and not yet seen prefilled in full."""
+
+    request_id: str | None
+    length: int  # its tokens, as counted when it was let in
+    left: int  # of which no step has shown prefilled yet
+    batch: bool
+    released: float  # time.monotonic() when it was let in
+    steps: int = 0  # steps begun since that prefilled none of the prompts pending
+
+
 class StepCurve:
     """Step time ≈ a + b·seqs + c·prompt_tokens + d·attention, by weighted least squares with
     exponential forgetting and a ridge pull of b, c and d toward zero. Thread-safe.
@@ -106,10 +118,9 @@ class StepCurve:
         # (Σ attention / Σ tokens, both fading): what a step's prompt tokens cost beyond their
         # linear price (d × this, a token).
         self._attention_sum = self._token_sum = 0.0
-        # Prompts let into the engine and not yet seen prefilled, oldest first: [id, tokens left,
-        # batch, released at, steps begun since, tokens at release]. The steps' prefilled tokens
-        # (computed and cached) are taken off the head; what was taken says where a chunk starts.
-        self._pending: deque[list] = deque()
+        # Prompts let into the engine and not yet seen prefilled, oldest first. The steps' prefilled
+        # tokens (computed and cached) are taken off the head; what was taken says where a chunk starts.
+        self._pending: deque[_Pending] = deque()
         self._cached_share = 0.0  # of the prompt tokens prefilled lately, the share the prefix cache held
         self.samples = 0
         self._lock = threading.Lock()
@@ -135,9 +146,9 @@ class StepCurve:
             ratio = min(SLOWDOWN_CLIP, sample.seconds / max(1e-4, coef[0] + coef[1] * sample.seqs))
             now = time.monotonic()
             with self._lock:
-                self._slowdown = 1.0 + self._faded(now) + SLOWDOWN_WEIGHT * (ratio - 1.0 - self._faded(now))
+                excess = self._faded(now)
+                self._slowdown = 1.0 + excess + SLOWDOWN_WEIGHT * (ratio - 1.0 - excess)
                 self._slowdown_at = now
-        self._seqs_seen = max(self._seqs_seen, sample.seqs)
         x = (1.0, sample.seqs / SEQ_SCALE, sample.prompt_tokens / TOKEN_SCALE, attention / ATTENTION_SCALE)
         with self._lock:
             for i in range(4):
@@ -145,6 +156,7 @@ class StepCurve:
                 for j in range(4):
                     self._xx[i][j] = self._xx[i][j] * self._decay + x[i] * x[j]
             self._weight = self._weight * self._decay + 1.0
+            self._seqs_seen = max(self._seqs_seen, sample.seqs)
             self._prompt_mean = 0.98 * self._prompt_mean + 0.02 * sample.prompt_tokens
             if sample.prompt_tokens:
                 self._attention_sum = 0.95 * self._attention_sum + attention
@@ -170,26 +182,26 @@ class StepCurve:
             if seen:
                 self._cached_share = 0.9 * self._cached_share + 0.1 * sample.cached_tokens / seen
             batch = 0
-            for entry in sorted(self._pending, key=lambda p: p[2]) if seen else ():  # stable: oldest first
-                taken = min(seen, entry[1])
-                attention += taken * (entry[5] - entry[1] + taken / 2)
-                entry[1] -= taken
+            for entry in sorted(self._pending, key=lambda p: p.batch) if seen else ():  # stable: oldest first
+                taken = min(seen, entry.left)
+                attention += taken * (entry.length - entry.left + taken / 2)
+                entry.left -= taken
                 seen -= taken
-                batch += taken if entry[2] else 0
+                batch += taken if entry.batch else 0
                 if seen <= 0:
                     break
             if seen > 0:
                 attention += seen * seen / 2
             if total:
                 attention *= sample.prompt_tokens / total
-            if any(p[1] <= 0 for p in self._pending):
-                self._pending = deque(p for p in self._pending if p[1] > 0)
+            if any(p.left <= 0 for p in self._pending):
+                self._pending = deque(p for p in self._pending if p.left > 0)
             if not total:
                 for entry in self._pending:
-                    if entry[3] <= began:
-                        entry[4] += 1
-                if any(p[4] > PENDING_STEPS for p in self._pending):
-                    self._pending = deque(p for p in self._pending if p[4] <= PENDING_STEPS)
+                    if entry.released <= began:
+                        entry.steps += 1
+                if any(p.steps > PENDING_STEPS for p in self._pending):
+                    self._pending = deque(p for p in self._pending if p.steps <= PENDING_STEPS)
             # The batch share of what this step computed (cached tokens cost it nothing).
             if sample.seconds > 0:
                 self._batch_mean = 0.98 * self._batch_mean + 0.02 * min(batch, sample.prompt_tokens)
@@ -203,43 +215,43 @@ class StepCurve:
         if prompt_tokens <= 0:
             return
         with self._lock:
-            self._pending.append([request_id, prompt_tokens, batch, time.monotonic() if now is None else now, 0,
-                                  prompt_tokens])
+            self._pending.append(_Pending(request_id, prompt_tokens, prompt_tokens, batch,
+                                          time.monotonic() if now is None else now))
 
     def forget(self, request_id: str) -> None:
         """The request left the engine: whatever of its prompt is still counted pending never will
         be prefilled (it was aborted first, or its prefill was counted against another's)."""
         with self._lock:
-            self._pending = deque(p for p in self._pending if p[0] != request_id)
+            self._pending = deque(p for p in self._pending if p.request_id != request_id)
 
     def expire(self, older_than: float) -> None:
         """Drop pending prompts released before ``older_than`` (monotonic): a step would have
         shown them long ago, so they never reached the engine's prefill as counted."""
         with self._lock:
-            while self._pending and self._pending[0][3] < older_than:
+            while self._pending and self._pending[0].released < older_than:
                 self._pending.popleft()
 
     def pending(self) -> int:
         """Prompt tokens let into the engine and not yet seen prefilled."""
         with self._lock:
-            return sum(p[1] for p in self._pending)
+            return sum(p.left for p in self._pending)
 
     def pending_squares(self, batch: bool = True) -> float:
         """What the prompts pending (realtime ones only unless ``batch``) add to Σ P² as
         :meth:`prefill_s` prices them: ``L² − (L − r)²`` for a prompt of ``L`` tokens with ``r``
         still to prefill (the attention of its rest, doubled)."""
         with self._lock:
-            return sum(p[5] ** 2 - (p[5] - p[1]) ** 2 for p in self._pending if batch or not p[2])
+            return sum(p.length ** 2 - (p.length - p.left) ** 2 for p in self._pending if batch or not p.batch)
 
     def realtime_pending(self) -> int:
         """Realtime prompt tokens let into the engine and not yet seen prefilled."""
         with self._lock:
-            return sum(p[1] for p in self._pending if not p[2])
+            return sum(p.left for p in self._pending if not p.batch)
 
     def batch_pending(self) -> int:
         """Batch prompt tokens let into the engine and not yet seen prefilled."""
         with self._lock:
-            return sum(p[1] for p in self._pending if p[2])
+            return sum(p.left for p in self._pending if p.batch)
 
     def cached_share(self) -> float:
         """The share of the prompt tokens prefilled lately that the prefix cache held."""
@@ -555,7 +567,6 @@ class Governor:
     def prefill_s(self, prompt_tokens: float, squares: float | None = None) -> float:
         """Seconds the prefill of prompts of ``prompt_tokens`` tokens in all (Σ P² ``squares``;
         one prompt's when omitted) takes now, as the engine is told to prefill."""
-        squares = prompt_tokens * prompt_tokens if squares is None else squares
         return self.curve.prefill_s(prompt_tokens, squares) * self.stretch()
 
     def backlog_s(self, batch: bool = True) -> float:

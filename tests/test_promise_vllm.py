@@ -235,6 +235,12 @@ def test_a_saturated_worker_on_a_busy_host_is_never_taken_for_dead(stack, api):
     every look, and nothing it runs is requeued."""
     application, worker = stack
     worker.wait_stats(lambda s: s.get("in_flight") == 0, timeout=120)
+    # Four take 17 s on a 2-core AMD EPYC VM idle, four times the 4 s after which a silent worker
+    # counts as dead. Submitted before the hogs start: with them spinning, in a spread run, a call
+    # to the test's own Redis outlasted admission's 0.25 s timeout and the local floor refused the
+    # batch request (local_floor_batch); the hogs are for the worker, not for admission.
+    ids = [api.submit(prompt=prompt_of(1000, 300 + i), max_tokens=100, ignore_eos=True,
+                      priority="batch").get_json()["id"] for i in range(4)]
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     missing, looks, stop = [], 0, threading.Event()
 
@@ -248,12 +254,8 @@ def test_a_saturated_worker_on_a_busy_host_is_never_taken_for_dead(stack, api):
 
     watcher = threading.Thread(target=watch, daemon=True)
     try:
-        # Four take 17 s on a 2-core AMD EPYC VM idle, four times the 4 s after which a silent
-        # worker counts as dead. The hogs spin for HOGS_S at most, not as long as the work lasts:
-        # in a spread run the work took 130 s, and two hogs spinning that long took 260 CPU
-        # seconds from every other test process.
-        ids = [api.submit(prompt=prompt_of(1000, 300 + i), max_tokens=100, ignore_eos=True,
-                          priority="batch").get_json()["id"] for i in range(4)]
+        # The hogs spin for HOGS_S at most, not as long as the work lasts: in a spread run the work
+        # took 130 s, and two hogs spinning that long took 260 CPU seconds from every other test.
         watcher.start()
         hogged = time.monotonic() + HOGS_S
         while time.monotonic() < hogged and not all(r.status.terminal for r in ended(application, ids, 0)):

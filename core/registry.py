@@ -17,6 +17,8 @@ import json
 import re
 from dataclasses import dataclass
 
+from core.usage.prices import TIERS, multiplier
+
 ALL_ROLES = ("realtime", "batch", "large", "all")
 # How `tool_choice: auto` can read tool calls out of a model's free text (core/submit/sampling.py):
 # hermes = <tool_call>{"name": ..., "arguments": ...}</tool_call>, as Hermes, Qwen and others write them.
@@ -46,6 +48,9 @@ class ModelSpec:
     # USD per million tokens, {"input", "cached", "output"} (core/usage/prices.py); None: free,
     # unless SLUICE_PRICES names it.
     prices: dict[str, object] | None = None
+    # Multiples of those prices per service tier, {"priority": 2.5, ...} (docs/tiers.md); a tier it
+    # does not name pays SLUICE_SERVICE_TIER_PRICES'.
+    service_tiers: dict[str, object] | None = None
 
 
 @dataclass(frozen=True)
@@ -99,14 +104,15 @@ def parse_registry(models_json: str | None, *, name: str, path: str | None, cont
         if not isinstance(entry, dict) or "name" not in entry:
             raise RegistryError(f"SLUICE_MODELS[{i}] must be an object with at least a name")
         unknown = set(entry) - {"name", "path", "role", "context_tokens", "worker_roles", "tool_parser", "dimensions",
-                                "matryoshka", "prices"}
+                                "matryoshka", "prices", "service_tiers"}
         if unknown:
             raise RegistryError(f"SLUICE_MODELS[{i}] has unknown keys: {', '.join(sorted(unknown))}")
         spec = ModelSpec(name=entry["name"], path=entry.get("path"), role=entry.get("role", "main"),
                          context_tokens=entry.get("context_tokens", context_tokens),
                          worker_roles=tuple(entry.get("worker_roles", ALL_ROLES)),
                          tool_parser=entry.get("tool_parser"), dimensions=entry.get("dimensions"),
-                         matryoshka=entry.get("matryoshka", False), prices=entry.get("prices"))
+                         matryoshka=entry.get("matryoshka", False), prices=entry.get("prices"),
+                         service_tiers=entry.get("service_tiers"))
         _check(spec, i)
         models.append(spec)
     names = [m.name for m in models]
@@ -135,6 +141,15 @@ def _check(spec: ModelSpec, i: int) -> None:
                                     or set(spec.prices) != {"input", "cached", "output"}):
         raise RegistryError(f"SLUICE_MODELS[{i}].prices must be an object with input, cached and output "
                             "(USD per million tokens)")
+    if spec.service_tiers is not None:
+        if not isinstance(spec.service_tiers, dict) or not set(spec.service_tiers) <= set(TIERS):
+            raise RegistryError(f"SLUICE_MODELS[{i}].service_tiers must be an object of multipliers for "
+                                f"{', '.join(TIERS)}")
+        for tier, value in spec.service_tiers.items():
+            try:
+                multiplier(value, f"SLUICE_MODELS[{i}].service_tiers.{tier}")
+            except ValueError as exc:
+                raise RegistryError(str(exc)) from None
     if spec.tool_parser is not None and spec.tool_parser not in TOOL_PARSERS:
         raise RegistryError(f"SLUICE_MODELS[{i}].tool_parser must be one of {', '.join(TOOL_PARSERS)}")
     if not set(spec.worker_roles) <= set(ALL_ROLES):

@@ -20,7 +20,7 @@ from core.registry import ModelSpec, Registry, RegistryError, parse_registry
 from core.ssrf import AllowList
 from core.tenants.file_quotas import DEFAULT_FILE_QUOTAS, FileQuotas, parse_file_quotas
 from core.tenants.tiers import Limits, TierError, parse_tiers
-from core.usage.prices import Price, parse_prices, price, price_for
+from core.usage.prices import Price, multiplier, parse_prices, parse_tier_multipliers, price, price_for
 
 # The degradation ladder's steps that exist, by the level (core/admission/load.py) that turns each on.
 LADDER_STEPS = ("light_model", "shorter_output", "cached_answer", "reject_batch", "tight_promise", "shed")
@@ -271,8 +271,25 @@ class Settings:
         "main=0.15/0.075/0.6); wins over a model's `prices` in SLUICE_MODELS. A model with none costs 0.")
     batch_discount: float = _field(
         "SLUICE_BATCH_DISCOUNT", 0.5,
-        "Share of the price batch work does not pay (priority batch, bulk job and OpenAI batch lines): "
-        "0.5 charges half, as hosted batch APIs do; 0 charges batch like realtime.")
+        "Share of the price the batch service tier does not pay (priority batch, bulk job and OpenAI batch "
+        "lines) unless SLUICE_SERVICE_TIER_PRICES names batch: 0.5 charges half, as hosted batch APIs do; 0 "
+        "charges batch like default.")
+    service_tier_prices_spec: str = _field(
+        "SLUICE_SERVICE_TIER_PRICES", "priority=2,default=1,flex=0.5",
+        "What each service tier pays, as a multiple of its model's prices, comma-separated: tier=multiplier "
+        "(docs/tiers.md). A model's `service_tiers` in SLUICE_MODELS overrides it tier by tier.")
+    priority_share: float = _field(
+        "SLUICE_PRIORITY_SHARE", 0.2,
+        "Share of a realtime class's drain held for the priority service tier while priority requests came "
+        "in the last minute: default requests are promised on the rest (0 to 0.9).")
+    priority_deadline_s: float = _field(
+        "SLUICE_PRIORITY_DEADLINE_S", 15.0,
+        "A priority request (service_tier priority: served ahead of default work, at its price) must finish "
+        "this long after submission, unless it sets deadline_s: the tighter promise it pays for.")
+    flex_deadline_s: float = _field(
+        "SLUICE_FLEX_DEADLINE_S", 900.0,
+        "A flex request (service_tier flex: batch capacity, answered by its deadline or refused at once) "
+        "must finish this long after submission, unless it sets deadline_s.")
 
     # Admission (tokens = estimated input + max_tokens)
     tiers_spec: str = _field(
@@ -423,7 +440,8 @@ class Settings:
         return new
 
     def validate(self) -> None:
-        positive = ["realtime_deadline_s", "batch_deadline_s", "openai_default_deadline_s",
+        positive = ["realtime_deadline_s", "batch_deadline_s", "priority_deadline_s", "flex_deadline_s",
+                    "openai_default_deadline_s",
                     "max_body_bytes", "max_prompt_chars", "max_output_tokens", "default_max_tokens",
                     "time_limit_s", "large_threshold_tokens", "sim_speed", "worker_concurrency",
                     "worker_heartbeat_s", "worker_dead_after_s", "max_attempts", "sweep_interval_s",
@@ -479,6 +497,12 @@ class Settings:
     def _validate_prices(self) -> None:
         if not 0 <= self.batch_discount <= 1:
             raise SettingsError(f"SLUICE_BATCH_DISCOUNT must be from 0 to 1, got {self.batch_discount!r}")
+        if not 0 <= self.priority_share <= 0.9:
+            raise SettingsError(f"SLUICE_PRIORITY_SHARE must be from 0 to 0.9, got {self.priority_share!r}")
+        try:
+            parse_tier_multipliers(self.service_tier_prices_spec)
+        except ValueError as exc:
+            raise SettingsError(f"SLUICE_SERVICE_TIER_PRICES: {exc}") from None
         try:
             prices = self.prices
         except ValueError as exc:
@@ -494,10 +518,19 @@ class Settings:
                   for m in self.registry.models if m.prices is not None}
         return {**prices, **parse_prices(self.prices_spec)}
 
-    def price_for(self, model: str, *, batch: bool) -> Price:
-        """What ``model``'s tokens cost a request: its prices, less SLUICE_BATCH_DISCOUNT for batch
-        work (priority batch, or a job's line)."""
-        return price_for(self.prices, Decimal(str(self.batch_discount)), model, batch=batch)
+    @functools.cached_property
+    def tier_multipliers(self) -> dict[str, Decimal]:
+        """Each service tier's multiple of a model's prices, platform-wide."""
+        return {"priority": Decimal(2), "default": Decimal(1), "flex": Decimal("0.5"),
+                "batch": 1 - Decimal(str(self.batch_discount)), **parse_tier_multipliers(self.service_tier_prices_spec)}
+
+    def price_for(self, model: str, tier: str) -> Price:
+        """What ``model``'s tokens cost a request served at service ``tier``: its prices times the
+        tier's multiplier (the model's own in the registry, else SLUICE_SERVICE_TIER_PRICES')."""
+        spec = self.registry.get(model)
+        own = {t: multiplier(v, f"{model}'s {t} tier multiplier") for t, v in (spec.service_tiers or {}).items()
+               } if spec is not None else {}
+        return price_for(self.prices, {**self.tier_multipliers, **own}, model, tier)
 
     def _validate_webhooks(self) -> None:
         for name in ("webhook_timeout_s", "webhook_retry_for_s", "webhook_backoff_s", "webhook_progress_s",

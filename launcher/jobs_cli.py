@@ -36,7 +36,8 @@ SHOWN_LINES = 10  # bad lines a refusal prints
 
 # The job's query parameters and the submit flags that set them, for error messages.
 FLAGS = {"model": "--model", "summary_tokens": "--summary-tokens", "instruction": "--instruction",
-         "priority": "--priority", "completion_window": "--window", "on_invalid": "--skip-invalid"}
+         "priority": "--priority", "service_tier": "--service-tier", "completion_window": "--window",
+         "on_invalid": "--skip-invalid"}
 
 
 class Unreachable(click.ClickException):
@@ -239,6 +240,9 @@ def jobs() -> None:
 @click.option("--summary-tokens", type=click.IntRange(min=1), help="Length of each document's summary.")
 @click.option("--instruction", help="What to do with each document (default: summarise it).")
 @click.option("--priority", type=click.Choice(["batch", "realtime"]), help="Queue class (default: batch).")
+@click.option("--service-tier", "service_tier", type=click.Choice(["priority", "default", "flex", "batch"]),
+              help="Its lines' service tier, their place in line and price (default: the class's plain tier; "
+                   "docs/tiers.md).")
 @click.option("--window", help="Completion window, e.g. 24h, 90m or 3600 (seconds).")
 @click.option("--skip-invalid", is_flag=True, help="Run the valid lines and list the bad ones, instead of "
                                                      "refusing the file.")
@@ -249,13 +253,13 @@ def jobs() -> None:
               help="With --wait: where bad lines and failed items go (default: FILE's stem + .errors.jsonl).")
 @api_options
 def submit(api: Api, file: Path, model: str | None, summary_tokens: int | None, instruction: str | None,
-           priority: str | None, window: str | None, skip_invalid: bool, wait: bool, output: Path | None,
-           errors_path: Path | None) -> None:
+           priority: str | None, service_tier: str | None, window: str | None, skip_invalid: bool, wait: bool,
+           output: Path | None, errors_path: Path | None) -> None:
     """Submit FILE (JSONL, one document or request per line) as a job and print its id."""
     if (output or errors_path) and not wait:
         raise click.UsageError("--output and --errors go with --wait; without it use `sluice jobs results`")
     params = {"model": model, "summary_tokens": summary_tokens, "instruction": instruction, "priority": priority,
-              "completion_window": window, "on_invalid": "skip" if skip_invalid else None}
+              "service_tier": service_tier, "completion_window": window, "on_invalid": "skip" if skip_invalid else None}
     query = urlencode({name: value for name, value in params.items() if value is not None})
     with file.open("rb") as body:
         size = os.fstat(body.fileno()).st_size
@@ -264,7 +268,9 @@ def submit(api: Api, file: Path, model: str | None, summary_tokens: int | None, 
     click.echo(job["id"])
     counts = job["counts"]
     click.echo(f"{counts['total']} items" + (f"; {counts['invalid']} invalid lines skipped (see the errors)"
-                                              if counts["invalid"] else ""), err=True)
+                                              if counts["invalid"] else "")
+               + (f"; estimated to finish by {job['estimated_finish_at'][:19]}" if job.get("estimated_finish_at")
+                  else ""), err=True)
     if not wait:
         return
     view = follow(api, job["id"])
@@ -289,8 +295,10 @@ def list_(api: Api, limit: int, as_json: bool) -> None:
         click.echo(json.dumps(views, indent=2))
         return
     for view in views:
+        finish = view.get("estimated_finish_at")
         click.echo(f"{view['id']}  {view['status']:<11} {view['done']:>8}/{view['counts']['total']:<8} "
-                   f"{view['created_at'][:19]}  {view['model']}")
+                   f"{view['created_at'][:19]}  {view['model']}"
+                   + (f"  finishes ~{finish[:19]}" if finish and view["status"] not in TERMINAL else ""))
     if not views:
         click.echo("no jobs", err=True)
 

@@ -51,6 +51,9 @@ def _limit_options(command: Callable) -> Callable:
     for name in reversed((*LIMIT_FIELDS, *QUOTA_FIELDS)):
         command = click.option(f"--{name.replace('_', '-')}", name, type=_LimitValue(), default=None,
                                help=f"Override the tier's {name.replace('_', ' ')} ('tier' removes it).")(command)
+    command = click.option("--auto-service-tier", "auto_service_tier", type=click.Choice(["default", "priority"]),
+                           default=None, help="What its requests' service_tier auto buys: default, or priority "
+                           "(run as default, named so, when the priority promise cannot be kept).")(command)
     command = click.option("--batch-weight", "batch_weight", type=click.FloatRange(0, 1000, min_open=True),
                            default=None, help="Share of batch capacity for bulk jobs against other tenants' "
                            "(tokens; default 1).")(command)
@@ -111,7 +114,7 @@ def _summary(view: dict[str, Any]) -> str:
             f"requests/min={limits['requests_per_minute']}{marks['requests_per_minute']}  "
             f"concurrent={limits['max_concurrent']}{marks['max_concurrent']}  "
             f"max_request_tokens={limits['max_request_tokens']}{marks['max_request_tokens']}  "
-            f"batch_weight={view['batch_weight']:g}  "
+            f"batch_weight={view['batch_weight']:g}  auto_service_tier={view['auto_service_tier']}  "
             f"file_bytes={quotas['max_stored_bytes']}{marks['max_stored_bytes']}  "
             f"files={quotas['max_files']}{marks['max_files']}  "
             f"uploads/min={quotas['uploads_per_minute']}{marks['uploads_per_minute']}  "

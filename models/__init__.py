@@ -5,7 +5,7 @@ from models.delivery import Delivery, DeliveryStatus
 from models.file import Batch, File, FileChunk
 from models.idempotency import IdempotencyKey
 from models.job import ItemStatus, Job, JobItem, JobStatus
-from models.request import InferenceRequest, Priority, SizeClass, Source, Status
+from models.request import InferenceRequest, Priority, ServiceTier, SizeClass, Source, Status
 from models.reservation import Reservation
 from models.session import Database
 from models.tenant import ApiKey, KeyScope, Tenant, hash_key, new_key, tenant_for_key
@@ -13,5 +13,5 @@ from models.usage import Budget, UsageHourly, UsageOutcome
 
 __all__ = ["ApiKey", "Base", "Batch", "Budget", "Database", "Delivery", "DeliveryStatus", "File", "FileChunk",
            "IdempotencyKey", "InferenceRequest", "ItemStatus", "Job", "JobItem", "JobStatus", "KeyScope", "Priority",
-           "Reservation", "SizeClass", "Source", "Status", "Tenant", "UsageHourly", "UsageOutcome", "hash_key",
-           "new_key", "tenant_for_key", "utcnow"]
+           "Reservation", "ServiceTier", "SizeClass", "Source", "Status", "Tenant", "UsageHourly", "UsageOutcome",
+           "hash_key", "new_key", "tenant_for_key", "utcnow"]

@@ -76,6 +76,8 @@ class Job(Base):
     status: Mapped[JobStatus] = mapped_column(_str_enum(JobStatus, "job_status"), default=JobStatus.VALIDATING)
     model: Mapped[str] = mapped_column(String(128))
     priority: Mapped[str] = mapped_column(String(16))
+    # Its lines' service tier (models.ServiceTier): their place in line and their price.
+    service_tier: Mapped[str] = mapped_column(String(16), default="batch", server_default="batch")
     instruction: Mapped[str] = mapped_column(Text)
     summary_tokens: Mapped[int]
     completion_window_s: Mapped[int]
@@ -95,6 +97,9 @@ class Job(Base):
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
     started_at: Mapped[datetime | None]  # the upload was admitted
     expires_at: Mapped[datetime | None]
+    # When it was estimated to finish at submit (core/jobs/estimate.py); null where the platform
+    # had no figures to say.
+    estimated_finish_at: Mapped[datetime | None]
     cancel_requested_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
     # Its documents and results were deleted by the retention sweep (SLUICE_RETENTION_DAYS); the

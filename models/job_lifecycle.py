@@ -80,13 +80,15 @@ def item_allowed(source: ItemStatus, target: ItemStatus) -> bool:
 # ---------------------------------------------------------------------- jobs
 
 def admit(session: Session, job_id: uuid.UUID, window_s: int, *, total_items: int, invalid_lines: int,
-          input_bytes: int, estimated_tokens: int) -> bool:
-    """validating → in_progress once its file was read: its counts, and its window starts now.
-    False when it is no longer validating (cancelled, or failed as a stale upload, meanwhile)."""
+          input_bytes: int, estimated_tokens: int, estimated_finish_s: float | None = None) -> bool:
+    """validating → in_progress once its file was read: its counts, and its window starts now (and
+    when it is estimated to finish, if the platform could say). False when it is no longer
+    validating (cancelled, or failed as a stale upload, meanwhile)."""
     return _done(session, _job(JobStatus.IN_PROGRESS, Job.id == job_id).values(
         total_items=total_items, invalid_lines=invalid_lines, input_bytes=input_bytes,
         estimated_tokens=estimated_tokens, started_at=func.now(),
-        expires_at=func.now() + timedelta(seconds=window_s)))
+        expires_at=func.now() + timedelta(seconds=window_s),
+        estimated_finish_at=None if estimated_finish_s is None else func.now() + timedelta(seconds=estimated_finish_s)))
 
 
 def request_cancel(session: Session, job_id: uuid.UUID) -> bool:

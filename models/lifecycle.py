@@ -135,6 +135,7 @@ class Moved:
     # engine computed for it costs nothing; else its cost, which Postgres worked out.
     cache_hit: bool = False
     cost: Decimal = Decimal(0)
+    service_tier: str = "default"  # its service tier: the tier ahead in its class has counters of its own
 
 
 Ended = Moved  # what on_end hooks receive: a Moved whose status is terminal
@@ -170,13 +171,14 @@ class Orphan(NamedTuple):
 class Requeued(NamedTuple):
     id: uuid.UUID
     queue: str
+    service_tier: str | None = None  # its message's place in line (core/broker/queues.py MESSAGE_PRIORITY)
 
 
 _t = InferenceRequest
 _MOVED_COLUMNS = (_t.id, _t.tenant_id, _t.status, _t.error_code, _t.priority, func.coalesce(_t.model_routed,
                   _t.model_requested), _t.reserved_tokens, _t.input_tokens, _t.output_tokens, _t.started_at,
                   _t.follows_id, cast(func.extract("epoch", _t.deadline_at - _t.created_at), Float),
-                  _t.webhook_url.is_not(None), _t.cache_hit, _t.cost)
+                  _t.webhook_url.is_not(None), _t.cache_hit, _t.cost, _t.service_tier)
 
 
 def _moved(source: Status | None, row: Any) -> Moved:
@@ -185,7 +187,8 @@ def _moved(source: Status | None, row: Any) -> Moved:
         deadline = (row.deadline_at - row.created_at).total_seconds() if row.deadline_at and row.created_at else None
         row = (row.id, row.tenant_id, row.status, row.error_code, row.priority, row.target_model,
                row.reserved_tokens, row.input_tokens, row.output_tokens, row.started_at, row.follows_id, deadline,
-               row.webhook_url is not None, bool(row.cache_hit), Decimal(0))  # born, or cancelled queued: no engine ran
+               row.webhook_url is not None, bool(row.cache_hit), Decimal(0),  # born, or cancelled queued: no engine ran
+               row.service_tier or "default")
     return Moved(row[0], row[1], source, *row[2:])
 
 
@@ -350,7 +353,7 @@ class Lifecycle:
             moved += [_moved(None, r[1:]) for r in rows]
         for row in rows:
             log.info("un-parked: the request it followed ended %s", status.value, extra=about(row.id))
-        return [Requeued(r.id, r.queue) for r in rows]
+        return [Requeued(r.id, r.queue, r.service_tier) for r in rows]
 
     def stamp_enqueued(self, request_id: uuid.UUID, epoch: str | None) -> None:
         """Record that the row's message was published into broker ``epoch`` (``enqueued_at`` once:
@@ -412,7 +415,7 @@ class Lifecycle:
                 return None
             moved.append(_moved(Status.RUNNING, row[:-1]))
         log.warning("handed back: %s", why, extra=about(request_id))
-        return Requeued(request_id, row[-1])
+        return Requeued(request_id, row[-1], row[-2])
 
     def recover_orphans(self, *where: ColumnElement[bool], max_attempts: int, limit: int,
                         stalled: frozenset[uuid.UUID] = frozenset()) -> tuple[dict[str, int], list[Requeued]]:
@@ -444,7 +447,7 @@ class Lifecycle:
                     row = session.execute(_transition(Status.RUNNING, Status.QUEUED, *owned).values(
                         worker=None, device=None, started_at=None, enqueued_at=None).returning(*_MOVED_COLUMNS)).one()
                     moved.append(_moved(Status.RUNNING, row))
-                    requeued.append(Requeued(orphan.id, orphan.queue))
+                    requeued.append(Requeued(orphan.id, orphan.queue, row.service_tier))
                     counts["requeued"] += 1
         for orphan in requeued:
             log.warning("requeued: its worker died while running it", extra=about(orphan.id))

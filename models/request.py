@@ -54,6 +54,25 @@ class Priority(enum.StrEnum):
     BATCH = "batch"
 
 
+class ServiceTier(enum.StrEnum):
+    """What a request bought (docs/tiers.md): its class, its place in line and its price."""
+
+    PRIORITY = "priority"  # realtime, served ahead of default work, a share held for it
+    DEFAULT = "default"  # realtime
+    FLEX = "flex"  # batch class with a deadline: answered by it, or refused at once
+    BATCH = "batch"  # idle capacity
+
+    @property
+    def priority(self) -> Priority:
+        """The class that runs it."""
+        return Priority.REALTIME if self in (ServiceTier.PRIORITY, ServiceTier.DEFAULT) else Priority.BATCH
+
+    @classmethod
+    def of(cls, priority: Priority | str) -> ServiceTier:
+        """The tier a request that names none gets: its class's plain tier."""
+        return cls.DEFAULT if Priority(priority) == Priority.REALTIME else cls.BATCH
+
+
 class Source(enum.StrEnum):
     """Which door a request came in by: its usage is reported apart (core/usage/)."""
 
@@ -97,6 +116,7 @@ class InferenceRequest(Base):
         Index("ix_requests_unredacted_finished_at", "finished_at",
               postgresql_where=text("redacted_at IS NULL AND finished_at IS NOT NULL")),
         CheckConstraint("source IN ('api', 'openai', 'job')", name="source"),
+        CheckConstraint("service_tier IN ('priority', 'default', 'flex', 'batch')", name="service_tier"),
     )
     # created_at and deadline_at are computed by the database at INSERT: read them back with
     # RETURNING, so a committed row says when it was created without another query.
@@ -109,6 +129,9 @@ class InferenceRequest(Base):
     source: Mapped[str] = mapped_column(String(16), default=Source.API, server_default="api")
     status: Mapped[Status] = mapped_column(_str_enum(Status, "status"), default=Status.QUEUED)
     priority: Mapped[Priority] = mapped_column(_str_enum(Priority, "priority"))
+    # The tier that serves it (ServiceTier: it bills at that tier's price); a priority request run
+    # as default says so in degradation_step ("default_tier").
+    service_tier: Mapped[str] = mapped_column(String(16), default=ServiceTier.DEFAULT, server_default="default")
     size_class: Mapped[SizeClass] = mapped_column(_str_enum(SizeClass, "size_class"))
     queue: Mapped[str] = mapped_column(String(64))
 

@@ -49,6 +49,9 @@ class Tenant(Base):
     # Its share of batch capacity for bulk jobs, against the other tenants with jobs running
     # (counted in tokens, core/jobs/scheduling.py): 2 gets twice what 1 gets.
     batch_weight: Mapped[float] = mapped_column(default=1.0, server_default="1")
+    # What its requests' `service_tier: auto` asks for (docs/tiers.md): default, or priority, which
+    # runs as default (named on the row and in a header) when the priority promise cannot be kept.
+    auto_service_tier: Mapped[str] = mapped_column(String(16), default="default", server_default="default")
     # Signs its webhooks (Standard Webhooks, ``whsec_…``); shown once, when made. After a rotation
     # the previous secret signs too, until previous_until, so receivers can switch without a gap.
     webhook_secret: Mapped[str | None] = mapped_column(String(64))
@@ -67,7 +70,8 @@ class Tenant(Base):
         CheckConstraint(f"{column} > 0", name=f"{column}_positive")
         for column in ("tokens_per_minute", "requests_per_minute", "max_concurrent", "max_request_tokens",
                        "batch_weight", "max_stored_bytes", "max_files", "uploads_per_minute",
-                       "max_concurrent_uploads"))
+                       "max_concurrent_uploads")) + (
+        CheckConstraint("auto_service_tier IN ('default', 'priority')", name="auto_service_tier"),)
 
 
 class ApiKey(Base):

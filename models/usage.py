@@ -27,14 +27,16 @@ NO_KEY = uuid.UUID(int=0)
 
 
 class Dimensions:
-    """What a rollup row is of besides its hour or day: tenant × key × model × priority × source
-    (first in the table and its primary key, after the time, as the migration made them)."""
+    """What a rollup row is of besides its hour or day: tenant × key × model × priority × service
+    tier × source (first in the table and its primary key, after the time; the tier came later, in
+    migration ``f7c2a9e4b1d6``, and sits last among them in the table)."""
 
     tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True,
                                                  sort_order=-1)
     api_key_id: Mapped[uuid.UUID] = mapped_column(primary_key=True, sort_order=-1)
     model: Mapped[str] = mapped_column(String(128), primary_key=True, sort_order=-1)
     priority: Mapped[str] = mapped_column(String(16), primary_key=True, sort_order=-1)
+    service_tier: Mapped[str] = mapped_column(String(16), primary_key=True, sort_order=-1)
     source: Mapped[str] = mapped_column(String(16), primary_key=True, sort_order=-1)
 
 

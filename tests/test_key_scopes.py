@@ -243,7 +243,8 @@ def test_an_own_key_sees_only_its_own_usage(scoped_app):
                                    .where(ApiKey.key_hash == hash_key(own.key)))
         for key, requests in ((own.key, 3), (tenant.first.key, 5)):
             session.add(UsageHourly(hour=hour, tenant_id=tenant_id, api_key_id=keys[hash_key(key)], model="m",
-                                    priority="realtime", source="api", requests=requests, cache_hits=0,
+                                    priority="realtime", service_tier="default", source="api", requests=requests,
+                                    cache_hits=0,
                                     input_tokens=10, cached_tokens=0, output_tokens=10, billed_tokens=20,
                                     cost=Decimal("0.001"), succeeded=requests))
     query = {"start": int((hour - timedelta(days=1)).timestamp()), "group_by": "key"}

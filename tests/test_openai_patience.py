@@ -162,7 +162,7 @@ def test_a_malformed_read_timeout_is_ignored(app, key, sent):
     assert_given(app, answer.headers, DEFAULT_S, "default")
 
 
-def test_flex_is_batch_and_says_so(app, sdk):
+def test_each_tier_runs_in_its_class_and_says_so(app, sdk):
     raw = sdk(app, timeout=8).chat.completions.with_raw_response.create(
         model=MODEL, messages=MESSAGES, max_tokens=4, service_tier="flex")
     answer = raw.parse()
@@ -172,7 +172,11 @@ def test_flex_is_batch_and_says_so(app, sdk):
         assert session.get(InferenceRequest, uuid.UUID(raw.headers["Sluice-Request-Id"])).priority.value == "batch"
     raw = sdk(app).completions.with_raw_response.create(model=MODEL, prompt="later", max_tokens=4,
                                                         extra_body={"service_tier": "priority"})  # not in its types
-    assert raw.headers["Sluice-Service-Tier"] == "default" == tier(raw.parse())  # one realtime class
+    assert raw.headers["Sluice-Service-Tier"] == "priority" == tier(raw.parse())  # served ahead, at its price
+    with services(app).db.session() as session:
+        assert session.get(InferenceRequest, uuid.UUID(raw.headers["Sluice-Request-Id"])).priority.value == "realtime"
+    # The SDK's priority call states no patience: priority's own deadline.
+    assert_given(app, raw.headers, services(app).settings.priority_deadline_s, "default")
 
 
 def test_a_stream_takes_prefer_not_the_read_timeout(app, sdk):

@@ -59,8 +59,8 @@ def add_usage(db, tenant_id: uuid.UUID, model: str, requests: int, input_tokens:
     hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
     with db.session() as session:
         session.add(UsageHourly(hour=hour, tenant_id=tenant_id, api_key_id=key_id, model=model, priority="realtime",
-                                source="api", requests=requests, cache_hits=0, input_tokens=input_tokens,
-                                cached_tokens=0, output_tokens=output_tokens,
+                                service_tier="default", source="api", requests=requests, cache_hits=0,
+                                input_tokens=input_tokens, cached_tokens=0, output_tokens=output_tokens,
                                 billed_tokens=input_tokens + output_tokens, cost=Decimal(cost)))
 
 

@@ -89,6 +89,9 @@ class TenantLimitsSchema(Schema):
                                        metadata={"description": "POST /v1/files calls per minute (null: the tier's)."})
     max_concurrent_uploads = StrictInteger(allow_none=True, validate=validate.Range(min=1, max=INT32_MAX), metadata={
         "description": "Upload bodies one web process spools for the tenant at once (null: the tier's)."})
+    auto_service_tier = SafeString(allow_none=True, validate=validate.OneOf(["default", "priority"]), metadata={
+        "description": "What the tenant's `service_tier: auto` buys: default, or priority (run as default, named "
+                       "so, when the priority promise cannot be kept); null resets to default."})
     batch_weight = StrictFloat(allow_none=True, validate=validate.Range(min=0, max=1000, min_inclusive=False),
                                metadata={"description": "Share of batch capacity for bulk jobs against other "
                                                         "tenants', counted in tokens (default 1; null resets)."})

@@ -9,7 +9,7 @@ from flask import Blueprint, Response, jsonify, request, url_for
 
 from core.observe import submit_metrics
 from core.submit import idempotency, ladder, listing
-from core.submit.plan import with_patience
+from core.submit.plan import SERVICE_TIER_HEADER, tier_of, with_patience
 from models import InferenceRequest
 from web import prefer, sse, waits
 from web.auth import authenticate, authenticate_caller, bearer_key
@@ -37,13 +37,16 @@ def submit_request() -> Response | tuple[Response, int, dict[str, str]]:
     fresh = tenant is None
     if fresh:
         tenant = authenticate(svc.db, svc.recent_keys)
+    asked: dict[str, str] = {}  # the tier asked for, which a refusal names too
     try:
         body = json_object()
         if large(request.content_length):
             svc.admission.refuse_over_limits(tenant)
-        data = with_patience(validated(_submit_schema, body),
-                             prefer.patience_seconds(request.headers.getlist("Prefer")),
-                             svc.settings.realtime_deadline_s)
+        data = validated(_submit_schema, body)
+        asked = {SERVICE_TIER_HEADER: tier_of(data).value}
+        data = with_patience(data, prefer.patience_seconds(request.headers.getlist("Prefer")),
+                             svc.settings.priority_deadline_s if asked[SERVICE_TIER_HEADER] == "priority"
+                             else svc.settings.realtime_deadline_s)
         key = idempotency.key_from(request.headers.get(idempotency.HEADER), tenant.id, body,
                                    svc.settings.idempotency_window_s)
         plan = None
@@ -62,11 +65,12 @@ def submit_request() -> Response | tuple[Response, int, dict[str, str]]:
             # Redis did not say): a revoked key gets 401 instead, a disabled tenant 403, a live key this.
             tenant = authenticate(svc.db, svc.recent_keys)
         add_quotas(exc, tenant)
+        exc.headers = {**exc.headers, **asked}  # a copy: an error may have been raised with a shared dict
         raise
     row = accepted.row
     due = None if accepted.estimated_finish_s is None else time.monotonic() + accepted.estimated_finish_s
     status_url = _status_url(row)
-    headers = {"Location": status_url, **accepted.headers,
+    headers = {"Location": status_url, **accepted.headers, SERVICE_TIER_HEADER: row.service_tier,
                **({"Idempotent-Replayed": "true"} if accepted.replayed else {})}
     if accepted.estimated_wait_s is not None:
         headers[ESTIMATED_WAIT_HEADER] = f"{accepted.estimated_wait_s:.3f}"
@@ -77,7 +81,8 @@ def submit_request() -> Response | tuple[Response, int, dict[str, str]]:
     if accepted.cache_hit:
         headers[CACHE_HEADER] = "hit"
     body = _accepted_schema.dump({"id": row.id, "status": row.status.value, "status_url": status_url,
-                                  "priority": row.priority.value, "size_class": row.size_class.value,
+                                  "priority": row.priority.value, "service_tier": row.service_tier,
+                                  "size_class": row.size_class.value,
                                   "estimated_wait_s": accepted.estimated_wait_s})
     if row.params.get("stream"):
         return sse.response(svc, row, body, headers)

@@ -98,6 +98,8 @@ class AcceptedSchema(Schema):
     status = SafeString()
     status_url = fields.Url()
     priority = SafeString()
+    service_tier = SafeString(metadata={"description": "The service tier that serves it (also the "
+                                                       "Sluice-Service-Tier header); docs/tiers.md."})
     size_class = SafeString()
     estimated_wait_s = fields.Float(allow_none=True, metadata={
         "description": "Seconds it is expected to wait in the queue, from the load monitor's figures "
@@ -143,6 +145,7 @@ class TenantViewSchema(Schema):
         "description": "Effective file quotas: the tier's (SLUICE_FILE_QUOTAS) plus overrides."})
     created_at = fields.DateTime(allow_none=True)
     batch_weight = fields.Float(metadata={"description": "Share of batch capacity for bulk jobs (tokens)."})
+    auto_service_tier = fields.String(metadata={"description": "What its `service_tier: auto` buys."})
     disabled = fields.Boolean(metadata={"description": "Every key of the tenant gets 403 tenant_disabled."})
     disabled_at = fields.DateTime(allow_none=True)
     active_keys = fields.Integer()

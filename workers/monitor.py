@@ -62,12 +62,13 @@ from core.admission.load import (
     class_name,
     counters_key,
     decode_drain,
+    tier_place,
     write_level,
 )
 from core.fleet.lease import Lease, run_leading
 from core.fleet.workers import live_workers
 from core.settings import Settings
-from models import InferenceRequest, Priority, Status
+from models import InferenceRequest, Priority, ServiceTier, Status
 from models.session import Database
 from workers.reservations import BatchPause
 
@@ -189,12 +190,9 @@ class Monitor:
                 threads -= sum(w.get("batch_in_flight", 0) for w in serving)
             loads.append(self._class_load(priority, model, counters, len(serving), max(0, threads),
                                           seq_by_model.get(model), now, stamp, engines(serving, priority)))
-        ttl = 3 * TICK_S
-        for load in loads:
-            load.write(self.redis, ttl)
         level = max((load.level for load in loads if load.priority == Priority.REALTIME.value), default=0)
-        write_level(self.redis, LoadLevel(level), ttl_s=ttl,
-                    classes={class_name(load.priority, load.model): load.level for load in loads})
+        write_level(self.redis, LoadLevel(level), ttl_s=3 * TICK_S,
+                    classes={class_name(load.priority, load.model): load.level for load in loads}, snapshots=loads)
         return loads
 
     def _live_workers(self) -> list[dict]:
@@ -316,6 +314,8 @@ class Monitor:
         if requests > 0 and counters.get("queued_deadline_ms", 0) > 0:
             deadline = min(deadline, counters["queued_deadline_ms"] / requests / 1000)
         level = state.policy.step(max(0.0, wait) / deadline if wait != float("inf") else float("inf"), now)
+        first_t, first_claimed = state.samples[0][:2]
+        claimed_tps = (counters.get("claimed_work", 0) - first_claimed) / (now - first_t) if now > first_t else 0.0
         return ClassLoad(priority, model, max(0, counters.get("queued_tokens", 0)),
                          max(0, requests), queued, round(drain, 1), round(state.seq_tps, 2),
                          round(wait, 3) if wait != float("inf") else -1.0, level, workers, stamp, round(deadline, 3),
@@ -325,7 +325,8 @@ class Monitor:
                          engine.count if engine is not None else 0,
                          round(engine.backlog_s, 3) if engine is not None else 0.0,
                          queued_prompt_sq=squares,
-                         prefill_s_tok2=engine.prefill_s_tok2 if engine is not None else 0.0)
+                         prefill_s_tok2=engine.prefill_s_tok2 if engine is not None else 0.0,
+                         claimed_tps=round(max(0.0, claimed_tps), 2))
 
     # ------------------------------------------------------------------ leading and re-counting
 
@@ -337,22 +338,24 @@ class Monitor:
         """Set every class's queued counters to what Postgres says is queued."""
         t = InferenceRequest
         model = func.coalesce(t.model_routed, t.model_requested)
+        ahead = t.service_tier.in_([tier for tier in ServiceTier if tier_place(tier) == "ahead"])
+        work, prompt = t.reserved_tokens - t.input_tokens, t.input_tokens
+        square = cast(t.input_tokens, BigInteger) * t.input_tokens
+        sums = [func.coalesce(func.sum(column), 0) for column in (t.reserved_tokens, work, prompt, square)]
+        sums += [func.coalesce(func.sum(column).filter(ahead), 0) for column in (work, prompt, square)]
         with self.db.session() as session:
             rows = session.execute(
-                select(t.priority, model, func.count(), func.coalesce(func.sum(t.reserved_tokens), 0),
-                       func.coalesce(func.sum(t.reserved_tokens - t.input_tokens), 0),
-                       func.coalesce(func.sum(t.input_tokens), 0),
-                       func.coalesce(func.sum(cast(t.input_tokens, BigInteger) * t.input_tokens), 0),
+                select(t.priority, model, func.count(), *sums,
                        func.coalesce(func.sum(func.extract("epoch", t.deadline_at - t.created_at)), 0))
                 .where(t.status == Status.QUEUED, t.follows_id.is_(None)).group_by(t.priority, model)).all()
-        queued = {counters_key(p, m): (n, tokens, work, prompt, squares, deadlines)
-                  for p, m, n, tokens, work, prompt, squares, deadlines in rows}
+        names = ("queued_requests", "queued_tokens", "queued_work", "queued_prompt", "queued_prompt_sq",
+                 "ahead_queued_work", "ahead_queued_prompt", "ahead_queued_prompt_sq")
+        queued = {counters_key(p, m): {**{name: int(v) for name, v in zip(names, values[:-1], strict=True)},
+                                       "queued_deadline_ms": int(float(values[-1]) * 1000)}
+                  for p, m, *values in rows}
         with self.redis.pipeline(transaction=False) as pipe:
             for key in set(self.redis.scan_iter(match=COUNTERS_PREFIX + "*", count=200)) | set(queued):
-                n, tokens, work, prompt, squares, deadlines = queued.get(key, (0, 0, 0, 0, 0, 0))
-                pipe.hset(key, mapping={"queued_requests": n, "queued_tokens": int(tokens), "queued_work": int(work),
-                                        "queued_prompt": int(prompt), "queued_prompt_sq": int(squares),
-                                        "queued_deadline_ms": int(float(deadlines) * 1000)})
+                pipe.hset(key, mapping=queued.get(key) or dict.fromkeys((*names, "queued_deadline_ms"), 0))
             pipe.execute()
 
     def run(self, stop: threading.Event) -> None:

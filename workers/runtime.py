@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass
 import redis
 
 from core.admission.load import capacity_entry, capacity_key, room_key
+from core.broker.queues import queue_lists
 from core.delivery.streams import TokenSink
 from core.rediskeys import cancel_key, node_key, stalled_key, worker_key
 from workers.engines import Engine, GenerationOutput, GenerationRequest, SamplingParams
@@ -653,7 +654,8 @@ class EngineRuntime:
         try:
             with self._redis.pipeline(transaction=False) as pipe:
                 for queue in self._realtime_queues:
-                    pipe.llen(queue)
+                    for key in queue_lists(queue):  # each service tier's messages wait in a list of their own
+                        pipe.llen(key)
                 return sum(int(n or 0) for n in pipe.execute())
         except redis.RedisError:
             return 0  # unknown: batch keeps its place; the level and the promise still protect realtime

@@ -141,7 +141,7 @@ def _ago(seconds: float):
 def _publish_unpublished(db: Database, publish: Publish, settings: Settings) -> int:
     with db.session() as session:
         rows = session.execute(
-            select(_t.id, _t.queue).where(_t.status == Status.QUEUED, _t.enqueued_at.is_(None),
+            select(_t.id, _t.queue, _t.service_tier).where(_t.status == Status.QUEUED, _t.enqueued_at.is_(None),
                                           _t.follows_id.is_(None), _t.created_at < _ago(settings.publish_grace_s))
             .order_by(_t.created_at).limit(BATCH)).all()
     publish(rows)
@@ -184,7 +184,7 @@ def _republish_older_epochs(db: Database, publish: Publish, redis_client: redis.
     began, done = time.monotonic(), 0
     while True:
         with db.session() as session:
-            rows = session.execute(select(_t.id, _t.queue).where(*_PUBLISHED, stale)
+            rows = session.execute(select(_t.id, _t.queue, _t.service_tier).where(*_PUBLISHED, stale)
                                    .order_by(_REALTIME_FIRST, _t.enqueued_at).limit(BATCH)).all()
         publish(rows)  # stamps them with the current epoch: the next round finds the rest
         done += len(rows)
@@ -206,8 +206,8 @@ def _republish_missing(db: Database, publish: Publish, redis_client: redis.Redis
         return 0
     with db.session() as session:
         suspects = session.execute(
-            select(_t.id, _t.queue).where(*_PUBLISHED, _t.broker_epoch == current,
-                                          _t.enqueued_at < _ago(settings.lost_message_grace_s))
+            select(_t.id, _t.queue, _t.service_tier).where(*_PUBLISHED, _t.broker_epoch == current,
+                                                           _t.enqueued_at < _ago(settings.lost_message_grace_s))
             .order_by(_REALTIME_FIRST, _t.enqueued_at).limit(LOST_SCAN_ROWS)).all()
         queues = {r.queue for r in suspects}
         counts = dict(session.execute(
@@ -278,7 +278,7 @@ def _recover_reserved(db: Database, redis_client: redis.Redis, publish: Publish)
     if not dead:
         return 0
     with db.session() as session:
-        rows = session.execute(select(_t.id, _t.queue).where(
+        rows = session.execute(select(_t.id, _t.queue, _t.service_tier).where(
             _t.id.in_([uuid.UUID(r) for r in dead]), _t.status == Status.QUEUED)).all()
     publish(rows)
     redis_client.hdel(RESERVED_KEY, *dead)
@@ -292,7 +292,7 @@ def _reroute_direct(db: Database, redis_client: redis.Redis, publish: Publish, s
     moved: list[Routed] = []
     with db.session() as session:
         rows = session.execute(
-            select(_t.id, _t.queue, _t.priority, _t.size_class, _t.model_requested, _t.model_routed)
+            select(_t.id, _t.queue, _t.priority, _t.size_class, _t.model_requested, _t.model_routed, _t.service_tier)
             .where(_t.status == Status.QUEUED, _t.queue.startswith(DIRECT_PREFIX),
                    _t.enqueued_at < _ago(settings.worker_dead_after_s))
             .limit(BATCH).with_for_update(skip_locked=True)).all()
@@ -304,7 +304,7 @@ def _reroute_direct(db: Database, redis_client: redis.Redis, publish: Publish, s
             model = registry.get(row.model_routed or row.model_requested) or registry.default
             queue = queue_name(row.priority, row.size_class, registry.queue_suffix(model))
             session.execute(reroute(row.id, queue))
-            moved.append(Routed(row.id, queue))
+            moved.append(Routed(row.id, queue, row.service_tier))
     publish(moved)
     # Nobody consumes a dead node's queue; its rows were rerouted above (or will be next time).
     for node in dead:
@@ -316,6 +316,7 @@ def _reroute_direct(db: Database, redis_client: redis.Redis, publish: Publish, s
 class Routed(NamedTuple):
     id: uuid.UUID
     queue: str
+    service_tier: str
 
 
 # What a request keeps of its text once retention ran out.

@@ -30,7 +30,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from core.admission.limiter import SharedLimiter, Verdict
-from core.admission.load import class_name
+from core.admission.load import class_name, tier_place
 from core.admission.local_floor import LocalFloor, RedisBreaker
 from core.errors import ApiError, BudgetUnavailable, Overloaded, RateLimited, RequestTooLarge
 from core.fleet.workers import HEARTBEAT_PATIENCE
@@ -180,7 +180,7 @@ class Admission:
         limits = self.limits_for(tenant)
         verdict = self._shared(lambda: self.shared.admit(
             "", str(tenant.id), limits, 1, "realtime", dry_run=True, count="tenant",
-            refusal_field=refusals.field(tenant.id, tenant.via_key, "", "", "")))
+            refusal_field=refusals.field(tenant.id, tenant.via_key, "", "", "", "")))
         if verdict is None or verdict.gate != "tenant":
             return
         metrics.REJECTIONS.labels(gate=verdict.gate, reason=verdict.reason).inc()
@@ -212,7 +212,8 @@ class Admission:
                                  budget_record=";".join(f"{c.rule.unit} {c.amount} {c.counter}" for c in charges),
                                  count=count, refusal_field=refusals.field(
                                      tenant.id, plan.api_key_id, plan.target_model, plan.priority.value,
-                                     plan.source.value))
+                                     plan.source.value, plan.service_tier.value),
+                                 place=tier_place(plan.service_tier), held_share=self.settings.priority_share)
 
     def cancel(self, ticket: Ticket) -> None:
         """Undo an admission whose row was never committed."""

@@ -117,7 +117,7 @@ class SharedLimiter:
               model: str = "", deadline_s: float = float("inf"), max_tokens: int = 0,
               input_tokens: int = 0, spent_s: float = 0.0, charge: str = "full",
               budgets: Sequence[tuple[str, int, int]] = (), budget_record: str = "",
-              count: str = "", refusal_field: str = "") -> Verdict:
+              count: str = "", refusal_field: str = "", place: str = "", held_share: float = 0.0) -> Verdict:
         """Run the gates for one request; when it passes, charge every limit and count it in flight.
 
         ``charge`` says what the request will cost (``admit.lua``, ARGV 20): ``full`` for work for
@@ -137,6 +137,8 @@ class SharedLimiter:
         ``count``: which refusals the script counts for the usage report ('' none, '*' any, or one
         gate's, for a dry run that stands for that gate's refusal), under ``refusal_field`` + reason
         (``core/usage/refusals.py``).
+        ``place``: where its service tier stands in its class (``tier_place``: ``ahead``, ``held`` or
+        ''), and ``held_share`` the share of the class's drain held for the tier ahead.
         ``now_ms`` replaces the Redis clock (tests drive time explicitly); leave it None.
         """
         keys = [PLATFORM_BUCKET_KEY, LOAD_LEVEL_KEY, tenant_bucket_key(tenant_id), inflight_key(tenant_id),
@@ -150,7 +152,7 @@ class SharedLimiter:
                 "" if now_ms is None else now_ms, deadline_ms, max_tokens, self.tight_level, self.tight_factor,
                 self.promise_factor, int(spent_s * 1000), charge, self.capacity_max_age_ms,
                 class_name(priority, model), class_name("realtime", model), count, refusal_field, input_tokens,
-                len(budgets), budget_record]
+                place, held_share, len(budgets), budget_record]
         for _, limit, amount in budgets:
             args += [limit, amount]
         gate, reason, retry, *numbers, basis, budget, budget_spent = self._admit(keys=keys, args=args)

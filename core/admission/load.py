@@ -129,6 +129,13 @@ def capacity_entry(beat: dict, at_ms: int) -> str | None:
             f"{float(beat.get('prefill_s_tok') or 0.0):.7f} {float(beat.get('prefill_s_tok2') or 0.0):.4g}")
 
 
+def tier_place(tier: str) -> str:
+    """Where a service tier stands in its class for the promise (``admit.lua`` ARGV 27): priority
+    and flex are served ahead of the rest of theirs, default gives up a share to priority while
+    priority comes, batch waits behind everything."""
+    return {"priority": "ahead", "flex": "ahead", "default": "held"}.get(tier, "")
+
+
 class QueueCounters:
     """A lifecycle ``on_move`` hook keeping each class's counters in Redis.
 
@@ -139,6 +146,10 @@ class QueueCounters:
     claimed (queued → running)         queued_* −= …, claimed_work += max_tokens
     ended while queued (cancel/expiry) queued_* −= …
     ended while running                finished_tokens += input + output actually processed
+
+    A request of the tier served ahead of its class (priority, flex: ``tier_place``) also moves
+    ``ahead_queued_work``, ``ahead_queued_prompt`` and ``ahead_queued_prompt_sq``: the queue its
+    own promise sees.
     """
 
     def __init__(self, client: redis.Redis, healthy: Callable[[], bool] = lambda: True) -> None:
@@ -155,20 +166,18 @@ class QueueCounters:
         work = moved.reserved_tokens - moved.input_tokens
         deadline_ms = int((moved.deadline_s or 0) * 1000)
         pipe = self.redis.pipeline(transaction=False)
-        if moved.status == Status.QUEUED:
-            pipe.hincrby(key, "queued_requests", 1)
-            pipe.hincrby(key, "queued_tokens", moved.reserved_tokens)
-            pipe.hincrby(key, "queued_work", work)
-            pipe.hincrby(key, "queued_prompt", moved.input_tokens)
-            pipe.hincrby(key, "queued_prompt_sq", moved.input_tokens ** 2)
-            pipe.hincrby(key, "queued_deadline_ms", deadline_ms)
+        prefixes = ("", "ahead_") if tier_place(moved.service_tier) == "ahead" else ("",)
+        for sign, moves in ((1, moved.status == Status.QUEUED), (-1, moved.source == Status.QUEUED)):
+            if not moves:
+                continue
+            pipe.hincrby(key, "queued_requests", sign)
+            pipe.hincrby(key, "queued_tokens", sign * moved.reserved_tokens)
+            pipe.hincrby(key, "queued_deadline_ms", sign * deadline_ms)
+            for prefix in prefixes:
+                pipe.hincrby(key, f"{prefix}queued_work", sign * work)
+                pipe.hincrby(key, f"{prefix}queued_prompt", sign * moved.input_tokens)
+                pipe.hincrby(key, f"{prefix}queued_prompt_sq", sign * moved.input_tokens ** 2)
         if moved.source == Status.QUEUED:
-            pipe.hincrby(key, "queued_requests", -1)
-            pipe.hincrby(key, "queued_tokens", -moved.reserved_tokens)
-            pipe.hincrby(key, "queued_work", -work)
-            pipe.hincrby(key, "queued_prompt", -moved.input_tokens)
-            pipe.hincrby(key, "queued_prompt_sq", -moved.input_tokens ** 2)
-            pipe.hincrby(key, "queued_deadline_ms", -deadline_ms)
             if moved.status == Status.RUNNING:
                 pipe.hincrby(key, "claimed_work", work)
         if moved.source == Status.RUNNING and moved.status.terminal:
@@ -204,13 +213,18 @@ class ClassLoad:
     backlog_s: float = 0.0  # engine seconds of prefill waiting inside the engines, summed
     queued_prompt_sq: int = 0  # Σ of the queued requests' input tokens squared: their attention
     prefill_s_tok2: float = 0.0  # engine seconds a prompt of P tokens costs beyond P × prefill_s_tok, per P²
+    claimed_tps: float = 0.0  # work (max_tokens) claimed off the queue per second over the monitor's window
 
     def write(self, client: redis.Redis, ttl_s: float) -> None:
-        key = snapshot_key(self.priority, self.model)
         with client.pipeline(transaction=False) as pipe:
-            pipe.hset(key, mapping={k: str(v) for k, v in asdict(self).items()})
-            pipe.pexpire(key, int(ttl_s * 1000))
+            self.add_to(pipe, ttl_s)
             pipe.execute()
+
+    def add_to(self, pipe, ttl_s: float) -> None:
+        """Queue the snapshot's write on ``pipe`` (a Redis pipeline)."""
+        key = snapshot_key(self.priority, self.model)
+        pipe.hset(key, mapping={k: str(v) for k, v in asdict(self).items()})
+        pipe.pexpire(key, int(ttl_s * 1000))
 
     @classmethod
     def read_all(cls, client: redis.Redis) -> list[ClassLoad]:
@@ -232,16 +246,19 @@ def _typed(kind: object, value: str):
 
 
 def write_level(client: redis.Redis, level: LoadLevel, ttl_s: float = 60.0,
-                classes: dict[str, int] | None = None) -> None:
+                classes: dict[str, int] | None = None, snapshots: list[ClassLoad] = ()) -> None:
     """Publish the levels now, replacing what was there: ``classes`` (class name → level) and
     ``level`` as the platform's (what the load monitor does), or, without ``classes``, ``level``
-    for every class at once (operators and tests).
+    for every class at once (operators and tests). ``snapshots``: the classes' figures, written in
+    the same transaction, so that no reader sees a tick's figures without its levels.
 
     The timestamp comes from the Redis clock, the one the admission script compares it with.
     """
     seconds, micros = client.time()
     fields = {name: int(one) for name, one in (classes if classes is not None else {ALL_CLASSES: level}).items()}
     with client.pipeline(transaction=True) as pipe:  # readers never see a half-written set
+        for snapshot in snapshots:
+            snapshot.add_to(pipe, ttl_s)
         pipe.delete(LOAD_LEVEL_KEY)
         pipe.hset(LOAD_LEVEL_KEY, mapping={**fields, "level": int(level),
                                            "updated_at_ms": seconds * 1000 + micros // 1000})

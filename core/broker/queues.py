@@ -76,10 +76,26 @@ def size_class_for(estimated_tokens: int, threshold: int) -> SizeClass:
     return SizeClass.LARGE if estimated_tokens > threshold else SizeClass.SMALL
 
 
-def publish_request(celery: Celery, request_id: uuid.UUID, queue: str) -> None:
+# Each service tier's messages go to a priority list of their queue (kombu's Redis transport keeps
+# one per step and a free thread reads step 0 of all its queues first, then step 3, ...), so a
+# priority request is taken before default work, flex before batch, and realtime before batch
+# whatever the steps (a realtime queue's class is read first at each step, workers/queue_order.py,
+# and no realtime tier sits on a later step than a batch one).
+MESSAGE_PRIORITY = {"priority": 0, "default": 3, "flex": 6, "batch": 9}
+
+
+def message_priority(queue: str, tier: str | None = None) -> int:
+    """The step a request's message is published at: its tier's, else (a row that does not say)
+    its queue's class's plain tier's."""
+    if tier in MESSAGE_PRIORITY:
+        return MESSAGE_PRIORITY[tier]
+    return MESSAGE_PRIORITY["batch" if queue.startswith("batch.") else "default"]
+
+
+def publish_request(celery: Celery, request_id: uuid.UUID, queue: str, tier: str | None = None) -> None:
     """Send the run task for a committed row. Only the id travels; the task id is the row id."""
     celery.send_task(RUN_TASK, args=[str(request_id)], task_id=str(request_id), queue=queue,
-                     routing_key=queue)
+                     routing_key=queue, priority=message_priority(queue, tier))
 
 
 def publish_committed(lifecycle: Lifecycle, celery: Celery, rows, epoch: BrokerEpoch,
@@ -93,7 +109,7 @@ def publish_committed(lifecycle: Lifecycle, celery: Celery, rows, epoch: BrokerE
     duplicate message is harmless because only one delivery can claim the row.
     """
     for row in rows:
-        publish_request(celery, row.id, row.queue)
+        publish_request(celery, row.id, row.queue, getattr(row, "service_tier", None))
         if head is not None:
             to_head(head, row.queue, str(row.id))
         lifecycle.stamp_enqueued(row.id, epoch.current())
@@ -121,7 +137,7 @@ def to_head(client: redis.Redis, queue: str, request_id: str, near: int = 1000) 
     ``near`` messages published last; False when it is not among them (taken already, or a
     thousand published since: it then keeps its place at the tail). Atomic: nothing is lost or
     doubled, whoever publishes or consumes meanwhile."""
-    keys = _lists(queue)
+    keys = queue_lists(queue)
     return bool(client.eval(_TO_HEAD, len(keys), *keys, request_id, near))
 
 
@@ -185,7 +201,7 @@ def messages_queued(client: redis.Redis, queues: set[str]) -> set[str]:
     """
     queued: set[str] = set()
     for queue in queues:
-        for key in _lists(queue):
+        for key in queue_lists(queue):
             start = 0
             while True:
                 chunk = client.lrange(key, start, start + _SCAN_CHUNK - 1)
@@ -199,12 +215,13 @@ def messages_queued(client: redis.Redis, queues: set[str]) -> set[str]:
 def queue_length(client: redis.Redis, queue: str) -> int:
     """Messages waiting in ``queue`` (all its priority lists)."""
     with client.pipeline(transaction=False) as pipe:
-        for key in _lists(queue):
+        for key in queue_lists(queue):
             pipe.llen(key)
         return sum(pipe.execute())
 
 
-def _lists(queue: str) -> tuple[str, ...]:
+def queue_lists(queue: str) -> tuple[str, ...]:
+    """The Redis lists ``queue``'s messages wait in, one per priority step."""
     return (queue, *(f"{queue}{_PRIORITY_SEP}{step}" for step in PRIORITY_STEPS if step))
 
 

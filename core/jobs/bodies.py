@@ -53,7 +53,8 @@ class Bodies:
 
     def _document_body(self, job: Job, line: int, custom_id: str | None, prompt: str, depth: int, index: int,
                        of: int) -> dict[str, Any]:
-        return {"prompt": prompt, "max_tokens": job.summary_tokens, "priority": job.priority, "model": job.model,
+        return {"prompt": prompt, "max_tokens": job.summary_tokens, "priority": job.priority,
+                "service_tier": job.service_tier, "model": job.model,
                 "temperature": 0.0, "deadline_s": self._deadline_s(job),
                 "metadata": {"job_id": str(job.id), "line": str(line), "custom_id": custom_id or "",
                              "stage": f"depth {depth}, part {index + 1} of {of}"}}
@@ -63,7 +64,7 @@ class Bodies:
         _, request = to_native_for(body["url"], asked, batch=True)  # ingest stores every line's url
         if "input" not in request:  # an embeddings line naming no model runs on the embedding model
             request.setdefault("model", job.model)
-        request.update(priority=job.priority, deadline_s=self._deadline_s(job),
+        request.update(priority=job.priority, service_tier=job.service_tier, deadline_s=self._deadline_s(job),
                        metadata={**request.get("metadata", {}), "job_id": str(job.id)})
         if "max_tokens" in request:
             request["max_tokens"] = min(request["max_tokens"], self.settings.max_output_tokens)

@@ -24,21 +24,24 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from decimal import Decimal
 from typing import IO, Any
 
 from sqlalchemy import delete, func, select, text
 
+from core.admission.load import ClassLoad
 from core.errors import ApiError, InvalidRequest
-from core.jobs import ingest
+from core.jobs import estimate, ingest
 from core.jobs.params import PROMPT_MARGIN_TOKENS, JobParams, chunk_budget, human
 from core.observe.logs import bind_request
 from core.settings import Settings
 from core.submit.tokens import estimate_text_tokens
 from core.tenants.tiers import effective_limits
 from core.usage.budgets import Budgets
-from models import Tenant, job_lifecycle
+from models import Priority, Tenant, job_lifecycle
 from models.job import LIVE_JOB, ItemStatus, Job, JobItem, JobStatus
 from models.session import Database
 
@@ -65,11 +68,14 @@ class _NotValidating(Exception):
     """The job left ``validating`` while its file was read: cancelled, or failed as a stale upload."""
 
 
-def submit(settings: Settings, db: Database, tenant: Tenant, params: JobParams, stream: IO[bytes]) -> uuid.UUID:
+def submit(settings: Settings, db: Database, tenant: Tenant, params: JobParams, stream: IO[bytes],
+           loads: Callable[[], list[ClassLoad]] = list) -> uuid.UUID:
     """Create the job and read ``stream`` into its items; the job's id. Raises the refusal (the
-    job row deleted, no item kept) when the file is refused."""
+    job row deleted, no item kept) when the file is refused. ``loads``: the monitor's figures for
+    every class (``ClassLoad.read_all``), which the job's estimated finish is worked out from."""
     job = Job(id=uuid.uuid4(), tenant_id=tenant.id, status=JobStatus.VALIDATING, model=params.model,
-              priority=params.priority, instruction=params.instruction, summary_tokens=params.summary_tokens,
+              priority=params.priority, service_tier=params.service_tier, instruction=params.instruction,
+              summary_tokens=params.summary_tokens,
               completion_window_s=params.completion_window_s, meta=params.metadata,
               webhook_url=params.webhook_url, webhook_events=list(params.webhook_events) or None,
               api_key_id=tenant.via_key)
@@ -77,7 +83,7 @@ def submit(settings: Settings, db: Database, tenant: Tenant, params: JobParams, 
         session.add(job)
     bind_request(str(job.id))
     try:
-        tally = _load(settings, db, tenant, job, params, stream)
+        tally = _load(settings, db, tenant, job, params, stream, loads)
     except _NotValidating:
         log.info("job cancelled or failed while its file was read; its lines were dropped")
         return job.id
@@ -92,8 +98,8 @@ def submit(settings: Settings, db: Database, tenant: Tenant, params: JobParams, 
     return job.id
 
 
-def _load(settings: Settings, db: Database, tenant: Tenant, job: Job, params: JobParams, stream: IO[bytes]
-          ) -> ingest.Tally:
+def _load(settings: Settings, db: Database, tenant: Tenant, job: Job, params: JobParams, stream: IO[bytes],
+          loads: Callable[[], list[ClassLoad]]) -> ingest.Tally:
     """COPY the upload's lines into the job's items, refuse the file or admit the job, in one transaction."""
     model = settings.registry.get(params.model)
     assert model is not None
@@ -102,7 +108,7 @@ def _load(settings: Settings, db: Database, tenant: Tenant, job: Job, params: Jo
     budget = chunk_budget(model.context_tokens, limits.max_request_tokens, overhead - PROMPT_MARGIN_TOKENS,
                           params.summary_tokens)
     served = {m.name for m in settings.registry.models}
-    tally, priced = ingest.Tally(), 0
+    tally, priced, work = ingest.Tally(), 0, estimate.Work()
     with db.session() as session:
         conn = session.connection().connection.driver_connection
         with _ChunkedCopy(conn) as copy:
@@ -130,9 +136,11 @@ def _load(settings: Settings, db: Database, tenant: Tenant, job: Job, params: Jo
                 tally.input_tokens += tokens
                 if body is None:
                     priced += ingest.item_tokens(tokens, overhead, params.summary_tokens, budget)
+                    work.document(tokens, overhead, params.summary_tokens, budget)
                 else:
-                    priced += tokens + body.get("max_completion_tokens", body.get("max_tokens",
-                                                                                  settings.default_max_tokens))
+                    output = body.get("max_completion_tokens", body.get("max_tokens", settings.default_max_tokens))
+                    priced += tokens + output
+                    work.add(tokens, output)
                 copy.write_row(ingest.copy_row(job.id, number, custom_id, ItemStatus.PENDING, doc, body, tokens))
         whole_ms = _whole_job_budget_ms(tally.lines)
         session.execute(text(f"SET LOCAL statement_timeout = {whole_ms}"))
@@ -152,13 +160,23 @@ def _load(settings: Settings, db: Database, tenant: Tenant, job: Job, params: Jo
         _refuse_over_storage(settings, others, tally.lines)
         _refuse_over_budget(tally, priced, others.open_tokens, params, limits)
         # A hard budget that cannot hold this job's estimate (its input, and every output token it
-        # may ask for at its model's batch price) refuses it now rather than line by line later.
-        price = settings.price_for(params.model, batch=True)
+        # may ask for at its model's price for its tier) refuses it now rather than line by line later.
+        price = settings.price_for(params.model, params.service_tier)
         Budgets(db).covers(tenant.id, tenant.via_key, priced,
                            price.cost(tally.input_tokens, 0, max(priced - tally.input_tokens, 0)),
                            queued=_queued(session, settings, tenant.id, job.id))
+        finish_s = _estimate(session, params, tenant, job.id, work, priced, loads)
+        if finish_s is not None and finish_s > params.completion_window_s:
+            earliest = estimate.window_text(finish_s)
+            raise ApiError(
+                f"This job would finish in about {human(finish_s)} at the platform's present load, after its "
+                f"{human(params.completion_window_s)} window ends; the earliest window it could keep is {earliest}. "
+                "Send it with a longer completion_window, or later.", code="completion_window_too_short", status=422,
+                details={"estimated_finish_s": round(finish_s), "completion_window_s": params.completion_window_s,
+                         "earliest_window": earliest, "items": tally.valid, "estimated_tokens": priced})
         if not job_lifecycle.admit(session, job.id, params.completion_window_s, total_items=tally.valid,
-                                   invalid_lines=tally.invalid, input_bytes=tally.bytes, estimated_tokens=priced):
+                                   invalid_lines=tally.invalid, input_bytes=tally.bytes, estimated_tokens=priced,
+                                   estimated_finish_s=finish_s):
             raise _NotValidating  # its lines roll back; the job stays as the cancel (or stale check) left it
     job.estimated_tokens = priced
     return tally
@@ -216,6 +234,42 @@ class Standing:
     stored_items: int
 
 
+def _estimate(session, params: JobParams, tenant: Tenant, job_id: uuid.UUID, work: estimate.Work, priced: int,
+              loads: Callable[[], list[ClassLoad]]) -> float | None:
+    """Seconds until the job would finish (``core/jobs/estimate.py``); None where the platform has
+    no figures for its model's classes, or for a job whose lines run as realtime."""
+    if params.priority != Priority.BATCH:
+        return None
+    try:
+        found = {(c.priority, c.model): c for c in loads()}
+    except Exception:  # Redis away: no figures, no estimate; the tenant's limits still judge the job
+        log.warning("no load figures for the job's estimate", exc_info=True)
+        return None
+    batch, realtime = found.get(("batch", params.model)), found.get(("realtime", params.model))
+    if batch is None:
+        return None
+    waiting = (select(func.count()).where(JobItem.job_id == Job.id,
+                                          JobItem.status.in_((ItemStatus.PENDING, ItemStatus.RUNNING)))
+               .correlate(Job).scalar_subquery())
+    rows = session.execute(
+        select(Job.tenant_id, Job.expires_at <= func.now() + timedelta(seconds=params.completion_window_s),
+               Job.estimated_tokens, Job.total_items, waiting, Tenant.batch_weight)
+        .join(Tenant, Tenant.id == Job.tenant_id)
+        .where(Job.id != job_id, Job.model == params.model, Job.priority == Priority.BATCH,
+               Job.status.in_(LIVE_JOB), Tenant.disabled_at.is_(None))).all()
+    ahead, others = 0.0, {}
+    for tenant_id, earlier, tokens, items, left, weight in rows:
+        remaining = (tokens or 0) * left / items if items else 0.0
+        if tenant_id == tenant.id:
+            ahead += remaining if earlier else 0.0
+        else:
+            total, _ = others.get(tenant_id, (0.0, 1.0))
+            others[tenant_id] = (total + remaining, float(weight or 1.0))
+    return estimate.finish_s(work, batch, realtime, tokens=priced, ahead_tokens=ahead,
+                             weight=float(tenant.batch_weight or 1.0),
+                             others=[estimate.Tenant(t, w) for t, w in others.values()])
+
+
 def _standing(session, tenant_id: uuid.UUID, excluding: uuid.UUID | None = None) -> Standing:
     open_ = Job.status.in_((JobStatus.VALIDATING, *LIVE_JOB))
     others = (Job.tenant_id == tenant_id, *(() if excluding is None else (Job.id != excluding,)))
@@ -235,13 +289,14 @@ def _queued(session, settings: Settings, tenant_id: uuid.UUID, excluding: uuid.U
     (requests in flight, rollups)."""
     pending = (select(func.count()).where(JobItem.job_id == Job.id, JobItem.status == ItemStatus.PENDING)
                .correlate(Job).scalar_subquery())
-    rows = session.execute(select(Job.api_key_id, Job.model, Job.estimated_tokens, Job.total_items, pending).where(
+    rows = session.execute(select(Job.api_key_id, Job.model, Job.service_tier, Job.estimated_tokens, Job.total_items,
+                                  pending).where(
         Job.tenant_id == tenant_id, Job.id != excluding, Job.status.in_(LIVE_JOB))).all()
     queued = []
-    for key, model, estimate, items, waiting in rows:
-        tokens = int(estimate * waiting / items) if items else 0
+    for key, model, tier, estimated, items, waiting in rows:
+        tokens = int(estimated * waiting / items) if items else 0
         if tokens:
-            queued.append((key, tokens, settings.price_for(model, batch=True).cost(0, 0, tokens)))
+            queued.append((key, tokens, settings.price_for(model, tier).cost(0, 0, tokens)))
     return queued
 
 

@@ -17,14 +17,14 @@ from core.errors import InvalidRequest
 from core.settings import Settings
 from core.submit.tokens import estimate_text_tokens
 from core.tenants.tiers import effective_limits
-from models import Tenant
+from models import ServiceTier, Tenant
 from models.request import storable
 
 # A document request's prompt leaves this many tokens of room beyond the instruction and the
 # summary: the separator between them, and the model's special tokens.
 PROMPT_MARGIN_TOKENS = 16
-PARAMS = ("model", "summary_tokens", "instruction", "priority", "completion_window", "on_invalid", "metadata",
-          "webhook_url", "webhook_events")
+PARAMS = ("model", "summary_tokens", "instruction", "priority", "service_tier", "completion_window", "on_invalid",
+          "metadata", "webhook_url", "webhook_events")
 _WINDOW = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhd]?)$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -40,6 +40,8 @@ class JobParams:
     metadata: dict[str, str]
     webhook_url: str | None = None  # its events (webhook_events) are sent by the sweep: workers/webhooks.py
     webhook_events: tuple[str, ...] = ()
+    # Its lines' service tier (docs/tiers.md): its class's plain tier unless it names one.
+    service_tier: str = ServiceTier.BATCH.value
     # An OpenAI batch's (core/openai/batches.py): every line must be an OpenAI request to this url.
     endpoint: str | None = None
 
@@ -63,9 +65,16 @@ def parse_params(settings: Settings, args: dict[str, str], tenant: Tenant) -> Jo
     instruction = args.get("instruction", settings.job_instruction)
     if not instruction.strip() or len(instruction) > 4000 or "\x00" in instruction:
         problems["instruction"] = ["Must be 1 to 4000 characters."]
-    priority = args.get("priority", "batch")
+    tier = args.get("service_tier")
+    if tier is not None and tier not in set(ServiceTier):
+        problems["service_tier"] = [f"Must be one of {', '.join(ServiceTier)}."]
+        tier = None
+    priority = args.get("priority", ServiceTier(tier).priority.value if tier else "batch")
     if priority not in ("batch", "realtime"):
         problems["priority"] = ["Must be batch or realtime."]
+    elif tier is not None and ServiceTier(tier).priority != priority:
+        problems["priority"] = [f"The {tier} service tier runs as {ServiceTier(tier).priority}; leave priority out "
+                                "or make it agree."]
     window = _window(args.get("completion_window"), settings, problems)
     on_invalid = args.get("on_invalid", "reject")
     if on_invalid not in ("reject", "skip"):
@@ -99,7 +108,7 @@ def parse_params(settings: Settings, args: dict[str, str], tenant: Tenant) -> Jo
         hooks.check_url(args["webhook_url"], settings.webhook_allow_list)
         hooks.require_secret(tenant)
     return JobParams(model.name, summary, instruction, priority, window, on_invalid, metadata,
-                     args.get("webhook_url"), events)
+                     args.get("webhook_url"), events, tier or ServiceTier.of(priority).value)
 
 
 def _events(args: dict[str, str], problems: dict[str, list[str]]) -> tuple[str, ...]:

@@ -5,8 +5,9 @@ running per warm worker serving them (one paused for a peak reservation serves n
 Redis never holds more than that many of any job's messages. Tenants share that capacity in
 proportion to their ``batch_weight``, counted in the tokens each request reserves (start-time
 fair queueing: the next item is the one of the tenant that has used the least per unit of
-weight; a tenant that comes back starts level with the others, not with credit); a tenant's own
-jobs share its part the same way. A disabled tenant's jobs wait.
+weight; a tenant that comes back starts level with the others, not with credit). A tenant's own
+jobs go earliest window first (a 1 h job overtakes its 24 h one), and those due together share its
+part the same way. A disabled tenant's jobs wait.
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ from models import Tenant
 from models.job import ItemStatus, Job, JobItem
 
 FETCH = 32  # pending items read per job at a time
+SAME_DUE_S = 60.0  # windows ending this close together count as due together
+
+
+def _due_first(jobs: list[Job]) -> list[Job]:
+    """A tenant's jobs whose windows end first (within ``SAME_DUE_S`` of the earliest): a 1 h job
+    overtakes the tenant's 24 h job, and jobs due together share its part by the tokens fed."""
+    due = {j.id: j.expires_at.timestamp() if j.expires_at is not None else float("inf") for j in jobs}
+    first = min(due.values())
+    return [j for j in jobs if due[j.id] <= first + SAME_DUE_S]
 
 
 class Scheduler:
@@ -76,7 +86,7 @@ class Scheduler:
             if not open_jobs:
                 break
             tenant_id = min(open_jobs, key=lambda t: self.tenant_used[t])
-            job = min(open_jobs[tenant_id], key=lambda j: self.job_used[j.id])
+            job = min(_due_first(open_jobs[tenant_id]), key=lambda j: self.job_used[j.id])
             item = self._next_item(job)
             if item is None:
                 exhausted.add(job.id)

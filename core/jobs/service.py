@@ -14,10 +14,12 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import IO, Any
 
 from sqlalchemy import func, select, text
 
+from core.admission.load import ClassLoad
 from core.errors import Conflict, NotFound
 from core.ids import uuid_or_404
 from core.jobs import intake
@@ -61,7 +63,8 @@ class JobService:
 
     def submit(self, tenant: Tenant, params: JobParams, stream: IO[bytes]) -> dict[str, Any]:
         """Create a job from an upload (refused with nothing kept, or admitted); its view."""
-        return self.get(Caller(tenant.id), str(intake.submit(self.settings, self.db, tenant, params, stream)))
+        return self.get(Caller(tenant.id), str(intake.submit(self.settings, self.db, tenant, params, stream,
+                                                             loads=lambda: ClassLoad.read_all(self.redis))))
 
     # ------------------------------------------------------------------ read
 
@@ -219,16 +222,23 @@ def view(job: Job, progress: dict[str, Any]) -> dict[str, Any]:
     done = sum(counts[s.value] for s in ItemStatus if s.terminal and s != ItemStatus.INVALID)
     rate = progress["recent"] / max(progress["span"], 1.0) if progress["recent"] else 0.0
     left = counts["pending"] + counts["running"]
-    eta = round(left / rate, 1) if rate > 0 and left and job.status in (JobStatus.IN_PROGRESS, JobStatus.FINALIZING) \
-        else None
+    live = job.status in (JobStatus.IN_PROGRESS, JobStatus.FINALIZING)
+    now = datetime.now(UTC)
+    # While it runs, from the rate its lines finish at; before any has, the estimate made at submit.
+    eta = round(left / rate, 1) if rate > 0 and left and live else (
+        round(max(0.0, (job.estimated_finish_at - now).total_seconds()), 1)
+        if live and left and job.estimated_finish_at is not None else None)
     return {
         "id": str(job.id), "object": "job", "status": job.status.value, "model": job.model,
-        "priority": job.priority, "instruction": job.instruction, "summary_tokens": job.summary_tokens,
+        "priority": job.priority, "service_tier": job.service_tier, "instruction": job.instruction,
+        "summary_tokens": job.summary_tokens,
         "completion_window_s": job.completion_window_s, "metadata": job.meta or {},
         "counts": {"total": total, **counts},
         "done": done, "progress": round(done / total, 4) if total else 0.0,
         "tokens": progress["tokens"], "estimated_tokens": job.estimated_tokens, "input_bytes": job.input_bytes,
         "rate_items_per_s": round(rate, 3), "eta_s": eta,
+        "estimated_finish_at": _iso(now + timedelta(seconds=eta)) if eta is not None else None,
+        "estimated_finish_at_submit": _iso(job.estimated_finish_at),
         "created_at": _iso(job.created_at), "started_at": _iso(job.started_at), "expires_at": _iso(job.expires_at),
         "cancel_requested_at": _iso(job.cancel_requested_at), "finished_at": _iso(job.finished_at),
         "redacted_at": _iso(job.redacted_at),

@@ -42,12 +42,9 @@ from core.submit.schemas import (
 )
 from models import InferenceRequest
 
-# service_tier → Sluice priority: flex is OpenAI's cheaper, slower tier, as batch is Sluice's.
+# service_tier → the class it runs in (docs/tiers.md): auto is the tenant's auto tier (default, or
+# priority, which may run as default); flex is batch capacity with a deadline.
 TIERS = {"auto": "realtime", "default": "realtime", "priority": "realtime", "flex": "batch"}
-# Sluice priority → the service_tier an answer names: the class that served it (auto, default and
-# priority are one class here, so an answer never claims a priority tier it did not get).
-SERVED_TIERS = {"realtime": "default", "batch": "flex"}
-SERVICE_TIER_HEADER = "Sluice-Service-Tier"  # the answer's header naming that tier, as the body's service_tier
 # Row status → the HTTP status a call answers when its request ended without an answer.
 ENDED = {"failed": 500, "timed_out": 504, "expired": 504, "cancelled": 409, "rejected": 503}
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
@@ -57,7 +54,7 @@ MAX_METADATA = 16  # pairs, as OpenAI and the native request take them
 # Fields a batch line's body may not set: the job decides how its requests run.
 NOT_IN_BATCH = {"stream": "A batch line cannot stream; leave stream out or false.",
                 "stream_options": "A batch line cannot stream.",
-                "service_tier": "A batch line runs at its job's priority; leave service_tier out.",
+                "service_tier": "A batch line runs at its batch's service tier; leave service_tier out.",
                 "echo": "A batch line's answer does not repeat its prompt; leave echo out."}
 UNKNOWN_FIELD = "Unknown field."  # marshmallow's message for a field a schema does not have
 
@@ -132,7 +129,8 @@ class _CommonSchema(Schema):
     stream = StrictBoolean()
     stream_options = fields.Nested(StreamOptionsSchema)
     service_tier = SafeString(validate=validate.OneOf(list(TIERS)), metadata={
-        "description": "`flex` runs as Sluice `batch` priority; the others as `realtime`."})
+        "description": "priority (2x price, served ahead), default, flex (batch capacity, 0.5x, refused at once "
+                       "when its deadline cannot be kept) or auto (the tenant's auto tier); docs/tiers.md."})
     ignore_eos = StrictBoolean(metadata={"description": "Sluice (and vLLM) extension: generate exactly "
                                                         "max_tokens (benchmarks)."})
     metadata = fields.Dict(keys=SafeString(validate=validate.Length(min=1, max=64)),
@@ -308,7 +306,7 @@ def native_body(asked: dict[str, Any], default_model: str | None) -> dict[str, A
         if asked.get(name) is not None:
             body[name] = asked[name]
     if "service_tier" in asked:
-        body["priority"] = TIERS[asked["service_tier"]]
+        body["service_tier"] = asked["service_tier"]
     metadata = {**asked.get("metadata", {}), **({"user": asked["user"]} if "user" in asked else {})}
     if metadata:
         body["metadata"] = metadata
@@ -428,4 +426,4 @@ def usage_chunk(row: InferenceRequest, chat: bool) -> dict[str, Any]:
 def _header(row: InferenceRequest, chat: bool, kind: str) -> dict[str, Any]:
     return {"id": ("chatcmpl-" if chat else "cmpl-") + row.id.hex, "object": kind,
             "created": int(row.created_at.timestamp()), "model": model_of(row),
-            "service_tier": SERVED_TIERS[row.priority.value], "system_fingerprint": None}
+            "service_tier": row.service_tier, "system_fingerprint": None}

@@ -32,7 +32,7 @@ from core.submit.answers import OUTPUT_PARAMS, answer_key, cache_scope
 from core.submit.sampling import check_tools
 from core.submit.tokens import ChatTemplateError, TokenCounters
 from core.usage.prices import FREE, Price
-from models import InferenceRequest, Priority, SizeClass, Source
+from models import InferenceRequest, Priority, ServiceTier, SizeClass, Source
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,11 @@ class Plan:
     api_key_id: uuid.UUID | None = None
     source: Source = Source.API
     price: Price = FREE
+    # The service tier that serves it (docs/tiers.md), and whether it may run as default when the
+    # priority promise cannot be kept (its tenant's `auto` asks for priority).
+    service_tier: ServiceTier = ServiceTier.DEFAULT
+    may_downgrade: bool = False
+    default_deadline_s: float | None = None  # its deadline as default: the body's, else the realtime default
     # When this process planned it (time.monotonic): its deadline counts from here, not from the
     # later moment its row is written, so a web tier slowed by a spike spends its own share of it.
     received: float = dataclasses.field(default_factory=time.monotonic, compare=False)
@@ -117,14 +122,14 @@ class Plan:
             degradation_step=",".join(self.degradation) or None, webhook_url=self.webhook_url,
             webhook_events=list(self.webhook_events) if self.webhook_url else None, api_key_id=self.api_key_id,
             source=self.source, price_input=self.price.input, price_cached=self.price.cached,
-            price_output=self.price.output)
+            price_output=self.price.output, service_tier=self.service_tier.value)
 
 
 def with_patience(body: dict[str, Any], wait_s: int | None, realtime_deadline_s: float) -> dict[str, Any]:
     """``body`` with the client's patience as its deadline: a realtime request that names no
     ``deadline_s`` and whose client waits ``wait_s`` seconds for the answer (``Prefer: wait``)
-    must finish within that wait, when sooner than the class default. A client gone by then gains
-    nothing from an answer computed later (one that comes back for it says
+    must finish within that wait, when sooner than its tier's default (``realtime_deadline_s``).
+    A client gone by then gains nothing from an answer computed later (one that comes back for it says
     ``Prefer: respond-async``), so the promise judges the request by the time its client will
     really wait. No grace past the wait: the deadline counts from planning, a moment after the wait
     began, so an answer in time always reaches the client still waiting for it. A second of grace
@@ -133,6 +138,16 @@ def with_patience(body: dict[str, Any], wait_s: int | None, realtime_deadline_s:
     if not wait_s or "deadline_s" in body or body.get("priority", "realtime") != "realtime":
         return body
     return {**body, "deadline_s": min(realtime_deadline_s, float(wait_s))}
+
+
+SERVICE_TIER_HEADER = "Sluice-Service-Tier"  # an answer's header naming the tier that serves it
+
+
+def tier_of(body: dict[str, Any]) -> ServiceTier:
+    """The service tier a validated body asks for: the one it names (``auto`` resolved already by
+    ``RequestService.prepare``; left unresolved, its class's plain tier), else its class's plain tier."""
+    named = body.get("service_tier")
+    return ServiceTier(named) if named not in (None, "auto") else ServiceTier.of(body["priority"])
 
 
 def input_chars(body: dict[str, Any]) -> int:
@@ -187,6 +202,7 @@ class Planner:
             model, input_tokens = self._longer_model(model, input_tokens, request_input, max_tokens)
             route_reason = "long_context" if model is not requested else None
         priority = Priority(body["priority"])
+        tier = tier_of(body)
         size_class, queue = self._shared_queue(priority, input_tokens + body.get("n", 1) * max_tokens, model)
         conversation_id = body.get("conversation_id")
         if conversation_id and self.redis_healthy():  # with Redis away, don't spend its timeout on affinity
@@ -199,10 +215,10 @@ class Planner:
                                                                        if body.get(k)} | reader(body, model),
             meta=body.get("metadata", {}),
             conversation_id=conversation_id, max_tokens=max_tokens, time_limit_s=float(time_limit),
-            input_tokens=input_tokens, deadline_s=self._deadline_s(body, priority),
+            input_tokens=input_tokens, deadline_s=self._deadline_s(body, tier),
             webhook_url=body.get("webhook_url"),
             webhook_events=tuple(body.get("webhook_events", DEFAULT_EVENTS)) if "webhook_url" in body else (),
-            cache_scope=cache_scope(tenant_id, settings.cache_shared_tenants))
+            cache_scope=cache_scope(tenant_id, settings.cache_shared_tenants), service_tier=tier)
 
     def _embedding(self, tenant_id: uuid.UUID, body: dict[str, Any]) -> Plan:
         """An embeddings request: each input a prefill of an embedding model, priced as its input
@@ -253,15 +269,16 @@ class Planner:
                     **{k: body[k] for k in DELIVERY_FIELDS if body.get(k)}},
             meta=body.get("metadata", {}), conversation_id=None, max_tokens=1, time_limit_s=float(time_limit),
             input_tokens=sum(counts),
-            deadline_s=self._deadline_s(body, priority),
+            deadline_s=self._deadline_s(body, tier_of(body)),
             webhook_url=body.get("webhook_url"),
             webhook_events=tuple(body.get("webhook_events", DEFAULT_EVENTS)) if "webhook_url" in body else (),
-            cache_scope=cache_scope(tenant_id, settings.cache_shared_tenants))
+            cache_scope=cache_scope(tenant_id, settings.cache_shared_tenants), service_tier=tier_of(body))
 
-    def _deadline_s(self, body: dict[str, Any], priority: Priority) -> float:
-        """The body's deadline, else its class's default."""
-        default = (self.settings.realtime_deadline_s if priority == Priority.REALTIME
-                   else self.settings.batch_deadline_s)
+    def _deadline_s(self, body: dict[str, Any], tier: ServiceTier) -> float:
+        """The body's deadline, else its tier's default."""
+        settings = self.settings
+        default = {ServiceTier.PRIORITY: settings.priority_deadline_s, ServiceTier.FLEX: settings.flex_deadline_s,
+                   ServiceTier.BATCH: settings.batch_deadline_s}.get(tier, settings.realtime_deadline_s)
         return body.get("deadline_s", default)
 
     def reroute(self, plan: Plan, model: ModelSpec, reason: str) -> Plan | None:

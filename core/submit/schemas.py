@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 
-from marshmallow import Schema, ValidationError, fields, pre_dump, validate, validates_schema
+from marshmallow import Schema, ValidationError, fields, post_load, pre_dump, validate, validates_schema
 
 from core.broker.queues import DIRECT_PREFIX
 from core.submit import embeddings
@@ -28,6 +28,9 @@ from core.submit.sampling import (
     ToolSchema,
     tool_calls,
 )
+from models import ServiceTier
+
+SERVICE_TIERS = [*(t.value for t in ServiceTier), "auto"]
 
 
 class ChatMessageSchema(Schema):
@@ -62,8 +65,14 @@ class SubmitRequestSchema(SchemasWithinCaps):
                           metadata={"description": "Model name; default: the platform's main model."})
     max_tokens = StrictInteger(validate=validate.Range(min=1),
                                metadata={"description": "Most tokens to generate (server caps apply)."})
-    priority = SafeString(load_default="realtime", validate=validate.OneOf(["realtime", "batch"]),
-                             metadata={"description": "realtime: interactive; batch: uses idle capacity."})
+    priority = SafeString(validate=validate.OneOf(["realtime", "batch"]), metadata={
+        "description": "realtime (the default): interactive; batch: uses idle capacity. Set by service_tier "
+                       "when that is given."})
+    service_tier = SafeString(validate=validate.OneOf(SERVICE_TIERS), metadata={
+        "description": "What the request buys (docs/tiers.md): priority (realtime, served ahead of default, "
+                       "2x price), default (realtime), flex (answered by its deadline or refused at once, 0.5x), "
+                       "batch (idle capacity, 0.5x); auto: the tenant's auto tier (default unless it chose "
+                       "priority, which may then run as default). Default: the priority's plain tier."})
     temperature = StrictFloat(load_default=1.0, validate=validate.Range(min=0, max=2))
     top_p = StrictFloat(load_default=1.0, validate=validate.Range(min=0, max=1, min_inclusive=False))
     seed = StrictInteger(validate=validate.Range(min=0, max=2**63 - 1))
@@ -182,9 +191,22 @@ class SubmitRequestSchema(SchemasWithinCaps):
             raise ValidationError("Tools go with `messages`.", "tools")
         if data.get("min_tokens", 0) > data.get("max_tokens", data.get("min_tokens", 0)):
             raise ValidationError("Must be at most max_tokens.", "min_tokens")
+        tier = data.get("service_tier")
+        runs_as = ServiceTier(tier).priority if tier not in (None, "auto") else data.get("priority")
+        if data.get("priority", runs_as) != runs_as:
+            raise ValidationError(f"The {tier} service tier runs as {runs_as}; leave priority out or make it "
+                                  "agree.", "priority")
         if data.get("stream") and (data.get("n", 1) > 1 or "logprobs" in data):
             raise ValidationError("A stream carries one choice's text; ask for n > 1 or logprobs without "
                                   "stream.", "n" if data.get("n", 1) > 1 else "logprobs")
+
+
+    @post_load
+    def _class(self, data, **kwargs):
+        """The class the request runs in: its tier's, else realtime."""
+        tier = data.get("service_tier")
+        data.setdefault("priority", ServiceTier(tier).priority.value if tier not in (None, "auto") else "realtime")
+        return data
 
 
 class UsageSchema(Schema):
@@ -256,6 +278,9 @@ class RequestViewSchema(Schema):
     status = SafeString(metadata={"enum": ["queued", "running", "succeeded", "failed", "timed_out",
                                               "cancelled", "expired", "rejected"]})
     priority = SafeString()
+    service_tier = SafeString(metadata={"enum": [t.value for t in ServiceTier], "description": (
+        "The service tier that serves it, and bills it (docs/tiers.md): `default` for a priority request "
+        "that ran as default (its degradation_step says default_tier).")})
     size_class = SafeString()
     queue = SafeString(metadata={"description": "The queue it went to; `direct` for a conversation turn "
                                                 "sent to the worker holding its prefix cache."})
@@ -269,7 +294,7 @@ class RequestViewSchema(Schema):
                        "degradation ladder's first step."})
     degradation_step = SafeString(allow_none=True, metadata={
         "description": "Degradation steps that changed this request at admission, comma-separated "
-                       "(light_model, shorter_output); null when none did."})
+                       "(light_model, shorter_output, default_tier); null when none did."})
     max_tokens = fields.Integer()
     time_limit_s = fields.Float()
     output = fields.Nested(OutputSchema, allow_none=True)
@@ -297,6 +322,7 @@ class RequestViewSchema(Schema):
         done = (row.status == "succeeded" or row.output_text is not None) and row.redacted_at is None
         return {
             "id": row.id, "status": row.status.value, "priority": row.priority.value,
+            "service_tier": row.service_tier,
             "size_class": row.size_class.value, "queue": public_queue(row.queue), "model": row.model_requested,
             "model_used": row.model_used, "model_routed": row.model_routed, "route_reason": row.route_reason,
             "degradation_step": row.degradation_step,

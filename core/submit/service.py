@@ -31,7 +31,7 @@ from core import hooks
 from core.admission.gates import Admission, Ticket
 from core.broker.queues import BrokerEpoch, publish_committed
 from core.broker.republish import Republisher
-from core.errors import Conflict
+from core.errors import Conflict, Overloaded
 from core.ids import uuid_or_404
 from core.observe import submit_metrics as metrics
 from core.observe.logs import bind_request
@@ -42,7 +42,7 @@ from core.submit.ladder import Ladder
 from core.submit.plan import Plan, Planner, input_chars
 from core.submit.twins import Twins
 from core.tenants.scopes import Caller
-from models import InferenceRequest, Priority, Source, Status, Tenant
+from models import InferenceRequest, Priority, ServiceTier, Source, Status, Tenant
 from models.lifecycle import Lifecycle, TransitionRefused
 from models.session import Database
 
@@ -89,10 +89,12 @@ class RequestService:
         one Redis call that tells (short inputs skip the call)."""
         if input_chars(body) > CHEAP_GATE_CHARS:
             self.admission.refuse_over_limits(tenant)
+        body, may_downgrade = resolve_auto(body, tenant)
         plan = self.ladder.apply(self.planner.plan(tenant.id, body), model_named="model" in body)
-        price = self.admission.settings.price_for(plan.target_model,
-                                                  batch=plan.priority == Priority.BATCH or source == Source.JOB)
-        plan = dataclasses.replace(plan, api_key_id=key or tenant.via_key, source=source, price=price)
+        price = self.admission.settings.price_for(plan.target_model, plan.service_tier)
+        plan = dataclasses.replace(plan, api_key_id=key or tenant.via_key, source=source, price=price,
+                                   may_downgrade=may_downgrade, default_deadline_s=body.get(
+                                       "deadline_s", self.admission.settings.realtime_deadline_s))
         bind_request(str(plan.request_id))
         return plan
 
@@ -103,8 +105,8 @@ class RequestService:
         Idempotency-Key (a retry of an accepted request must get its original back, which only
         Postgres knows). A request the hot cache can answer is never refused here: it costs no GPU.
         """
-        if self._cacheable(plan) and self.answers.get(plan.answer_key) is not None:
-            return
+        if plan.may_downgrade or self._cacheable(plan) and self.answers.get(plan.answer_key) is not None:
+            return  # (one that may run as default is judged as such if priority is refused)
         self.admission.refuse_early(tenant, plan)
 
     def submit(self, tenant: Tenant, body: dict[str, Any], key: idempotency.Key | None = None,
@@ -123,7 +125,7 @@ class RequestService:
                 if answered is not None:
                     return answered
                 try:
-                    ticket = self.admission.admit(tenant, plan)
+                    ticket, plan = self._admit(tenant, plan)
                     row = self.insert(plan, ticket, key)
                 except BaseException:
                     if self._cacheable(plan):  # it may have become its twins' leader: it no longer is
@@ -141,6 +143,21 @@ class RequestService:
         metrics.IDEMPOTENT_REPLAYS.inc()
         bind_request(str(original.id))
         return Accepted(original, True, self.admission.headers(tenant))
+
+    def _admit(self, tenant: Tenant, plan: Plan) -> tuple[Ticket, Plan]:
+        """Admit ``plan``; a priority plan that may run as default (``auto``) and that the promise
+        refuses is admitted as default instead (the longer default deadline, unless it named its own),
+        if that promise holds, named on its row (``default_tier``) and billed at default's prices."""
+        try:
+            return self.admission.admit(tenant, plan), plan
+        except Overloaded as refused:
+            if not plan.may_downgrade or (refused.details or {}).get("reason") != "deadline":
+                raise
+        plan = dataclasses.replace(plan, service_tier=ServiceTier.DEFAULT, may_downgrade=False,
+                                   deadline_s=plan.default_deadline_s or plan.deadline_s,
+                                   degradation=(*plan.degradation, "default_tier"),
+                                   price=self.admission.settings.price_for(plan.target_model, ServiceTier.DEFAULT))
+        return self.admission.admit(tenant, plan), plan
 
     def from_cache(self, plan: Plan, tenant: Tenant, key: idempotency.Key | None) -> Accepted | None:
         """The request answered from the hot cache, or None. A deterministic request is served from
@@ -245,6 +262,17 @@ class RequestService:
                 # The flag on the row is durable; the sweep re-raises it in Redis.
                 log.warning("cancel flag not set in Redis; the sweep will retry")
         return row
+
+
+def resolve_auto(body: dict[str, Any], tenant: Tenant) -> tuple[dict[str, Any], bool]:
+    """``body`` with ``service_tier: auto`` made the tenant's auto tier (a batch request's: batch),
+    and whether it may run as default when priority is refused (its tenant's auto is priority)."""
+    if body.get("service_tier") != "auto":
+        return body, False
+    if body["priority"] == Priority.BATCH:
+        return {**body, "service_tier": ServiceTier.BATCH.value}, False
+    tier = tenant.auto_service_tier or ServiceTier.DEFAULT.value
+    return {**body, "service_tier": tier}, tier == ServiceTier.PRIORITY
 
 
 def _claiming(key: idempotency.Key | None, row: InferenceRequest):

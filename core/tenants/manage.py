@@ -136,6 +136,7 @@ def tenant_view(tenant: Tenant, settings: Settings, active_keys: int | None = No
         "file_quotas": effective_file_quotas(settings.file_quotas, settings.default_tier, tenant).as_dict(),
         "created_at": _iso(tenant.created_at),
         "batch_weight": tenant.batch_weight if tenant.batch_weight is not None else 1.0,
+        "auto_service_tier": tenant.auto_service_tier or "default",
         "disabled": tenant.disabled_at is not None,
         "disabled_at": _iso(tenant.disabled_at),
     }
@@ -149,7 +150,7 @@ def _iso(moment: datetime | None) -> str | None:
 
 
 def _apply(tenant: Tenant, settings: Settings, changes: dict[str, Any]) -> None:
-    unknown = set(changes) - {"tier", "batch_weight", *LIMIT_FIELDS, *QUOTA_FIELDS}
+    unknown = set(changes) - {"tier", "batch_weight", "auto_service_tier", *LIMIT_FIELDS, *QUOTA_FIELDS}
     if unknown:
         raise TenantError(f"Unknown fields: {', '.join(sorted(unknown))}.", "invalid_request")
     if "tier" in changes:
@@ -164,6 +165,11 @@ def _apply(tenant: Tenant, settings: Settings, changes: dict[str, Any]) -> None:
         if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight <= 1000:
             raise TenantError("batch_weight must be a number > 0 and ≤ 1000 (null: 1).", "invalid_request")
         tenant.batch_weight = float(weight)
+    if "auto_service_tier" in changes:
+        auto = changes["auto_service_tier"]
+        if auto not in (None, "default", "priority"):
+            raise TenantError("auto_service_tier must be default or priority (null: default).", "invalid_request")
+        tenant.auto_service_tier = auto or "default"
     for name in LIMIT_FIELDS:
         if name in changes:
             value = changes[name]

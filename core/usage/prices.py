@@ -2,9 +2,10 @@
 
 Prices come from the registry (``SLUICE_MODELS``: ``"prices": {"input": 0.15, "cached": 0.075,
 "output": 0.6}``) or ``SLUICE_PRICES`` (``model=input/cached/output,…``, which wins), and may be
-an internal chargeback rate as well as a list price. A model with none costs nothing. Batch work
-(priority ``batch``, or a bulk job's or OpenAI batch's lines) pays ``SLUICE_BATCH_DISCOUNT`` less,
-as hosted batch APIs charge half.
+an internal chargeback rate as well as a list price. A model with none costs nothing. Each service
+tier pays a multiple of them (docs/tiers.md): ``SLUICE_SERVICE_TIER_PRICES``
+(``priority=2,default=1,flex=0.5``; batch pays ``1 − SLUICE_BATCH_DISCOUNT`` unless it is named
+there), which a model's ``service_tiers`` in the registry overrides tier by tier.
 
 A request's prices are fixed on its row when it is admitted (``Plan.row``); Postgres works out
 its cost from them when its tokens are written (``models/request.py COST_SQL``), so changing a
@@ -28,9 +29,8 @@ class Price(NamedTuple):
     cached: Decimal
     output: Decimal
 
-    def discounted(self, discount: Decimal) -> Price:
-        keep = 1 - discount
-        return Price(*((p * keep).quantize(QUANTUM, ROUND_HALF_UP) for p in self))
+    def times(self, multiplier: Decimal) -> Price:
+        return Price(*((p * multiplier).quantize(QUANTUM, ROUND_HALF_UP) for p in self))
 
     def cost(self, input_tokens: int, cached_tokens: int, output_tokens: int) -> Decimal:
         """The cost of these tokens, as ``COST_SQL`` works it out for a row."""
@@ -70,7 +70,37 @@ def parse_prices(spec: str) -> dict[str, Price]:
     return prices
 
 
-def price_for(prices: dict[str, Price], discount: Decimal, model: str, *, batch: bool) -> Price:
-    """The prices a request to ``model`` is charged; ``batch``: priority batch or a job's line."""
+TIERS = ("priority", "default", "flex", "batch")
+MAX_MULTIPLIER = Decimal(100)
+
+
+def multiplier(value: object, what: str) -> Decimal:
+    """A tier's price multiplier from configuration: a number from 0 to 100; ValueError otherwise."""
+    try:
+        number = Decimal(str(value))
+    except InvalidOperation:
+        raise ValueError(f"{what} must be a number (a multiple of the model's prices), got {value!r}") from None
+    if isinstance(value, bool) or not number.is_finite() or not 0 <= number <= MAX_MULTIPLIER:
+        raise ValueError(f"{what} must be a number from 0 to {MAX_MULTIPLIER}, got {value!r}")
+    return number
+
+
+def parse_tier_multipliers(spec: str) -> dict[str, Decimal]:
+    """``SLUICE_SERVICE_TIER_PRICES``: ``tier=multiplier`` entries, comma-separated."""
+    found = {}
+    for entry in (e.strip() for e in spec.split(",")):
+        if not entry:
+            continue
+        tier, _, value = entry.partition("=")
+        if tier.strip() not in TIERS or not value.strip():
+            raise ValueError(f"{entry!r} is not tier=multiplier with a tier among {', '.join(TIERS)}")
+        found[tier.strip()] = multiplier(value.strip(), f"the {tier.strip()} tier's multiplier")
+    return found
+
+
+def price_for(prices: dict[str, Price], multipliers: dict[str, Decimal], model: str, tier: str) -> Price:
+    """The prices a request to ``model`` served at ``tier`` is charged: its model's prices times the
+    tier's multiplier (``multipliers``: the model's own, else the platform's)."""
     found = prices.get(model, FREE)
-    return found.discounted(discount) if batch and discount else found
+    times = multipliers.get(tier, Decimal(1))
+    return found if times == 1 else found.times(times)

@@ -1,6 +1,6 @@
 """Refusals in the usage report: a refused request has no row, so the admission script itself
 counts each one it refuses (``admit.lua``, no extra round trip: a refusal under a spike must stay
-cheap) in a hash per day (field: tenant, key, model, priority, source and reason), and the sweep
+cheap) in a hash per day (field: tenant, key, model, priority, service tier, source and reason), and the sweep
 copies the last days' totals into ``usage_outcomes`` (``kind = 'refusal'``). The copy sets each
 count to Redis's total rather than adding to it, so copying twice changes nothing.
 
@@ -34,9 +34,10 @@ def day_key(at: float) -> str:
     return f"{PREFIX}{int(at // DAY_S) * DAY_S}"
 
 
-def field(tenant_id: uuid.UUID, key_id: uuid.UUID | None, model: str, priority: str, source: str) -> str:
+def field(tenant_id: uuid.UUID, key_id: uuid.UUID | None, model: str, priority: str, source: str,
+          tier: str) -> str:
     """A refusal's field in the day's hash, but for its reason (which the script appends)."""
-    return "|".join((str(tenant_id), str(key_id or NO_KEY), model, priority, source, ""))
+    return "|".join((str(tenant_id), str(key_id or NO_KEY), model, priority, source, tier, ""))
 
 
 def flush(db: Database, client: redis.Redis, now: float | None = None) -> int:
@@ -47,12 +48,14 @@ def flush(db: Database, client: redis.Redis, now: float | None = None) -> int:
         start = int(now // DAY_S) * DAY_S - back * DAY_S
         for field, n in client.hgetall(f"{PREFIX}{start}").items():
             parts = (field.decode() if isinstance(field, bytes) else field).split("|")
-            if len(parts) != 6:
+            if len(parts) == 6:  # counted before tiers: its class's plain tier
+                parts.insert(5, "batch" if parts[3] == "batch" else "default")
+            if len(parts) != 7:
                 continue
-            tenant, key, model, priority, source, reason = parts
+            tenant, key, model, priority, source, tier, reason = parts
             rows.append({"day": datetime.fromtimestamp(start, UTC), "tenant_id": uuid.UUID(tenant),
-                         "api_key_id": uuid.UUID(key), "model": model, "priority": priority, "source": source,
-                         "kind": "refusal", "code": reason, "count": int(n)})
+                         "api_key_id": uuid.UUID(key), "model": model, "priority": priority, "service_tier": tier,
+                         "source": source, "kind": "refusal", "code": reason, "count": int(n)})
     if rows:  # a tenant deleted since has nothing to count
         with db.session() as session:
             alive = set(session.scalars(select(Tenant.id).where(Tenant.id.in_({r["tenant_id"] for r in rows}))))
@@ -60,10 +63,11 @@ def flush(db: Database, client: redis.Redis, now: float | None = None) -> int:
     if not rows:
         return 0
     rows.sort(key=lambda r: (r["day"], str(r["tenant_id"]), str(r["api_key_id"]), r["model"], r["priority"],
-                             r["source"], r["code"]))
+                             r["service_tier"], r["source"], r["code"]))
     statement = insert(UsageOutcome).values(rows)
     with db.session() as session:
         session.execute(statement.on_conflict_do_update(
-            index_elements=["day", "tenant_id", "api_key_id", "model", "priority", "source", "kind", "code"],
+            index_elements=["day", "tenant_id", "api_key_id", "model", "priority", "service_tier", "source", "kind",
+                            "code"],
             set_={"count": statement.excluded.count}))
     return len(rows)

@@ -5,8 +5,8 @@ Read from the rollups only (``models/usage.py``: hourly, and daily for error cod
 never from the request table, so a month costs the same however many requests it held. An hourly
 report gives error codes and refusals in its totals only, for the whole days it touches. The
 answer is shaped like OpenAI's usage API: a page of time buckets (``start_time``/``end_time`` in
-Unix seconds), each with one result per group (``group_by``: model, priority, key, source; and
-tenant for the operator).
+Unix seconds), each with one result per group (``group_by``: model, priority, service_tier, key,
+source; and tenant for the operator).
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ from models.usage import NO_KEY
 BUCKETS = {"hour": timedelta(hours=1), "day": timedelta(days=1)}
 # Bucket counts a report may span: a month of hours, a year of days.
 MAX_BUCKETS = {"hour": 24 * 31, "day": 366}
-GROUPS = ("model", "priority", "key", "source")
+GROUPS = ("model", "priority", "service_tier", "key", "source")
 ADMIN_GROUPS = ("tenant", *GROUPS)
-_COLUMN = {"model": "model", "priority": "priority", "key": "api_key_id", "source": "source", "tenant": "tenant_id"}
+_COLUMN = {"model": "model", "priority": "priority", "service_tier": "service_tier", "key": "api_key_id",
+           "source": "source", "tenant": "tenant_id"}
 SUMS = ("requests", "cache_hits", "input_tokens", "cached_tokens", "output_tokens", "billed_tokens")
 STATUSES = ("succeeded", "failed", "timed_out", "cancelled", "expired")
 
@@ -225,8 +226,8 @@ def _tenant_names(session, rows, query: UsageQuery) -> dict[uuid.UUID, str]:
     return dict(session.execute(select(Tenant.id, Tenant.name).where(Tenant.id.in_(ids))).all()) if ids else {}
 
 
-CSV_COLUMNS = ("start_time", "end_time", "tenant_id", "tenant_name", "model", "priority", "api_key_id",
-               "api_key_name", "source", *SUMS, "cost_usd", "errors", "refusals")
+CSV_COLUMNS = ("start_time", "end_time", "tenant_id", "tenant_name", "model", "priority", "service_tier",
+               "api_key_id", "api_key_name", "source", *SUMS, "cost_usd", "errors", "refusals")
 
 
 def as_csv(report: dict[str, Any]) -> str:

@@ -33,6 +33,7 @@ from core.fleet.workers import live_workers
 from core.observe import submit_metrics
 from core.openai import shapes
 from core.submit import idempotency, ladder
+from core.submit.plan import SERVICE_TIER_HEADER, tier_of
 from core.tenants.scopes import Caller
 from models import InferenceRequest, Source, Status, Tenant
 from web import waits
@@ -193,8 +194,8 @@ def _submit(svc: Services, tenant: Tenant, url: str, body: dict[str, Any], key_s
     called: dict[str, str] = {}
     try:
         asked, data = shapes.to_native_for(url, body, svc.settings.registry.default.name)
-        given = patience.deadline(request.headers, data["priority"], bool(data.get("stream")), svc.settings)
-        called = {**given.headers(), shapes.SERVICE_TIER_HEADER: shapes.SERVED_TIERS[data["priority"]]}
+        given = patience.deadline(request.headers, tier_of(data), bool(data.get("stream")), svc.settings)
+        called = {**given.headers(), SERVICE_TIER_HEADER: tier_of(data).value}  # (auto: as default)
         header = request.headers.get(idempotency.HEADER)
         key = idempotency.key_from(header[:250] + key_suffix if header and key_suffix else header, tenant.id,
                                    body, svc.settings.idempotency_window_s)
@@ -209,7 +210,7 @@ def _submit(svc: Services, tenant: Tenant, url: str, body: dict[str, Any], key_s
     if accepted.unpublished:  # only when ``held`` asked for it
         held.append(row)
     headers = {REQUEST_ID_HEADER: str(row.id), **accepted.headers, **called,
-               shapes.SERVICE_TIER_HEADER: shapes.SERVED_TIERS[row.priority.value]}
+               SERVICE_TIER_HEADER: row.service_tier}
     if accepted.replayed:
         headers["Idempotent-Replayed"] = "true"
     if row.degradation_step:

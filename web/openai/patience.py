@@ -18,7 +18,8 @@ A stated patience less :func:`margin` is the deadline, so an answer in time is c
 announced and sent while its client still waits. Patience shortens the deadline and never
 lengthens it: the class's ceiling (:func:`ceiling`) is also the deadline of a call that states
 none (source ``default``): SLUICE_OPENAI_DEFAULT_DEADLINE_S (unset: SLUICE_REALTIME_DEADLINE_S)
-for realtime, SLUICE_BATCH_DEADLINE_S for ``service_tier: flex``. So the SDK's default read
+for realtime (SLUICE_PRIORITY_DEADLINE_S for ``service_tier: priority``), SLUICE_FLEX_DEADLINE_S for
+``service_tier: flex``. So the SDK's default read
 timeout (600 s) leaves a realtime call at the operator's realtime deadline, as the native door
 does with a long ``Prefer: wait`` (``core/submit/plan.py with_patience``), and every deadline
 stays within the native ``deadline_s`` bounds. Unlike the native door, a flex call's patience
@@ -84,15 +85,20 @@ def margin(patience_s: float) -> float:
     return min(MARGIN_S, MARGIN_SHARE * patience_s)
 
 
-def ceiling(settings: Settings, priority: str) -> float:
-    """The deadline of a call of ``priority`` that states no patience, and the longest one that does gets."""
-    if priority == "batch":
+def ceiling(settings: Settings, tier: str) -> float:
+    """The deadline of a call of service ``tier`` that states no patience, and the longest one that
+    does gets (``auto``: as default)."""
+    if tier == "flex":
+        return settings.flex_deadline_s
+    if tier == "batch":
         return settings.batch_deadline_s
+    if tier == "priority":
+        return settings.priority_deadline_s
     return settings.openai_default_deadline_s or settings.realtime_deadline_s
 
 
-def deadline(headers: Headers, priority: str, stream: bool, settings: Settings) -> Deadline:
-    """The deadline of a call with these request ``headers`` whose request runs at ``priority``."""
+def deadline(headers: Headers, tier: str, stream: bool, settings: Settings) -> Deadline:
+    """The deadline of a call with these request ``headers`` whose request runs at service ``tier``."""
     stated: list[tuple[float, str]] = []
     wait_s = prefer.wait_seconds(headers.getlist("Prefer"))
     if wait_s:  # wait=0 states no patience, as on the native door
@@ -100,7 +106,7 @@ def deadline(headers: Headers, priority: str, stream: bool, settings: Settings) 
     timeout_s = None if stream else read_timeout(headers.get(READ_TIMEOUT_HEADER))
     if timeout_s is not None:
         stated.append((timeout_s, READ_TIMEOUT_HEADER))
-    most = ceiling(settings, priority)
+    most = ceiling(settings, tier)
     if not stated:
         return Deadline(most, DEFAULT)
     patience_s, source = min(stated, key=lambda pair: pair[0])

@@ -10,6 +10,8 @@ from apispec import APISpec
 
 from core.openai import shapes
 from core.settings import Settings
+from core.submit.plan import SERVICE_TIER_HEADER
+from models import ServiceTier
 from web.openai import patience
 from web.openai.errors import add_schema
 from web.openai.errors import documented as _error
@@ -29,7 +31,7 @@ _EXTENSION = {"type": "object", "description": "Sluice's extension: the request 
                              "cache_hit": {"type": "boolean"}, "queue_wait_s": {"type": ["number", "null"]}}}
 _COMMON = {"id": {"type": "string"}, "created": {"type": "integer"},
            "model": {"type": "string", "description": "The model that ran it: a lighter one when degraded."},
-           "service_tier": {"enum": ["default", "flex"]}, "system_fingerprint": {"type": "null"},
+           "service_tier": {"enum": [t.value for t in ServiceTier]}, "system_fingerprint": {"type": "null"},
            "usage": _USAGE, "sluice": _EXTENSION}
 _TOOL_CALLS = {"type": "array", "items": {"type": "object", "required": ["id", "type", "function"], "properties": {
     "id": {"type": "string"}, "type": {"const": "function"},
@@ -99,8 +101,9 @@ def add_paths(spec: APISpec) -> None:
         patience.SOURCE_HEADER: {"schema": {"enum": [patience.READ_TIMEOUT_HEADER, patience.PREFER,
                                                      patience.DEFAULT]},
                                  "description": "Where the deadline came from."},
-        shapes.SERVICE_TIER_HEADER: {"schema": {"enum": sorted(set(shapes.SERVED_TIERS.values()))},
-                                "description": "The tier that serves the call (flex: Sluice's batch class)."}}
+        SERVICE_TIER_HEADER: {"schema": {"enum": [t.value for t in ServiceTier]},
+                                     "description": "The service tier that serves the call (a refusal: the one "
+                                                    "asked for); docs/tiers.md."}}
     answer_headers = {**limit_headers, **call_headers,
                       "Sluice-Request-Id": {"schema": {"type": "string", "format": "uuid"},
                                             "description": "The request row: GET /v1/requests/{id}."},

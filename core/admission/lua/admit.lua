@@ -33,9 +33,14 @@
 --       'tenant': a dry run that stands for a refusal of that gate)  25 the refusal's field but for
 --       its reason ('tenant|key|model|priority|source|')
 --       26 its prompt tokens (as admission counted them: the promise prices their prefill)
---       27 how many hard budgets it is charged to (n)  28 its charge record for release.lua:
---       'unit amount counter' per budget, ';'-separated  then per budget i (1..n): 27 + 2i its limit,
---       28 + 2i this request's reservation, in the budget's units (tokens or micro-dollars)
+--       27 its service tier's place in its class (docs/tiers.md): 'ahead' (priority in realtime,
+--       flex in batch: served before the rest of its class, so only the queued work of its own tier
+--       is ahead of it), 'held' (default: the share in 28 of the class's drain is held for the tier
+--       ahead while such requests came in the last minute) or '' (batch: the whole class's queue)
+--       28 that held share (0 to 1)
+--       29 how many hard budgets it is charged to (n)  30 its charge record for release.lua:
+--       'unit amount counter' per budget, ';'-separated  then per budget i (1..n): 29 + 2i its limit,
+--       30 + 2i this request's reservation, in the budget's units (tokens or micro-dollars)
 -- KEYS  9 the budget charge records (hash: request id → record)  10 today's refusal counts (hash:
 --       field → count, core/usage/refusals.py)  10 + i the counter of budget i in its window (what
 --       its requests used once ended, or hold while in flight)
@@ -173,8 +178,17 @@ else
   end
 end
 if engines <= 0 then engines = math.max(1, live_rooms) end
+local place = ARGV[27]
 if full and drain > 0 then
-  local counters = redis.call('HMGET', KEYS[5], 'queued_work', 'queued_prompt', 'queued_prompt_sq')
+  -- A tier served ahead of its class sees only its own tier's queue (the 'ahead_' counters); the
+  -- default tier sees all of it, at a drain less the share held for the tier ahead while that tier
+  -- has come in the last minute.
+  local prefix = place == 'ahead' and 'ahead_' or ''
+  local counters = redis.call('HMGET', KEYS[5], prefix .. 'queued_work', prefix .. 'queued_prompt',
+                              prefix .. 'queued_prompt_sq', 'ahead_seen_ms')
+  if place == 'held' and now - (tonumber(counters[4]) or -60000) < 60000 then
+    drain = drain * (1 - math.min(0.9, math.max(0, tonumber(ARGV[28]) or 0)))
+  end
   local queued = math.max(0, tonumber(counters[1] or '0') or 0)
   local prompts = math.max(0, tonumber(counters[2] or '0') or 0)
   local squares = math.max(0, tonumber(counters[3] or '0') or 0)
@@ -226,7 +240,7 @@ if gate == '' and ARGV[8] == '1' then gate, reason = 'request', 'too_large' end
 -- 4. Hard budgets: each counter plus this reservation within its limit. A missing counter (a new
 -- window, a Redis restart) refuses nothing and charges nothing: the caller seeds it from
 -- Postgres and asks again. Answers from the cache cost no budget.
-local budgets = tonumber(ARGV[27]) or 0
+local budgets = tonumber(ARGV[29]) or 0
 local budget_at, budget_spent = 0, 0
 if gate == '' and not hit then
   for i = 1, budgets do
@@ -235,7 +249,7 @@ if gate == '' and not hit then
       gate, reason, budget_at = 'budget', 'budget_unseeded', i
       break
     end
-    if tonumber(v) + tonumber(ARGV[28 + 2 * i]) > tonumber(ARGV[27 + 2 * i]) then
+    if tonumber(v) + tonumber(ARGV[30 + 2 * i]) > tonumber(ARGV[29 + 2 * i]) then
       gate, reason, budget_at, budget_spent = 'budget', 'budget_exhausted', i, tonumber(v)
       break
     end
@@ -253,9 +267,10 @@ if gate == '' and ARGV[12] ~= '1' then
     redis.call('PEXPIRE', KEYS[1], full_ms(ptok, ptpm) + 60000)
   end
   if not hit then redis.call('ZADD', KEYS[4], now, ARGV[1]) end
+  if full and place == 'ahead' then redis.call('HSET', KEYS[5], 'ahead_seen_ms', now) end
   if not hit and budgets > 0 then
-    for i = 1, budgets do redis.call('INCRBY', KEYS[10 + i], ARGV[28 + 2 * i]) end
-    redis.call('HSET', KEYS[9], ARGV[1], ARGV[28])
+    for i = 1, budgets do redis.call('INCRBY', KEYS[10 + i], ARGV[30 + 2 * i]) end
+    redis.call('HSET', KEYS[9], ARGV[1], ARGV[30])
   end
 end
 

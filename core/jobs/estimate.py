@@ -1,0 +1,132 @@
+"""When a bulk job will finish, worked out at submit from what the engines measure (docs/tiers.md).
+
+A job's lines run in the batch capacity of its model: what realtime work leaves of the engines,
+shared between the tenants with jobs by their ``batch_weight`` (``core/jobs/scheduling.py``), a
+tenant's own jobs earliest window first. The estimate follows that:
+
+1. **The job's engine time.** Every request it will make (a document's map-reduce included) is
+   priced as the promise prices a request (``admit.lua``): its prompt of P tokens at
+   ``prefill_s_tok`` × P + ``prefill_s_tok2`` × P², shared by the engines, and its output at the
+   batch class's decode drain. That is how long the job would take with every engine to itself.
+2. **The capacity it gets.** The batch class has what the model's realtime class does not use:
+   1 − (the output realtime claimed per second over the monitor's window ÷ the realtime drain),
+   at least ``MIN_SHARE``. The work already queued in the batch class (plain batch requests) is
+   served before.
+3. **Its share of that.** A fluid model of the feeder's fair share: every tenant with unfinished
+   jobs drains its remaining work at a rate in proportion to its weight, and a tenant that
+   finishes leaves its share to the others. This job's tenant first finishes its jobs whose
+   windows end before this one's. Other jobs' remaining work is priced at this job's engine
+   seconds per token.
+4. **A margin** (``MARGIN``) over that, for what the model leaves out (realtime bursts, requests
+   that end before max_tokens go the other way).
+
+Without the monitor's figures for the model's classes (no warm worker, the monitor away) there is
+no estimate: the job is judged by its tenant's limits alone and says ``estimated_finish_at: null``.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+
+from core.admission.load import ClassLoad
+
+MIN_SHARE = 0.05  # of the engines batch work gets however busy realtime is: the feeder always feeds some
+MARGIN = 1.1
+
+
+@dataclass
+class Work:
+    """What a job asks of the engines: its requests' prompts (tokens, and Σ tokens² for their
+    attention) and the output each may produce."""
+
+    requests: int = 0
+    prompt: int = 0
+    squares: int = 0
+    output: int = 0
+
+    def add(self, prompt: int, output: int, times: int = 1) -> None:
+        self.requests += times
+        self.prompt += prompt * times
+        self.squares += prompt * prompt * times
+        self.output += output * times
+
+    def document(self, tokens: int, overhead: int, output: int, budget: int) -> None:
+        """A document of ``tokens`` summarised in requests of at most ``budget`` input tokens
+        (``core/jobs/ingest.py item_tokens``: chunks, then their summaries, until one fits)."""
+        while tokens > budget > 0:
+            chunks = math.ceil(tokens / budget)
+            self.add(math.ceil(tokens / chunks) + overhead, output, chunks)
+            tokens = chunks * output
+        self.add(tokens + overhead, output)
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Another tenant's unfinished jobs: their remaining tokens and its weight."""
+
+    tokens: float
+    weight: float
+
+
+def engine_s(work: Work, batch: ClassLoad) -> float | None:
+    """Seconds ``work`` takes with every engine of the batch class to itself; None without figures."""
+    if batch.drain_tps <= 0:
+        return None
+    prefill = work.prompt * batch.prefill_s_tok + work.squares * batch.prefill_s_tok2
+    return work.output / batch.drain_tps + prefill / max(1, batch.engines)
+
+
+def batch_share(realtime: ClassLoad | None) -> float:
+    """The share of the engines realtime work leaves to batch work."""
+    if realtime is None or realtime.drain_tps <= 0:
+        return 1.0
+    return max(MIN_SHARE, 1.0 - realtime.claimed_tps / realtime.drain_tps)
+
+
+def fair_finish_s(own_s: float, weight: float, others: dict[uuid.UUID, tuple[float, float]],
+                  capacity: float) -> float:
+    """When a tenant with ``own_s`` seconds of work (at the whole capacity) and ``weight`` is done,
+    beside ``others`` (tenant → (seconds of work, weight)), all sharing ``capacity`` (0..1) in
+    proportion to their weights; a tenant that finishes leaves its share to those still working."""
+    remaining = {None: own_s, **{t: s for t, (s, _) in others.items() if s > 0}}
+    weights = {None: max(weight, 1e-6), **{t: max(w, 1e-6) for t, (_, w) in others.items()}}
+    clock = 0.0
+    while True:
+        total = sum(weights[t] for t in remaining)
+        # The next to finish, at the rate each gets now.
+        step = min(remaining[t] * total / (weights[t] * capacity) for t in remaining)
+        clock += step
+        for t in list(remaining):
+            remaining[t] -= step * capacity * weights[t] / total
+            if remaining[t] <= 1e-9:
+                if t is None:
+                    return clock
+                del remaining[t]
+
+
+def finish_s(work: Work, batch: ClassLoad | None, realtime: ClassLoad | None, *, tokens: int,
+             ahead_tokens: float, weight: float, others: list[Tenant]) -> float | None:
+    """Seconds from now until a job of ``work`` (``tokens`` as admission prices them) finishes,
+    with the margin; None without the batch class's figures. ``ahead_tokens``: what the tenant's
+    jobs with earlier windows have left; ``others``: the other tenants with unfinished jobs."""
+    if batch is None:
+        return None
+    own = engine_s(work, batch)
+    if own is None:
+        return None
+    per_token = own / max(tokens, 1)
+    share = batch_share(realtime)
+    queued = max(0.0, batch.wait_s)  # plain batch requests already queued go first
+    mine = own + ahead_tokens * per_token
+    rest = {uuid.uuid4(): (t.tokens * per_token, t.weight) for t in others}
+    return MARGIN * (queued / share + fair_finish_s(mine, weight, rest, share))
+
+
+def window_text(seconds: float) -> str:
+    """The shortest window a job that takes ``seconds`` fits: whole minutes under 2 h, whole hours
+    (a ``completion_window`` value) above."""
+    if seconds < 7200:
+        return f"{max(1, math.ceil(seconds / 60))}m"
+    return f"{math.ceil(seconds / 3600)}h"

@@ -1,0 +1,245 @@
+"""Service tiers (docs/tiers.md): each tier's class, deadline, price and place in line; a promise
+per tier; the downgrade `auto` allows; a flex refusal that costs nothing."""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+import pytest
+from admission_support import set_limits, tenant_id_of
+from conftest import WorkerProcess, make_settings
+from sqlalchemy import select
+from test_api_errors import assert_envelope as envelope
+from test_usage import add_budget
+
+from core.admission.load import ClassLoad, counters_key
+from core.jobs import estimate, scheduling
+from core.usage import refusals
+from models import InferenceRequest, Job, Priority
+from web import create_app
+from web.services import services
+
+PRICES = "{model}=1/0.5/2"  # USD per million input, cached and output tokens
+
+
+@pytest.fixture
+def tiered(isolated_app, new_client, database_url, admission_redis_url):
+    """An app no worker consumes whose default model has prices, and its client."""
+    model = make_settings(database_url, admission_redis_url).registry.default.name
+    application = isolated_app(realtime_deadline_s=30.0, promise_factor=1.0, prices_spec=PRICES.format(model=model))
+    return application, new_client(application)
+
+
+def publish(app, priority: str, *, drain_tps: float, seq_tps: float, **counters: int) -> None:
+    """The monitor's figures for the default model's class of ``priority`` (no prompts priced), and
+    its live counters."""
+    svc = services(app)
+    model = svc.settings.registry.default.name
+    seconds, micros = svc.redis.time()
+    work = counters.get("queued_work", 0)
+    ClassLoad(priority, model, work, 1, work, drain_tps, seq_tps, work / drain_tps, 0, 1,
+              seconds * 1000 + micros // 1000).write(svc.redis, ttl_s=30)
+    if counters:
+        svc.redis.hset(counters_key(priority, model), mapping=counters)
+
+
+def row(app, request_id: str) -> InferenceRequest:
+    with services(app).db.session() as session:
+        return session.get(InferenceRequest, request_id)
+
+
+def test_each_tier_runs_in_its_class_at_its_deadline_and_price(tiered):
+    application, client = tiered
+    settings = services(application).settings
+    expected = {"priority": (Priority.REALTIME, settings.priority_deadline_s, Decimal(2)),
+                "default": (Priority.REALTIME, settings.realtime_deadline_s, Decimal(1)),
+                "flex": (Priority.BATCH, settings.flex_deadline_s, Decimal("0.5")),
+                "batch": (Priority.BATCH, settings.batch_deadline_s, Decimal("0.5"))}
+    for tier, (priority, deadline_s, times) in expected.items():
+        accepted = client.submit(prompt=f"a {tier} question", max_tokens=8, service_tier=tier)
+        assert accepted.status_code == 202, accepted.get_json()
+        assert accepted.headers["Sluice-Service-Tier"] == tier
+        body = accepted.get_json()
+        assert (body["service_tier"], body["priority"]) == (tier, priority.value)
+        found = row(application, body["id"])
+        assert (found.service_tier, found.priority) == (tier, priority)
+        assert (found.price_input, found.price_cached, found.price_output) == (times, times / 2, 2 * times)
+        lasts = (found.deadline_at - found.created_at).total_seconds()
+        assert deadline_s - 1 < lasts <= deadline_s, (tier, lasts)
+        view = client.http.get(f"/v1/requests/{body['id']}", headers=client.headers).get_json()
+        assert view["service_tier"] == tier
+    # No tier named: the class's plain one.
+    plain = client.submit(prompt="no tier", max_tokens=8, priority="batch").get_json()
+    assert plain["service_tier"] == "batch"
+
+
+def test_a_model_may_price_its_tiers_apart(isolated_app, new_client):
+    models = ('[{"name": "main", "role": "main", "prices": {"input": 1, "cached": 0.5, "output": 2}, '
+              '"service_tiers": {"priority": 3, "flex": 0.25}}]')
+    application = isolated_app(models_json=models, service_tier_prices_spec="priority=2,default=1,flex=0.5,batch=0.4")
+    client = new_client(application)
+    for tier, times in (("priority", Decimal(3)), ("flex", Decimal("0.25")), ("batch", Decimal("0.4")),
+                        ("default", Decimal(1))):
+        accepted = client.submit(prompt=f"priced {tier}", max_tokens=8, service_tier=tier)
+        assert row(application, accepted.get_json()["id"]).price_input == times, tier
+
+
+def test_a_tier_and_a_priority_that_disagree_are_refused(tiered):
+    _, client = tiered
+    error = envelope(client.submit(prompt="x", service_tier="flex", priority="realtime"), 422, "invalid_request")
+    assert "priority" in error["details"], error
+    error = envelope(client.submit(prompt="x", service_tier="gold"), 422, "invalid_request")
+    assert "service_tier" in error["details"], error
+
+
+def test_priority_is_promised_on_its_own_queue_and_default_gives_up_a_share(tiered):
+    """Default work queued for 50 s: a default request is refused, a priority one (served ahead of
+    it) sees only the priority queue. Once priority came, default is promised on the drain less the
+    share held for priority."""
+    application, client = tiered
+    publish(application, "realtime", drain_tps=100, seq_tps=50, queued_work=5000, ahead_queued_work=0)
+    refused = envelope(client.submit(prompt="default", max_tokens=100, service_tier="default"), 503, "overloaded")
+    assert refused["details"]["estimated_wait_s"] == 50.0
+    accepted = client.submit(prompt="priority", max_tokens=100, service_tier="priority")
+    assert accepted.status_code == 202, accepted.get_json()
+    assert float(accepted.headers["Sluice-Estimated-Wait"]) == 0.0
+    # 2,000 tokens of default work: 20 s at the whole drain, 25 s at the 80 % left to default.
+    publish(application, "realtime", drain_tps=100, seq_tps=50, queued_work=2000)
+    held = envelope(client.submit(prompt="default again", max_tokens=300, service_tier="default"), 503,
+                    "overloaded")
+    share = services(application).settings.priority_share
+    assert held["details"]["estimated_wait_s"] == pytest.approx(2000 / (100 * (1 - share)), abs=0.01)
+
+
+def test_auto_runs_priority_as_default_when_the_priority_promise_cannot_be_kept(tiered, new_client):
+    application, client = tiered
+    set_limits(application, client, auto_service_tier="priority")
+    # 20 s of priority work queued: past priority's 15 s, within default's 30 s.
+    publish(application, "realtime", drain_tps=100, seq_tps=50, queued_work=2000, ahead_queued_work=2000,
+            ahead_seen_ms=0)
+    accepted = client.submit(prompt="auto", max_tokens=100, service_tier="auto")
+    assert accepted.status_code == 202, accepted.get_json()
+    assert accepted.headers["Sluice-Service-Tier"] == "default"
+    assert accepted.headers["Sluice-Degradation"] == "default_tier"
+    found = row(application, accepted.get_json()["id"])
+    assert (found.service_tier, found.degradation_step, found.price_input) == ("default", "default_tier", Decimal(1))
+    assert (found.deadline_at - found.created_at).total_seconds() > 29
+    # Asked for by name, priority is kept or refused: never run as another tier.
+    refused = envelope(client.submit(prompt="named", max_tokens=100, service_tier="priority"), 503, "overloaded")
+    assert refused["details"]["reason"] == "deadline"
+    # An empty queue: auto is priority, at priority's price.
+    publish(application, "realtime", drain_tps=100, seq_tps=50, queued_work=0, ahead_queued_work=0)
+    calm = client.submit(prompt="auto, calm", max_tokens=100, service_tier="auto")
+    assert calm.headers["Sluice-Service-Tier"] == "priority" and "Sluice-Degradation" not in calm.headers
+    assert row(application, calm.get_json()["id"]).price_input == Decimal(2)
+    # A tenant that did not choose priority: auto is default.
+    plain = new_client(application).submit(prompt="auto, plain", max_tokens=8, service_tier="auto")
+    assert plain.headers["Sluice-Service-Tier"] == "default"
+
+
+def test_a_flex_refusal_is_fast_and_costs_nothing(tiered):
+    """A flex request its deadline cannot hold is refused at once: nothing in the tenant's usage but
+    the refusal, counted under its tier, and nothing charged to its hard budget."""
+    application, client = tiered
+    svc = services(application)
+    add_budget(application, tenant_id_of(application, client), unit="usd", amount=Decimal(5), period="month",
+               hard=True)
+    publish(application, "batch", drain_tps=1, seq_tps=1, queued_work=10**6, ahead_queued_work=10**6)
+    began = time.perf_counter()
+    refused = client.submit(prompt="flex", max_tokens=100, service_tier="flex")
+    assert time.perf_counter() - began < 1.0  # (a hang guard; the < 100 ms goal is bench/'s)
+    error = envelope(refused, 503, "overloaded")
+    assert error["details"]["reason"] == "deadline" and "Retry-After" in refused.headers
+    assert refused.headers["Sluice-Service-Tier"] == "flex"
+    budget = client.http.get("/v1/budgets", headers=client.headers).get_json()["data"][0]
+    assert (budget["used"], budget["reserved"]) == (0, 0), budget
+    refusals.flush(svc.db, svc.redis)
+    report = client.http.get("/v1/usage?bucket=day&group_by=service_tier", headers=client.headers).get_json()
+    flex = [r for b in report["data"] for r in b["results"] if r["service_tier"] == "flex"]
+    assert len(flex) == 1 and flex[0]["refusals"] == {"deadline": 1}, report
+    assert Decimal(flex[0]["cost_usd"]) == 0 and flex[0]["requests"] == 0
+    assert Decimal(report["totals"]["cost_usd"]) == 0
+
+
+# ---------------------------------------------------------------------- completion windows
+
+def test_the_estimate_shares_the_engines_by_weight_and_what_realtime_leaves():
+    """The fluid model behind a job's estimated finish (core/jobs/estimate.py), on figures given."""
+    # Alone: its own time. Beside an equal tenant with as much work: both finish at twice it.
+    assert estimate.fair_finish_s(100, 1.0, {}, 1.0) == pytest.approx(100)
+    assert estimate.fair_finish_s(100, 1.0, {"b": (100, 1.0)}, 1.0) == pytest.approx(200)
+    # A tenant with less work leaves its share when done: 50 s at half, then 75 s alone.
+    assert estimate.fair_finish_s(100, 1.0, {"b": (25, 1.0)}, 1.0) == pytest.approx(125)
+    # Weight 3 against 1: three quarters of the engines until done.
+    assert estimate.fair_finish_s(100, 3.0, {"b": (1000, 1.0)}, 1.0) == pytest.approx(100 / 0.75)
+    # Realtime claims half the drain: batch gets the other half.
+    batch = ClassLoad("batch", "m", 0, 0, 0, 100.0, 10.0, 0.0, 0, 1, 0, prefill_s_tok=0.001, engines=2)
+    realtime = ClassLoad("realtime", "m", 0, 0, 0, 200.0, 10.0, 0.0, 0, 1, 0, claimed_tps=100.0)
+    work = estimate.Work()
+    work.add(1000, 100, times=10)  # 10 requests: 1,000 output tokens, 10,000 prompt tokens
+    assert estimate.engine_s(work, batch) == pytest.approx(1000 / 100 + 10_000 * 0.001 / 2)
+    assert estimate.finish_s(work, batch, realtime, tokens=11_000, ahead_tokens=0, weight=1, others=[]) == \
+        pytest.approx(estimate.MARGIN * 15 / 0.5)
+    assert estimate.finish_s(work, None, realtime, tokens=11_000, ahead_tokens=0, weight=1, others=[]) is None
+
+
+def test_a_tenants_job_due_first_is_fed_first():
+    now = datetime.now(UTC)
+    day, hour, other_hour = (Job(id=uuid.uuid4(), expires_at=now + timedelta(seconds=s)) for s in (86400, 3600, 3630))
+    assert scheduling._due_first([day, hour, other_hour]) == [hour, other_hour]  # due together: they share
+    assert scheduling._due_first([day]) == [day]
+
+
+def test_a_window_the_platform_cannot_keep_is_refused_with_the_earliest_it_could(tiered):
+    """With the engines' figures for the batch class (1 output token a second, prompts free): 20
+    documents of 50-token summaries take 1,000 s, 1,100 s with the margin. A 1 min window is
+    refused naming 19 min; a 19 min window is accepted with its estimated finish."""
+    application, client = tiered
+    publish(application, "batch", drain_tps=1, seq_tps=1)
+    lines = "\n".join(json.dumps({"custom_id": str(i), "text": f"document {i} about rivers"}) for i in range(20))
+    submit = functools.partial(client.http.post, data=lines.encode(),
+                               headers={**client.headers, "Content-Type": "application/jsonl"})
+    refused = submit("/v1/jobs?summary_tokens=50&completion_window=1m")
+    error = envelope(refused, 422, "completion_window_too_short")
+    assert error["details"]["estimated_finish_s"] == 1100 and error["details"]["earliest_window"] == "19m", error
+    assert "19m" in error["message"]
+    with services(application).db.session() as session:
+        assert not session.scalars(select(Job).where(Job.tenant_id == tenant_id_of(application, client))).all()
+    accepted = submit("/v1/jobs?summary_tokens=50&completion_window=19m")
+    assert accepted.status_code == 201, accepted.get_json()
+    view = accepted.get_json()
+    finish = datetime.fromisoformat(view["estimated_finish_at"]) - datetime.fromisoformat(view["started_at"])
+    assert 1095 < finish.total_seconds() < 1105 and 1090 < view["eta_s"] <= 1100, view
+    assert view["estimated_finish_at_submit"] is not None and view["service_tier"] == "batch"
+    # Without the engines' figures, no estimate: the window is the tenant's limits' to judge.
+    services(application).redis.delete(*services(application).redis.keys("sluice:load:*"))
+    unknown = submit("/v1/jobs?summary_tokens=50&completion_window=1m")
+    assert unknown.status_code == 201 and unknown.get_json()["estimated_finish_at"] is None
+
+
+def test_a_free_thread_takes_each_tier_in_its_order(database_url, scratch_redis_url, new_client, tmp_path):
+    """Requests queued with no worker, the cheapest first; a real worker with one thread then
+    starts them priority, default, flex, batch: each tier's messages wait in a priority list of
+    their queue, read before the next tier's."""
+    application = create_app(make_settings(database_url, scratch_redis_url))
+    client = new_client(application)
+    order = ["batch", "batch", "flex", "default", "default", "priority"]
+    ids = {}
+    for i, tier in enumerate(order):
+        accepted = client.submit(prompt=f"{tier} {i}", max_tokens=4, service_tier=tier)
+        assert accepted.status_code == 202, accepted.get_json()
+        ids[accepted.get_json()["id"]] = tier
+    worker = WorkerProcess(database_url, scratch_redis_url, tmp_path, concurrency=1)
+    try:
+        views = [client.wait(request_id, timeout=120) for request_id in ids]
+    finally:
+        worker.stop()
+        services(application).db.dispose()
+    assert all(v["status"] == "succeeded" for v in views), [v["status"] for v in views]
+    started = sorted(views, key=lambda v: v["timings"]["started_at"])
+    assert [ids[v["id"]] for v in started] == ["priority", "default", "default", "flex", "batch", "batch"]

@@ -301,3 +301,43 @@ def test_files_are_listed_and_deleted_and_a_batch_keeps_its_lines_and_usage(plat
     with pytest.raises(openai.BadRequestError) as refused:
         client.files.delete(done.output_file_id)
     assert refused.value.code == "file_not_deletable"
+
+
+def test_an_expired_batch_reads_back_as_openais_do(platform):
+    """Its window ends while lines wait: the batch is `expired` with `expired_at`, its finished lines
+    are in the output file and billed, the rest in the error file as `batch_expired`."""
+    import redis as redis_lib
+
+    from core.fleet.workers import warm_workers
+    from core.rediskeys import PAUSED_KEY
+
+    client = platform.client()
+    lines = [chat_line(f"late-{i}", f"lake {i}", max_tokens=4) for i in range(120)]
+    batch = submit(client, lines)
+    wait(client, batch.id, {"in_progress", *ENDED})
+    deadline = time.monotonic() + 60
+    while client.batches.retrieve(batch.id).request_counts.completed == 0:
+        assert time.monotonic() < deadline, "no line finished"
+        time.sleep(0.1)
+    # The feeder's capacity held at 0 (every worker marked paused for a reservation), then the window ends.
+    redis = redis_lib.Redis.from_url(services(platform.app).settings.redis_url, decode_responses=True)
+    for worker in warm_workers(redis):
+        redis.hset(PAUSED_KEY, worker["worker"], json.dumps({"node": worker.get("node", "?"), "queues": []}))
+    try:
+        with services(platform.app).db.session() as session:
+            session.execute(text("UPDATE jobs SET expires_at = now() WHERE id = :id"),
+                            {"id": uuid.UUID(batch.id.removeprefix("batch_"))})
+        done = wait(client, batch.id)
+    finally:
+        redis.delete(PAUSED_KEY)
+        redis.close()
+    assert done.status == "expired" and done.expired_at is not None, done
+    counts = done.request_counts
+    assert counts.total == 120 and counts.completed > 0 and counts.failed > 0
+    assert counts.completed + counts.failed == 120
+    finished = lines_of(client, done.output_file_id)
+    assert len(finished) == counts.completed and all(line["error"] is None for line in finished)
+    expired = lines_of(client, done.error_file_id)
+    assert len(expired) == counts.failed and {e["error"]["code"] for e in expired} == {"batch_expired"}
+    assert all(e["response"] is None for e in expired)
+    assert {line["custom_id"] for line in finished + expired} == {line["custom_id"] for line in lines}

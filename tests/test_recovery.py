@@ -15,6 +15,7 @@ from conftest import ApiClient, BeatProcess, WorkerProcess
 from factories import request_row
 from sqlalchemy import select, update
 
+from core.broker.queues import queue_lists
 from models import InferenceRequest, Status, utcnow
 from web.services import services
 from workers.sweep import sweep
@@ -187,8 +188,8 @@ def _backdate_enqueued(application, ids, seconds: float) -> None:
 def _copies(redis_client, request_id: str) -> int:
     """Messages for ``request_id`` waiting in the small queues (other tests' rows may wait there
     too: the sweep republishes every lost row of the shared database into this test's Redis)."""
-    return sum(request_id in message for queue in ("realtime.small", "batch.small")
-               for message in redis_client.lrange(queue, 0, -1))
+    return sum(request_id in message for queue in ("realtime.small", "batch.small") for key in queue_lists(queue)
+               for message in redis_client.lrange(key, 0, -1))
 
 
 def test_messages_lost_with_their_queue_are_published_again(isolated, database_url, tmp_path):
@@ -201,7 +202,7 @@ def test_messages_lost_with_their_queue_are_published_again(isolated, database_u
     redis_client = services(application).redis
     lost = [client.submit(prompt=f"lost {i}", max_tokens=4, priority="batch").get_json()["id"] for i in range(3)]
     kept = client.submit(prompt="kept", max_tokens=4).get_json()["id"]
-    assert redis_client.delete("batch.small") == 1
+    assert redis_client.delete(*queue_lists("batch.small")) == 1  # (its tier's list: docs/tiers.md)
     _backdate_enqueued(application, [*lost, kept], application.extensions["sluice"].settings.lost_message_grace_s + 5)
 
     # Published into the broker's present epoch, so only the message-by-message check can find

@@ -105,6 +105,7 @@ def build_spec(version: str, settings: Settings | None = None) -> dict:
         None if models is None else [m.name for m in models if m.role != "embed"],
         None if models is None else [m.name for m in models if m.role == "embed"])
     document["components"]["schemas"]["SubmitRequest"]["dependentRequired"] = {"webhook_events": ["webhook_url"]}
+    document["components"]["schemas"]["SubmitRequest"]["allOf"] = schemas.SubmitRequestSchema.openapi_tier_rule()
     document_rules(document["components"]["schemas"])
     if settings is not None:
         submit = document["components"]["schemas"]["SubmitRequest"]["properties"]
@@ -243,6 +244,10 @@ def _job_paths(spec: APISpec, settings: Settings | None) -> None:
         {"name": "instruction", "in": "query", "schema": {"type": "string", "minLength": 1, "maxLength": 4000},
          "description": "Put before each document (and each map-reduce round)."},
         {"name": "priority", "in": "query", "schema": {"type": "string", "enum": ["batch", "realtime"]}},
+        {"name": "service_tier", "in": "query",
+         "schema": {"type": "string", "enum": ["priority", "default", "flex", "batch"]},
+         "description": "Its lines' service tier (docs/tiers.md): their place in line and price. Default: the "
+                        "priority's plain tier (batch, or default for realtime); it must agree with priority."},
         {"name": "completion_window", "in": "query", "schema": {"type": "string"},
          "description": "24h, 90m, 3600 (seconds): unfinished items expire after it. Default SLUICE_JOB_WINDOW_S."},
         {"name": "on_invalid", "in": "query", "schema": {"type": "string", "enum": ["reject", "skip"]},
@@ -279,7 +284,9 @@ def _job_paths(spec: APISpec, settings: Settings | None) -> None:
                           "422": _error("Unknown or invalid parameters; an empty file (empty_file); bad lines "
                                         "(invalid_lines, no_valid_lines: `details.lines` lists them by line "
                                         "number); over the tenant's token budget for the window "
-                                        "(job_over_token_budget, with the numbers).")}},
+                                        "(job_over_token_budget, with the numbers); a window the platform "
+                                        "cannot keep at its present load (completion_window_too_short, with "
+                                        "estimated_finish_s and earliest_window).")}},
         "get": {
             "summary": "The tenant's jobs, newest first", "security": [{"bearer": []}],
             "parameters": [{"name": "limit", "in": "query",

@@ -50,6 +50,8 @@ class JobViewSchema(Schema):
                                            "cancelling", "cancelled", "expired"]})
     model = SafeString()
     priority = SafeString()
+    service_tier = SafeString(metadata={"enum": ["priority", "default", "flex", "batch"],
+                                        "description": "Its lines' service tier (docs/tiers.md)."})
     instruction = SafeString()
     summary_tokens = fields.Integer()
     completion_window_s = fields.Integer()
@@ -62,8 +64,14 @@ class JobViewSchema(Schema):
     estimated_tokens = fields.Integer(metadata={"description": "What the submit priced the job at."})
     input_bytes = fields.Integer()
     rate_items_per_s = fields.Float(metadata={"description": "Items finished per second over the last minute."})
-    eta_s = fields.Float(allow_none=True, metadata={"description": "Seconds to finish at that rate; null when "
-                                                                   "unknown or not running."})
+    eta_s = fields.Float(allow_none=True, metadata={"description": "Seconds to finish at that rate (before any "
+                                                                   "line finished: at the estimate made at "
+                                                                   "submit); null when unknown or not running."})
+    estimated_finish_at = fields.DateTime(allow_none=True, metadata={
+        "description": "When it is estimated to finish: now + eta_s (docs/tiers.md); null when unknown."})
+    estimated_finish_at_submit = fields.DateTime(allow_none=True, metadata={
+        "description": "When it was estimated to finish at submit, from the engines' figures, what realtime "
+                       "leaves and the tenants' shares; null where the platform had no figures."})
     created_at = fields.DateTime()
     started_at = fields.DateTime(allow_none=True)
     expires_at = fields.DateTime(allow_none=True)

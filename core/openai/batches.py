@@ -208,12 +208,18 @@ def view(job: Job, batch: Batch, counts: dict[str, int]) -> dict[str, Any]:
     }
 
 
+EXPIRED_LINE_CODE = "batch_expired"
+
+
 def output_line(job: Job, batch: Batch, row) -> dict[str, Any]:
     """A line of OpenAI's batch output format; the response body is what the endpoint would answer."""
     line_id = f"batch_req_{job.id.hex}_{row.line}"
     if row.error_code is not None or row.result is None:
+        # A line its batch's window ended before: OpenAI's code for it.
+        code, message = ((EXPIRED_LINE_CODE, "The batch's completion window ended before this request ran.")
+                         if row.error_code == "expired" else (row.error_code, row.error_message))
         return {"id": line_id, "custom_id": row.custom_id, "response": None,
-                "error": {"code": row.error_code, "message": row.error_message}}
+                "error": {"code": code, "message": message}}
     usage = token_usage(row.input_tokens, row.output_tokens, row.cached_tokens)
     url = row.url or batch.endpoint  # a batch may mix the routes: each line answers as its own
     rid, chat = row.request_id.hex, url == CHAT_URL

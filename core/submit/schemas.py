@@ -155,6 +155,15 @@ class SubmitRequestSchema(SchemasWithinCaps):
                        "temperature", "top_p")
     EMBED_ONLY = ("dimensions", "encoding_format")
 
+    @staticmethod
+    def openapi_tier_rule() -> list[dict]:
+        """What `_one_input` enforces of a service tier and a priority, as /openapi.json states it:
+        when both are given they agree (priority and default run as realtime, flex and batch as batch)."""
+        return [{"not": {"required": ["service_tier", "priority"],
+                         "properties": {"service_tier": {"enum": [t.value for t in ServiceTier if t.priority == runs]},
+                                        "priority": {"enum": [p for p in ("realtime", "batch") if p != runs]}}}}
+                for runs in ("realtime", "batch")]
+
     @classmethod
     def openapi_one_of(cls, generation_models: list[str] | None = None,
                        embed_models: list[str] | None = None) -> list[dict]:

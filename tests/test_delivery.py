@@ -15,7 +15,10 @@ from core.delivery import waits
 from launcher.harness import WebProcess
 from web.services import services
 
-LONG = {"max_tokens": 4000, "ignore_eos": True}  # ~20 s of simulated H200 decoding: still running when we look
+# ~20 s of simulated H200 decoding: still running when we look. Its own deadline, far past that: with
+# a wait's 30 s, a spread run's starved engine was promised too slow for it and the request refused,
+# so the hang-up test never saw it run.
+LONG = {"max_tokens": 4000, "ignore_eos": True, "deadline_s": 600}
 
 
 def wait_for(predicate, timeout: float = 30, what: str = "condition"):

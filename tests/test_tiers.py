@@ -35,7 +35,8 @@ def tiered(isolated_app, new_client, database_url, admission_redis_url):
     return application, new_client(application)
 
 
-def publish(app, priority: str, *, drain_tps: float, seq_tps: float, **counters: int) -> None:
+def publish(app, priority: str, *, drain_tps: float, seq_tps: float, ahead_tps: float = 0.0,
+            realtime_share: float = 0.0, **counters: int) -> None:
     """The monitor's figures for the default model's class of ``priority`` (no prompts priced), and
     its live counters."""
     svc = services(app)
@@ -43,7 +44,8 @@ def publish(app, priority: str, *, drain_tps: float, seq_tps: float, **counters:
     seconds, micros = svc.redis.time()
     work = counters.get("queued_work", 0)
     ClassLoad(priority, model, work, 1, work, drain_tps, seq_tps, work / drain_tps, 0, 1,
-              seconds * 1000 + micros // 1000).write(svc.redis, ttl_s=30)
+              seconds * 1000 + micros // 1000, ahead_tps=ahead_tps,
+              realtime_share=realtime_share).write(svc.redis, ttl_s=30)
     if counters:
         svc.redis.hset(counters_key(priority, model), mapping=counters)
 
@@ -114,6 +116,28 @@ def test_priority_is_promised_on_its_own_queue_and_default_gives_up_a_share(tier
                     "overloaded")
     share = services(application).settings.priority_share
     assert held["details"]["estimated_wait_s"] == pytest.approx(2000 / (100 * (1 - share)), abs=0.01)
+
+
+def test_default_gives_priority_what_it_takes_and_batch_work_what_realtime_leaves(tiered):
+    """The share held for priority grows to what priority work took of the drain over the monitor's
+    window; flex (and batch) work is promised on what its model's realtime work leaves."""
+    application, client = tiered
+    # Priority took half the drain: default is promised on the other half (2,000 tokens: 40 s > 30 s).
+    publish(application, "realtime", drain_tps=100, seq_tps=50, ahead_tps=50, queued_work=2000, ahead_seen_ms=0)
+    svc = services(application)
+    model = svc.settings.registry.default.name
+    seconds, micros = svc.redis.time()
+    svc.redis.hset(counters_key("realtime", model), "ahead_seen_ms", seconds * 1000 + micros // 1000)
+    held = envelope(client.submit(prompt="default", max_tokens=100, service_tier="default"), 503, "overloaded")
+    assert held["details"]["estimated_wait_s"] == pytest.approx(40.0, abs=0.01)
+    # Realtime claimed 90 % of the engines: 1,000 flex tokens drain at 10 % of 100 a second, 100 s.
+    publish(application, "batch", drain_tps=100, seq_tps=50, realtime_share=0.9, queued_work=1000,
+            ahead_queued_work=1000)
+    flex = envelope(client.submit(prompt="flex", max_tokens=10, service_tier="flex", deadline_s=60), 503,
+                    "overloaded")
+    assert flex["details"]["estimated_wait_s"] == pytest.approx(100.0, abs=0.01)
+    publish(application, "batch", drain_tps=100, seq_tps=50, queued_work=1000, ahead_queued_work=1000)
+    assert client.submit(prompt="flex, calm", max_tokens=10, service_tier="flex", deadline_s=60).status_code == 202
 
 
 def test_auto_runs_priority_as_default_when_the_priority_promise_cannot_be_kept(tiered, new_client):

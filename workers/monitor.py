@@ -115,7 +115,7 @@ class LevelPolicy:
 
 @dataclass
 class _ClassState:
-    samples: deque = field(default_factory=deque)  # (t, claimed_work, queued_work, threads)
+    samples: deque = field(default_factory=deque)  # (t, claimed_work, queued_work, threads, ahead_claimed_work)
     capacity_tps: float = 0.0  # drain measured while backlogged ...
     capacity_threads: int = 0  # ... by this many threads (of live workers, less those batch held)
     seq_tps: float = 0.0
@@ -151,6 +151,20 @@ def engines(serving: list[dict], priority: str = "realtime") -> Engines | None:
                    prefill_s_tok2=statistics.median(w.get("prefill_s_tok2") or 0.0 for w in serving),
                    count=len(serving), backlog_s=sum(w.get("backlog_s" if priority == Priority.BATCH.value
                                                             else "realtime_backlog_s") or 0.0 for w in serving))
+
+
+def with_realtime_share(loads: list[ClassLoad]) -> list[ClassLoad]:
+    """``loads`` with each batch class's ``realtime_share``: the part of its model's engines the
+    realtime class claimed over the window (its claimed work ÷ its drain). Batch work, flex
+    included, runs in what that leaves, so its promise and a job's estimate count only the rest."""
+    realtime = {c.model: c for c in loads if c.priority == Priority.REALTIME.value}
+    out = []
+    for load in loads:
+        rt = realtime.get(load.model)
+        if load.priority == Priority.BATCH.value and rt is not None and rt.drain_tps > 0:
+            load = dataclasses.replace(load, realtime_share=round(min(1.0, rt.claimed_tps / rt.drain_tps), 3))
+        out.append(load)
+    return out
 
 
 class Monitor:
@@ -190,6 +204,7 @@ class Monitor:
                 threads -= sum(w.get("batch_in_flight", 0) for w in serving)
             loads.append(self._class_load(priority, model, counters, len(serving), max(0, threads),
                                           seq_by_model.get(model), now, stamp, engines(serving, priority)))
+        loads = with_realtime_share(loads)
         level = max((load.level for load in loads if load.priority == Priority.REALTIME.value), default=0)
         write_level(self.redis, LoadLevel(level), ttl_s=3 * TICK_S,
                     classes={class_name(load.priority, load.model): load.level for load in loads}, snapshots=loads)
@@ -256,7 +271,8 @@ class Monitor:
         state = self._classes.setdefault(class_name(priority, model),
                                          _ClassState(policy=dataclasses.replace(self.policy)))
         queued = max(0, counters.get("queued_work", 0))
-        state.samples.append((now, counters.get("claimed_work", 0), queued, threads))
+        state.samples.append((now, counters.get("claimed_work", 0), queued, threads,
+                              counters.get("ahead_claimed_work", 0)))
         while state.samples and now - state.samples[0][0] > WINDOW_S:
             state.samples.popleft()
         if seq_tps:
@@ -265,12 +281,12 @@ class Monitor:
         # dry and the same threads served it: the latest such run, once it spans MEASURE_MIN_S
         # (a backlog that just began is measured within seconds, not after a whole window).
         backlog = 0
-        for _, _, q, n in reversed(state.samples):
+        for _, _, q, n, _ in reversed(state.samples):
             if q <= 0 or n != threads:
                 break
             backlog += 1
         if backlog > 1:
-            t0, claimed0, _, _ = state.samples[-backlog]
+            t0, claimed0, _, _, _ = state.samples[-backlog]
             if now - t0 >= MEASURE_MIN_S:
                 measured = (counters.get("claimed_work", 0) - claimed0) / (now - t0)
                 if measured > 0:
@@ -314,8 +330,10 @@ class Monitor:
         if requests > 0 and counters.get("queued_deadline_ms", 0) > 0:
             deadline = min(deadline, counters["queued_deadline_ms"] / requests / 1000)
         level = state.policy.step(max(0.0, wait) / deadline if wait != float("inf") else float("inf"), now)
-        first_t, first_claimed = state.samples[0][:2]
-        claimed_tps = (counters.get("claimed_work", 0) - first_claimed) / (now - first_t) if now > first_t else 0.0
+        first_t, first_claimed, _, _, first_ahead = state.samples[0]
+        span = now - first_t
+        claimed_tps = (counters.get("claimed_work", 0) - first_claimed) / span if span > 0 else 0.0
+        ahead_tps = (counters.get("ahead_claimed_work", 0) - first_ahead) / span if span > 0 else 0.0
         return ClassLoad(priority, model, max(0, counters.get("queued_tokens", 0)),
                          max(0, requests), queued, round(drain, 1), round(state.seq_tps, 2),
                          round(wait, 3) if wait != float("inf") else -1.0, level, workers, stamp, round(deadline, 3),
@@ -326,7 +344,7 @@ class Monitor:
                          round(engine.backlog_s, 3) if engine is not None else 0.0,
                          queued_prompt_sq=squares,
                          prefill_s_tok2=engine.prefill_s_tok2 if engine is not None else 0.0,
-                         claimed_tps=round(max(0.0, claimed_tps), 2))
+                         claimed_tps=round(max(0.0, claimed_tps), 2), ahead_tps=round(max(0.0, ahead_tps), 2))
 
     # ------------------------------------------------------------------ leading and re-counting
 

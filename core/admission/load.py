@@ -149,7 +149,7 @@ class QueueCounters:
 
     A request of the tier served ahead of its class (priority, flex: ``tier_place``) also moves
     ``ahead_queued_work``, ``ahead_queued_prompt`` and ``ahead_queued_prompt_sq``: the queue its
-    own promise sees.
+    own promise sees; and ``ahead_claimed_work`` when claimed: the share of the drain it takes.
     """
 
     def __init__(self, client: redis.Redis, healthy: Callable[[], bool] = lambda: True) -> None:
@@ -177,9 +177,9 @@ class QueueCounters:
                 pipe.hincrby(key, f"{prefix}queued_work", sign * work)
                 pipe.hincrby(key, f"{prefix}queued_prompt", sign * moved.input_tokens)
                 pipe.hincrby(key, f"{prefix}queued_prompt_sq", sign * moved.input_tokens ** 2)
-        if moved.source == Status.QUEUED:
-            if moved.status == Status.RUNNING:
-                pipe.hincrby(key, "claimed_work", work)
+        if moved.source == Status.QUEUED and moved.status == Status.RUNNING:
+            for prefix in prefixes:
+                pipe.hincrby(key, f"{prefix}claimed_work", work)
         if moved.source == Status.RUNNING and moved.status.terminal:
             pipe.hincrby(key, "finished_tokens", moved.input_tokens + (moved.output_tokens or 0))
         try:
@@ -214,6 +214,8 @@ class ClassLoad:
     queued_prompt_sq: int = 0  # Σ of the queued requests' input tokens squared: their attention
     prefill_s_tok2: float = 0.0  # engine seconds a prompt of P tokens costs beyond P × prefill_s_tok, per P²
     claimed_tps: float = 0.0  # work (max_tokens) claimed off the queue per second over the monitor's window
+    ahead_tps: float = 0.0  # the same, of the tier served ahead (priority, flex): its share of the drain
+    realtime_share: float = 0.0  # a batch class: the share of its engines its model's realtime work claimed
 
     def write(self, client: redis.Redis, ttl_s: float) -> None:
         with client.pipeline(transaction=False) as pipe:

@@ -78,11 +78,13 @@ def engine_s(work: Work, batch: ClassLoad) -> float | None:
     return work.output / batch.drain_tps + prefill / max(1, batch.engines)
 
 
-def batch_share(realtime: ClassLoad | None) -> float:
-    """The share of the engines realtime work leaves to batch work."""
-    if realtime is None or realtime.drain_tps <= 0:
-        return 1.0
-    return max(MIN_SHARE, 1.0 - realtime.claimed_tps / realtime.drain_tps)
+def batch_share(batch: ClassLoad, realtime: ClassLoad | None = None) -> float:
+    """The share of the engines realtime work leaves to batch work: as the monitor states it on
+    the batch class (``realtime_share``), else from the realtime class's claimed work and drain."""
+    used = batch.realtime_share
+    if not used and realtime is not None and realtime.drain_tps > 0:
+        used = realtime.claimed_tps / realtime.drain_tps
+    return max(MIN_SHARE, 1.0 - used)
 
 
 def fair_finish_s(own_s: float, weight: float, others: dict[uuid.UUID, tuple[float, float]],
@@ -117,7 +119,7 @@ def finish_s(work: Work, batch: ClassLoad | None, realtime: ClassLoad | None, *,
     if own is None:
         return None
     per_token = own / max(tokens, 1)
-    share = batch_share(realtime)
+    share = batch_share(batch, realtime)
     queued = max(0.0, batch.wait_s)  # plain batch requests already queued go first
     mine = own + ahead_tokens * per_token
     rest = {uuid.uuid4(): (t.tokens * per_token, t.weight) for t in others}

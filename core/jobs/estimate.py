@@ -17,8 +17,12 @@ tenant's own jobs earliest window first. The estimate follows that:
    finishes leaves its share to the others. This job's tenant first finishes its jobs whose
    windows end before this one's. Other jobs' remaining work is priced at this job's engine
    seconds per token.
+   While other jobs keep the batch class busy, what it was measured to drain replaces steps 1
+   and 2: the output it claimed per second over the monitor's window, which already counts
+   their prompts, realtime beside them and the Python around the engines.
 4. **A margin** (``MARGIN``) over that, for what the model leaves out (realtime bursts, requests
-   that end before max_tokens go the other way).
+   that end before max_tokens go the other way), and the feeder's rounds to start and settle a
+   job (four of ``SLUICE_FEEDER_INTERVAL_S``).
 
 Without the monitor's figures for the model's classes (no warm worker, the monitor away) there is
 no estimate: the job is judged by its tenant's limits alone and says ``estimated_finish_at: null``.
@@ -109,21 +113,29 @@ def fair_finish_s(own_s: float, weight: float, others: dict[uuid.UUID, tuple[flo
 
 
 def finish_s(work: Work, batch: ClassLoad | None, realtime: ClassLoad | None, *, tokens: int,
-             ahead_tokens: float, weight: float, others: list[Tenant]) -> float | None:
+             ahead_tokens: float, weight: float, others: list[Tenant], overhead_s: float = 0.0) -> float | None:
     """Seconds from now until a job of ``work`` (``tokens`` as admission prices them) finishes,
     with the margin; None without the batch class's figures. ``ahead_tokens``: what the tenant's
-    jobs with earlier windows have left; ``others``: the other tenants with unfinished jobs."""
+    jobs with earlier windows have left; ``others``: the other tenants with unfinished jobs;
+    ``overhead_s``: the feeder's rounds a job takes to start and to settle, whatever its size.
+
+    While other jobs keep the batch class busy, the output it was measured to take per second
+    (``claimed_tps``, over the monitor's window) is its capacity: what the engines, realtime
+    beside them and the stack around them really gave batch work, prompts included."""
     if batch is None:
         return None
     own = engine_s(work, batch)
     if own is None:
         return None
-    per_token = own / max(tokens, 1)
     share = batch_share(batch, realtime)
+    busy = (ahead_tokens > 0 or any(t.tokens > 0 for t in others)) and batch.claimed_tps > 0
+    if busy:
+        own, share = work.output / batch.claimed_tps, 1.0
+    per_token = own / max(tokens, 1)
     queued = max(0.0, batch.wait_s)  # plain batch requests already queued go first
     mine = own + ahead_tokens * per_token
     rest = {uuid.uuid4(): (t.tokens * per_token, t.weight) for t in others}
-    return MARGIN * (queued / share + fair_finish_s(mine, weight, rest, share))
+    return MARGIN * (queued / share + fair_finish_s(mine, weight, rest, share)) + overhead_s
 
 
 def window_text(seconds: float) -> str:

@@ -165,7 +165,7 @@ def _load(settings: Settings, db: Database, tenant: Tenant, job: Job, params: Jo
         Budgets(db).covers(tenant.id, tenant.via_key, priced,
                            price.cost(tally.input_tokens, 0, max(priced - tally.input_tokens, 0)),
                            queued=_queued(session, settings, tenant.id, job.id))
-        finish_s = _estimate(session, params, tenant, job.id, work, priced, loads)
+        finish_s = _estimate(session, settings, params, tenant, job.id, work, priced, loads)
         if finish_s is not None and finish_s > params.completion_window_s:
             earliest = estimate.window_text(finish_s)
             raise ApiError(
@@ -234,8 +234,8 @@ class Standing:
     stored_items: int
 
 
-def _estimate(session, params: JobParams, tenant: Tenant, job_id: uuid.UUID, work: estimate.Work, priced: int,
-              loads: Callable[[], list[ClassLoad]]) -> float | None:
+def _estimate(session, settings: Settings, params: JobParams, tenant: Tenant, job_id: uuid.UUID,
+              work: estimate.Work, priced: int, loads: Callable[[], list[ClassLoad]]) -> float | None:
     """Seconds until the job would finish (``core/jobs/estimate.py``); None where the platform has
     no figures for its model's classes, or for a job whose lines run as realtime."""
     if params.priority != Priority.BATCH:
@@ -267,7 +267,8 @@ def _estimate(session, params: JobParams, tenant: Tenant, job_id: uuid.UUID, wor
             others[tenant_id] = (total + remaining, float(weight or 1.0))
     return estimate.finish_s(work, batch, realtime, tokens=priced, ahead_tokens=ahead,
                              weight=float(tenant.batch_weight or 1.0),
-                             others=[estimate.Tenant(t, w) for t, w in others.values()])
+                             others=[estimate.Tenant(t, w) for t, w in others.values()],
+                             overhead_s=4 * settings.feeder_interval_s)
 
 
 def _standing(session, tenant_id: uuid.UUID, excluding: uuid.UUID | None = None) -> Standing:

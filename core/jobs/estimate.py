@@ -38,6 +38,7 @@ from core.admission.load import ClassLoad
 
 MIN_SHARE = 0.05  # of the engines batch work gets however busy realtime is: the feeder always feeds some
 MARGIN = 1.1
+SAME_DUE_S = 60.0  # a tenant's jobs whose windows end this close together are fed as due together
 
 
 @dataclass

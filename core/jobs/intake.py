@@ -26,7 +26,6 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from decimal import Decimal
 from typing import IO, Any
 
@@ -35,6 +34,7 @@ from sqlalchemy import delete, func, select, text
 from core.admission.load import ClassLoad
 from core.errors import ApiError, InvalidRequest
 from core.jobs import estimate, ingest
+from core.jobs.estimate import SAME_DUE_S
 from core.jobs.params import PROMPT_MARGIN_TOKENS, JobParams, chunk_budget, human
 from core.observe.logs import bind_request
 from core.settings import Settings
@@ -251,23 +251,28 @@ def _estimate(session, settings: Settings, params: JobParams, tenant: Tenant, jo
     waiting = (select(func.count()).where(JobItem.job_id == Job.id,
                                           JobItem.status.in_((ItemStatus.PENDING, ItemStatus.RUNNING)))
                .correlate(Job).scalar_subquery())
+    due = func.extract("epoch", Job.expires_at - func.now()) - params.completion_window_s
     rows = session.execute(
-        select(Job.tenant_id, Job.expires_at <= func.now() + timedelta(seconds=params.completion_window_s),
-               Job.estimated_tokens, Job.total_items, waiting, Tenant.batch_weight)
+        select(Job.tenant_id, due, Job.estimated_tokens, Job.total_items, waiting, Tenant.batch_weight)
         .join(Tenant, Tenant.id == Job.tenant_id)
         .where(Job.id != job_id, Job.model == params.model, Job.priority == Priority.BATCH,
                Job.status.in_(LIVE_JOB), Tenant.disabled_at.is_(None))).all()
-    ahead, others = 0.0, {}
-    for tenant_id, earlier, tokens, items, left, weight in rows:
+    # The tenant's own jobs: due earlier (by more than the feeder's SAME_DUE_S) go first, due with
+    # it share the tenant's part with it, due later wait; other tenants share by weight.
+    ahead, siblings, others = 0.0, [], {}
+    for tenant_id, due_after_s, tokens, items, left, weight in rows:
         remaining = (tokens or 0) * left / items if items else 0.0
-        if tenant_id == tenant.id:
-            ahead += remaining if earlier else 0.0
-        else:
+        if tenant_id != tenant.id:
             total, _ = others.get(tenant_id, (0.0, 1.0))
             others[tenant_id] = (total + remaining, float(weight or 1.0))
-    return estimate.finish_s(work, batch, realtime, tokens=priced, ahead_tokens=ahead,
-                             weight=float(tenant.batch_weight or 1.0),
-                             others=[estimate.Tenant(t, w) for t, w in others.values()],
+        elif due_after_s is not None and due_after_s < -SAME_DUE_S:
+            ahead += remaining
+        elif due_after_s is not None and due_after_s <= SAME_DUE_S and remaining > 0:
+            siblings.append(remaining)
+    own_weight = float(tenant.batch_weight or 1.0) / (1 + len(siblings))
+    return estimate.finish_s(work, batch, realtime, tokens=priced, ahead_tokens=ahead, weight=own_weight,
+                             others=[estimate.Tenant(t, w) for t, w in others.values()]
+                             + [estimate.Tenant(t, own_weight) for t in siblings],
                              overhead_s=4 * settings.feeder_interval_s)
 
 

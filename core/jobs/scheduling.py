@@ -18,6 +18,7 @@ from collections import defaultdict, deque
 from sqlalchemy import select
 
 from core.fleet.workers import live_workers
+from core.jobs.estimate import SAME_DUE_S
 from core.jobs.stages import Stages
 from core.rediskeys import PAUSED_KEY
 from core.services import Services
@@ -25,7 +26,6 @@ from models import Tenant
 from models.job import ItemStatus, Job, JobItem
 
 FETCH = 32  # pending items read per job at a time
-SAME_DUE_S = 60.0  # windows ending this close together count as due together
 
 
 def _due_first(jobs: list[Job]) -> list[Job]:

@@ -227,12 +227,14 @@ def test_a_tenants_job_due_first_is_fed_first():
     assert scheduling._due_first([day]) == [day]
 
 
-def test_a_window_the_platform_cannot_keep_is_refused_with_the_earliest_it_could(tiered):
+def test_a_window_the_platform_cannot_keep_is_refused_with_the_earliest_it_could(isolated_app, new_client):
     """With the engines' figures for the batch class (1 output token a second, prompts free): 20
     documents of 50-token summaries take 1,000 s, 1,100 s with the margin, and the feeder's four
     rounds. A 1 min window is refused naming 19 min; a 19 min window is accepted with its
-    estimated finish."""
-    application, client = tiered
+    estimated finish. On a model of its own: the estimate shares the engines with every unfinished
+    job of the model, and other tests leave theirs in the shared database."""
+    application = isolated_app(models_json='[{"name": "windows-only", "role": "main"}]')
+    client = new_client(application)
     expected = 1100 + 4 * services(application).settings.feeder_interval_s
     publish(application, "batch", drain_tps=1, seq_tps=1)
     lines = "\n".join(json.dumps({"custom_id": str(i), "text": f"document {i} about rivers"}) for i in range(20))

@@ -169,8 +169,9 @@ def _load(settings: Settings, db: Database, tenant: Tenant, job: Job, params: Jo
         if finish_s is not None and finish_s > params.completion_window_s:
             earliest = estimate.window_text(finish_s)
             raise ApiError(
-                f"This job would finish in about {human(finish_s)} at the platform's present load, after its "
-                f"{human(params.completion_window_s)} window ends; the earliest window it could keep is {earliest}. "
+                f"This job would finish in about {human(finish_s)} ({finish_s:.0f} s) at the platform's present "
+                f"load, after its {human(params.completion_window_s)} window ends; the earliest window it could keep "
+                f"is {earliest}. "
                 "Send it with a longer completion_window, or later.", code="completion_window_too_short", status=422,
                 details={"estimated_finish_s": round(finish_s), "completion_window_s": params.completion_window_s,
                          "earliest_window": earliest, "items": tally.valid, "estimated_tokens": priced})

@@ -766,7 +766,9 @@ def interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line's options (``argv``: these instead, as bench/tiers.py and bench/windows.py
+    start their stack)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=("sim", "vllm"), default="sim")
     parser.add_argument("--mix", choices=tuple(MIXES), default="short",
@@ -814,7 +816,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None, help="write every figure and sample here")
     parser.add_argument("--postgres", default="postgresql://postgres@127.0.0.1:5432/postgres")
     parser.add_argument("--redis", default="redis://127.0.0.1:6379", help="Redis server (a free db is used)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.kv_bytes is None:
         args.kv_bytes = KV_BYTES[args.shape]
     for name, value in DEFAULTS[args.engine].items():

@@ -77,15 +77,11 @@ def parse_args() -> tuple[argparse.Namespace, argparse.Namespace]:
             parser.error(f"--tiers: {name!r} is not one of {', '.join(TIERS)}")
         shares[name.strip()] = float(share)
     ours.shares = shares
-    argv = ["overload.py", "--engine", ours.engine, "--shape", ours.shape, "--mix", ours.mix, "--setups", "sluice",
-            "--knee-setup", "sluice", "--slo", str(ours.slo), "--seed", str(ours.seed),
-            *(["--seqs", str(ours.seqs)] if ours.seqs else []),
-            *(["--rt-tokens", str(ours.rt_tokens)] if ours.rt_tokens else [])]
-    saved, sys.argv = sys.argv, argv
-    try:
-        theirs = overload.parse_args()
-    finally:
-        sys.argv = saved
+    theirs = overload.parse_args([
+        "--engine", ours.engine, "--shape", ours.shape, "--mix", ours.mix, "--setups", "sluice",
+        "--knee-setup", "sluice", "--slo", str(ours.slo), "--seed", str(ours.seed),
+        *(["--seqs", str(ours.seqs)] if ours.seqs else []),
+        *(["--rt-tokens", str(ours.rt_tokens)] if ours.rt_tokens else [])])
     return ours, theirs
 
 

@@ -65,14 +65,9 @@ def parse_args() -> tuple[argparse.Namespace, argparse.Namespace]:
     parser.add_argument("--seed", type=int, default=5)
     parser.add_argument("--json", type=Path, default=None)
     ours = parser.parse_args()
-    argv = ["overload.py", "--engine", "sim", "--sim-profile", "h200", "--sim-speed", str(ours.sim_speed),
-            "--setups", "sluice", "--knee-setup", "sluice", "--seqs", str(ours.seqs), "--rt-tokens", "32"]
-    saved, sys.argv = sys.argv, argv
-    try:
-        theirs = overload.parse_args()
-    finally:
-        sys.argv = saved
-    return ours, theirs
+    return ours, overload.parse_args(["--engine", "sim", "--sim-profile", "h200", "--sim-speed", str(ours.sim_speed),
+                                      "--setups", "sluice", "--knee-setup", "sluice", "--seqs", str(ours.seqs),
+                                      "--rt-tokens", "32"])
 
 
 def when(iso: str | None) -> float | None:

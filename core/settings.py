@@ -524,13 +524,18 @@ class Settings:
         return {"priority": Decimal(2), "default": Decimal(1), "flex": Decimal("0.5"),
                 "batch": 1 - Decimal(str(self.batch_discount)), **parse_tier_multipliers(self.service_tier_prices_spec)}
 
+    @functools.cached_property
+    def model_tier_multipliers(self) -> dict[str, dict[str, Decimal]]:
+        """Each model's multiple of its prices per tier: the registry's own over the platform's
+        (worked out once: every submit reads it)."""
+        return {m.name: {**self.tier_multipliers, **{t: multiplier(v, f"{m.name}'s {t} tier multiplier")
+                                                      for t, v in (m.service_tiers or {}).items()}}
+                for m in self.registry.models}
+
     def price_for(self, model: str, tier: str) -> Price:
         """What ``model``'s tokens cost a request served at service ``tier``: its prices times the
         tier's multiplier (the model's own in the registry, else SLUICE_SERVICE_TIER_PRICES')."""
-        spec = self.registry.get(model)
-        own = {t: multiplier(v, f"{model}'s {t} tier multiplier") for t, v in (spec.service_tiers or {}).items()
-               } if spec is not None else {}
-        return price_for(self.prices, {**self.tier_multipliers, **own}, model, tier)
+        return price_for(self.prices, self.model_tier_multipliers.get(model, self.tier_multipliers), model, tier)
 
     def _validate_webhooks(self) -> None:
         for name in ("webhook_timeout_s", "webhook_retry_for_s", "webhook_backoff_s", "webhook_progress_s",

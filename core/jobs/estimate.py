@@ -31,7 +31,6 @@ no estimate: the job is judged by its tenant's limits alone and says ``estimated
 from __future__ import annotations
 
 import math
-import uuid
 from dataclasses import dataclass
 
 from core.admission.load import ClassLoad
@@ -92,7 +91,7 @@ def batch_share(batch: ClassLoad, realtime: ClassLoad | None = None) -> float:
     return max(MIN_SHARE, 1.0 - used)
 
 
-def fair_finish_s(own_s: float, weight: float, others: dict[uuid.UUID, tuple[float, float]],
+def fair_finish_s(own_s: float, weight: float, others: dict[object, tuple[float, float]],
                   capacity: float) -> float:
     """When a tenant with ``own_s`` seconds of work (at the whole capacity) and ``weight`` is done,
     beside ``others`` (tenant → (seconds of work, weight)), all sharing ``capacity`` (0..1) in
@@ -135,7 +134,7 @@ def finish_s(work: Work, batch: ClassLoad | None, realtime: ClassLoad | None, *,
     per_token = own / max(tokens, 1)
     queued = max(0.0, batch.wait_s)  # plain batch requests already queued go first
     mine = own + ahead_tokens * per_token
-    rest = {uuid.uuid4(): (t.tokens * per_token, t.weight) for t in others}
+    rest = {i: (t.tokens * per_token, t.weight) for i, t in enumerate(others)}
     return MARGIN * (queued / share + fair_finish_s(mine, weight, rest, share)) + overhead_s
 
 

@@ -42,14 +42,28 @@ class Price(NamedTuple):
 FREE = Price(Decimal(0), Decimal(0), Decimal(0))
 
 
-def price(value: object, what: str) -> Decimal:
-    """One price from configuration: a number ≥ 0 with at most 4 decimals; ValueError otherwise."""
+def _number(value: object, what: str, most: Decimal, kind: str) -> Decimal:
+    """A number from 0 to ``most`` from configuration (``kind`` says what of); ValueError otherwise."""
     try:
         number = Decimal(str(value))
     except InvalidOperation:
-        raise ValueError(f"{what} must be a number of USD per million tokens, got {value!r}") from None
-    if isinstance(value, bool) or not number.is_finite() or number < 0 or number > MAX_PRICE:
-        raise ValueError(f"{what} must be a number from 0 to {MAX_PRICE}, got {value!r}")
+        raise ValueError(f"{what} must be a number{kind}, got {value!r}") from None
+    if isinstance(value, bool) or not number.is_finite() or not 0 <= number <= most:
+        raise ValueError(f"{what} must be a number from 0 to {most}, got {value!r}")
+    return number
+
+
+def _entries(spec: str):
+    """A comma-separated setting's ``name=value`` entries: (the entry, its name, its value), stripped."""
+    for entry in (e.strip() for e in spec.split(",")):
+        if entry:
+            name, _, value = entry.partition("=")
+            yield entry, name.strip(), value.strip()
+
+
+def price(value: object, what: str) -> Decimal:
+    """One price from configuration: a number ≥ 0 with at most 4 decimals; ValueError otherwise."""
+    number = _number(value, what, MAX_PRICE, " of USD per million tokens")
     if number != number.quantize(QUANTUM):
         raise ValueError(f"{what} has more than 4 decimals: {value!r}")
     return number
@@ -58,15 +72,12 @@ def price(value: object, what: str) -> Decimal:
 def parse_prices(spec: str) -> dict[str, Price]:
     """``SLUICE_PRICES``: ``model=input/cached/output`` entries, comma-separated."""
     prices = {}
-    for entry in (e.strip() for e in spec.split(",")):
-        if not entry:
-            continue
-        name, _, values = entry.partition("=")
+    for entry, name, values in _entries(spec):
         parts = values.split("/")
-        if not name.strip() or len(parts) != 3:
+        if not name or len(parts) != 3:
             raise ValueError(f"{entry!r} is not model=input/cached/output")
-        prices[name.strip()] = Price(*(price(p.strip(), f"{name.strip()}'s {kind} price")
-                                       for p, kind in zip(parts, ("input", "cached", "output"), strict=True)))
+        prices[name] = Price(*(price(p.strip(), f"{name}'s {kind} price")
+                               for p, kind in zip(parts, ("input", "cached", "output"), strict=True)))
     return prices
 
 
@@ -76,25 +87,16 @@ MAX_MULTIPLIER = Decimal(100)
 
 def multiplier(value: object, what: str) -> Decimal:
     """A tier's price multiplier from configuration: a number from 0 to 100; ValueError otherwise."""
-    try:
-        number = Decimal(str(value))
-    except InvalidOperation:
-        raise ValueError(f"{what} must be a number (a multiple of the model's prices), got {value!r}") from None
-    if isinstance(value, bool) or not number.is_finite() or not 0 <= number <= MAX_MULTIPLIER:
-        raise ValueError(f"{what} must be a number from 0 to {MAX_MULTIPLIER}, got {value!r}")
-    return number
+    return _number(value, what, MAX_MULTIPLIER, " (a multiple of the model's prices)")
 
 
 def parse_tier_multipliers(spec: str) -> dict[str, Decimal]:
     """``SLUICE_SERVICE_TIER_PRICES``: ``tier=multiplier`` entries, comma-separated."""
     found = {}
-    for entry in (e.strip() for e in spec.split(",")):
-        if not entry:
-            continue
-        tier, _, value = entry.partition("=")
-        if tier.strip() not in TIERS or not value.strip():
+    for entry, tier, value in _entries(spec):
+        if tier not in TIERS or not value:
             raise ValueError(f"{entry!r} is not tier=multiplier with a tier among {', '.join(TIERS)}")
-        found[tier.strip()] = multiplier(value.strip(), f"the {tier.strip()} tier's multiplier")
+        found[tier] = multiplier(value, f"the {tier} tier's multiplier")
     return found
 
 

@@ -8,10 +8,9 @@ BIN := $(VENV)/bin
 up: $(VENV)/.installed
 	$(BIN)/sluice up
 
-# TEST_PROCS=4 spreads the suite over four pytest-xdist processes (which tests share one, and in
-# what order they start: tests/conftest.py). One process stays the default until the parallel run
-# is as reliable as the serial one (issue 35).
-TEST_PROCS ?= 1
+# The suite runs spread over four pytest-xdist processes (which tests share one, and in what order
+# they start: tests/conftest.py); TEST_PROCS=1 runs it in one process, one test after another.
+TEST_PROCS ?= 4
 ifeq ($(TEST_PROCS),1)
 SPREAD :=
 else

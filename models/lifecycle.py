@@ -156,6 +156,7 @@ class Claimed:
     conversation_id: str | None
     deadline_in_s: float | None  # seconds left until its deadline, on the database clock
     queue_wait_s: float = 0.0  # from its creation to this claim, on the database clock
+    service_tier: str | None = None  # its tier (docs/tiers.md): its place in the engine
 
 
 class Orphan(NamedTuple):
@@ -288,7 +289,7 @@ class Lifecycle:
         deadline_in = row[5]
         return Claimed(claim.id, claim.tenant_id, row.input, row.params, claim.priority, row.max_tokens,
                        row.time_limit_s, claim.input_tokens, row.conversation_id,
-                       None if deadline_in is None else float(deadline_in), float(row[6]))
+                       None if deadline_in is None else float(deadline_in), float(row[6]), claim.service_tier)
 
     def cancel(self, tenant_id: uuid.UUID, request_id: uuid.UUID) -> InferenceRequest | None:
         """A client's cancel: queued → cancelled at once; a running row is flagged for its worker.

@@ -205,6 +205,47 @@ def test_batch_yields_and_is_preempted_newest_first_while_realtime_waits():
     assert governor.preempt(0) == ["b7", "b6"]
 
 
+def test_the_priority_tiers_queued_requests_take_default_work_out_never_a_stream():
+    """A priority request queued while default work fills the engine: the newest default request
+    leaves for it (batch work first, where there is any); a default request queued takes no
+    default work out; a stream is never taken out; a capped request stays."""
+    clock = Clock()
+    governor = Governor(cpu_curve(c=0.0), max_seqs=4, default_pace_s=10.0, clock=clock)
+    for rid, stream in (("d0", False), ("d1", True), ("d2", False)):
+        clock.now += 1
+        governor.enter(rid, batch=False, deadline_s=30.0, max_tokens=64, rank=1, stream=stream)
+    clock.now += 1
+    governor.enter("b0", batch=True, deadline_s=3600.0, max_tokens=64)
+    assert governor.preempt(1, priority_queued=0) == ["b0"], "any realtime queued: batch leaves"
+    assert governor.preempt(2, priority_queued=0) == ["b0"], "default queued takes no default work out"
+    assert governor.preempt(1, priority_queued=1) == ["b0"], "batch leaving makes the room priority needs"
+    assert governor.preempt(2, priority_queued=2) == ["b0", "d2"], "then the newest default request"
+    assert governor.preempt(3, priority_queued=3) == ["b0", "d2", "d0"], "never the stream between them"
+    assert governor.preempt(3, priority_queued=3, exempt_realtime=lambda ids: {"d2"}) == ["b0", "d0"]
+    granted = []
+    assert governor.preempt(2, priority_queued=2, grant_priority=lambda want, queued: granted.append(
+        (want, queued)) or 0) == ["b0"], "another worker claimed the room"
+    assert granted == [(1, 2)]
+    governor.leave("b0")
+    governor.enter("p0", batch=False, deadline_s=15.0, max_tokens=64, rank=0)
+    assert governor.preempt(1, priority_queued=1) == ["d2"], "priority work itself is never taken out"
+
+
+def test_the_wait_before_the_engine_lets_a_better_tier_go_first():
+    """Requests waiting for room go in by tier, then in the order they came; batch after all."""
+    clock = Clock()
+    governor = Governor(cpu_curve(c=0.0), max_seqs=2, default_pace_s=10.0, clock=clock)
+    governor.enter("running", batch=False, deadline_s=30.0, max_tokens=64, rank=1, seqs=2)
+    assert governor.take_prefill(10, "running", batch=False)
+    governor.enter("default", batch=False, deadline_s=30.0, max_tokens=64, rank=1)
+    governor.enter("batch", batch=True, deadline_s=3600.0, max_tokens=64)
+    governor.enter("priority", batch=False, deadline_s=15.0, max_tokens=64, rank=0)
+    governor.leave("running")
+    assert not governor.take_prefill(10, "default", batch=False), "the priority request came later, goes first"
+    assert not governor.take_prefill(10, "batch", batch=True)
+    assert governor.take_prefill(10, "priority", batch=False)
+
+
 def test_prompts_are_prefilled_in_the_slack_the_realtime_steps_leave():
     """On a compute-bound engine one prompt prefilled whole in a step costs the realtime decoding
     beside it more than a step's budget: the engine is told to prefill no more per step than the
@@ -469,7 +510,7 @@ def test_batch_in_a_full_engine_makes_room_for_realtime_and_still_finishes(datab
         rows = wait_terminal(application, [r.get_json()["id"] for r in batch])
         assert {r.status for r in rows} == {Status.SUCCEEDED}, "preempted batch work is requeued and finishes"
         assert max(r.attempts for r in rows) <= 1, "a preemption spends no attempt"
-        assert "preempting 1 batch request(s) for realtime" in worker.log_path.read_text()
+        assert "preempting 1 request(s) (1 realtime queued" in worker.log_path.read_text()
     finally:
         worker.stop()
         services(application).db.dispose()
@@ -535,7 +576,7 @@ def test_a_batch_request_waiting_beside_realtime_for_room_is_handed_back_if_pree
     """Beside a realtime request whose sequences fill the limit, a batch request waits outside the
     engine; preempted meanwhile, it ends `preempted` (handed back, requeued) without the engine
     ever seeing it; once the realtime has left, batch goes in at once."""
-    from workers.engines.base import GenerationRequest, SamplingParams
+    from workers.engines.base import TIER_RANK, GenerationRequest, SamplingParams
 
     governor = Governor(cpu_curve(), max_seqs=8, default_pace_s=1.0)
 
@@ -548,7 +589,7 @@ def test_a_batch_request_waiting_beside_realtime_for_room_is_handed_back_if_pree
         deadline = time.monotonic() + 10
         while governor.in_engine() != (1, 0) and time.monotonic() < deadline:
             time.sleep(0.01)
-        batch = pool.submit(runtime.run, request("batch", 1, 8), 60.0)
+        batch = pool.submit(runtime.run, request("batch", TIER_RANK["batch"], 8), 60.0)
         while governor.in_engine() != (2, 1) and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.2)
@@ -561,4 +602,4 @@ def test_a_batch_request_waiting_beside_realtime_for_room_is_handed_back_if_pree
         runtime._call(runtime.engine.abort("rt"))
         assert realtime.result(timeout=10).ended_by == "engine_abort", "aborted, cancelled by nobody"
         assert governor.in_engine() == (0, 0)
-        assert runtime.run(request("alone", 1, 4), 60.0).ended_by == "finished", "no realtime: at once"
+        assert runtime.run(request("alone", TIER_RANK["batch"], 4), 60.0).ended_by == "finished", "no realtime: at once"

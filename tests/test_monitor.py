@@ -6,6 +6,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import redis
 from conftest import ApiClient, WorkerProcess, make_settings
 from sqlalchemy import func, select
 
@@ -14,7 +15,7 @@ from core.rediskeys import LOAD_LEVEL_KEY
 from launcher.harness import stop_all
 from models import InferenceRequest, Priority, Status
 from web.services import services
-from workers.monitor import LevelPolicy, Monitor
+from workers.monitor import Engines, LevelPolicy, Monitor, with_realtime_share
 
 
 def test_levels_rise_at_once_and_fall_one_step_per_calm_hold():
@@ -193,3 +194,26 @@ def test_the_operator_sees_the_classes_the_monitor_publishes(database_url, redis
     # The session's other tests share this Redis: leave them no load figures to act on.
     svc.redis.delete(LOAD_LEVEL_KEY, *svc.redis.scan_iter(match=SNAPSHOT_PREFIX + "*"))
     svc.db.dispose()
+
+
+def test_a_tiers_share_of_the_engines_counts_its_prompts():
+    """What the tier ahead (and a class) claimed is stated as a share of the engines' time: its
+    output at the drain and its prompts at the prefill prices, so prompts as long as real ones
+    hold what they cost for the default tier, not only what their output does."""
+    monitor = Monitor(make_settings("postgresql://unused", "redis://unused"), redis.Redis(), None)  # never called
+    engine = Engines(drain_tps=100.0, seq_tps=10.0, room=0, slot_wait_s=0.0, prefill_s_tok=0.001,
+                     prefill_s_tok2=1e-7, count=2)
+
+    def tick(t: float, **counters: int):
+        return monitor._class_load("realtime", "m", counters, 1, 4, None, t, 0, engine)
+
+    tick(0.0)
+    # Over 10 s: 200 output tokens (20/s: 0.2 of the drain) and 10 prompts of 1,000 tokens
+    # (10 × (1 s + 0.1 s) of prefill, on two engines: 5.5 s of 10), of the tier ahead.
+    load = tick(10.0, claimed_work=300, ahead_claimed_work=200, claimed_prompt=10_000, claimed_prompt_sq=10 ** 7,
+                ahead_claimed_prompt=10_000, ahead_claimed_prompt_sq=10 ** 7)
+    assert load.ahead_tps == 20.0
+    assert load.ahead_share == pytest.approx(0.2 + 0.55)
+    assert load.claimed_share == pytest.approx(0.3 + 0.55)
+    batch = ClassLoad("batch", "m", 0, 0, 0, 100.0, 10.0, 0.0, 0, 1, 0)
+    assert with_realtime_share([load, batch])[1].realtime_share == load.claimed_share

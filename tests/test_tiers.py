@@ -35,7 +35,7 @@ def tiered(isolated_app, new_client, database_url, admission_redis_url):
     return application, new_client(application)
 
 
-def publish(app, priority: str, *, drain_tps: float, seq_tps: float, ahead_tps: float = 0.0,
+def publish(app, priority: str, *, drain_tps: float, seq_tps: float, ahead_share: float = 0.0,
             realtime_share: float = 0.0, **counters: int) -> None:
     """The monitor's figures for the default model's class of ``priority`` (no prompts priced), and
     its live counters."""
@@ -44,7 +44,7 @@ def publish(app, priority: str, *, drain_tps: float, seq_tps: float, ahead_tps: 
     seconds, micros = svc.redis.time()
     work = counters.get("queued_work", 0)
     ClassLoad(priority, model, work, 1, work, drain_tps, seq_tps, work / drain_tps, 0, 1,
-              seconds * 1000 + micros // 1000, ahead_tps=ahead_tps,
+              seconds * 1000 + micros // 1000, ahead_share=ahead_share,
               realtime_share=realtime_share).write(svc.redis, ttl_s=30)
     if counters:
         svc.redis.hset(counters_key(priority, model), mapping=counters)
@@ -123,7 +123,7 @@ def test_default_gives_priority_what_it_takes_and_batch_work_what_realtime_leave
     window; flex (and batch) work is promised on what its model's realtime work leaves."""
     application, client = tiered
     # Priority took half the drain: default is promised on the other half (2,000 tokens: 40 s > 30 s).
-    publish(application, "realtime", drain_tps=100, seq_tps=50, ahead_tps=50, queued_work=2000, ahead_seen_ms=0)
+    publish(application, "realtime", drain_tps=100, seq_tps=50, ahead_share=0.5, queued_work=2000, ahead_seen_ms=0)
     svc = services(application)
     model = svc.settings.registry.default.name
     seconds, micros = svc.redis.time()
@@ -279,3 +279,38 @@ def test_a_free_thread_takes_each_tier_in_its_order(database_url, scratch_redis_
     assert all(v["status"] == "succeeded" for v in views), [v["status"] for v in views]
     started = sorted(views, key=lambda v: v["timings"]["started_at"])
     assert [ids[v["id"]] for v in started] == ["priority", "default", "default", "flex", "batch", "batch"]
+
+
+def test_a_priority_request_takes_the_seat_of_the_newest_default_one(database_url, scratch_redis_url, new_client,
+                                                                     tmp_path):
+    """Two long default requests fill an engine of two seats; a priority request that comes
+    then does not wait for one to end: the worker takes the newer default request out (handed
+    back to the head of its queue, no attempt spent), the priority request runs, and the default
+    one runs again after it."""
+    application = create_app(make_settings(database_url, scratch_redis_url))
+    client = new_client(application)
+    worker = WorkerProcess(database_url, scratch_redis_url, tmp_path, concurrency=2,
+                           extra_env={"SLUICE_SIM_SPEED": "0.2"})
+    try:
+        long = []
+        for i in range(2):  # one after the other: the second is the newer in the engine
+            long.append(client.submit(prompt=f"long {i}", max_tokens=2000, ignore_eos=True, service_tier="default",
+                                      deadline_s=600).get_json()["id"])
+            assert client.wait(long[-1], statuses={"running", "succeeded", "failed"}, timeout=60)["status"] \
+                == "running"
+        urgent = client.submit(prompt="urgent", max_tokens=8, service_tier="priority")
+        assert urgent.status_code == 202, urgent.get_json()
+        done = client.wait(urgent.get_json()["id"], timeout=60)
+        assert done["status"] == "succeeded", done
+        views = [client.get(request_id).get_json() for request_id in long]
+        assert all(v["status"] in ("running", "queued") for v in views), [v["status"] for v in views]
+        log = worker.log_path.read_text()
+        handed = [i for i in long if any(i in line for line in log.splitlines() if "handed back: preempted" in line)]
+        assert handed == [long[1]], "the newer default request made the room"
+        again = client.wait(long[1], statuses={"running", "succeeded"}, timeout=60)
+        assert again["attempts"] == 1, again
+    finally:
+        for request_id in long:
+            client.cancel(request_id)
+        worker.stop()
+        services(application).db.dispose()

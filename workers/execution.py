@@ -31,7 +31,7 @@ from models import lifecycle as lc
 from models.lifecycle import Claimed, Ended, Lifecycle
 from models.request import storable_text
 from workers.engines import GenerationRequest, SamplingParams
-from workers.engines.base import Constraint, ConstraintError, RequestRefused
+from workers.engines.base import BATCH_RANK, TIER_RANK, Constraint, ConstraintError, RequestRefused
 from workers.runtime import EngineRuntime, RunResult
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,6 @@ OUTCOME_WRITE_BACKOFF = (0.5, 2.0, 5.0, 10.0)
 # threads than it has connections): transient, so retried, then the message is handed back.
 DB_UNAVAILABLE = (OperationalError, PoolTimeout)
 
-ENGINE_PRIORITY = {Priority.REALTIME: 0, Priority.BATCH: 1}
 # How the engine run ended → how the request ends.
 ENDS = {"finished": lc.SUCCEEDED, "timeout": lc.TIME_LIMIT, "deadline": lc.DEADLINE_RUNNING,
         "unreachable": lc.DEADLINE_UNREACHABLE,
@@ -107,7 +106,7 @@ def run(lifecycle: Lifecycle, runtime: EngineRuntime, claimed: Claimed, claimed_
         return
     _observe(claimed, runtime.info["model"], result, claimed_mono)
     if result.ended_by in ("shutdown", "preempted"):  # handed back: queued again, no attempt spent
-        why = ("preempted for realtime work" if result.ended_by == "preempted"
+        why = ("preempted for work of a better tier" if result.ended_by == "preempted"
                else "its worker stopped before it finished")
         requeued = with_db_retries(lambda: lifecycle.hand_back(request_id, runtime.worker_id, why))
         if requeued is None:  # the client asked to cancel it meanwhile (or it is no longer ours)
@@ -156,11 +155,19 @@ def finish(lifecycle: Lifecycle, request_id: uuid.UUID, worker_id: str, model: s
         first_token_after_s=result.first_token_after(claimed_mono)))
 
 
+def engine_priority(claimed: Claimed) -> int:
+    """The engine priority of a claimed request: its service tier's rank, kept within its class
+    (a row that names no tier, or one its class does not hold, gets its class's plain tier)."""
+    plain = "batch" if claimed.priority == Priority.BATCH else "default"
+    rank = TIER_RANK.get(claimed.service_tier or plain, TIER_RANK[plain])
+    return max(rank, BATCH_RANK) if claimed.priority == Priority.BATCH else min(rank, BATCH_RANK - 1)
+
+
 def generation_request(claimed: Claimed) -> GenerationRequest:
     params, tools = claimed.params, claimed.input.get("tools")
     if "texts" in claimed.input:  # embeddings: nothing is sampled
         return GenerationRequest(request_id=str(claimed.id), prompt="", params=SamplingParams(max_tokens=1),
-                                 priority=ENGINE_PRIORITY[claimed.priority], prompt_tokens=claimed.input_tokens,
+                                 priority=engine_priority(claimed), prompt_tokens=claimed.input_tokens,
                                  texts=tuple(claimed.input["texts"]), dimensions=params.get("dimensions"))
     constraint = decoding(params, tools)
     return GenerationRequest(
@@ -178,7 +185,7 @@ def generation_request(claimed: Claimed) -> GenerationRequest:
             constraint=None if constraint is None else Constraint(
                 constraint[0], json.dumps(constraint[1]) if constraint[0] == "json"
                 else tuple(constraint[1]) if constraint[0] == "choice" else constraint[1])),
-        priority=ENGINE_PRIORITY[claimed.priority], prompt_tokens=claimed.input_tokens,
+        priority=engine_priority(claimed), prompt_tokens=claimed.input_tokens,
         messages=tuple(claimed.input["messages"]) if "messages" in claimed.input else None,
         stream=bool(params.get("stream")), tools=tuple(tools) if tools else None)
 

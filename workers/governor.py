@@ -42,7 +42,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from workers.engines.base import StepSample
+from workers.engines.base import TIER_RANK, StepSample
 
 # A step is ~0.5× as long as the fit says about this many steps later (older steps fade out).
 HALF_LIFE_STEPS = 300
@@ -390,6 +390,8 @@ class _Entry:
     prompt: int = 0  # its prompt tokens, as the caller counted them
     started: bool = False  # let into the engine (its prompt released for prefill)
     ticket: int = 0  # arrival order, for the wait before the engine (first come, first served)
+    rank: int = 0  # its service tier's engine priority (workers/engines/base.py TIER_RANK): lower goes first
+    stream: bool = False  # its client reads tokens as they come: never taken out for a better tier
 
 
 class Governor:
@@ -415,13 +417,16 @@ class Governor:
         self._lock = threading.Lock()
 
     def enter(self, request_id: str, *, batch: bool, deadline_s: float | None, max_tokens: int,
-              seqs: int = 1, prompt_tokens: int = 0) -> None:
+              seqs: int = 1, prompt_tokens: int = 0, rank: int | None = None, stream: bool = False) -> None:
+        """``rank``: its tier's engine priority (by default its class's plain tier's: default or batch)."""
         now = self.clock()
         pace = math.inf if deadline_s is None else max(0.0, deadline_s) / max(1, max_tokens)
+        rank = TIER_RANK["batch" if batch else "default"] if rank is None else rank
         with self._lock:
             self._tickets += 1
             self._in_engine[request_id] = _Entry(pace, batch, now, max(1, max_tokens), max(1, seqs),
-                                                 max(0, prompt_tokens), ticket=self._tickets)
+                                                 max(0, prompt_tokens), ticket=self._tickets, rank=rank,
+                                                 stream=stream)
             if not batch and math.isfinite(pace):
                 self._recent.append((now, pace))
 
@@ -527,8 +532,8 @@ class Governor:
                 if me.started:
                     return True
                 waiting = [e for e in self._in_engine.values() if not e.started and e is not me]
-                if any(not e.batch and (batch or e.ticket < me.ticket) for e in waiting):
-                    return False  # realtime first, in the order it came
+                if any(not e.batch and (batch or (e.rank, e.ticket) < (me.rank, me.ticket)) for e in waiting):
+                    return False  # realtime first, a better tier first, in the order it came
                 started = sum(e.seqs for e in self._in_engine.values() if e.started)
                 if started and started + me.seqs > limit:
                     return False
@@ -607,15 +612,21 @@ class Governor:
         return realtime_queued > 0 or (realtime and self.seqs() >= self.limit())
 
     def preempt(self, realtime_queued: int, grant: Callable[[int, int], int] | None = None,
-                exempt: Callable[[list[str]], set[str]] | None = None, leaving: set[str] = frozenset()) -> list[str]:
-        """Batch requests to take out of the engine now, newest first: as many as realtime needs,
-        while the engine is over its limit (in sequences) or full with realtime queued.
+                exempt: Callable[[list[str]], set[str]] | None = None, leaving: set[str] = frozenset(),
+                priority_queued: int = 0, grant_priority: Callable[[int, int], int] | None = None,
+                exempt_realtime: Callable[[list[str]], set[str]] | None = None) -> list[str]:
+        """Requests to take out of the engine now, newest first: batch work as realtime needs,
+        while the engine is over its limit (in sequences) or full with realtime queued; then, for
+        the ``priority_queued`` requests of the priority tier among those queued, the default
+        tier's work that still fills the room they need (never a stream: its client has read
+        tokens that a second run would repeat).
 
         ``leaving``: requests already being taken out (preempted earlier, not gone yet): neither
-        counted nor chosen again. ``exempt(ids)``: batch requests not to be preempted again (the
-        cap). ``grant(slots, queued)``: of the slots this engine could free for the ``queued``
-        realtime requests, how many it may (the fleet's claims, ``workers/preemption.py``: one
-        queued request makes one worker yield); by default all. What is over the limit always
+        counted nor chosen again. ``exempt(ids)``, ``exempt_realtime(ids)``: batch and default
+        requests not to be preempted again (their caps). ``grant(slots, queued)``: of the slots
+        this engine could free for the ``queued`` realtime requests, how many it may (the fleet's
+        claims, ``workers/preemption.py``: one queued request makes one worker yield); by default
+        all; ``grant_priority`` the same for the priority tier's. What is over the limit always
         leaves."""
         limit = self.limit()
         with self._lock:
@@ -624,22 +635,40 @@ class Governor:
         realtime = any(not e.batch for e in staying.values())
         if not realtime and realtime_queued <= 0:
             return []
-        batch = sorted(((e.entered, rid, e.seqs) for rid, e in staying.items() if e.batch), reverse=True)
         over = max(0, total - limit)
         # Room for the realtime requests waiting (at most the whole limit), and none over the limit.
         for_queued = max(0, total - limit + min(max(0, realtime_queued), limit)) - over
-        if not batch or over + for_queued <= 0:
+        victims = self._victims([(e.entered, rid, e.seqs) for rid, e in staying.items() if e.batch],
+                                over, for_queued, grant, realtime_queued, exempt)
+        if priority_queued <= 0:
+            return victims
+        # The priority tier's requests still find no room once that batch work has left: the
+        # default tier's newest make it.
+        freed = sum(staying[rid].seqs for rid in victims)
+        for_priority = max(0, total - freed - limit + min(priority_queued, limit))
+        default = [(e.entered, rid, e.seqs) for rid, e in staying.items()
+                   if not e.batch and e.rank > TIER_RANK["priority"] and not e.stream]
+        return victims + self._victims(default, 0, for_priority, grant_priority, priority_queued, exempt_realtime)
+
+    @staticmethod
+    def _victims(candidates: list[tuple[float, str, int]], over: int, for_queued: int,
+                 grant: Callable[[int, int], int] | None, queued: int,
+                 exempt: Callable[[list[str]], set[str]] | None) -> list[str]:
+        """Of ``candidates`` ((entered, id, sequences)), the newest that free ``over`` sequences
+        plus the ``for_queued`` the ``queued`` requests need, as far as ``grant`` allows."""
+        if not candidates or over + for_queued <= 0:
             return []  # nothing wanted: the cap is not looked up
-        skip = exempt([rid for _, rid, _ in batch]) if exempt is not None else set()
-        batch = [b for b in batch if b[1] not in skip]
-        # Never more for the queued than this engine's batch can free (a claim it could not honour
+        candidates = sorted(candidates, reverse=True)
+        skip = exempt([rid for _, rid, _ in candidates]) if exempt is not None else set()
+        candidates = [c for c in candidates if c[1] not in skip]
+        # Never more for the queued than these candidates can free (a claim it could not honour
         # would stop another worker from yielding).
-        for_queued = min(for_queued, max(0, sum(seqs for _, _, seqs in batch) - over))
+        for_queued = min(for_queued, max(0, sum(seqs for _, _, seqs in candidates) - over))
         if for_queued and grant is not None:
-            for_queued = grant(for_queued, realtime_queued)
+            for_queued = grant(for_queued, queued)
         want = over + for_queued
         victims = []
-        for _, rid, seqs in batch:
+        for _, rid, seqs in candidates:
             if want <= 0:
                 break
             victims.append(rid)

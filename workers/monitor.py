@@ -47,6 +47,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import redis
 from celery import Celery
@@ -113,9 +114,23 @@ class LevelPolicy:
         return self.level
 
 
+class _Sample(NamedTuple):
+    """One tick's counters of a class."""
+
+    t: float
+    claimed: int  # claimed_work so far
+    queued: int  # queued_work now
+    threads: int
+    ahead: int  # ahead_claimed_work so far
+    prompt: int = 0  # claimed_prompt so far
+    squares: int = 0  # claimed_prompt_sq so far
+    ahead_prompt: int = 0
+    ahead_squares: int = 0
+
+
 @dataclass
 class _ClassState:
-    samples: deque = field(default_factory=deque)  # (t, claimed_work, queued_work, threads, ahead_claimed_work)
+    samples: deque = field(default_factory=deque)  # of _Sample, over WINDOW_S
     capacity_tps: float = 0.0  # drain measured while backlogged ...
     capacity_threads: int = 0  # ... by this many threads (of live workers, less those batch held)
     seq_tps: float = 0.0
@@ -155,14 +170,15 @@ def engines(serving: list[dict], priority: str = "realtime") -> Engines | None:
 
 def with_realtime_share(loads: list[ClassLoad]) -> list[ClassLoad]:
     """``loads`` with each batch class's ``realtime_share``: the part of its model's engines the
-    realtime class claimed over the window (its claimed work ÷ its drain). Batch work, flex
-    included, runs in what that leaves, so its promise and a job's estimate count only the rest."""
+    realtime class claimed over the window (``claimed_share``: its output at its drain and its
+    prompts at the prefill prices). Batch work, flex included, runs in what that leaves, so its
+    promise and a job's estimate count only the rest."""
     realtime = {c.model: c for c in loads if c.priority == Priority.REALTIME.value}
     out = []
     for load in loads:
         rt = realtime.get(load.model)
         if load.priority == Priority.BATCH.value and rt is not None and rt.drain_tps > 0:
-            load = dataclasses.replace(load, realtime_share=round(min(1.0, rt.claimed_tps / rt.drain_tps), 3))
+            load = dataclasses.replace(load, realtime_share=rt.claimed_share)
         out.append(load)
     return out
 
@@ -271,8 +287,10 @@ class Monitor:
         state = self._classes.setdefault(class_name(priority, model),
                                          _ClassState(policy=dataclasses.replace(self.policy)))
         queued = max(0, counters.get("queued_work", 0))
-        state.samples.append((now, counters.get("claimed_work", 0), queued, threads,
-                              counters.get("ahead_claimed_work", 0)))
+        state.samples.append(_Sample(now, counters.get("claimed_work", 0), queued, threads,
+                                     counters.get("ahead_claimed_work", 0), counters.get("claimed_prompt", 0),
+                                     counters.get("claimed_prompt_sq", 0), counters.get("ahead_claimed_prompt", 0),
+                                     counters.get("ahead_claimed_prompt_sq", 0)))
         while state.samples and now - state.samples[0][0] > WINDOW_S:
             state.samples.popleft()
         if seq_tps:
@@ -281,12 +299,12 @@ class Monitor:
         # dry and the same threads served it: the latest such run, once it spans MEASURE_MIN_S
         # (a backlog that just began is measured within seconds, not after a whole window).
         backlog = 0
-        for _, _, q, n, _ in reversed(state.samples):
-            if q <= 0 or n != threads:
+        for sample in reversed(state.samples):
+            if sample.queued <= 0 or sample.threads != threads:
                 break
             backlog += 1
         if backlog > 1:
-            t0, claimed0, _, _, _ = state.samples[-backlog]
+            t0, claimed0 = state.samples[-backlog].t, state.samples[-backlog].claimed
             if now - t0 >= MEASURE_MIN_S:
                 measured = (counters.get("claimed_work", 0) - claimed0) / (now - t0)
                 if measured > 0:
@@ -330,10 +348,23 @@ class Monitor:
         if requests > 0 and counters.get("queued_deadline_ms", 0) > 0:
             deadline = min(deadline, counters["queued_deadline_ms"] / requests / 1000)
         level = state.policy.step(max(0.0, wait) / deadline if wait != float("inf") else float("inf"), now)
-        first_t, first_claimed, _, _, first_ahead = state.samples[0]
-        span = now - first_t
-        claimed_tps = (counters.get("claimed_work", 0) - first_claimed) / span if span > 0 else 0.0
-        ahead_tps = (counters.get("ahead_claimed_work", 0) - first_ahead) / span if span > 0 else 0.0
+        first, last = state.samples[0], state.samples[-1]
+        span = now - first.t
+        claimed_tps = (last.claimed - first.claimed) / span if span > 0 else 0.0
+        ahead_tps = (last.ahead - first.ahead) / span if span > 0 else 0.0
+        price, price2 = (engine.prefill_s_tok, engine.prefill_s_tok2) if engine is not None else (0.0, 0.0)
+        count = engine.count if engine is not None else 1
+
+        def share(work_tps: float, prompts: int, squares: int) -> float:
+            """The engines' time (0 to 1) work claimed at ``work_tps``, with ``prompts`` and
+            ``squares`` of prompt over the window, takes: output at the drain, prompts at the
+            prefill prices shared by the engines."""
+            if span <= 0 or drain <= 0:
+                return 0.0
+            return min(1.0, max(0.0, work_tps / drain + (prompts * price + squares * price2) / max(1, count) / span))
+
+        claimed_share = share(claimed_tps, last.prompt - first.prompt, last.squares - first.squares)
+        ahead_share = share(ahead_tps, last.ahead_prompt - first.ahead_prompt, last.ahead_squares - first.ahead_squares)
         return ClassLoad(priority, model, max(0, counters.get("queued_tokens", 0)),
                          max(0, requests), queued, round(drain, 1), round(state.seq_tps, 2),
                          round(wait, 3) if wait != float("inf") else -1.0, level, workers, stamp, round(deadline, 3),
@@ -344,7 +375,8 @@ class Monitor:
                          round(engine.backlog_s, 3) if engine is not None else 0.0,
                          queued_prompt_sq=squares,
                          prefill_s_tok2=engine.prefill_s_tok2 if engine is not None else 0.0,
-                         claimed_tps=round(max(0.0, claimed_tps), 2), ahead_tps=round(max(0.0, ahead_tps), 2))
+                         claimed_tps=round(max(0.0, claimed_tps), 2), ahead_tps=round(max(0.0, ahead_tps), 2),
+                         claimed_share=round(claimed_share, 3), ahead_share=round(ahead_share, 3))
 
     # ------------------------------------------------------------------ leading and re-counting
 

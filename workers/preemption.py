@@ -1,4 +1,5 @@
-"""Preemption across the fleet: one queued realtime request makes one worker yield a batch slot.
+"""Preemption across the fleet: one queued realtime request makes one worker yield a batch slot,
+and one queued request of the priority tier makes one worker yield a default request's slot.
 
 Every worker that reads a shared realtime queue sees the same queued messages (LLEN). Left to
 itself each would take batch work out of its engine for each of them: with four workers, one
@@ -9,7 +10,8 @@ its claim stands until it sees the realtime queues empty (or ``CLAIM_TTL_S`` at 
 
 A batch request is preempted at most ``MAX_PREEMPTIONS`` times (counted in Redis per request, for
 as long as a batch request can wait): after that it runs to its end where it is, so bulk work
-that realtime keeps interrupting still finishes.
+that realtime keeps interrupting still finishes. A default request is taken out for the priority
+tier ``MAX_TIER_PREEMPTIONS`` times at most.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ COUNT_PREFIX = "sluice:preempt:count:"  # string per request: times it was preem
 # or two, and the worker drops its claim as soon as it sees no realtime queued.
 CLAIM_TTL_S = 10.0
 MAX_PREEMPTIONS = 3
+# A default request is taken out for the priority tier once at most: it is realtime work with a
+# deadline of its own, and each time it starts over it loses what it had decoded.
+MAX_TIER_PREEMPTIONS = 1
 COUNT_TTL_S = 86400
 
 _CLAIM = """
@@ -53,10 +58,13 @@ return grant
 class Claims:
     """The preemptions one worker may make for realtime requests queued on its model's queues."""
 
-    def __init__(self, client: redis.Redis, worker_id: str, model: str) -> None:
+    def __init__(self, client: redis.Redis, worker_id: str, model: str, tier: str | None = None) -> None:
         self.redis = client
         self.worker_id = worker_id
-        self.key = CLAIMS_PREFIX + model
+        # Claims for one tier's queued requests (the priority tier's, taking default work out) are
+        # counted apart from those for every realtime request (taking batch work out).
+        self.key = CLAIMS_PREFIX + model + (f":{tier}" if tier else "")
+        self.cap = MAX_PREEMPTIONS if tier is None else MAX_TIER_PREEMPTIONS
         self._claim = client.register_script(_CLAIM)
         self._claimed = False
 
@@ -85,14 +93,14 @@ class Claims:
             log.warning("preemption claim not released (%s); it lapses by itself", type(exc).__name__)
 
     def exhausted(self, request_ids: list[str]) -> set[str]:
-        """Those of ``request_ids`` already preempted ``MAX_PREEMPTIONS`` times."""
+        """Those of ``request_ids`` already preempted as often as this tier's cap allows."""
         if not request_ids:
             return set()
         try:
             counts = self.redis.mget([COUNT_PREFIX + rid for rid in request_ids])
         except redis.RedisError:
             return set()
-        return {rid for rid, n in zip(request_ids, counts, strict=True) if n is not None and int(n) >= MAX_PREEMPTIONS}
+        return {rid for rid, n in zip(request_ids, counts, strict=True) if n is not None and int(n) >= self.cap}
 
     def count(self, request_ids: list[str]) -> None:
         """``request_ids`` are being preempted once more."""

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 import redis
 
 from core.admission.load import capacity_entry, capacity_key, room_key
-from core.broker.queues import queue_lists
+from core.broker.queues import queue_lists, tier_list
 from core.delivery.streams import TokenSink
 from core.rediskeys import cancel_key, node_key, stalled_key, worker_key
 from workers.engines import Engine, GenerationOutput, GenerationRequest, SamplingParams
@@ -146,8 +146,10 @@ class EngineRuntime:
         # ... and where each heartbeat states what it drains: the promise's figures while the monitor is away.
         self._capacity_keys = [capacity_key(head, model) for head in heads]
         self._room_written: list[str] | None = None
-        # Preemptions for queued realtime are claimed fleet-wide: one queued request, one worker yields.
+        # Preemptions for queued realtime are claimed fleet-wide: one queued request, one worker
+        # yields; those of default work for the priority tier's queued requests apart.
         self._claims = Claims(redis_client, worker_id, model) if model else None
+        self._priority_claims = Claims(redis_client, worker_id, model, tier="priority") if model else None
         self._room_lock = threading.RLock()  # drain() may run in a signal handler
         self._learn_lock = threading.Lock()
         self._governing = False  # the governor thread runs: requests waiting to go in learn steps too
@@ -291,7 +293,7 @@ class EngineRuntime:
         if deadline_in_s is not None and deadline_in_s < time_limit_s:
             limit, ends_as = max(0.0, deadline_in_s), "deadline"
         prompt_tokens = request.prompt_tokens or 1
-        need_s = (self.governor.tokens_take_s(request.params.max_tokens, prompt_tokens, request.priority > 0)
+        need_s = (self.governor.tokens_take_s(request.params.max_tokens, prompt_tokens, request.batch)
                   if ends_as == "deadline" else None)
         if need_s is not None and deadline_s is not None and limit < need_s <= deadline_s:
             # Its queue wait left too little: run, it would be aborted at the deadline with its
@@ -308,13 +310,13 @@ class EngineRuntime:
         # The limit counts sequences: n choices decode side by side, an embeddings request's texts
         # are embedded side by side.
         seqs = len(request.texts) if request.texts is not None else request.params.n
-        self.governor.enter(rid, batch=request.priority > 0, max_tokens=request.params.max_tokens,
+        self.governor.enter(rid, batch=request.batch, max_tokens=request.params.max_tokens,
                             deadline_s=next((d for d in (deadline_s, deadline_in_s) if d is not None), time_limit_s),
-                            seqs=seqs, prompt_tokens=prompt_tokens)
+                            seqs=seqs, prompt_tokens=prompt_tokens, rank=request.priority, stream=request.stream)
         self.write_room()
         began = time.monotonic()
         try:
-            ended = self._await_start(rid, prompt_tokens, request.priority > 0, limit, ends_as)
+            ended = self._await_start(rid, prompt_tokens, request.batch, limit, ends_as)
             if ended is not None:
                 # Never reached the engine: handed back (preempted, stopped), ended (cancelled) or
                 # out of time before it could go in.
@@ -645,20 +647,23 @@ class EngineRuntime:
             # prefill as counted (the engine took it in a way its steps do not report).
             self.governor.curve.expire(time.monotonic() - max(PENDING_MAX_S, 20 * self._slowest_step_s))
 
-    def _realtime_queued(self) -> int:
-        """Realtime messages waiting in the broker on the realtime queues this worker reads: the
-        broker's own lists, not the class counters (those can drift between the monitor's
+    def _realtime_queued(self) -> tuple[int, int]:
+        """Realtime messages waiting in the broker on the realtime queues this worker reads, and
+        of those the priority tier's (its step's list, core/broker/queues.py MESSAGE_PRIORITY):
+        the broker's own lists, not the class counters (those can drift between the monitor's
         re-counts, and a stale count must never keep batch work out)."""
         if not self._realtime_queues:
-            return 0
+            return 0, 0
+        lists = [key for queue in self._realtime_queues for key in queue_lists(queue)]
+        ahead = {tier_list(queue, "priority") for queue in self._realtime_queues}
         try:
             with self._redis.pipeline(transaction=False) as pipe:
-                for queue in self._realtime_queues:
-                    for key in queue_lists(queue):  # each service tier's messages wait in a list of their own
-                        pipe.llen(key)
-                return sum(int(n or 0) for n in pipe.execute())
+                for key in lists:  # each service tier's messages wait in a list of their own
+                    pipe.llen(key)
+                counts = [int(n or 0) for n in pipe.execute()]
         except redis.RedisError:
-            return 0  # unknown: batch keeps its place; the level and the promise still protect realtime
+            return 0, 0  # unknown: batch keeps its place; the level and the promise still protect realtime
+        return sum(counts), sum(n for key, n in zip(lists, counts, strict=True) if key in ahead)
 
     def govern_once(self) -> None:
         """One round: learn from the steps taken, set the limit, let batch in or not, preempt."""
@@ -672,19 +677,24 @@ class EngineRuntime:
             self.on_limit(limit)
         except Exception:
             log.warning("could not set the prefetch count to the in-engine limit", exc_info=True)
-        queued = self._realtime_queued()
+        queued, priority = self._realtime_queued()
         self._batch_open = not self.governor.batch_yields(queued)
         with self._lock:
             leaving = set(self._preempted)
+        claims, ahead = self._claims, self._priority_claims
         victims = [] if self._handing_back else self.governor.preempt(
-            queued, self._claims.grant if self._claims else None, self._claims.exhausted if self._claims else None,
-            leaving)
-        if self._claims and queued <= 0:
-            self._claims.release()
+            queued, claims.grant if claims else None, claims.exhausted if claims else None, leaving,
+            priority_queued=priority, grant_priority=ahead.grant if ahead else None,
+            exempt_realtime=ahead.exhausted if ahead else None)
+        if claims and queued <= 0:
+            claims.release()
+        if ahead and priority <= 0:
+            ahead.release()
         if victims:
-            if self._claims:
-                self._claims.count(victims)
-            log.info("preempting %d batch request(s) for realtime (%d queued, limit %d)", len(victims), queued, limit)
+            if claims:
+                claims.count(victims)
+            log.info("preempting %d request(s) (%d realtime queued, %d of the priority tier; limit %d)",
+                     len(victims), queued, priority, limit)
             with self._lock:
                 self._preempted.update(victims)
             for rid in victims:

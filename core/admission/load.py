@@ -143,13 +143,15 @@ class QueueCounters:
                                        queued_prompt += input tokens, queued_prompt_sq += their square (a
                                        prompt's attention grows with it), queued_deadline_ms += its
                                        deadline (creation to deadline)
-    claimed (queued → running)         queued_* −= …, claimed_work += max_tokens
+    claimed (queued → running)         queued_* −= …, claimed_work += max_tokens, claimed_prompt += input
+                                       tokens, claimed_prompt_sq += their square
     ended while queued (cancel/expiry) queued_* −= …
     ended while running                finished_tokens += input + output actually processed
 
     A request of the tier served ahead of its class (priority, flex: ``tier_place``) also moves
     ``ahead_queued_work``, ``ahead_queued_prompt`` and ``ahead_queued_prompt_sq``: the queue its
-    own promise sees; and ``ahead_claimed_work`` when claimed: the share of the drain it takes.
+    own promise sees; and ``ahead_claimed_work``, ``ahead_claimed_prompt`` and
+    ``ahead_claimed_prompt_sq`` when claimed: the share of the engines it takes.
     """
 
     def __init__(self, client: redis.Redis, healthy: Callable[[], bool] = lambda: True) -> None:
@@ -180,6 +182,8 @@ class QueueCounters:
         if moved.source == Status.QUEUED and moved.status == Status.RUNNING:
             for prefix in prefixes:
                 pipe.hincrby(key, f"{prefix}claimed_work", work)
+                pipe.hincrby(key, f"{prefix}claimed_prompt", moved.input_tokens)
+                pipe.hincrby(key, f"{prefix}claimed_prompt_sq", moved.input_tokens ** 2)
         if moved.source == Status.RUNNING and moved.status.terminal:
             pipe.hincrby(key, "finished_tokens", moved.input_tokens + (moved.output_tokens or 0))
         try:
@@ -214,8 +218,12 @@ class ClassLoad:
     queued_prompt_sq: int = 0  # Σ of the queued requests' input tokens squared: their attention
     prefill_s_tok2: float = 0.0  # engine seconds a prompt of P tokens costs beyond P × prefill_s_tok, per P²
     claimed_tps: float = 0.0  # work (max_tokens) claimed off the queue per second over the monitor's window
-    ahead_tps: float = 0.0  # the same, of the tier served ahead (priority, flex): its share of the drain
+    ahead_tps: float = 0.0  # the same, of the tier served ahead (priority, flex)
     realtime_share: float = 0.0  # a batch class: the share of its engines its model's realtime work claimed
+    # The share of the engines' time (0 to 1) the requests claimed over the window take: their
+    # output at the drain, their prompts at the prefill prices. The class's, and its tier ahead's.
+    claimed_share: float = 0.0
+    ahead_share: float = 0.0
 
     def write(self, client: redis.Redis, ttl_s: float) -> None:
         with client.pipeline(transaction=False) as pipe:

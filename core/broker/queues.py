@@ -222,7 +222,16 @@ def queue_length(client: redis.Redis, queue: str) -> int:
 
 def queue_lists(queue: str) -> tuple[str, ...]:
     """The Redis lists ``queue``'s messages wait in, one per priority step."""
-    return (queue, *(f"{queue}{_PRIORITY_SEP}{step}" for step in PRIORITY_STEPS if step))
+    return tuple(_step_list(queue, step) for step in PRIORITY_STEPS)
+
+
+def tier_list(queue: str, tier: str) -> str:
+    """The Redis list a ``tier``'s messages on ``queue`` wait in."""
+    return _step_list(queue, message_priority(queue, tier))
+
+
+def _step_list(queue: str, step: int) -> str:
+    return f"{queue}{_PRIORITY_SEP}{step}" if step else queue
 
 
 def _ids(values) -> set[str]:

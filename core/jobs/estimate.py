@@ -84,10 +84,11 @@ def engine_s(work: Work, batch: ClassLoad) -> float | None:
 
 def batch_share(batch: ClassLoad, realtime: ClassLoad | None = None) -> float:
     """The share of the engines realtime work leaves to batch work: as the monitor states it on
-    the batch class (``realtime_share``), else from the realtime class's claimed work and drain."""
+    the batch class (``realtime_share``), else as the realtime class states its own
+    (``claimed_share``), else from its claimed work and drain."""
     used = batch.realtime_share
     if not used and realtime is not None and realtime.drain_tps > 0:
-        used = realtime.claimed_tps / realtime.drain_tps
+        used = realtime.claimed_share or realtime.claimed_tps / realtime.drain_tps
     return max(MIN_SHARE, 1.0 - used)
 
 

@@ -97,12 +97,18 @@ class Choice:
     logprobs: tuple[TokenLogprob, ...] | None = None
 
 
+# Each service tier's engine priority (docs/tiers.md). The first two are realtime, the rest batch.
+TIER_RANK = {"priority": 0, "default": 1, "flex": 2, "batch": 3}
+BATCH_RANK = TIER_RANK["flex"]
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
     prompt: str
     params: SamplingParams
-    # Lower runs first (vLLM's convention): realtime work is 0, batch work is 1.
+    # Lower runs first (vLLM's convention): the service tier's rank (``TIER_RANK``), so priority
+    # work goes before default, realtime before batch, flex before batch.
     priority: int = 0
     # Input tokens as counted by the caller; an engine with its own tokenizer recounts.
     prompt_tokens: int | None = None
@@ -118,6 +124,11 @@ class GenerationRequest:
     # (None: the model's own); nothing is generated.
     texts: tuple[str, ...] | None = None
     dimensions: int | None = None
+
+    @property
+    def batch(self) -> bool:
+        """Batch work (flex or batch): it yields the engine to realtime work."""
+        return self.priority >= BATCH_RANK
 
     def __repr__(self) -> str:  # never put prompt text in logs or reprs
         return (f"GenerationRequest(request_id={self.request_id!r}, prompt=<{len(self.prompt)} chars>, "

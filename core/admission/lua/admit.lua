@@ -137,14 +137,14 @@ local function count_room(worker)
   if (rooms[worker] or 0) > 0 and s > 0 and (seq_now == 0 or s < seq_now) then seq_now = s end
 end
 local snap = redis.call('HMGET', KEYS[6], 'drain_tps', 'seq_tps', 'updated_at_ms', 'room', 'slot_wait_s',
-                        'prefill_s_tok', 'engines', 'prefill_s_tok2', 'ahead_tps', 'realtime_share')
-local ahead_tps, realtime_share = 0, 0
+                        'prefill_s_tok', 'engines', 'prefill_s_tok2', 'ahead_share', 'realtime_share')
+local ahead_share, realtime_share = 0, 0
 if snap[3] and now - tonumber(snap[3]) <= tonumber(ARGV[9]) then
   basis = 'monitor'
   drain, seq = tonumber(snap[1]) or 0, tonumber(snap[2]) or 0
   room, slot_wait = tonumber(snap[4]) or -1, tonumber(snap[5]) or 0
   price, engines, price2 = tonumber(snap[6]) or 0, tonumber(snap[7]) or 0, tonumber(snap[8]) or 0
-  ahead_tps, realtime_share = tonumber(snap[9]) or 0, tonumber(snap[10]) or 0
+  ahead_share, realtime_share = tonumber(snap[9]) or 0, tonumber(snap[10]) or 0
   -- Room in the engines: live, as the workers wrote it when a request last entered or left one;
   -- the snapshot's (a heartbeat old) only where no worker wrote it.
   if #raw_rooms > 0 then
@@ -184,14 +184,14 @@ local place = ARGV[27]
 if full and drain > 0 then
   -- A tier served ahead of its class sees only its own tier's queue (the 'ahead_' counters); the
   -- default tier sees all of it, at a drain less the share held for the tier ahead while that tier
-  -- has come in the last minute: the configured share, or what the tier ahead took of the drain
-  -- over the monitor's window when that is more. A batch class (flex and batch) has only what its
+  -- has come in the last minute: the configured share, or what the tier ahead took of the engines'
+  -- time over the monitor's window (its output and its prompts) when that is more. A batch class (flex and batch) has only what its
   -- model's realtime work leaves of the engines.
   local prefix = place == 'ahead' and 'ahead_' or ''
   local counters = redis.call('HMGET', KEYS[5], prefix .. 'queued_work', prefix .. 'queued_prompt',
                               prefix .. 'queued_prompt_sq', 'ahead_seen_ms')
   if place == 'held' and now - (tonumber(counters[4]) or -60000) < 60000 then
-    local held = math.max(tonumber(ARGV[28]) or 0, ahead_tps / drain)
+    local held = math.max(tonumber(ARGV[28]) or 0, ahead_share)
     drain = drain * (1 - math.min(0.9, math.max(0, held)))
   end
   if ARGV[7] == 'batch' and realtime_share > 0 then

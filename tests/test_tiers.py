@@ -220,11 +220,38 @@ def test_the_estimate_shares_the_engines_by_weight_and_what_realtime_leaves():
         estimate.MARGIN * 60 + 2)
 
 
-def test_a_tenants_job_due_first_is_fed_first():
+def test_a_tenants_job_promised_first_is_fed_first():
+    """The feeder's key is a job's promise, else its window's end; jobs due together share."""
     now = datetime.now(UTC)
-    day, hour, other_hour = (Job(id=uuid.uuid4(), expires_at=now + timedelta(seconds=s)) for s in (86400, 3600, 3630))
+
+    def job(window_s: float, promise_s: float | None = None) -> Job:
+        return Job(id=uuid.uuid4(), expires_at=now + timedelta(seconds=window_s),
+                   estimated_finish_at=None if promise_s is None else now + timedelta(seconds=promise_s))
+
+    day, hour, other_hour = job(86400), job(3600), job(3600.5)
     assert scheduling._due_first([day, hour, other_hour]) == [hour, other_hour]  # due together: they share
     assert scheduling._due_first([day]) == [day]
+    promised = job(86400, promise_s=600)
+    assert scheduling._due_first([day, hour, promised]) == [promised], "promised in 10 min: before the 1 h window"
+
+
+def test_a_job_overtakes_the_tenants_later_promises_only_where_they_keep_them():
+    """A tenant's line of jobs promised at 100 s and 300 s (50 and 100 tokens left, a token a
+    second: expected at 50 s and 150 s). A job of 20 tokens fits ahead of both (the first is then
+    expected at 70 s ≤ 100); one of 80 tokens would push the first to 130 s, so it goes behind it,
+    where the second is expected at 230 s ≤ 300; one of 200 tokens keeps neither, so it goes
+    last. Each is promised its expected finish times the margin. A job already late does not
+    block a place."""
+    plan = estimate.Capacity(per_token_s=1.0, share=1.0, queued_s=0.0, weight=1.0, others={})
+    margin = estimate.MARGIN
+    line = [(100.0, 50.0), (300.0, 100.0)]
+    assert estimate.place(plan, 20, line) == pytest.approx(20 * margin)
+    assert estimate.place(plan, 80, line) == pytest.approx(130 * margin)
+    assert estimate.place(plan, 200, line) == pytest.approx(350 * margin)
+    assert estimate.place(plan, 20, []) == pytest.approx(20 * margin)
+    late = [(10.0, 50.0), (300.0, 100.0)]
+    assert estimate.place(plan, 20, late) == pytest.approx(70 * margin), "behind the late one: it sorts after it"
+    assert estimate.place(plan, 5, late) == pytest.approx(5 * margin), "ahead of the late one: it is late anyway"
 
 
 def test_a_window_the_platform_cannot_keep_is_refused_with_the_earliest_it_could(isolated_app, new_client):
@@ -252,6 +279,22 @@ def test_a_window_the_platform_cannot_keep_is_refused_with_the_earliest_it_could
     finish = datetime.fromisoformat(view["estimated_finish_at"]) - datetime.fromisoformat(view["started_at"])
     assert expected - 5 < finish.total_seconds() < expected + 5 and expected - 10 < view["eta_s"] <= expected, view
     assert view["estimated_finish_at_submit"] is not None and view["service_tier"] == "batch"
+    # A later job overtakes it as far as its promise leaves room: one document (50 s, 55 promised)
+    # fits in its margin (it is then expected at 1,050 s of the 1,100 promised); five more (250 s)
+    # do not fit ahead of it, so they go behind it, at 1,300 × 1.1 s: past a 5 min window.
+    one = functools.partial(client.http.post, headers={**client.headers, "Content-Type": "application/jsonl"})
+    small = one("/v1/jobs?summary_tokens=50&completion_window=2m",
+                data=json.dumps({"custom_id": "s", "text": "document about rivers"}).encode())
+    assert small.status_code == 201, small.get_json()
+    promised = (datetime.fromisoformat(small.get_json()["estimated_finish_at"])
+                - datetime.fromisoformat(small.get_json()["started_at"])).total_seconds()
+    overhead = 4 * services(application).settings.feeder_interval_s
+    assert promised == pytest.approx(55 + overhead, abs=3)
+    five = "\n".join(json.dumps({"custom_id": str(i), "text": f"document {i} about lakes"}) for i in range(5))
+    behind = envelope(one("/v1/jobs?summary_tokens=50&completion_window=5m", data=five.encode()), 422,
+                      "completion_window_too_short")
+    assert behind["details"]["estimated_finish_s"] == pytest.approx(1430 + overhead, abs=3), behind
+    assert behind["details"]["earliest_window"] == estimate.window_text(1430 + overhead)
     # Without the engines' figures, no estimate: the window is the tenant's limits' to judge.
     services(application).redis.delete(*services(application).redis.keys("sluice:load:*"))
     unknown = submit("/v1/jobs?summary_tokens=50&completion_window=1m")

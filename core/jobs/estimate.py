@@ -2,27 +2,34 @@
 
 A job's lines run in the batch capacity of its model: what realtime work leaves of the engines,
 shared between the tenants with jobs by their ``batch_weight`` (``core/jobs/scheduling.py``), a
-tenant's own jobs earliest window first. The estimate follows that:
+tenant's own jobs earliest promise first. The estimate follows that:
 
 1. **The job's engine time.** Every request it will make (a document's map-reduce included) is
    priced as the promise prices a request (``admit.lua``): its prompt of P tokens at
    ``prefill_s_tok`` × P + ``prefill_s_tok2`` × P², shared by the engines, and its output at the
    batch class's decode drain. That is how long the job would take with every engine to itself.
 2. **The capacity it gets.** The batch class has what the model's realtime class does not use:
-   1 − (the output realtime claimed per second over the monitor's window ÷ the realtime drain),
-   at least ``MIN_SHARE``. The work already queued in the batch class (plain batch requests) is
-   served before.
+   1 − the share of the engines' time the realtime requests claimed over the monitor's window
+   (their output at the drain, their prompts at the prefill prices), at least ``MIN_SHARE``. The
+   work already queued in the batch class (plain batch requests) is served before.
 3. **Its share of that.** A fluid model of the feeder's fair share: every tenant with unfinished
    jobs drains its remaining work at a rate in proportion to its weight, and a tenant that
-   finishes leaves its share to the others. This job's tenant first finishes its jobs whose
-   windows end before this one's. Other jobs' remaining work is priced at this job's engine
-   seconds per token.
+   finishes leaves its share to the others. Other jobs' remaining work is priced at this job's
+   engine seconds per token.
    While other jobs keep the batch class busy, what it was measured to drain replaces steps 1
    and 2: the output it claimed per second over the monitor's window, which already counts
    their prompts, realtime beside them and the Python around the engines.
 4. **A margin** (``MARGIN``) over that, for what the model leaves out (realtime bursts, requests
    that end before max_tokens go the other way), and the feeder's rounds to start and settle a
    job (four of ``SLUICE_FEEDER_INTERVAL_S``).
+
+5. **Its place in its tenant's line** (:func:`place`). The estimate is a promise: the feeder feeds
+   a tenant's jobs earliest promise first (a job without one: its window's end), so a job goes
+   ahead of the tenant's jobs promised later only where each of them that is on time still keeps
+   its promise with this job's work ahead of it. A later job with a short window overtakes an
+   earlier one with a long window as far as the earlier one's promise leaves room; the margin is
+   that room. So later jobs never push an accepted job past its promise, and the promise is what
+   the job's own work and the work promised before it take.
 
 Without the monitor's figures for the model's classes (no warm worker, the monitor away) there is
 no estimate: the job is judged by its tenant's limits alone and says ``estimated_finish_at: null``.
@@ -37,7 +44,7 @@ from core.admission.load import ClassLoad
 
 MIN_SHARE = 0.05  # of the engines batch work gets however busy realtime is: the feeder always feeds some
 MARGIN = 1.1
-SAME_DUE_S = 60.0  # a tenant's jobs whose windows end this close together are fed as due together
+SAME_DUE_S = 1.0  # a tenant's jobs promised this close together are fed as due together
 
 
 @dataclass
@@ -113,30 +120,81 @@ def fair_finish_s(own_s: float, weight: float, others: dict[object, tuple[float,
                 del remaining[t]
 
 
-def finish_s(work: Work, batch: ClassLoad | None, realtime: ClassLoad | None, *, tokens: int,
-             ahead_tokens: float, weight: float, others: list[Tenant], overhead_s: float = 0.0) -> float | None:
-    """Seconds from now until a job of ``work`` (``tokens`` as admission prices them) finishes,
-    with the margin; None without the batch class's figures. ``ahead_tokens``: what the tenant's
-    jobs with earlier windows have left; ``others``: the other tenants with unfinished jobs;
-    ``overhead_s``: the feeder's rounds a job takes to start and to settle, whatever its size.
+@dataclass(frozen=True)
+class Capacity:
+    """What one tenant's jobs get of the batch class, worked out once: its work's engine seconds
+    per priced token, the share of the engines realtime leaves, the plain batch work queued ahead,
+    the tenant's weight beside the other tenants' remaining work, and the feeder's rounds."""
 
-    While other jobs keep the batch class busy, the output it was measured to take per second
-    (``claimed_tps``, over the monitor's window) is its capacity: what the engines, realtime
-    beside them and the stack around them really gave batch work, prompts included."""
+    per_token_s: float
+    share: float
+    queued_s: float
+    weight: float
+    others: dict[object, tuple[float, float]]
+    overhead_s: float = 0.0
+
+    def finish_s(self, tokens: float, margin: float = MARGIN) -> float:
+        """Seconds from now until the tenant's first ``tokens`` (its jobs ahead, then this one's)
+        are done: with the margin, what is promised; with ``margin=1``, what is expected."""
+        mine = tokens * self.per_token_s
+        return margin * (self.queued_s / self.share + fair_finish_s(mine, self.weight, self.others, self.share)) \
+            + self.overhead_s
+
+
+def capacity(work: Work, batch: ClassLoad | None, realtime: ClassLoad | None, *, tokens: int, weight: float,
+             others: list[Tenant], busy: bool = False, overhead_s: float = 0.0) -> Capacity | None:
+    """The :class:`Capacity` a job of ``work`` (``tokens`` as admission prices them) finishes in;
+    None without the batch class's figures. ``others``: the other tenants with unfinished jobs;
+    ``busy``: other jobs keep the batch class busy, so the output it was measured to take per
+    second (``claimed_tps``, over the monitor's window) is its capacity: what the engines,
+    realtime beside them and the stack around them really gave batch work, prompts included;
+    ``overhead_s``: the feeder's rounds a job takes to start and to settle, whatever its size."""
     if batch is None:
         return None
     own = engine_s(work, batch)
     if own is None:
         return None
     share = batch_share(batch, realtime)
-    busy = (ahead_tokens > 0 or any(t.tokens > 0 for t in others)) and batch.claimed_tps > 0
-    if busy:
+    if (busy or any(t.tokens > 0 for t in others)) and batch.claimed_tps > 0:
         own, share = work.output / batch.claimed_tps, 1.0
     per_token = own / max(tokens, 1)
-    queued = max(0.0, batch.wait_s)  # plain batch requests already queued go first
-    mine = own + ahead_tokens * per_token
-    rest = {i: (t.tokens * per_token, t.weight) for i, t in enumerate(others)}
-    return MARGIN * (queued / share + fair_finish_s(mine, weight, rest, share)) + overhead_s
+    return Capacity(per_token, share, max(0.0, batch.wait_s), weight,
+                    {i: (t.tokens * per_token, t.weight) for i, t in enumerate(others)}, overhead_s)
+
+
+def finish_s(work: Work, batch: ClassLoad | None, realtime: ClassLoad | None, *, tokens: int,
+             ahead_tokens: float, weight: float, others: list[Tenant], overhead_s: float = 0.0) -> float | None:
+    """Seconds from now until a job of ``work`` finishes behind ``ahead_tokens`` of its tenant's
+    other jobs (:func:`capacity`), with the margin; None without the batch class's figures."""
+    plan = capacity(work, batch, realtime, tokens=tokens, weight=weight, others=others, busy=ahead_tokens > 0,
+                    overhead_s=overhead_s)
+    return None if plan is None else plan.finish_s(ahead_tokens + tokens)
+
+
+def place(plan: Capacity, tokens: float, line: list[tuple[float, float]]) -> float:
+    """When a job of ``tokens`` is promised to finish (seconds from now), placed in its tenant's
+    line: ``line`` holds the tenant's other unfinished jobs as (seconds until their promised
+    finish, tokens left). The feeder feeds a tenant's jobs earliest promise first, so the job goes
+    at the earliest place where it finishes before the job behind it is due and where every job
+    behind it that is expected to keep its promise still is with this one's work ahead of it: a
+    1 h job overtakes a 24 h job as far as the 24 h job's promise (its margin over what it is
+    expected to take) leaves room, never further."""
+    line = sorted(line)
+    through, total = [], 0.0
+    for _, left in line:
+        total += left
+        through.append(total)
+    # Whether a job is expected to keep its promise: the margin it was promised with is the room
+    # a job placed ahead of it may take.
+    on_time = [plan.finish_s(through[j], margin=1.0) <= line[j][0] for j in range(len(line))]
+    for k in range(len(line) + 1):
+        finish = plan.finish_s((through[k - 1] if k else 0.0) + tokens)
+        if k < len(line) and finish > line[k][0]:
+            continue  # it would be due after the job at k: the feeder would put it behind
+        if all(plan.finish_s(through[j] + tokens, margin=1.0) <= line[j][0]
+               for j in range(k, len(line)) if on_time[j]):
+            return finish
+    raise AssertionError("the last place always holds")  # k == len(line): no job behind it
 
 
 def window_text(seconds: float) -> str:

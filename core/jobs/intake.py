@@ -22,6 +22,7 @@ while its file is read keeps the cancel: its lines are dropped, and it ends ``ca
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -34,7 +35,6 @@ from sqlalchemy import delete, func, select, text
 from core.admission.load import ClassLoad
 from core.errors import ApiError, InvalidRequest
 from core.jobs import estimate, ingest
-from core.jobs.estimate import SAME_DUE_S
 from core.jobs.params import PROMPT_MARGIN_TOKENS, JobParams, chunk_budget, human
 from core.observe.logs import bind_request
 from core.settings import Settings
@@ -252,29 +252,26 @@ def _estimate(session, settings: Settings, params: JobParams, tenant: Tenant, jo
     waiting = (select(func.count()).where(JobItem.job_id == Job.id,
                                           JobItem.status.in_((ItemStatus.PENDING, ItemStatus.RUNNING)))
                .correlate(Job).scalar_subquery())
-    due = func.extract("epoch", Job.expires_at - func.now()) - params.completion_window_s
+    # Each job's place in its tenant's line: its promise, else its window's end (the feeder's key).
+    due = func.extract("epoch", func.coalesce(Job.estimated_finish_at, Job.expires_at) - func.now())
     rows = session.execute(
         select(Job.tenant_id, due, Job.estimated_tokens, Job.total_items, waiting, Tenant.batch_weight)
         .join(Tenant, Tenant.id == Job.tenant_id)
         .where(Job.id != job_id, Job.model == params.model, Job.priority == Priority.BATCH,
                Job.status.in_(LIVE_JOB), Tenant.disabled_at.is_(None))).all()
-    # The tenant's own jobs: due earlier (by more than the feeder's SAME_DUE_S) go first, due with
-    # it share the tenant's part with it, due later wait; other tenants share by weight.
-    ahead, siblings, others = 0.0, [], {}
-    for tenant_id, due_after_s, tokens, items, left, weight in rows:
+    # The tenant's own jobs make its line; other tenants share the engines with it by weight.
+    line, others = [], {}
+    for tenant_id, due_s, tokens, items, left, weight in rows:
         remaining = (tokens or 0) * left / items if items else 0.0
         if tenant_id != tenant.id:
             total, _ = others.get(tenant_id, (0.0, 1.0))
             others[tenant_id] = (total + remaining, float(weight or 1.0))
-        elif due_after_s is not None and due_after_s < -SAME_DUE_S:
-            ahead += remaining
-        elif due_after_s is not None and due_after_s <= SAME_DUE_S and remaining > 0:
-            siblings.append(remaining)
-    own_weight = float(tenant.batch_weight or 1.0) / (1 + len(siblings))
-    return estimate.finish_s(work, batch, realtime, tokens=priced, ahead_tokens=ahead, weight=own_weight,
-                             others=[estimate.Tenant(t, w) for t, w in others.values()]
-                             + [estimate.Tenant(t, own_weight) for t in siblings],
+        elif remaining > 0:
+            line.append((float(due_s) if due_s is not None else math.inf, remaining))
+    plan = estimate.capacity(work, batch, realtime, tokens=priced, weight=float(tenant.batch_weight or 1.0),
+                             others=[estimate.Tenant(t, w) for t, w in others.values()], busy=bool(line),
                              overhead_s=4 * settings.feeder_interval_s)
+    return None if plan is None else estimate.place(plan, priced, line)
 
 
 def _standing(session, tenant_id: uuid.UUID, excluding: uuid.UUID | None = None) -> Standing:

@@ -29,9 +29,12 @@ FETCH = 32  # pending items read per job at a time
 
 
 def _due_first(jobs: list[Job]) -> list[Job]:
-    """A tenant's jobs whose windows end first (within ``SAME_DUE_S`` of the earliest): a 1 h job
-    overtakes the tenant's 24 h job, and jobs due together share its part by the tokens fed."""
-    due = {j.id: j.expires_at.timestamp() if j.expires_at is not None else float("inf") for j in jobs}
+    """A tenant's jobs promised first (``estimated_finish_at``, made at submit by
+    ``core/jobs/estimate.py place``; a job without a promise: its window's end), within
+    ``SAME_DUE_S`` of the earliest: a 1 h job overtakes the tenant's 24 h job where the 24 h job's
+    promise left it room, and jobs due together share the tenant's part by the tokens fed."""
+    due = {j.id: (j.estimated_finish_at or j.expires_at).timestamp()
+           if (j.estimated_finish_at or j.expires_at) is not None else float("inf") for j in jobs}
     first = min(due.values())
     return [j for j in jobs if due[j.id] <= first + SAME_DUE_S]
 

@@ -357,3 +357,48 @@ def test_a_priority_request_takes_the_seat_of_the_newest_default_one(database_ur
             client.cancel(request_id)
         worker.stop()
         services(application).db.dispose()
+
+
+def test_on_a_real_worker_a_flex_answer_has_its_price_a_big_job_is_refused_and_a_small_one_estimated(
+        database_url, scratch_redis_url, new_client, tmp_path):
+    """The issue's acceptance, end to end: a worker on the simulated engine (slowed to a twentieth
+    of an H200) and the load monitor's figures from it. A flex request is answered at half the
+    model's prices; a job far too big for 1 h (2,000 summaries of 2,000 tokens) is refused naming
+    a window it could keep; a small one is accepted with an estimated finish inside its window.
+    On a model of its own: other tests' unfinished jobs in the shared database share no engine
+    with these."""
+    from workers.monitor import Monitor
+
+    model = "acceptance-only"
+    env = {"SLUICE_SIM_SPEED": "0.05", "SLUICE_MODELS": json.dumps([{"name": model, "role": "main"}])}
+    application = create_app(make_settings(database_url, scratch_redis_url,
+                                           {**env, "SLUICE_PRICES": PRICES.format(model=model)}))
+    client = new_client(application)
+    svc = services(application)
+    worker = WorkerProcess(database_url, scratch_redis_url, tmp_path, extra_env=env)
+    try:
+        worker.wait_stats(lambda s: "decode_tps" in s, timeout=60)
+        flex = client.submit(prompt="a cheap question", max_tokens=8, ignore_eos=True, service_tier="flex")
+        assert flex.status_code == 202 and flex.headers["Sluice-Service-Tier"] == "flex", flex.get_json()
+        done = client.wait(flex.get_json()["id"], timeout=120)
+        assert done["status"] == "succeeded", done
+        found = row(application, done["id"])
+        assert (found.price_input, found.price_output) == (Decimal("0.5"), Decimal(1))
+        assert found.cost == (found.input_tokens * Decimal("0.5") + found.output_tokens * Decimal(1)) / 10 ** 6
+        Monitor(svc.settings, svc.redis, svc.db).tick()  # the batch class's figures, from the worker's heartbeat
+        submit = functools.partial(client.http.post, headers={**client.headers, "Content-Type": "application/jsonl"})
+        big = "\n".join(json.dumps({"custom_id": str(i), "text": f"document {i} about rivers"}) for i in range(2000))
+        error = envelope(submit("/v1/jobs?summary_tokens=2000&completion_window=1h", data=big.encode()), 422,
+                         "completion_window_too_short")
+        assert error["details"]["estimated_finish_s"] > 3600, error
+        assert error["details"]["earliest_window"] == estimate.window_text(error["details"]["estimated_finish_s"])
+        assert error["details"]["earliest_window"] in error["message"]
+        small = "\n".join(json.dumps({"custom_id": str(i), "text": f"document {i} about lakes"}) for i in range(3))
+        accepted = submit("/v1/jobs?summary_tokens=16&completion_window=1h", data=small.encode())
+        assert accepted.status_code == 201, accepted.get_json()
+        view = accepted.get_json()
+        finish = datetime.fromisoformat(view["estimated_finish_at"]) - datetime.fromisoformat(view["started_at"])
+        assert 0 < finish.total_seconds() < 3600, view
+    finally:
+        worker.stop()
+        svc.db.dispose()

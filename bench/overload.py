@@ -632,11 +632,12 @@ def find_knee(front: SluiceFront | VllmFront, args: argparse.Namespace, prompts:
 
 
 def start(args: argparse.Namespace, setup: str, exits: contextlib.ExitStack) -> SluiceFront | VllmFront:
-    """The setup's processes, stopped when ``exits`` closes; their logs are kept only if it fails."""
+    """The setup's processes, stopped when ``exits`` closes; their logs are kept only if it fails
+    (or SLUICE_BENCH_KEEP_LOGS is set)."""
     tmp = Path(tempfile.mkdtemp(prefix=f"overload-{setup}-"))
 
     def logs(exc_type: type | None, *_: object) -> bool:  # runs last, once every process stopped
-        if exc_type is None:
+        if exc_type is None and not os.environ.get("SLUICE_BENCH_KEEP_LOGS"):
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             say(f"  {setup}: logs kept in {tmp}")

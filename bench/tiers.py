@@ -95,6 +95,7 @@ class Asked:
         self.request_id: str | None = None
         self.ended: str | None = None
         self.reason: str | None = None
+        self.details: dict = {}  # a refusal's (estimated_wait_s, estimated_run_s, ...)
         self.started_at: float | None = None
         self.finished_at: float | None = None
         self.deadline_s: float | None = None
@@ -112,7 +113,8 @@ def user(front, asked: Asked, prompt: str, rt_tokens: int, poll_s: float, deadli
                                                "service_tier": asked.tier}, timeout_s=60)
     asked.answer_s, asked.status = time.perf_counter() - began, reply.status
     if reply.status != 202:
-        asked.reason = ((reply.doc or {}).get("error") or {}).get("details", {}).get("reason")
+        asked.details = ((reply.doc or {}).get("error") or {}).get("details", {})
+        asked.reason = asked.details.get("reason")
         return
     asked.request_id = reply.doc["id"]
     give_up = time.monotonic() + deadlines[asked.tier] + 30
@@ -260,7 +262,8 @@ def main() -> int:
         ours.json.write_text(json.dumps({"knee": knee, "times": ours.times, "deadlines": deadlines,
                                          "lengths": lengths, "tiers": rows, "usage": billed,
                                          "median_refusal_ms": statistics.median([a.answer_s * 1000 for a in asked
-                                                                                 if a.status in (429, 503)] or [0])},
+                                                                                 if a.status in (429, 503)] or [0]),
+                                         "asked": [vars(a) for a in asked]},
                                         indent=1, default=str))
     return 0
 

@@ -231,6 +231,28 @@ def test_the_priority_tiers_queued_requests_take_default_work_out_never_a_stream
     assert governor.preempt(1, priority_queued=1) == ["d2"], "priority work itself is never taken out"
 
 
+def test_a_priority_request_in_hand_sets_the_limit_and_the_default_work_over_it_leaves():
+    """Eight default requests (30 s for 128 tokens) run at a limit of 16. A priority request of 64
+    tokens in 2.4 s comes in: its pace at PRIORITY_SAFETY of its deadline (22.5 ms a step) governs,
+    whatever the default paces seen (the limit falls to 8), and the newest default request over
+    that limit leaves; when it is gone the limit is back."""
+    from workers.governor import PRIORITY_SAFETY
+
+    clock = Clock()
+    governor = Governor(cpu_curve(c=0.0), max_seqs=16, default_pace_s=10.0, clock=clock)
+    for i in range(8):
+        clock.now += 1
+        governor.enter(f"d{i}", batch=False, deadline_s=30.0, max_tokens=128, rank=1)
+    assert governor.limit() == 16 and governor.preempt(0) == []
+    clock.now += 1
+    governor.enter("p", batch=False, deadline_s=2.4, max_tokens=64, rank=0)
+    assert governor.limit() == int((PRIORITY_SAFETY * 2.4 / 64 - 0.010) / 0.0015) == 8
+    assert governor.preempt(0) == ["d7"], "one over the limit: the newest default request"
+    assert governor.preempt(0, exempt_realtime=lambda ids: {"d7"}) == ["d6"], "a capped one stays"
+    governor.leave("p")
+    assert governor.limit() == 16 and governor.preempt(0) == []
+
+
 def test_the_wait_before_the_engine_lets_a_better_tier_go_first():
     """Requests waiting for room go in by tier, then in the order they came; batch after all."""
     clock = Clock()

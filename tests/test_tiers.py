@@ -36,7 +36,8 @@ def tiered(isolated_app, new_client, database_url, admission_redis_url):
 
 
 def publish(app, priority: str, *, drain_tps: float, seq_tps: float, ahead_share: float = 0.0,
-            realtime_share: float = 0.0, **counters: int) -> None:
+            realtime_share: float = 0.0, line: tuple[float, float, float] = (0.0, 0.0, 0.0),
+            **counters: int) -> None:
     """The monitor's figures for the default model's class of ``priority`` (no prompts priced), and
     its live counters."""
     svc = services(app)
@@ -44,8 +45,8 @@ def publish(app, priority: str, *, drain_tps: float, seq_tps: float, ahead_share
     seconds, micros = svc.redis.time()
     work = counters.get("queued_work", 0)
     ClassLoad(priority, model, work, 1, work, drain_tps, seq_tps, work / drain_tps, 0, 1,
-              seconds * 1000 + micros // 1000, ahead_share=ahead_share,
-              realtime_share=realtime_share).write(svc.redis, ttl_s=30)
+              seconds * 1000 + micros // 1000, ahead_share=ahead_share, realtime_share=realtime_share,
+              step_base_s=line[0], step_seq_s=line[1], priority_safety=line[2]).write(svc.redis, ttl_s=30)
     if counters:
         svc.redis.hset(counters_key(priority, model), mapping=counters)
 
@@ -116,6 +117,32 @@ def test_priority_is_promised_on_its_own_queue_and_default_gives_up_a_share(tier
                     "overloaded")
     share = services(application).settings.priority_share
     assert held["details"]["estimated_wait_s"] == pytest.approx(2000 / (100 * (1 - share)), abs=0.01)
+
+
+def test_priority_is_promised_the_speed_its_own_pace_sets(tiered):
+    """At the engines' limit a sequence gets 5 tokens a second: 100 tokens take 20 s, past a
+    priority request's 15 s. But once it is in, its pace sets the limit (its decode within half of
+    its deadline: 75 ms a step), which with steps of 50 ms + 10 ms a sequence is 2 sequences at
+    70 ms a step: 7 s, promised. A default request is judged at the limit's speed; a priority
+    request whose pace no limit can keep (7.5 ms a step) at it too."""
+    application, client = tiered
+    publish(application, "realtime", drain_tps=100, seq_tps=5, line=(0.05, 0.01, 0.5))
+    accepted = client.submit(prompt="priority", max_tokens=100, service_tier="priority")
+    assert accepted.status_code == 202, accepted.get_json()
+    # Behind 20 s of priority work it is refused, and says what its own run was judged at.
+    publish(application, "realtime", drain_tps=100, seq_tps=5, line=(0.05, 0.01, 0.5), queued_work=2000,
+            ahead_queued_work=2000)
+    behind = envelope(client.submit(prompt="priority, queued", max_tokens=100, service_tier="priority"), 503,
+                      "overloaded")
+    assert behind["details"]["estimated_run_s"] == pytest.approx(7.0, abs=0.1)
+    publish(application, "realtime", drain_tps=100, seq_tps=5, line=(0.05, 0.01, 0.5), queued_work=0,
+            ahead_queued_work=0)
+    slow = envelope(client.submit(prompt="default", max_tokens=100, service_tier="default", deadline_s=15), 503,
+                    "overloaded")
+    assert slow["details"]["estimated_run_s"] == pytest.approx(20.0, abs=0.1)
+    hopeless = envelope(client.submit(prompt="priority, long", max_tokens=1000, service_tier="priority"), 503,
+                        "overloaded")
+    assert hopeless["details"]["estimated_run_s"] == pytest.approx(200.0, abs=0.5)
 
 
 def test_default_gives_priority_what_it_takes_and_batch_work_what_realtime_leaves(tiered):

@@ -71,6 +71,10 @@ TOKEN_FLOOR_SHARE = 0.5
 # The share of a request's pace its steps may take: the rest is left for its prefill, its queue
 # wait and the noise of a shared machine.
 SAFETY = 0.7
+# The share of its deadline a priority-tier request's decode may take (its pace governs the limit
+# at this, not SAFETY, while it is in the worker's hands): the rest is for its wait and prefill,
+# which the promise at 0.8 of the deadline (SLUICE_PROMISE_FACTOR) must also hold.
+PRIORITY_SAFETY = 0.6
 # The paces of requests that entered this long ago still count: the traffic they came with is
 # likely still arriving.
 MEMORY_S = 60.0
@@ -460,11 +464,16 @@ class Governor:
                 self._recent.popleft()
             batch = [e.pace_s for e in self._in_engine.values() if e.batch]
             realtime = [e.pace_s for e in self._in_engine.values() if not e.batch] + [p for _, p in self._recent]
+            # A priority-tier request's own pace governs whatever the others', at its tighter share
+            # of its deadline: the speed its promise was made at (admit.lua).
+            ahead = [e.pace_s * PRIORITY_SAFETY / self.safety for e in self._in_engine.values()
+                     if e.rank == TIER_RANK["priority"]]
         one = self.curve.step_s(1) or 0.0
         realtime = sorted(p for p in realtime if self.safety * p >= one)
+        ahead = [p for p in ahead if self.safety * p >= one]
         # Realtime traffic not seen (or none that can be served): its defaults stand for it.
         tightest = realtime[len(realtime) // 10] if len(realtime) >= 10 else (realtime or [self.default_pace_s])[0]
-        return min(batch + [tightest])
+        return min(batch + ahead + [tightest])
 
     def limit(self) -> int:
         """The most sequences the engine may hold so that a step stays within ``safety`` × the
@@ -479,13 +488,20 @@ class Governor:
         budget = self.safety * pace_s
         if not math.isfinite(budget):
             return self.max_seqs
-        b = coef[1] * self.curve.slowdown()  # a sequence's price at the engine's speed lately
+        base, b = self.step_line()
         if b <= 0:
             return self.max_seqs
-        # A step's fixed part plus the prefill realtime arrivals bring; batch prefill is fitted into
-        # the slack that leaves (prefill_cap_tokens), so it never lowers the limit.
-        base = self.curve.step_s(0, self.curve.realtime_prompt_mean())
         return max(1, min(self.max_seqs, int((budget - base) / b)))
+
+    def step_line(self) -> tuple[float, float]:
+        """(base, per sequence): a step's seconds as the limit counts them, base + per sequence ×
+        sequences. The base is a step's fixed part plus the prefill realtime arrivals bring (batch
+        prefill is fitted into the slack that leaves, prefill_cap_tokens, so it never lowers the
+        limit); a sequence is priced at the engine's speed lately. (0, 0) while the curve is unknown."""
+        coef = self.curve.coefficients()
+        if coef is None:
+            return 0.0, 0.0
+        return self.curve.step_s(0, self.curve.realtime_prompt_mean()), coef[1] * self.curve.slowdown()
 
     def step_budget_s(self) -> float:
         """The longest a step may take now: ``safety`` × the governing pace."""
@@ -616,10 +632,11 @@ class Governor:
                 priority_queued: int = 0, grant_priority: Callable[[int, int], int] | None = None,
                 exempt_realtime: Callable[[list[str]], set[str]] | None = None) -> list[str]:
         """Requests to take out of the engine now, newest first: batch work as realtime needs,
-        while the engine is over its limit (in sequences) or full with realtime queued; then, for
-        the ``priority_queued`` requests of the priority tier among those queued, the default
-        tier's work that still fills the room they need (never a stream: its client has read
-        tokens that a second run would repeat).
+        while the engine is over its limit (in sequences) or full with realtime queued; then the
+        default tier's work (never a stream: its client has read tokens that a second run would
+        repeat) that is over the limit while a priority-tier request is in the worker's hands (its
+        pace set the limit), or that fills the room the ``priority_queued`` requests of the
+        priority tier among those queued still need.
 
         ``leaving``: requests already being taken out (preempted earlier, not gone yet): neither
         counted nor chosen again. ``exempt(ids)``, ``exempt_realtime(ids)``: batch and default
@@ -640,15 +657,17 @@ class Governor:
         for_queued = max(0, total - limit + min(max(0, realtime_queued), limit)) - over
         victims = self._victims([(e.entered, rid, e.seqs) for rid, e in staying.items() if e.batch],
                                 over, for_queued, grant, realtime_queued, exempt)
-        if priority_queued <= 0:
-            return victims
-        # The priority tier's requests still find no room once that batch work has left: the
-        # default tier's newest make it.
+        # While a priority-tier request is in the worker's hands its pace sets the limit, and the
+        # default work over it leaves; the priority requests queued that still find no room once
+        # that batch work has left get it from the default tier's newest too.
         freed = sum(staying[rid].seqs for rid in victims)
-        for_priority = max(0, total - freed - limit + min(priority_queued, limit))
+        ahead_in = any(e.rank == TIER_RANK["priority"] for e in staying.values())
+        over_left = max(0, total - freed - limit) if ahead_in else 0
+        for_priority = max(0, total - freed - limit + min(max(0, priority_queued), limit)) - over_left
         default = [(e.entered, rid, e.seqs) for rid, e in staying.items()
                    if not e.batch and e.rank > TIER_RANK["priority"] and not e.stream]
-        return victims + self._victims(default, 0, for_priority, grant_priority, priority_queued, exempt_realtime)
+        return victims + self._victims(default, over_left, for_priority, grant_priority, priority_queued,
+                                       exempt_realtime)
 
     @staticmethod
     def _victims(candidates: list[tuple[float, str, int]], over: int, for_queued: int,

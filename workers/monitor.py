@@ -149,6 +149,11 @@ class Engines:
     prefill_s_tok2: float = 0.0  # and per prompt token squared (its attention), median over them
     count: int = 0  # how many engines share the prefill ahead
     backlog_s: float = 0.0  # Σ engine seconds of prefill waiting inside them
+    # The slowest limit line among them (a step: step_base_s + step_seq_s × sequences) and the
+    # share of its deadline a priority request decodes in: what the priority tier is promised at.
+    step_base_s: float = 0.0
+    step_seq_s: float = 0.0
+    priority_safety: float = 0.0
 
 
 def engines(serving: list[dict], priority: str = "realtime") -> Engines | None:
@@ -165,7 +170,10 @@ def engines(serving: list[dict], priority: str = "realtime") -> Engines | None:
                    prefill_s_tok=statistics.median(w.get("prefill_s_tok") or 0.0 for w in serving),
                    prefill_s_tok2=statistics.median(w.get("prefill_s_tok2") or 0.0 for w in serving),
                    count=len(serving), backlog_s=sum(w.get("backlog_s" if priority == Priority.BATCH.value
-                                                            else "realtime_backlog_s") or 0.0 for w in serving))
+                                                            else "realtime_backlog_s") or 0.0 for w in serving),
+                   step_base_s=max(w.get("step_base_s") or 0.0 for w in serving),
+                   step_seq_s=max(w.get("step_seq_s") or 0.0 for w in serving),
+                   priority_safety=min(w.get("priority_safety") or 0.0 for w in serving))
 
 
 def with_realtime_share(loads: list[ClassLoad]) -> list[ClassLoad]:
@@ -375,6 +383,9 @@ class Monitor:
                          round(engine.backlog_s, 3) if engine is not None else 0.0,
                          queued_prompt_sq=squares,
                          prefill_s_tok2=engine.prefill_s_tok2 if engine is not None else 0.0,
+                         step_base_s=engine.step_base_s if engine is not None else 0.0,
+                         step_seq_s=engine.step_seq_s if engine is not None else 0.0,
+                         priority_safety=engine.priority_safety if engine is not None else 0.0,
                          claimed_tps=round(max(0.0, claimed_tps), 2), ahead_tps=round(max(0.0, ahead_tps), 2),
                          claimed_share=round(claimed_share, 3), ahead_share=round(ahead_share, 3))
 

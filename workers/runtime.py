@@ -50,7 +50,7 @@ from core.delivery.streams import TokenSink
 from core.rediskeys import cancel_key, node_key, stalled_key, worker_key
 from workers.engines import Engine, GenerationOutput, GenerationRequest, SamplingParams
 from workers.engines.base import WARMUP_PREFIX, EngineDead
-from workers.governor import Governor
+from workers.governor import PRIORITY_SAFETY, Governor
 from workers.preemption import Claims
 
 log = logging.getLogger(__name__)
@@ -729,6 +729,11 @@ class EngineRuntime:
                         cached_share=round(curve.cached_share(), 3), slowdown=round(curve.slowdown(), 2),
                         backlog_s=round(self.governor.backlog_s(), 3),
                         realtime_backlog_s=round(self.governor.backlog_s(batch=False), 3),
+                        # The limit's line (a step is step_base_s + step_seq_s × sequences) and the
+                        # share of its deadline a priority request decodes in: the speed the
+                        # priority tier is promised at (admit.lua).
+                        step_base_s=float(f"{self.governor.step_line()[0]:.4g}"),
+                        step_seq_s=float(f"{self.governor.step_line()[1]:.4g}"), priority_safety=PRIORITY_SAFETY,
                         step_ms=[round(coef[0] * 1e3, 3), round(coef[1] * 1e3, 4), round(coef[2] * 1e6, 2),
                                  round(curve.attention_s() * 1e9, 3)])
         return view

@@ -107,8 +107,8 @@ def decode_drain(beat: dict) -> float:
 
 def capacity_entry(beat: dict, at_ms: int) -> str | None:
     """A worker's capacity as its heartbeat ``beat`` states it, in the form admission's script
-    reads (``at_ms drain_tps seq_tps slot_wait_s prefill_s_tok prefill_s_tok2``); None while it
-    knows no speed yet.
+    reads (``at_ms drain_tps seq_tps slot_wait_s prefill_s_tok prefill_s_tok2 step_base_s step_seq_s
+    priority_safety``); None while it knows no speed yet.
 
     A governed engine (it times its steps) decodes what its limit decodes with no prefill in its
     steps (``decode_tps``; prompts are priced apart, a prompt of P tokens at ``prefill_s_tok`` × P
@@ -126,7 +126,9 @@ def capacity_entry(beat: dict, at_ms: int) -> str | None:
     if drain <= 0:
         return None
     return (f"{at_ms} {drain:.3f} {seq:.3f} {float(beat.get('slot_wait_s') or 0.0):.3f} "
-            f"{float(beat.get('prefill_s_tok') or 0.0):.7f} {float(beat.get('prefill_s_tok2') or 0.0):.4g}")
+            f"{float(beat.get('prefill_s_tok') or 0.0):.7f} {float(beat.get('prefill_s_tok2') or 0.0):.4g} "
+            f"{float(beat.get('step_base_s') or 0.0):.4g} {float(beat.get('step_seq_s') or 0.0):.4g} "
+            f"{float(beat.get('priority_safety') or 0.0):.3g}")
 
 
 def tier_place(tier: str) -> str:
@@ -224,6 +226,12 @@ class ClassLoad:
     # output at the drain, their prompts at the prefill prices. The class's, and its tier ahead's.
     claimed_share: float = 0.0
     ahead_share: float = 0.0
+    # The engines' limit line (a step: step_base_s + step_seq_s × sequences, the slowest worker's)
+    # and the share of its deadline a priority request decodes in (workers/governor.py
+    # PRIORITY_SAFETY): the speed the priority tier is promised at. 0: unknown.
+    step_base_s: float = 0.0
+    step_seq_s: float = 0.0
+    priority_safety: float = 0.0
 
     def write(self, client: redis.Redis, ttl_s: float) -> None:
         with client.pipeline(transaction=False) as pipe:

@@ -12,7 +12,7 @@
 --         would take in now, the engine seconds of prefill ahead of a request that came now, and
 --         the speed a sequence would get there; a plain number is the room alone)
 --       8 the class's capacity (hash worker → 'at_ms drain_tps seq_tps slot_wait_s prefill_s_tok
---         prefill_s_tok2', heartbeats)
+--         prefill_s_tok2 step_base_s step_seq_s priority_safety', heartbeats)
 -- ARGV  1 request id  2 cost in tokens  3 platform tokens/min (0 = no cap)  4 tenant tokens/min
 --       5 tenant requests/min  6 tenant max concurrent  7 priority  8 too large (1|0), the
 --       per-request gate's verdict  9 load level max age (ms)  10 reject-batch level  11 shed level
@@ -117,6 +117,7 @@ end
 -- overload (an estimate never locks an idle door).
 local wait, finish, basis = -1, -1, ''
 local drain, seq, room, slot_wait, price, price2, engines = 0, 0, -1, 0, 0, 0, 0
+local step_base, step_seq, fast_share = 0, 0, 0
 local rooms, backlogs, speeds, backlog, seq_now, live_rooms = {}, {}, {}, 0, 0, 0
 local raw_rooms = redis.call('HGETALL', KEYS[7])
 for i = 1, #raw_rooms, 2 do
@@ -137,7 +138,8 @@ local function count_room(worker)
   if (rooms[worker] or 0) > 0 and s > 0 and (seq_now == 0 or s < seq_now) then seq_now = s end
 end
 local snap = redis.call('HMGET', KEYS[6], 'drain_tps', 'seq_tps', 'updated_at_ms', 'room', 'slot_wait_s',
-                        'prefill_s_tok', 'engines', 'prefill_s_tok2', 'ahead_share', 'realtime_share')
+                        'prefill_s_tok', 'engines', 'prefill_s_tok2', 'ahead_share', 'realtime_share',
+                        'step_base_s', 'step_seq_s', 'priority_safety')
 local ahead_share, realtime_share = 0, 0
 if snap[3] and now - tonumber(snap[3]) <= tonumber(ARGV[9]) then
   basis = 'monitor'
@@ -145,6 +147,7 @@ if snap[3] and now - tonumber(snap[3]) <= tonumber(ARGV[9]) then
   room, slot_wait = tonumber(snap[4]) or -1, tonumber(snap[5]) or 0
   price, engines, price2 = tonumber(snap[6]) or 0, tonumber(snap[7]) or 0, tonumber(snap[8]) or 0
   ahead_share, realtime_share = tonumber(snap[9]) or 0, tonumber(snap[10]) or 0
+  step_base, step_seq, fast_share = tonumber(snap[11]) or 0, tonumber(snap[12]) or 0, tonumber(snap[13]) or 0
   -- Room in the engines: live, as the workers wrote it when a request last entered or left one;
   -- the snapshot's (a heartbeat old) only where no worker wrote it.
   if #raw_rooms > 0 then
@@ -158,13 +161,17 @@ else
   local caps = redis.call('HGETALL', KEYS[8])
   local workers, all_full, full_wait = 0, true, nil
   for i = 1, #caps, 2 do
-    local at, d, s, sw, p, p2 = string.match(caps[i + 1], '^(%S+) (%S+) (%S+) (%S+) ?(%S*) ?(%S*)$')
+    local at, d, s, sw, p, p2, sb, ss, fs = string.match(
+      caps[i + 1], '^(%S+) (%S+) (%S+) (%S+) ?(%S*) ?(%S*) ?(%S*) ?(%S*) ?(%S*)$')
     if at and now - tonumber(at) <= tonumber(ARGV[21]) and (tonumber(d) or 0) > 0 then
       workers = workers + 1
       drain = drain + tonumber(d)
       if seq == 0 or tonumber(s) < seq then seq = tonumber(s) end
       price = math.max(price, tonumber(p) or 0)
       price2 = math.max(price2, tonumber(p2) or 0)
+      step_base = math.max(step_base, tonumber(sb) or 0)
+      step_seq = math.max(step_seq, tonumber(ss) or 0)
+      if fast_share == 0 or (tonumber(fs) or 0) < fast_share then fast_share = tonumber(fs) or 0 end
       local r = rooms[caps[i]] or 0
       if room < 0 then room = 0 end
       room = room + r
@@ -209,6 +216,14 @@ if full and drain > 0 then
     -- It goes in now: at the speed the engine states live, or (no live speed) at one the limit
     -- keeps fast enough, which decode counts nothing against.
     speed = seq_now
+  end
+  if place == 'ahead' and ARGV[7] ~= 'batch' and step_seq > 0 and fast_share > 0 then
+    -- A priority request's own pace sets its engine's limit once it is in (its decode within
+    -- fast_share of its deadline; the default work over that limit leaves): it decodes at least
+    -- at the speed of that limit, where the engine can keep it at all.
+    local pace = tonumber(ARGV[14]) / 1000 / math.max(1, tonumber(ARGV[15]))
+    local fits = math.floor((fast_share * pace - step_base) / step_seq)
+    if fits >= 1 then speed = math.max(speed, 1 / (step_base + step_seq * fits)) end
   end
   -- When it is due (the 202's poll hint): at the limit's speed where no live speed stands.
   if speed > 0 then

@@ -241,6 +241,12 @@ def test_the_estimate_shares_the_engines_by_weight_and_what_realtime_leaves():
     # is its capacity (1,000 output tokens: 50 s alone). The other tenant's 2,200 tokens are 10 s
     # of work at this job's 50 s per 11,000: at half the capacity each, that one ends at 20 s, and
     # this one's last 40 s run alone: 60 s.
+    # Measured busy before (20 output tokens a second while its queue never ran dry): that is its
+    # capacity even while idle now, and over a window that just got busy (claimed_tps 5).
+    measured = ClassLoad("batch", "m", 0, 0, 0, 100.0, 10.0, 0.0, 0, 1, 0, busy_tps=20.0, claimed_tps=5.0)
+    for ahead in (0, 1000):
+        assert estimate.finish_s(work, measured, realtime, tokens=11_000, ahead_tokens=ahead, weight=1,
+                                 others=[]) == pytest.approx(estimate.MARGIN * (1000 + ahead / 11) / 20)
     busy = ClassLoad("batch", "m", 0, 0, 0, 100.0, 10.0, 0.0, 0, 1, 0, claimed_tps=20.0)
     assert estimate.finish_s(work, busy, realtime, tokens=11_000, ahead_tokens=0, weight=1,
                              others=[estimate.Tenant(2200, 1.0)], overhead_s=2) == pytest.approx(

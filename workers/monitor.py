@@ -387,7 +387,8 @@ class Monitor:
                          step_seq_s=engine.step_seq_s if engine is not None else 0.0,
                          priority_safety=engine.priority_safety if engine is not None else 0.0,
                          claimed_tps=round(max(0.0, claimed_tps), 2), ahead_tps=round(max(0.0, ahead_tps), 2),
-                         claimed_share=round(claimed_share, 3), ahead_share=round(ahead_share, 3))
+                         claimed_share=round(claimed_share, 3), ahead_share=round(ahead_share, 3),
+                         busy_tps=round(state.capacity_tps, 2))
 
     # ------------------------------------------------------------------ leading and re-counting
 

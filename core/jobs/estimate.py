@@ -16,9 +16,10 @@ tenant's own jobs earliest promise first. The estimate follows that:
    jobs drains its remaining work at a rate in proportion to its weight, and a tenant that
    finishes leaves its share to the others. Other jobs' remaining work is priced at this job's
    engine seconds per token.
-   While other jobs keep the batch class busy, what it was measured to drain replaces steps 1
-   and 2: the output it claimed per second over the monitor's window, which already counts
-   their prompts, realtime beside them and the Python around the engines.
+   Where the batch class was measured busy (its latest stretch of queued work all along, or
+   while other jobs keep it busy the output it claimed per second over the monitor's window),
+   that measurement replaces steps 1 and 2: it already counts the prompts, realtime beside them
+   and the Python around the engines.
 4. **A margin** (``MARGIN``) over that, for what the model leaves out (realtime bursts, requests
    that end before max_tokens go the other way), and the feeder's rounds to start and settle a
    job (four of ``SLUICE_FEEDER_INTERVAL_S``).
@@ -145,9 +146,11 @@ def capacity(work: Work, batch: ClassLoad | None, realtime: ClassLoad | None, *,
              others: list[Tenant], busy: bool = False, overhead_s: float = 0.0) -> Capacity | None:
     """The :class:`Capacity` a job of ``work`` (``tokens`` as admission prices them) finishes in;
     None without the batch class's figures. ``others``: the other tenants with unfinished jobs;
-    ``busy``: other jobs keep the batch class busy, so the output it was measured to take per
-    second (``claimed_tps``, over the monitor's window) is its capacity: what the engines,
-    realtime beside them and the stack around them really gave batch work, prompts included;
+    ``busy``: other jobs keep the batch class busy. What the batch class was measured to take
+    while it had queued work all along (``busy_tps``, the monitor's latest such stretch) is its
+    capacity where there is one: what the engines, realtime beside them and the stack around them
+    really gave batch work, prompts included; else, while busy, what it took per second over the
+    monitor's window (``claimed_tps``, which a class just getting busy understates);
     ``overhead_s``: the feeder's rounds a job takes to start and to settle, whatever its size."""
     if batch is None:
         return None
@@ -155,8 +158,9 @@ def capacity(work: Work, batch: ClassLoad | None, realtime: ClassLoad | None, *,
     if own is None:
         return None
     share = batch_share(batch, realtime)
-    if (busy or any(t.tokens > 0 for t in others)) and batch.claimed_tps > 0:
-        own, share = work.output / batch.claimed_tps, 1.0
+    measured = batch.busy_tps or (batch.claimed_tps if busy or any(t.tokens > 0 for t in others) else 0.0)
+    if measured > 0:
+        own, share = work.output / measured, 1.0
     per_token = own / max(tokens, 1)
     return Capacity(per_token, share, max(0.0, batch.wait_s), weight,
                     {i: (t.tokens * per_token, t.weight) for i, t in enumerate(others)}, overhead_s)

@@ -8,9 +8,10 @@ BIN := $(VENV)/bin
 up: $(VENV)/.installed
 	$(BIN)/sluice up
 
-# The suite runs spread over four pytest-xdist processes (which tests share one, and in what order
-# they start: tests/conftest.py); TEST_PROCS=1 runs it in one process, one test after another.
-TEST_PROCS ?= 4
+# TEST_PROCS=4 spreads the suite over four pytest-xdist processes (which tests share one, and in
+# what order they start: tests/conftest.py). One process stays the default while a spread run on a
+# slow 2-core host still misses timing bounds now and then (issue 35, docs/development.md).
+TEST_PROCS ?= 1
 ifeq ($(TEST_PROCS),1)
 SPREAD :=
 else

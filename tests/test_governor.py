@@ -217,6 +217,10 @@ def test_the_priority_tiers_queued_requests_take_default_work_out_never_a_stream
     clock.now += 1
     governor.enter("b0", batch=True, deadline_s=3600.0, max_tokens=64)
     assert governor.preempt(1, priority_queued=0) == ["b0"], "any realtime queued: batch leaves"
+    clock.now += 1
+    governor.enter("d3", batch=False, deadline_s=30.0, max_tokens=64, rank=1)  # over the limit by one
+    assert governor.preempt(0) == ["b0"], "no priority request queued or in hand: no default work leaves"
+    governor.leave("d3")
     assert governor.preempt(2, priority_queued=0) == ["b0"], "default queued takes no default work out"
     assert governor.preempt(1, priority_queued=1) == ["b0"], "batch leaving makes the room priority needs"
     assert governor.preempt(2, priority_queued=2) == ["b0", "d2"], "then the newest default request"

@@ -110,7 +110,8 @@ def test_submit_waits_shows_progress_and_saves_results_in_input_order(sluice):
     lines = [{"custom_id": f"doc-{i}", "text": doc(i, 30)} for i in range(200)]
     source = write_jsonl(sluice.tmp / "docs.jsonl", lines)
 
-    run = sluice.jobs(key, "submit", str(source), "--summary-tokens", "24", "--wait")
+    # Its 200 lines take ~30 s alone; a spread run's other processes have made it take over 60.
+    run = sluice.jobs(key, "submit", str(source), "--summary-tokens", "24", "--wait", timeout=180)
     assert run.returncode == 0, run.stderr
     job_id = run.stdout.strip()
     assert uuid.UUID(job_id)

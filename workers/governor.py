@@ -663,7 +663,8 @@ class Governor:
         freed = sum(staying[rid].seqs for rid in victims)
         ahead_in = any(e.rank == TIER_RANK["priority"] for e in staying.values())
         over_left = max(0, total - freed - limit) if ahead_in else 0
-        for_priority = max(0, total - freed - limit + min(max(0, priority_queued), limit)) - over_left
+        for_priority = (max(0, total - freed - limit + min(priority_queued, limit)) - over_left
+                        if priority_queued > 0 else 0)
         default = [(e.entered, rid, e.seqs) for rid, e in staying.items()
                    if not e.batch and e.rank > TIER_RANK["priority"] and not e.stream]
         return victims + self._victims(default, over_left, for_priority, grant_priority, priority_queued,

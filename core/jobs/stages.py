@@ -69,9 +69,13 @@ class Stages:
         if failed is not None:
             status = {Status.CANCELLED: ItemStatus.CANCELLED, Status.EXPIRED: ItemStatus.EXPIRED}.get(
                 failed.status, ItemStatus.FAILED)
+            code = failed.error_code or failed.status.value
             if stopping is not None and status == ItemStatus.CANCELLED:
+                # Its request was stopped because the job stopped: the item ends as the job did (an
+                # expired job's running items are `expired`, with the expiry's code).
                 status = stopping
-            self._end(item, status, spent, code=failed.error_code or failed.status.value,
+                code = ItemStatus.EXPIRED.value if stopping == ItemStatus.EXPIRED else code
+            self._end(item, status, spent, code=code,
                       message=failed.error_message or f"A request of this item ended {failed.status.value}.")
             for other in rows:  # the rest of its stage is of no use now
                 if not other.status.terminal:
@@ -82,7 +86,7 @@ class Stages:
                       finish_reason=rows[0].finish_reason)
             return 0
         if stopping is not None or tenant is None:
-            self._end(item, stopping or ItemStatus.CANCELLED, spent, code="cancelled",
+            self._end(item, stopping or ItemStatus.CANCELLED, spent, code=(stopping or ItemStatus.CANCELLED).value,
                       message="The job stopped before this item's summary was complete.")
             return 0
         joined = "\n\n".join(r.output_text or "" for r in rows)
@@ -113,8 +117,8 @@ class Stages:
                                 .values(requests=remaining))
             item.requests = remaining
             if not remaining:
-                self._end(item, self._stopping(job) or ItemStatus.CANCELLED, NOTHING, code="cancelled",
-                          message="The job stopped before this item ran.")
+                ended = self._stopping(job) or ItemStatus.CANCELLED
+                self._end(item, ended, NOTHING, code=ended.value, message="The job stopped before this item ran.")
             return
         with self.db.session() as session:
             source = session.execute(select(JobItem.text, JobItem.result).where(

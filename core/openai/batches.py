@@ -215,12 +215,9 @@ def output_line(job: Job, batch: Batch, row) -> dict[str, Any]:
     """A line of OpenAI's batch output format; the response body is what the endpoint would answer."""
     line_id = f"batch_req_{job.id.hex}_{row.line}"
     if row.error_code is not None or row.result is None:
-        # A line its batch's window ended before: OpenAI's code for it. That includes a line whose
-        # request was running then, which the expiry stopped (cancelled): a batch's lines are never
-        # cancelled one by one, and a cancelled batch is `cancelled`, not `expired`.
-        expired = row.error_code == "expired" or (job.status == JobStatus.EXPIRED and row.error_code == "cancelled")
+        # A line its batch's window ended before: OpenAI's code for it.
         code, message = ((EXPIRED_LINE_CODE, "The batch's completion window ended before this request ran.")
-                         if expired else (row.error_code, row.error_message))
+                         if row.error_code == "expired" else (row.error_code, row.error_message))
         return {"id": line_id, "custom_id": row.custom_id, "response": None,
                 "error": {"code": code, "message": message}}
     usage = token_usage(row.input_tokens, row.output_tokens, row.cached_tokens)

@@ -26,12 +26,12 @@ from core.submit.answers import AnswerCache, answer_key, cache_scope
 from core.submit.sampling import decoding
 from core.submit.tokens import message_text
 from core.submit.twins import Twins
-from models import Priority, Status
+from models import ServiceTier, Status
 from models import lifecycle as lc
 from models.lifecycle import Claimed, Ended, Lifecycle
 from models.request import storable_text
 from workers.engines import GenerationRequest, SamplingParams
-from workers.engines.base import BATCH_RANK, TIER_RANK, Constraint, ConstraintError, RequestRefused
+from workers.engines.base import TIER_RANK, Constraint, ConstraintError, RequestRefused
 from workers.runtime import EngineRuntime, RunResult
 
 log = logging.getLogger(__name__)
@@ -156,11 +156,12 @@ def finish(lifecycle: Lifecycle, request_id: uuid.UUID, worker_id: str, model: s
 
 
 def engine_priority(claimed: Claimed) -> int:
-    """The engine priority of a claimed request: its service tier's rank, kept within its class
-    (a row that names no tier, or one its class does not hold, gets its class's plain tier)."""
-    plain = "batch" if claimed.priority == Priority.BATCH else "default"
-    rank = TIER_RANK.get(claimed.service_tier or plain, TIER_RANK[plain])
-    return max(rank, BATCH_RANK) if claimed.priority == Priority.BATCH else min(rank, BATCH_RANK - 1)
+    """The engine priority of a claimed request: its service tier's rank (a row that names no
+    tier, or one its class does not hold, gets its class's plain tier)."""
+    tier = claimed.service_tier
+    if tier not in TIER_RANK or ServiceTier(tier).priority != claimed.priority:
+        tier = ServiceTier.of(claimed.priority)
+    return TIER_RANK[tier]
 
 
 def generation_request(claimed: Claimed) -> GenerationRequest:

@@ -136,7 +136,11 @@ class EngineRuntime:
         self._batch_open = True
         self._preempted: set[str] = set()
         self._slowest_step_s = 0.0
-        self._realtime_queues = [q for q in self.info.get("queues", ()) if q.startswith("realtime.")]
+        # The broker's lists the messages of the realtime queues it reads wait in (one per service
+        # tier's step), and of those the priority tier's: counted every governor round.
+        realtime = [q for q in self.info.get("queues", ()) if q.startswith("realtime.")]
+        self._realtime_lists = [key for queue in realtime for key in queue_lists(queue)]
+        self._priority_lists = {tier_list(queue, "priority") for queue in realtime}
         # The classes this engine serves: where its room goes each time a request enters or leaves.
         model = self.info.get("model")
         queues = self.info.get("queues", ()) if model else ()
@@ -652,18 +656,17 @@ class EngineRuntime:
         of those the priority tier's (its step's list, core/broker/queues.py MESSAGE_PRIORITY):
         the broker's own lists, not the class counters (those can drift between the monitor's
         re-counts, and a stale count must never keep batch work out)."""
-        if not self._realtime_queues:
+        if not self._realtime_lists:
             return 0, 0
-        lists = [key for queue in self._realtime_queues for key in queue_lists(queue)]
-        ahead = {tier_list(queue, "priority") for queue in self._realtime_queues}
         try:
             with self._redis.pipeline(transaction=False) as pipe:
-                for key in lists:  # each service tier's messages wait in a list of their own
+                for key in self._realtime_lists:  # each service tier's messages wait in a list of their own
                     pipe.llen(key)
                 counts = [int(n or 0) for n in pipe.execute()]
         except redis.RedisError:
             return 0, 0  # unknown: batch keeps its place; the level and the promise still protect realtime
-        return sum(counts), sum(n for key, n in zip(lists, counts, strict=True) if key in ahead)
+        return sum(counts), sum(n for key, n in zip(self._realtime_lists, counts, strict=True)
+                                if key in self._priority_lists)
 
     def govern_once(self) -> None:
         """One round: learn from the steps taken, set the limit, let batch in or not, preempt."""
@@ -722,6 +725,7 @@ class EngineRuntime:
             # + P² × prefill_s_tok2 (its attention; the prefix cache's share taken off), its output
             # at what the engine decodes at the limit with no prefill in its steps (decode_tps);
             # backlog_s of prefill is ahead of it here.
+            step_base, step_seq = self.governor.step_line()
             view.update(limit_seq_tps=round(curve.seq_tps(self.limit), 3), idle_seq_tps=round(curve.seq_tps(1), 3),
                         decode_tps=round(self.limit / curve.step_s(self.limit, 0), 3),
                         prefill_s_tok=round(self.governor.prompt_token_s(), 7),
@@ -732,8 +736,8 @@ class EngineRuntime:
                         # The limit's line (a step is step_base_s + step_seq_s × sequences) and the
                         # share of its deadline a priority request decodes in: the speed the
                         # priority tier is promised at (admit.lua).
-                        step_base_s=float(f"{self.governor.step_line()[0]:.4g}"),
-                        step_seq_s=float(f"{self.governor.step_line()[1]:.4g}"), priority_safety=PRIORITY_SAFETY,
+                        step_base_s=float(f"{step_base:.4g}"), step_seq_s=float(f"{step_seq:.4g}"),
+                        priority_safety=PRIORITY_SAFETY,
                         step_ms=[round(coef[0] * 1e3, 3), round(coef[1] * 1e3, 4), round(coef[2] * 1e6, 2),
                                  round(curve.attention_s() * 1e9, 3)])
         return view

@@ -33,8 +33,8 @@ def _due_first(jobs: list[Job]) -> list[Job]:
     ``core/jobs/estimate.py place``; a job without a promise: its window's end), within
     ``SAME_DUE_S`` of the earliest: a 1 h job overtakes the tenant's 24 h job where the 24 h job's
     promise left it room, and jobs due together share the tenant's part by the tokens fed."""
-    due = {j.id: (j.estimated_finish_at or j.expires_at).timestamp()
-           if (j.estimated_finish_at or j.expires_at) is not None else float("inf") for j in jobs}
+    keys = {j.id: j.estimated_finish_at or j.expires_at for j in jobs}
+    due = {i: key.timestamp() if key is not None else float("inf") for i, key in keys.items()}
     first = min(due.values())
     return [j for j in jobs if due[j.id] <= first + SAME_DUE_S]
 

@@ -192,8 +192,8 @@ if full and drain > 0 then
   -- A tier served ahead of its class sees only its own tier's queue (the 'ahead_' counters); the
   -- default tier sees all of it, at a drain less the share held for the tier ahead while that tier
   -- has come in the last minute: the configured share, or what the tier ahead took of the engines'
-  -- time over the monitor's window (its output and its prompts) when that is more. A batch class (flex and batch) has only what its
-  -- model's realtime work leaves of the engines.
+  -- time over the monitor's window (its output and its prompts) when that is more. A batch class
+  -- (flex and batch) has only what its model's realtime work leaves of the engines.
   local prefix = place == 'ahead' and 'ahead_' or ''
   local counters = redis.call('HMGET', KEYS[5], prefix .. 'queued_work', prefix .. 'queued_prompt',
                               prefix .. 'queued_prompt_sq', 'ahead_seen_ms')

@@ -28,7 +28,7 @@ import time
 import psutil
 import pytest
 from conftest import BeatProcess, make_settings
-from test_ledger import DEATH_BOUND_S, SLACK_S, TERMINAL, FaultWorker, Keeper, Load, check_ledger, settle, statuses_of
+from test_ledger import SLACK_S, Backlog, FaultWorker, Keeper, Load, check_ledger
 from test_vllm_engine import tiny_model, vllm_env  # noqa: F401 - fixtures
 
 from web.services import services
@@ -42,46 +42,6 @@ POISON = "poison pill"  # a prompt with it holds its worker's loop (SLUICE_FAULT
 # A stopped engine is found within the watchdog's patience, one of its rounds (a heartbeat) and
 # the exit, on a loaded CI machine.
 DETECT_BOUND_S = WATCHDOG_S + 2 + SLACK_S
-
-
-class Backlog:
-    """The recovery bound of a fault that stops the worker: what a death strands runs again within
-    DEATH_BOUND_S, and the backlog the outage piled up drains at the pace a full worker of this
-    host serves now, measured before the fault (``measure``: BURST requests of the load's size
-    at once), given twice that time, since the host's other load changes within a test. A fixed
-    bound was 33 s: on a 2-core host shared with three other test processes a restarted worker
-    took 36 to 85 s to drain ~100 to 160 queued requests, nothing stuck; idle, it drains ~20 a
-    second. A recovery that waits on something (the default 60 s lost-message grace, a held
-    slot) still overruns the bound."""
-
-    BURST = 12
-    PACE_SLACK = 2
-
-    def __init__(self, application, client) -> None:
-        self.application = application
-        ids = []
-        began = time.monotonic()
-        for i in range(self.BURST):
-            answer = client.submit(prompt=f"drain {i}", max_tokens=32, ignore_eos=True)
-            assert answer.status_code == 202, answer.get_json()
-            ids.append(answer.get_json()["id"])
-        settle(application, ids, 120, poll_s=0.1)
-        self.per_s = self.BURST / (time.monotonic() - began)
-        self.open_at_fault = self.seen_at_fault = 0
-
-    def fault(self, load: Load) -> None:
-        """At the fault's end: how many accepted requests are still to run."""
-        accepted = list(load.accepted)
-        self.seen_at_fault = len(accepted)
-        self.open_at_fault = sum(1 for s in statuses_of(self.application, accepted).values() if s not in TERMINAL)
-
-    def bound_s(self, load: Load) -> float:
-        backlog = self.open_at_fault + len(load.accepted) - self.seen_at_fault
-        return round(DEATH_BOUND_S + self.PACE_SLACK * backlog / self.per_s, 1)
-
-    def line(self, load: Load) -> dict:
-        return {"backlog_at_fault": self.open_at_fault, "arrived_after": len(load.accepted) - self.seen_at_fault,
-                "drain_per_s": round(self.per_s, 2)}
 
 
 def engine_core(worker) -> psutil.Process:

@@ -233,7 +233,7 @@ def main() -> int:
                        "SLUICE_PRICES": f"{overload.MODEL_NAME if args.engine == 'vllm' else 'simulated-llama-8b'}"
                                         "=1/0.5/2"})
     overload.say(f"# {os.cpu_count()} CPUs; engine {args.engine} ({args.shape}); {args.mix} mix, questions of "
-                 f"{overload.describe(lengths)} tokens, max_tokens {args.rt_tokens}; tiers {ours.tiers}; "
+                 f"{overload.describe(lengths)}, max_tokens {args.rt_tokens}; tiers {ours.tiers}; "
                  f"deadlines {deadlines}")
     for note in notes:
         overload.say(f"# {note}")

@@ -44,7 +44,6 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
 
 import overload  # noqa: E402
 from bulk import Corpus  # noqa: E402
-from prompts import question_prompt  # noqa: E402
 from users import TERMINAL, Http  # noqa: E402
 
 ENDED = {"completed", "failed", "cancelled", "expired"}
@@ -60,6 +59,9 @@ def parse_args() -> tuple[argparse.Namespace, argparse.Namespace]:
     parser.add_argument("--summary-tokens", type=int, default=64)
     parser.add_argument("--gap", type=float, default=5.0, help="seconds between job submits")
     parser.add_argument("--rt-rate", type=float, default=2.0, help="realtime questions a second beside the jobs")
+    parser.add_argument("--rt-mix", default="chat",
+                        help="bench/prompts.py's mix the realtime questions' lengths come from (chat: 100-400 "
+                             "tokens after a 50-token preamble; short: the first runs' ~20-token questions)")
     parser.add_argument("--sim-speed", type=float, default=0.6,
                         help="the engine's speed, H200 = 1: 0.6 keeps the issue's job lengths against its windows "
                              "(documents x0.01, time x1/60: 60 x 0.01)")
@@ -70,20 +72,21 @@ def parse_args() -> tuple[argparse.Namespace, argparse.Namespace]:
     ours = parser.parse_args()
     return ours, overload.parse_args(["--engine", "sim", "--sim-profile", "h200", "--sim-speed", str(ours.sim_speed),
                                       "--setups", "sluice", "--knee-setup", "sluice", "--seqs", str(ours.seqs),
-                                      "--rt-tokens", "32"])
+                                      "--rt-tokens", "32", "--mix", ours.rt_mix])
 
 
 def when(iso: str | None) -> float | None:
     return datetime.fromisoformat(iso).timestamp() if iso else None
 
 
-def realtime(front, rate: float, stop: threading.Event, outcomes: list[str], seed: int) -> None:
-    """Questions at ``rate`` a second until ``stop``; each one's end (or refusal) in ``outcomes``."""
+def realtime(front, rate: float, stop: threading.Event, outcomes: list[str], seed: int, prompts) -> None:
+    """Questions of ``prompts``' realtime lengths at ``rate`` a second until ``stop``; each one's
+    end (or refusal) in ``outcomes``."""
     rng = random.Random(seed)
 
     def one(n: int) -> None:
         http = Http(front.api, {"Authorization": f"Bearer {front.key}"})
-        reply = http.call("POST", "/v1/requests", {"prompt": question_prompt(n), "max_tokens": 32,
+        reply = http.call("POST", "/v1/requests", {"prompt": prompts.realtime(n).text, "max_tokens": 32,
                                                    "ignore_eos": True}, timeout_s=30)
         if reply.status != 202:
             outcomes.append(f"refused {reply.status}")
@@ -104,6 +107,12 @@ def realtime(front, rate: float, stop: threading.Event, outcomes: list[str], see
 
 def main() -> int:
     ours, args = parse_args()
+    from tiny_model import cached_model
+
+    # The simulated engine has no model: the questions are measured in the tiny model's tokens.
+    args.tokenizer_dir = cached_model(ROOT / ".cache", "tiny")
+    prompts, _ = overload.prompt_source(args)
+    asked = overload.lengths([prompts.realtime(n).tokens for n in range(overload.PROMPT_SAMPLE)])
     rng = random.Random(ours.seed)
     tmp = Path(tempfile.mkdtemp(prefix="windows-"))
     corpus = Corpus(ours.seed)
@@ -118,12 +127,14 @@ def main() -> int:
     overload.say(f"# {ours.jobs} jobs of {ours.docs_min}-{ours.docs_max} documents (~{ours.doc_chars} characters, "
                  f"~{ours.doc_chars // 4} tokens each; {sum(p['docs'] for p in plan)} in all), windows 1/4/24 min "
                  f"(1 h/4 h/24 h scaled 60x), {ours.summary_tokens}-token summaries; realtime {ours.rt_rate:g}/s "
+                 f"({ours.rt_mix} mix, questions of {overload.describe(asked)}, 32 out) "
                  f"beside; simulated engine, h200 profile at speed {ours.sim_speed:g}, {ours.seqs} sequences")
     outcomes: list[str] = []
     stop = threading.Event()
     with contextlib.ExitStack() as exits:
         front = overload.start(args, "sluice", exits)
-        threading.Thread(target=realtime, args=(front, ours.rt_rate, stop, outcomes, ours.seed), daemon=True).start()
+        threading.Thread(target=realtime, args=(front, ours.rt_rate, stop, outcomes, ours.seed, prompts),
+                         daemon=True).start()
         time.sleep(10)  # the monitor's figures for the batch class, from the worker's first steps
         for job in plan:
             body = job["path"].read_bytes()

@@ -17,7 +17,7 @@ from sqlalchemy import select
 from test_api_errors import assert_envelope as envelope
 from test_usage import add_budget
 
-from core.admission.load import ClassLoad, counters_key
+from core.admission.load import ClassLoad, counters_key, room_key, snapshot_key
 from core.jobs import estimate, scheduling
 from core.usage import refusals
 from models import InferenceRequest, Job, Priority
@@ -143,6 +143,51 @@ def test_priority_is_promised_the_speed_its_own_pace_sets(tiered):
     hopeless = envelope(client.submit(prompt="priority, long", max_tokens=1000, service_tier="priority"), 503,
                         "overloaded")
     assert hopeless["details"]["estimated_run_s"] == pytest.approx(200.0, abs=0.5)
+
+
+def test_default_work_in_the_engines_makes_no_priority_request_wait_or_refuses_it(isolated_app, new_client,
+                                                                                   database_url,
+                                                                                   admission_redis_url):
+    """Engines full of default work: a default request waits for a seat (20 s here), a priority
+    request does not (the worker states the seats the default work would leave for it, and the
+    governor takes that work out). Under the tight promise (factor 0.6) a priority request whose
+    decode its own pace keeps within half its 15 s deadline (7 s, as above) is held to the factor
+    on the rest only: 7 s + 3 s queued fits 7 + 0.6 × 8 = 11.8 s, where 0.6 × 15 = 9 s would have
+    refused a request the engine serves in 10."""
+    model = make_settings(database_url, admission_redis_url).registry.default.name
+    application = isolated_app(realtime_deadline_s=30.0, promise_factor=0.6, prices_spec=PRICES.format(model=model))
+    client = new_client(application)
+    svc = services(application)
+    key = room_key("realtime", model)
+    try:
+        publish(application, "realtime", drain_tps=100, seq_tps=5, line=(0.05, 0.01, 0.5))
+        svc.redis.hset(key, "worker-a", "0 0 50 2")  # no room; two seats held by default work
+        snapshot = snapshot_key("realtime", model)
+        svc.redis.hset(snapshot, "slot_wait_s", 20.0)
+        svc.redis.hset(snapshot, "room", 0)
+        default = envelope(client.submit(prompt="default", max_tokens=10, service_tier="default"), 503,
+                           "overloaded")
+        assert default["details"]["estimated_wait_s"] == 20.0, default
+        accepted = client.submit(prompt="priority", max_tokens=100, service_tier="priority")
+        assert accepted.status_code == 202, accepted.get_json()
+        assert float(accepted.headers["Sluice-Estimated-Wait"]) == 0.0
+        # 3 s of priority work queued ahead (300 tokens at 100 a second), then its 7 s.
+        svc.redis.hset(counters_key("realtime", model), mapping={"ahead_queued_work": 300, "queued_work": 300})
+        behind = client.submit(prompt="priority, queued", max_tokens=100, service_tier="priority")
+        assert behind.status_code == 202, behind.get_json()
+        # 6 s ahead: 13 s past 11.8 s.
+        svc.redis.hset(counters_key("realtime", model), mapping={"ahead_queued_work": 600, "queued_work": 600})
+        late = envelope(client.submit(prompt="priority, later", max_tokens=100, service_tier="priority"), 503,
+                        "overloaded")
+        assert late["details"]["estimated_run_s"] == pytest.approx(7.0, abs=0.1)
+        # A worker that does not state the priority room (three figures): its room stands.
+        svc.redis.hset(key, "worker-a", "0 0 50")
+        svc.redis.hset(counters_key("realtime", model), mapping={"ahead_queued_work": 0, "queued_work": 0})
+        waited = envelope(client.submit(prompt="priority, old worker", max_tokens=100, service_tier="priority"),
+                          503, "overloaded")
+        assert waited["details"]["estimated_wait_s"] == 20.0, waited
+    finally:
+        svc.redis.delete(key)
 
 
 def test_default_gives_priority_what_it_takes_and_batch_work_what_realtime_leaves(tiered):

@@ -449,6 +449,12 @@ class Governor:
         with self._lock:
             return sum(e.seqs for e in self._in_engine.values())
 
+    def kept_from_priority(self) -> int:
+        """Sequences a priority request could not take from the requests in the worker's hands:
+        the priority tier's own and the streams (``preempt`` takes the rest out for it)."""
+        with self._lock:
+            return sum(e.seqs for e in self._in_engine.values() if e.rank == 0 or e.stream)
+
     def pace_s(self) -> float:
         """The pace that governs now: the tightest of the batch requests in the engine and of the
         realtime class (its requests in the engine and those that entered within ``memory_s``).

@@ -373,13 +373,16 @@ class EngineRuntime:
     def room_entries(self) -> list[str]:
         """What admission reads of this engine, live (``core/admission/load.py`` ROOM_PREFIX), one
         entry per class it serves (``_room_keys``' order): its room, the engine seconds of prefill
-        ahead of a request of that class that came now, and the speed a sequence would get if it
-        came now (one more than it holds, tokens per second)."""
+        ahead of a request of that class that came now, the speed a sequence would get if it
+        came now (one more than it holds, tokens per second), and the room a priority request
+        would have (a realtime class's default and flex work leaves for it: ``Governor.preempt``)."""
         if self.draining.is_set():
-            return ["0 0 0"] * len(self._room_heads)
+            return ["0 0 0 0"] * len(self._room_heads)
         room = self.room()
         seq = self.governor.curve.seq_tps(min(self.governor.seqs() + 1, max(1, self.limit))) or 0.0
-        return [f"{room} {self.governor.backlog_s(head == 'batch'):.2f} {seq:.2f}" for head in self._room_heads]
+        ahead = max(0, self.limit - self.governor.kept_from_priority())
+        return [f"{room} {self.governor.backlog_s(head == 'batch'):.2f} {seq:.2f} {room if head == 'batch' else ahead}"
+                for head in self._room_heads]
 
     def write_room(self, force: bool = False) -> None:
         """Tell admission how many requests this engine would take in now (its limit less what it

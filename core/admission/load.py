@@ -49,11 +49,13 @@ log = logging.getLogger(__name__)
 
 COUNTERS_PREFIX = "sluice:load:queue:"
 SNAPSHOT_PREFIX = "sluice:load:class:"
-# Hash worker id → "<room> <backlog s> <seq tps now>" per class it serves: the sequences its engine
-# would take in now, the engine seconds of prefill ahead of a request that came now, the speed a
-# sequence would get; written by each worker whenever a request enters or leaves its engine and
-# while prompts wait to go in (workers/runtime.py), so the promise sees a full engine and a prefill
-# backlog at once instead of a heartbeat later; the monitor drops the fields of dead workers.
+# Hash worker id → "<room> <backlog s> <seq tps now> <priority room>" per class it serves: the
+# sequences its engine would take in now, the engine seconds of prefill ahead of a request that
+# came now, the speed a sequence would get, and the sequences a priority request could have (its
+# limit less what the priority tier and streams hold: default work leaves for it); written by
+# each worker whenever a request enters or leaves its engine and while prompts wait to go in
+# (workers/runtime.py), so the promise sees a full engine and a prefill backlog at once instead of
+# a heartbeat later; the monitor drops the fields of dead workers.
 ROOM_PREFIX = "sluice:load:room:"
 # Hash worker id → "<at ms> <drain tps> <seq tps> <slot wait s> <prefill s a prompt token>", per
 # class it serves: written with each heartbeat (workers/runtime.py), read by admission while the

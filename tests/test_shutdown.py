@@ -36,6 +36,10 @@ def test_a_stopping_worker_finishes_what_it_runs_and_takes_nothing_new(isolated,
     try:
         long = client.submit(prompt="a long one", max_tokens=60, ignore_eos=True).get_json()["id"]
         client.wait(long, statuses={"running"})
+        # The row reads running once the task claims it, a moment before the worker counts it in
+        # flight; a stop in that moment hands it back (by design: it was not in flight to wait
+        # for), which a loaded host once hit. The heartbeat says when it is in the worker's hands.
+        worker.wait_stats(lambda s: s.get("in_flight", 0) >= 1, timeout=30)
         _sigterm(worker)
         time.sleep(1.0)
         later = client.submit(prompt="arrives during the stop", max_tokens=4).get_json()["id"]

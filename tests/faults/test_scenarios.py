@@ -438,8 +438,10 @@ def test_a_node_lost_under_load(hosts, stack, database_url, tmp_path):
             procs[0].kill()
             survivor = down_to_one(application, model, within_s=5)
             # At 1.8 times the survivor's capacity its queue fills (to what its deadlines allow)
-            # in about 20 s; from then on the excess is refused.
-            time.sleep(26)
+            # in about 20 s; from then on the excess is refused. On a loaded host the load's
+            # submits come slower and the queue takes longer (a fixed 26 s once ended before the
+            # first refusal, which came after): wait for one, 90 s at most.
+            load.until_refused(at_least_s=26, at_most_s=90)
             refused_before_replacement = sum(load.refused.values())
             procs.append(worker_on(hosts(redis_url), database_url, redis_url, tmp_path, SLOW_CPU))
             time.sleep(2)
@@ -486,7 +488,7 @@ def test_a_node_partitioned_under_load(hosts, stack, database_url, tmp_path):
             time.sleep(4)
             lost.cut()
             survivor = down_to_one(application, model, within_s=10)
-            time.sleep(26)
+            load.until_refused(at_least_s=26, at_most_s=90)  # as with the node lost, above
             refused_in_partition = sum(load.refused.values())
             lost.heal()
             time.sleep(4)

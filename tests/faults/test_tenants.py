@@ -123,14 +123,17 @@ def test_sixty_parked_twins_never_run_past_their_tenants_limit(database_url, red
     from admission_support import set_limits, tenant_id_of
 
     redis_url = redis_dbs()
-    env = {"SLUICE_SIM_SPEED": "4"}
+    # The leader must still run when the 60 submits are done: at 4 times an H200's speed its 1,500
+    # tokens took under 2 s, which 60 submits on a loaded host outlasted (the cancel found it
+    # ended: 409). At an H200's speed 6,000 tokens take ~30 s; it is cancelled long before.
+    env = {"SLUICE_SIM_SPEED": "1"}
     application = create_app(Settings.from_env(service_env(database_url, redis_url, env)))
     worker = WorkerProcess(database_url, redis_url, tmp_path, extra_env=env, concurrency=16)
     abuser, neighbour = new_client(application), new_client(application)
     set_limits(application, abuser, max_concurrent=4, requests_per_minute=100)
     tenant = tenant_id_of(application, abuser)
     try:
-        body = {"prompt": f"X {uuid.uuid4()}", "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+        body = {"prompt": f"X {uuid.uuid4()}", "max_tokens": 6000, "temperature": 0, "ignore_eos": True,
                 "priority": "batch", "deadline_s": 3600}
         leader = abuser.submit(**body).get_json()["id"]
         abuser.wait(leader, statuses={"running"})

@@ -217,3 +217,29 @@ def test_a_tiers_share_of_the_engines_counts_its_prompts():
     assert load.claimed_share == pytest.approx(0.3 + 0.55)
     batch = ClassLoad("batch", "m", 0, 0, 0, 100.0, 10.0, 0.0, 0, 1, 0)
     assert with_realtime_share([load, batch])[1].realtime_share == load.claimed_share
+
+
+def test_a_jobs_estimate_reads_the_busy_drain_of_a_backlog_that_lasted():
+    """The drain a class was measured to take while busy (``busy_tps``: what a bulk job's estimate
+    reads) comes from a backlog of BUSY_MIN_S or more: a 2 s one in which threads held long
+    documents and few were claimed moves the drain the promise uses, not the estimate."""
+    monitor = Monitor(make_settings("postgresql://unused", "redis://unused"), redis.Redis(), None)  # never called
+
+    def tick(t: float, claimed: int, queued: int = 50):
+        return monitor._class_load("batch", "m", {"claimed_work": claimed, "queued_work": queued}, 1, 4, None, t, 0)
+
+    claimed = 0
+    for t in range(0, 7):  # 6 s of backlog at 100 tokens a second
+        load = tick(float(t), claimed)
+        claimed += 100
+    assert load.busy_tps == pytest.approx(100.0) and load.drain_tps == pytest.approx(100.0)
+    tick(7.0, claimed, queued=0)  # the queue ran dry: a new backlog begins
+    for t in range(8, 11):  # 2 s in which 10 tokens a second were claimed
+        load = tick(float(t), claimed)
+        claimed += 10
+    assert load.drain_tps == pytest.approx(10.0), "the drain follows the latest backlog"
+    assert load.busy_tps == pytest.approx(100.0), "the estimate keeps the one that lasted"
+    for t in range(11, 15):  # it goes on, at 10 tokens a second, past BUSY_MIN_S
+        load = tick(float(t), claimed)
+        claimed += 10
+    assert load.busy_tps == pytest.approx(10.0)

@@ -79,6 +79,10 @@ LEADER_KEY = "sluice:monitor:leader"
 TICK_S = 1.0
 WINDOW_S = 10.0  # drain is measured over this much history ...
 MEASURE_MIN_S = 2.0  # ... once a backlog has lasted this long
+# What a job's estimate reads as the class's busy drain (``busy_tps``) comes from backlogs that
+# lasted this long at least: in a 2 s one the few requests claimed swing the figure (threads
+# holding long documents claimed a tenth of the drain, and a 27-document job was told 8 minutes).
+BUSY_MIN_S = 5.0
 RECOUNT_S = 30.0
 # Estimated wait ÷ the class's deadline at which each level (1..6) is entered; a level is left
 # only after the ratio stayed below DOWN_FACTOR × its threshold for HOLD_S. Shedding waits for
@@ -133,6 +137,8 @@ class _ClassState:
     samples: deque = field(default_factory=deque)  # of _Sample, over WINDOW_S
     capacity_tps: float = 0.0  # drain measured while backlogged ...
     capacity_threads: int = 0  # ... by this many threads (of live workers, less those batch held)
+    busy_tps: float = 0.0  # the latest measurement over BUSY_MIN_S or more (what a job's estimate reads)
+    busy_threads: int = 0
     seq_tps: float = 0.0
     policy: LevelPolicy = field(default_factory=LevelPolicy)
 
@@ -317,6 +323,8 @@ class Monitor:
                 measured = (counters.get("claimed_work", 0) - claimed0) / (now - t0)
                 if measured > 0:
                     state.capacity_tps, state.capacity_threads = measured, threads
+                    if now - t0 >= BUSY_MIN_S:
+                        state.busy_tps, state.busy_threads = measured, threads
         # Remembered capacity scales with the threads serving the class now: a dead worker's, or
         # (for realtime) those batch work holds, leave it at once.
         drain = 0.0
@@ -388,7 +396,8 @@ class Monitor:
                          priority_safety=engine.priority_safety if engine is not None else 0.0,
                          claimed_tps=round(max(0.0, claimed_tps), 2), ahead_tps=round(max(0.0, ahead_tps), 2),
                          claimed_share=round(claimed_share, 3), ahead_share=round(ahead_share, 3),
-                         busy_tps=round(state.capacity_tps, 2))
+                         busy_tps=round(state.busy_tps * min(1.0, threads / state.busy_threads)
+                                        if state.busy_threads else 0.0, 2))
 
     # ------------------------------------------------------------------ leading and re-counting
 

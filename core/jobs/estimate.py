@@ -16,10 +16,10 @@ tenant's own jobs earliest promise first. The estimate follows that:
    jobs drains its remaining work at a rate in proportion to its weight, and a tenant that
    finishes leaves its share to the others. Other jobs' remaining work is priced at this job's
    engine seconds per token.
-   Where the batch class was measured busy (its latest stretch of queued work all along, or
-   while other jobs keep it busy the output it claimed per second over the monitor's window),
-   that measurement replaces steps 1 and 2: it already counts the prompts, realtime beside them
-   and the Python around the engines.
+   Where the batch class was measured busy (its latest stretch of queued work all along that
+   lasted ``BUSY_MIN_S``, ``workers/monitor.py``, or while other jobs keep it busy the output it
+   claimed per second over the monitor's window), that measurement replaces steps 1 and 2: it
+   already counts the prompts, realtime beside them and the Python around the engines.
 4. **A margin** (``MARGIN``) over that, for what the model leaves out (realtime bursts, requests
    that end before max_tokens go the other way), and the feeder's rounds to start and settle a
    job (four of ``SLUICE_FEEDER_INTERVAL_S``).
@@ -147,7 +147,7 @@ def capacity(work: Work, batch: ClassLoad | None, realtime: ClassLoad | None, *,
     """The :class:`Capacity` a job of ``work`` (``tokens`` as admission prices them) finishes in;
     None without the batch class's figures. ``others``: the other tenants with unfinished jobs;
     ``busy``: other jobs keep the batch class busy. What the batch class was measured to take
-    while it had queued work all along (``busy_tps``, the monitor's latest such stretch) is its
+    while it had queued work all along (``busy_tps``, the monitor's latest such stretch of 5 s) is its
     capacity where there is one: what the engines, realtime beside them and the stack around them
     really gave batch work, prompts included; else, while busy, what it took per second over the
     monitor's window (``claimed_tps``, which a class just getting busy understates);

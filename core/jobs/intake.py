@@ -271,7 +271,14 @@ def _estimate(session, settings: Settings, params: JobParams, tenant: Tenant, jo
     plan = estimate.capacity(work, batch, realtime, tokens=priced, weight=float(tenant.batch_weight or 1.0),
                              others=[estimate.Tenant(t, w) for t, w in others.values()], busy=bool(line),
                              overhead_s=4 * settings.feeder_interval_s)
-    return None if plan is None else estimate.place(plan, priced, line)
+    if plan is None:
+        return None
+    finish = estimate.place(plan, priced, line)
+    log.info("job %s estimated to finish in %.0f s: %d tokens at %.2g s each, share %.2f, %.0f s queued ahead, "
+             "%d of the tenant's jobs in line, %d other tenants (batch class: busy %.1f, claimed %.1f, drain %.1f "
+             "tokens/s)", job_id, finish, priced, plan.per_token_s, plan.share, plan.queued_s, len(line), len(others),
+             batch.busy_tps, batch.claimed_tps, batch.drain_tps)
+    return finish
 
 
 def _standing(session, tenant_id: uuid.UUID, excluding: uuid.UUID | None = None) -> Standing:

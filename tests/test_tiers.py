@@ -20,7 +20,7 @@ from test_usage import add_budget
 from core.admission.load import ClassLoad, counters_key, room_key, snapshot_key
 from core.jobs import estimate, scheduling
 from core.usage import refusals
-from models import InferenceRequest, Job, Priority
+from models import InferenceRequest, Job, JobStatus, Priority
 from web import create_app
 from web.services import services
 
@@ -296,6 +296,52 @@ def test_the_estimate_shares_the_engines_by_weight_and_what_realtime_leaves():
     assert estimate.finish_s(work, busy, realtime, tokens=11_000, ahead_tokens=0, weight=1,
                              others=[estimate.Tenant(2200, 1.0)], overhead_s=2) == pytest.approx(
         estimate.MARGIN * 60 + 2)
+
+
+def test_finished_jobs_teach_their_models_estimates(app, db, tenant_id):
+    """A job that took longer than it was expected to (its promise without the margin) scales its
+    model's later estimates up, by the fourth root of how far it missed; one on time leaves them;
+    an expired one teaches only that it took longer; the factor stays within its bounds. The
+    feeder's settler learns from each job it completes or expires, from the job's row."""
+    from core.jobs.settle import Settler
+
+    svc = services(app)
+    model = f"calibrated-{uuid.uuid4().hex[:8]}"  # a model of its own: no other test's estimates move
+    key = estimate.CALIBRATION_PREFIX + model
+    try:
+        assert estimate.calibration(svc.redis, model) == 1.0
+        # Promised 110 s (100 expected), took 200: twice as long as expected.
+        assert estimate.learn(svc.redis, model, 110.0, 200.0) == pytest.approx(2 ** 0.25, abs=1e-3)
+        assert estimate.learn(svc.redis, model, 110.0, 100.0) == pytest.approx(2 ** 0.25, abs=1e-3)
+        assert estimate.learn(svc.redis, model, 110.0, 50.0, ended=False) is None, "expired early: nothing known"
+        assert estimate.learn(svc.redis, model, 0.0, 50.0) is None
+        for _ in range(20):
+            estimate.learn(svc.redis, model, 10.0, 1000.0)
+        assert estimate.calibration(svc.redis, model) == estimate.BOUNDS[1]
+        svc.redis.delete(key)
+
+        # The factor scales a job's engine time, and the plain batch work queued ahead.
+        batch = ClassLoad("batch", model, 0, 0, 0, 100.0, 10.0, 5.0, 0, 1, 0, busy_tps=20.0)
+        work = estimate.Work()
+        work.add(100, 200, times=10)
+        plain = estimate.capacity(work, batch, None, tokens=3000, weight=1.0, others=[])
+        scaled = estimate.capacity(work, batch, None, tokens=3000, weight=1.0, others=[], calibration=1.5)
+        assert scaled.per_token_s == pytest.approx(1.5 * plain.per_token_s)
+        assert scaled.finish_s(3000) == pytest.approx(1.5 * plain.finish_s(3000))
+
+        # From the rows: a job promised 60 s from its start that completed after 120 s.
+        now = datetime.now(UTC)
+        job = Job(tenant_id=tenant_id, status=JobStatus.IN_PROGRESS, model=model, priority="batch",
+                  instruction="Sum.", summary_tokens=8, completion_window_s=3600,
+                  started_at=now - timedelta(seconds=120), estimated_finish_at=now - timedelta(seconds=60))
+        with db.session() as session:
+            session.add(job)
+        with db.session() as session:
+            job = session.get(Job, job.id)
+        Settler(svc, {}, {})._finish(job, JobStatus.COMPLETED)
+        assert estimate.calibration(svc.redis, model) == pytest.approx((120 * estimate.MARGIN / 60) ** 0.25, rel=0.02)
+    finally:
+        svc.redis.delete(key)
 
 
 def test_a_tenants_job_promised_first_is_fed_first():

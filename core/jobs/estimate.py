@@ -32,6 +32,13 @@ tenant's own jobs earliest promise first. The estimate follows that:
    that room. So later jobs never push an accepted job past its promise, and the promise is what
    the job's own work and the work promised before it take.
 
+6. **What finished jobs teach** (:func:`learn`). Each job the feeder completes or expires
+   compares what it took with what it was expected to take (its promise without the margin); the
+   model's factor moves by the fourth root of that ratio, within ``BOUNDS``, and scales the engine
+   time of every later estimate for the model. A bias the model leaves out (the feeder's gaps, the
+   stack around the engines, a realtime mix it does not see) is measured away in a few jobs;
+   one job's noise moves it little.
+
 Without the monitor's figures for the model's classes (no warm worker, the monitor away) there is
 no estimate: the job is judged by its tenant's limits alone and says ``estimated_finish_at: null``.
 """
@@ -41,11 +48,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import redis
+
 from core.admission.load import ClassLoad
 
 MIN_SHARE = 0.05  # of the engines batch work gets however busy realtime is: the feeder always feeds some
 MARGIN = 1.1
 SAME_DUE_S = 1.0  # a tenant's jobs promised this close together are fed as due together
+# Per model, the factor a job's engine time is scaled by: learned from the jobs that finished
+# (:func:`learn`). Each moves it by the GAIN-th power of how far it took from what was expected
+# of it, within BOUNDS: one job's noise moves it a little, a lasting bias all the way.
+CALIBRATION_PREFIX = "sluice:jobs:calibration:"
+GAIN = 0.25
+BOUNDS = (0.5, 3.0)
 
 
 @dataclass
@@ -143,7 +158,8 @@ class Capacity:
 
 
 def capacity(work: Work, batch: ClassLoad | None, realtime: ClassLoad | None, *, tokens: int, weight: float,
-             others: list[Tenant], busy: bool = False, overhead_s: float = 0.0) -> Capacity | None:
+             others: list[Tenant], busy: bool = False, overhead_s: float = 0.0,
+             calibration: float = 1.0) -> Capacity | None:
     """The :class:`Capacity` a job of ``work`` (``tokens`` as admission prices them) finishes in;
     None without the batch class's figures. ``others``: the other tenants with unfinished jobs;
     ``busy``: other jobs keep the batch class busy. What the batch class was measured to take
@@ -151,7 +167,8 @@ def capacity(work: Work, batch: ClassLoad | None, realtime: ClassLoad | None, *,
     capacity where there is one: what the engines, realtime beside them and the stack around them
     really gave batch work, prompts included; else, while busy, what it took per second over the
     monitor's window (``claimed_tps``, which a class just getting busy understates);
-    ``overhead_s``: the feeder's rounds a job takes to start and to settle, whatever its size."""
+    ``overhead_s``: the feeder's rounds a job takes to start and to settle, whatever its size;
+    ``calibration``: what the jobs that finished say of this model's estimates (:func:`learn`)."""
     if batch is None:
         return None
     own = engine_s(work, batch)
@@ -161,8 +178,8 @@ def capacity(work: Work, batch: ClassLoad | None, realtime: ClassLoad | None, *,
     measured = batch.busy_tps or (batch.claimed_tps if busy or any(t.tokens > 0 for t in others) else 0.0)
     if measured > 0:
         own, share = work.output / measured, 1.0
-    per_token = own / max(tokens, 1)
-    return Capacity(per_token, share, max(0.0, batch.wait_s), weight,
+    per_token = own * calibration / max(tokens, 1)
+    return Capacity(per_token, share, max(0.0, batch.wait_s) * calibration, weight,
                     {i: (t.tokens * per_token, t.weight) for i, t in enumerate(others)}, overhead_s)
 
 
@@ -207,3 +224,32 @@ def window_text(seconds: float) -> str:
     if seconds < 7200:
         return f"{max(1, math.ceil(seconds / 60))}m"
     return f"{math.ceil(seconds / 3600)}h"
+
+
+def calibration(client: redis.Redis, model: str) -> float:
+    """The factor ``model``'s jobs' engine time is scaled by (1 until a job finished, or without
+    Redis)."""
+    try:
+        raw = client.get(CALIBRATION_PREFIX + model)
+    except redis.RedisError:
+        return 1.0
+    return float(raw) if raw else 1.0
+
+
+def learn(client: redis.Redis, model: str, promised_s: float, actual_s: float, *, ended: bool = True) -> float | None:
+    """A job of ``model`` promised ``promised_s`` took ``actual_s`` (``ended``: finished; else it
+    expired then, and took at least that): move the model's factor by the GAIN-th power of actual
+    ÷ expected (the promise without its margin), within BOUNDS. The new factor; None when nothing
+    was learned (no promise, or an expired job that ran faster than expected)."""
+    if promised_s <= 0 or actual_s <= 0:
+        return None
+    ratio = actual_s * MARGIN / promised_s
+    if not ended and ratio <= 1:
+        return None
+    factor = calibration(client, model) * min(4.0, max(0.25, ratio)) ** GAIN
+    factor = min(BOUNDS[1], max(BOUNDS[0], factor))
+    try:
+        client.set(CALIBRATION_PREFIX + model, f"{factor:.4f}")
+    except redis.RedisError:
+        return None
+    return factor

@@ -69,10 +69,12 @@ class _NotValidating(Exception):
 
 
 def submit(settings: Settings, db: Database, tenant: Tenant, params: JobParams, stream: IO[bytes],
-           loads: Callable[[], list[ClassLoad]] = list) -> uuid.UUID:
+           loads: Callable[[], list[ClassLoad]] = list,
+           calibration: Callable[[str], float] = lambda model: 1.0) -> uuid.UUID:
     """Create the job and read ``stream`` into its items; the job's id. Raises the refusal (the
     job row deleted, no item kept) when the file is refused. ``loads``: the monitor's figures for
-    every class (``ClassLoad.read_all``), which the job's estimated finish is worked out from."""
+    every class (``ClassLoad.read_all``), which the job's estimated finish is worked out from;
+    ``calibration``: a model's factor from the jobs that finished (``estimate.calibration``)."""
     job = Job(id=uuid.uuid4(), tenant_id=tenant.id, status=JobStatus.VALIDATING, model=params.model,
               priority=params.priority, service_tier=params.service_tier, instruction=params.instruction,
               summary_tokens=params.summary_tokens,
@@ -83,7 +85,7 @@ def submit(settings: Settings, db: Database, tenant: Tenant, params: JobParams, 
         session.add(job)
     bind_request(str(job.id))
     try:
-        tally = _load(settings, db, tenant, job, params, stream, loads)
+        tally = _load(settings, db, tenant, job, params, stream, loads, calibration)
     except _NotValidating:
         log.info("job cancelled or failed while its file was read; its lines were dropped")
         return job.id
@@ -99,7 +101,7 @@ def submit(settings: Settings, db: Database, tenant: Tenant, params: JobParams, 
 
 
 def _load(settings: Settings, db: Database, tenant: Tenant, job: Job, params: JobParams, stream: IO[bytes],
-          loads: Callable[[], list[ClassLoad]]) -> ingest.Tally:
+          loads: Callable[[], list[ClassLoad]], calibration: Callable[[str], float]) -> ingest.Tally:
     """COPY the upload's lines into the job's items, refuse the file or admit the job, in one transaction."""
     model = settings.registry.get(params.model)
     assert model is not None
@@ -165,7 +167,7 @@ def _load(settings: Settings, db: Database, tenant: Tenant, job: Job, params: Jo
         Budgets(db).covers(tenant.id, tenant.via_key, priced,
                            price.cost(tally.input_tokens, 0, max(priced - tally.input_tokens, 0)),
                            queued=_queued(session, settings, tenant.id, job.id))
-        finish_s = _estimate(session, settings, params, tenant, job.id, work, priced, loads)
+        finish_s = _estimate(session, settings, params, tenant, job.id, work, priced, loads, calibration)
         if finish_s is not None and finish_s > params.completion_window_s:
             earliest = estimate.window_text(finish_s)
             raise ApiError(
@@ -236,7 +238,8 @@ class Standing:
 
 
 def _estimate(session, settings: Settings, params: JobParams, tenant: Tenant, job_id: uuid.UUID,
-              work: estimate.Work, priced: int, loads: Callable[[], list[ClassLoad]]) -> float | None:
+              work: estimate.Work, priced: int, loads: Callable[[], list[ClassLoad]],
+              calibration: Callable[[str], float] = lambda model: 1.0) -> float | None:
     """Seconds until the job would finish (``core/jobs/estimate.py``); None where the platform has
     no figures for its model's classes, or for a job whose lines run as realtime."""
     if params.priority != Priority.BATCH:
@@ -268,16 +271,17 @@ def _estimate(session, settings: Settings, params: JobParams, tenant: Tenant, jo
             others[tenant_id] = (total + remaining, float(weight or 1.0))
         elif remaining > 0:
             line.append((float(due_s) if due_s is not None else math.inf, remaining))
+    factor = calibration(params.model)
     plan = estimate.capacity(work, batch, realtime, tokens=priced, weight=float(tenant.batch_weight or 1.0),
                              others=[estimate.Tenant(t, w) for t, w in others.values()], busy=bool(line),
-                             overhead_s=4 * settings.feeder_interval_s)
+                             overhead_s=4 * settings.feeder_interval_s, calibration=factor)
     if plan is None:
         return None
     finish = estimate.place(plan, priced, line)
     log.info("job %s estimated to finish in %.0f s: %d tokens at %.2g s each, share %.2f, %.0f s queued ahead, "
              "%d of the tenant's jobs in line, %d other tenants (batch class: busy %.1f, claimed %.1f, drain %.1f "
-             "tokens/s)", job_id, finish, priced, plan.per_token_s, plan.share, plan.queued_s, len(line), len(others),
-             batch.busy_tps, batch.claimed_tps, batch.drain_tps)
+             "tokens/s; calibration %.2f)", job_id, finish, priced, plan.per_token_s, plan.share, plan.queued_s,
+             len(line), len(others), batch.busy_tps, batch.claimed_tps, batch.drain_tps, factor)
     return finish
 
 

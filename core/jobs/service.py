@@ -22,7 +22,7 @@ from sqlalchemy import func, select, text
 from core.admission.load import ClassLoad
 from core.errors import Conflict, NotFound
 from core.ids import uuid_or_404
-from core.jobs import intake
+from core.jobs import estimate, intake
 from core.jobs.params import JobParams, parse_params
 from core.rediskeys import FEEDER_STATE_KEY
 from core.settings import Settings
@@ -63,8 +63,9 @@ class JobService:
 
     def submit(self, tenant: Tenant, params: JobParams, stream: IO[bytes]) -> dict[str, Any]:
         """Create a job from an upload (refused with nothing kept, or admitted); its view."""
-        return self.get(Caller(tenant.id), str(intake.submit(self.settings, self.db, tenant, params, stream,
-                                                             loads=lambda: ClassLoad.read_all(self.redis))))
+        return self.get(Caller(tenant.id), str(intake.submit(
+            self.settings, self.db, tenant, params, stream, loads=lambda: ClassLoad.read_all(self.redis),
+            calibration=lambda model: estimate.calibration(self.redis, model))))
 
     # ------------------------------------------------------------------ read
 

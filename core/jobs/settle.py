@@ -16,8 +16,9 @@ import time
 import uuid
 from collections import deque
 
-from sqlalchemy import exists, select
+from sqlalchemy import exists, func, select
 
+from core.jobs import estimate
 from core.jobs.intake import STALE_UPLOAD_S
 from core.jobs.service import cancel_requests, stop_items
 from core.services import Services
@@ -86,6 +87,22 @@ class Settler:
             moved = job_lifecycle.settle(session, job, status)  # from the status read this tick, or not at all
         if moved:
             log.info("job %s %s", job.id, status.value)
+            if status == JobStatus.COMPLETED:
+                self._learn(job, ended=True)
+
+    def _learn(self, job: Job, ended: bool) -> None:
+        """What a job that had a promise took beside it teaches its model's estimates
+        (``estimate.learn``), from its row's stamps: the promise and the end, from its start."""
+        with self.db.session() as session:
+            row = session.execute(select(
+                func.extract("epoch", Job.estimated_finish_at - Job.started_at),
+                func.extract("epoch", Job.finished_at - Job.started_at)).where(Job.id == job.id)).one_or_none()
+        if row is None or row[0] is None or row[1] is None:
+            return  # accepted without an estimate
+        factor = estimate.learn(self.svc.redis, job.model, float(row[0]), float(row[1]), ended=ended)
+        if factor is not None:
+            log.info("job %s took %.0f s of the %.0f s promised: %s's estimates now scaled by %.2f", job.id,
+                     float(row[1]), float(row[0]), job.model, factor)
 
     def _expire(self, job: Job) -> None:
         """Past its window: unfinished items expire (running ones once their requests are stopped),
@@ -98,6 +115,7 @@ class Settler:
         self.pending.pop(job.id, None)
         cancel_requests(self.svc.requests, job.tenant_id, in_flight)
         log.info("job %s expired; %d requests in flight cancelled", job.id, len(in_flight))
+        self._learn(job, ended=False)
 
     def _fail_stale_uploads(self) -> None:
         with self.db.session() as session:

@@ -68,6 +68,9 @@ def parse_args() -> tuple[argparse.Namespace, argparse.Namespace]:
     parser.add_argument("--fast", type=float, default=0.1, help="a refusal within this many s is fast")
     parser.add_argument("--poll", type=float, default=0.25)
     parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--pin-engine", type=int, metavar="CPU", default=None,
+                        help="vLLM's engine on this core alone, the stack and this bench on the others (a CPU "
+                             "host standing in for a GPU host: refusals are then not slowed by the engine)")
     parser.add_argument("--json", type=Path, default=None)
     ours = parser.parse_args()
     shares = {}
@@ -81,7 +84,8 @@ def parse_args() -> tuple[argparse.Namespace, argparse.Namespace]:
         "--engine", ours.engine, "--shape", ours.shape, "--mix", ours.mix, "--setups", "sluice",
         "--knee-setup", "sluice", "--slo", str(ours.slo), "--seed", str(ours.seed),
         *(["--seqs", str(ours.seqs)] if ours.seqs else []),
-        *(["--rt-tokens", str(ours.rt_tokens)] if ours.rt_tokens else [])])
+        *(["--rt-tokens", str(ours.rt_tokens)] if ours.rt_tokens else []),
+        *(["--pin-engine", str(ours.pin_engine)] if ours.pin_engine is not None else [])])
     return ours, theirs
 
 
@@ -218,6 +222,21 @@ def usage(front) -> dict:
     return found
 
 
+def engine_cores() -> str:
+    """Where vLLM's engine processes really run (their CPU affinity, as ``taskset -p`` reads it),
+    and this bench: a mask inherited from a parent would defeat the engine's own binding."""
+    import psutil
+
+    seen = []
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        try:
+            if "VLLM" in (proc.info["name"] or "") or "EngineCore" in " ".join(proc.info["cmdline"] or []):
+                seen.append(f"{proc.info['name']} {proc.pid} on {sorted(proc.cpu_affinity())}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return "; ".join(seen) + f"; this bench on {sorted(os.sched_getaffinity(0))}"
+
+
 def main() -> int:
     ours, args = parse_args()
     from tiny_model import cached_model
@@ -225,6 +244,13 @@ def main() -> int:
     if args.engine == "vllm" and args.model is None:
         args.model = cached_model(ROOT / ".cache", args.shape)
     args.tokenizer_dir = args.model if args.engine == "vllm" else cached_model(ROOT / ".cache", "tiny")
+    if args.pin_engine is not None:
+        from launcher.harness import pin_engine
+
+        try:
+            pin_engine(args.pin_engine)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
     prompts, notes = overload.prompt_source(args)
     lengths = overload.lengths([prompts.realtime(n).tokens for n in range(overload.PROMPT_SAMPLE)])
     deadlines = {"priority": ours.priority_s, "default": ours.default_s, "flex": ours.flex_s}
@@ -239,6 +265,8 @@ def main() -> int:
         overload.say(f"# {note}")
     with contextlib.ExitStack() as exits:
         front = overload.start(args, "sluice", exits)
+        if args.pin_engine is not None:
+            overload.say(f"# pinned: {engine_cores()}")
         knee = ours.knee or capacity(front, prompts, args.rt_tokens, args.seqs)
         overload.say(f"knee {knee:.2f}/s; arrivals at {ours.times:g}x = {ours.times * knee:.2f}/s for "
                      f"{ours.seconds:g} s")

@@ -48,21 +48,23 @@ _t = InferenceRequest
 
 @page_bp.get("/dashboard")
 def page() -> Response:
-    return _static("dashboard.html", max_age=0)
+    return _static("dashboard.html", max_age=0, kinds=(".html",))
 
 
 @page_bp.get("/dashboard/static/<path:name>")
 def asset(name: str) -> Response:
-    return _static(name, max_age=300)
+    # Its scripts only, as documented: the page itself is /dashboard (the API fuzzer found
+    # /dashboard/static/dashboard.html answering HTML where the document says JavaScript).
+    return _static(name, max_age=300, kinds=(".js",))
 
 
-def _static(name: str, max_age: int) -> Response:
-    """One of the page's few small files, read whole (no open file handed to the server); 404 for
-    any other name."""
+def _static(name: str, max_age: int, kinds: tuple[str, ...]) -> Response:
+    """One of the page's few small files of a suffix in ``kinds``, read whole (no open file handed
+    to the server); 404 for any other name."""
     if not _NAME.fullmatch(name):
         raise NotFound("No such file of the operator page.")
     path = (STATIC / name).resolve()
-    if path.parent != STATIC or path.suffix not in _TYPES or not path.is_file():
+    if path.parent != STATIC or path.suffix not in kinds or path.suffix not in _TYPES or not path.is_file():
         raise NotFound("No such file of the operator page.")
     return Response(path.read_bytes(), mimetype=_TYPES[path.suffix], headers={"Cache-Control": f"max-age={max_age}"})
 

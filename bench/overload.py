@@ -855,22 +855,29 @@ def prompt_source(args: argparse.Namespace) -> tuple[Prompts, list[str]]:
     return Prompts(mix, args.tokenizer_dir, args.seed), notes
 
 
-def main() -> int:
-    args = parse_args()
+def prepare(args: argparse.Namespace) -> tuple[Prompts, list[str]]:
+    """What every bench on this stack sets up first (this one, bench/tiers.py, bench/windows.py):
+    the model (``--engine vllm`` without ``--model``: the tiny random Llama, built once), the
+    tokenizer its prompts are counted in (the simulated engine has no model: the tiny one's), the
+    engine pinned (``--pin-engine``), and the mix's prompts (``prompt_source``)."""
     from tiny_model import cached_model
 
     if args.engine == "vllm" and args.model is None:
         args.model = cached_model(ROOT / ".cache", args.shape)
-    # Prompts are measured in the model's tokens; the simulated engine has no model: the tiny one's.
     args.tokenizer_dir = args.model if args.engine == "vllm" else cached_model(ROOT / ".cache", "tiny")
-    prompts, notes = prompt_source(args)
-    sample = {kind: lengths([getattr(prompts, kind)(n).tokens for n in range(PROMPT_SAMPLE)])
-              for kind in ("realtime", "batch")}
     if args.pin_engine is not None:
         try:
             pin_engine(args.pin_engine)
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
+    return prompt_source(args)
+
+
+def main() -> int:
+    args = parse_args()
+    prompts, notes = prepare(args)
+    sample = {kind: lengths([getattr(prompts, kind)(n).tokens for n in range(PROMPT_SAMPLE)])
+              for kind in ("realtime", "batch")}
     # SIGTERM unwinds like Ctrl-C, so every process is stopped and every database dropped (SIGINT
     # too, explicitly: a shell starts background jobs with it ignored).
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -46,6 +46,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
 import overload  # noqa: E402
 from users import TERMINAL, Http  # noqa: E402
 
+from launcher.harness import engine_affinity  # noqa: E402
+
 TIERS = ("priority", "default", "flex")
 
 
@@ -222,36 +224,9 @@ def usage(front) -> dict:
     return found
 
 
-def engine_cores() -> str:
-    """Where vLLM's engine processes really run (their CPU affinity, as ``taskset -p`` reads it),
-    and this bench: a mask inherited from a parent would defeat the engine's own binding."""
-    import psutil
-
-    seen = []
-    for proc in psutil.process_iter(["name", "cmdline"]):
-        try:
-            if "VLLM" in (proc.info["name"] or "") or "EngineCore" in " ".join(proc.info["cmdline"] or []):
-                seen.append(f"{proc.info['name']} {proc.pid} on {sorted(proc.cpu_affinity())}")
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return "; ".join(seen) + f"; this bench on {sorted(os.sched_getaffinity(0))}"
-
-
 def main() -> int:
     ours, args = parse_args()
-    from tiny_model import cached_model
-
-    if args.engine == "vllm" and args.model is None:
-        args.model = cached_model(ROOT / ".cache", args.shape)
-    args.tokenizer_dir = args.model if args.engine == "vllm" else cached_model(ROOT / ".cache", "tiny")
-    if args.pin_engine is not None:
-        from launcher.harness import pin_engine
-
-        try:
-            pin_engine(args.pin_engine)
-        except ValueError as exc:
-            raise SystemExit(str(exc)) from None
-    prompts, notes = overload.prompt_source(args)
+    prompts, notes = overload.prepare(args)
     lengths = overload.lengths([prompts.realtime(n).tokens for n in range(overload.PROMPT_SAMPLE)])
     deadlines = {"priority": ours.priority_s, "default": ours.default_s, "flex": ours.flex_s}
     os.environ.update({"SLUICE_PRIORITY_DEADLINE_S": str(ours.priority_s),
@@ -266,7 +241,7 @@ def main() -> int:
     with contextlib.ExitStack() as exits:
         front = overload.start(args, "sluice", exits)
         if args.pin_engine is not None:
-            overload.say(f"# pinned: {engine_cores()}")
+            overload.say(f"# pinned: {engine_affinity()}")
         knee = ours.knee or capacity(front, prompts, args.rt_tokens, args.seqs)
         overload.say(f"knee {knee:.2f}/s; arrivals at {ours.times:g}x = {ours.times * knee:.2f}/s for "
                      f"{ours.seconds:g} s")

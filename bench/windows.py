@@ -107,11 +107,7 @@ def realtime(front, rate: float, stop: threading.Event, outcomes: list[str], see
 
 def main() -> int:
     ours, args = parse_args()
-    from tiny_model import cached_model
-
-    # The simulated engine has no model: the questions are measured in the tiny model's tokens.
-    args.tokenizer_dir = cached_model(ROOT / ".cache", "tiny")
-    prompts, _ = overload.prompt_source(args)
+    prompts, _ = overload.prepare(args)
     asked = overload.lengths([prompts.realtime(n).tokens for n in range(overload.PROMPT_SAMPLE)])
     rng = random.Random(ours.seed)
     tmp = Path(tempfile.mkdtemp(prefix="windows-"))

@@ -44,6 +44,22 @@ def pin_engine(cpu: int) -> None:
     os.sched_setaffinity(0, others)  # and by every process started from here
 
 
+def engine_affinity() -> str:
+    """Where vLLM's engine processes on this host really run (their CPU affinity, as ``taskset -p``
+    reads it), and this process: after ``pin_engine``, a mask inherited from a parent would defeat
+    the engine's own binding."""
+    import psutil
+
+    seen = []
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        try:
+            if "VLLM" in (proc.info["name"] or "") or "EngineCore" in " ".join(proc.info["cmdline"] or []):
+                seen.append(f"{proc.info['name']} {proc.pid} on {sorted(proc.cpu_affinity())}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return "; ".join(seen) + f"; this process on {sorted(os.sched_getaffinity(0))}"
+
+
 def with_database(url: str, name: str) -> str:
     """``url`` pointing at database ``name`` on the same server."""
     return urlunsplit(urlsplit(url)._replace(path="/" + name))

@@ -59,12 +59,12 @@ def asset(name: str) -> Response:
 
 
 def _static(name: str, max_age: int, kinds: tuple[str, ...]) -> Response:
-    """One of the page's few small files of a suffix in ``kinds``, read whole (no open file handed
-    to the server); 404 for any other name."""
+    """One of the page's few small files of a suffix in ``kinds`` (of ``_TYPES``), read whole (no
+    open file handed to the server); 404 for any other name."""
     if not _NAME.fullmatch(name):
         raise NotFound("No such file of the operator page.")
     path = (STATIC / name).resolve()
-    if path.parent != STATIC or path.suffix not in kinds or path.suffix not in _TYPES or not path.is_file():
+    if path.parent != STATIC or path.suffix not in kinds or not path.is_file():
         raise NotFound("No such file of the operator page.")
     return Response(path.read_bytes(), mimetype=_TYPES[path.suffix], headers={"Cache-Control": f"max-age={max_age}"})
 

@@ -132,6 +132,12 @@ class _Sample(NamedTuple):
     ahead_squares: int = 0
 
 
+def _for_threads(tps: float, measured_by: int, threads: int) -> float:
+    """A drain measured by ``measured_by`` threads, for the ``threads`` serving the class now (a
+    dead worker's leave it at once); 0 where nothing was measured."""
+    return tps * min(1.0, threads / measured_by) if measured_by else 0.0
+
+
 @dataclass
 class _ClassState:
     samples: deque = field(default_factory=deque)  # of _Sample, over WINDOW_S
@@ -334,7 +340,7 @@ class Monitor:
             # realtime class gets the whole limit).
             drain, state.seq_tps = engine.drain_tps, engine.seq_tps
         elif state.capacity_threads and workers:
-            drain = state.capacity_tps * min(1.0, threads / state.capacity_threads)
+            drain = _for_threads(state.capacity_tps, state.capacity_threads, threads)
         elif workers and state.seq_tps:
             # Nothing measured yet: every thread decoding one sequence, at the speed one sequence
             # got at the batch sizes seen so far (often small), discounted for a full batch.
@@ -396,8 +402,7 @@ class Monitor:
                          priority_safety=engine.priority_safety if engine is not None else 0.0,
                          claimed_tps=round(max(0.0, claimed_tps), 2), ahead_tps=round(max(0.0, ahead_tps), 2),
                          claimed_share=round(claimed_share, 3), ahead_share=round(ahead_share, 3),
-                         busy_tps=round(state.busy_tps * min(1.0, threads / state.busy_threads)
-                                        if state.busy_threads else 0.0, 2))
+                         busy_tps=round(_for_threads(state.busy_tps, state.busy_threads, threads), 2))
 
     # ------------------------------------------------------------------ leading and re-counting
 

@@ -246,10 +246,11 @@ def learn(client: redis.Redis, model: str, promised_s: float, actual_s: float, *
     ratio = actual_s * MARGIN / promised_s
     if not ended and ratio <= 1:
         return None
-    factor = calibration(client, model) * min(4.0, max(0.25, ratio)) ** GAIN
-    factor = min(BOUNDS[1], max(BOUNDS[0], factor))
-    try:
-        client.set(CALIBRATION_PREFIX + model, f"{factor:.4f}")
+    key = CALIBRATION_PREFIX + model
+    try:  # read and written here, not through calibration(): a failed read must not reset it to 1
+        raw = client.get(key)
+        factor = min(BOUNDS[1], max(BOUNDS[0], (float(raw) if raw else 1.0) * min(4.0, max(0.25, ratio)) ** GAIN))
+        client.set(key, f"{factor:.4f}")
     except redis.RedisError:
         return None
     return factor

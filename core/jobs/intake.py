@@ -239,7 +239,7 @@ class Standing:
 
 def _estimate(session, settings: Settings, params: JobParams, tenant: Tenant, job_id: uuid.UUID,
               work: estimate.Work, priced: int, loads: Callable[[], list[ClassLoad]],
-              calibration: Callable[[str], float] = lambda model: 1.0) -> float | None:
+              calibration: Callable[[str], float]) -> float | None:
     """Seconds until the job would finish (``core/jobs/estimate.py``); None where the platform has
     no figures for its model's classes, or for a job whose lines run as realtime."""
     if params.priority != Priority.BATCH:

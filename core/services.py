@@ -17,6 +17,7 @@ from celery import Celery
 from core.admission.gates import Admission
 from core.admission.load import QueueCounters
 from core.broker.config import publisher as celery_publisher
+from core.broker.fair import FairQueues, LineDrops
 from core.broker.queues import BrokerEpoch, publish_committed
 from core.broker.republish import Republisher
 from core.delivery.notify import MovePublisher, Waiters
@@ -51,6 +52,8 @@ class Services:
     answers: AnswerCache
     twins: Twins
     epoch: BrokerEpoch
+    # The fair lines in front of the class queues: tenants take turns in engine time (core/broker/fair.py).
+    fair: FairQueues
     lifecycle: Lifecycle
     requests: RequestService
     jobs: JobService
@@ -88,21 +91,25 @@ def build_services(settings: Settings) -> Services:
     # A request that ends settles the identical twins parked on it (core/submit/twins.py).
     # Which life of the broker's data rows are published into (lost messages are found by it).
     epoch = BrokerEpoch(admission.redis)
+    # A tenant's excess waits in its place in a fair line, not in everybody's queue; one that ends
+    # there (cancelled, expired) leaves it.
+    fair = FairQueues(admission.redis, settings.fair_depth, settings.registry.default.name)
+    lifecycle.on_move(LineDrops(fair, healthy=lambda: admission.redis_healthy))
     # What a failed publish left unpublished is tried again from this process within a second,
     # long before the sweep's grace (core/broker/republish.py).
-    republisher = Republisher(lambda rows: publish_committed(lifecycle, publisher, rows, epoch),
+    republisher = Republisher(lambda rows: publish_committed(lifecycle, publisher, rows, epoch, fair=fair),
                               give_up_s=settings.publish_grace_s)
     twins = Twins(admission.redis, lifecycle, publisher, epoch, healthy=lambda: admission.redis_healthy,
-                  republisher=republisher)
+                  republisher=republisher, fair=fair)
     lifecycle.on_end(twins.leader_ended)
     answers = AnswerCache(admission.redis, ttl_s=settings.cache_ttl_s, max_entries=settings.cache_max_entries,
                           max_bytes=settings.cache_max_answer_bytes, healthy=lambda: admission.redis_healthy,
                           shared_tenants=settings.cache_shared_tenants)
     requests = RequestService(db, planner, ladder, admission, publisher, epoch, lifecycle, answers, twins,
-                              republisher)
+                              republisher, fair)
     return Services(settings=settings, db=db, redis=redis_client(settings.redis_url),
                     publisher=publisher, broker=celery_publisher(settings, fail_fast=False), admission=admission,
-                    answers=answers, lifecycle=lifecycle, twins=twins, epoch=epoch, requests=requests,
+                    answers=answers, lifecycle=lifecycle, twins=twins, epoch=epoch, fair=fair, requests=requests,
                     jobs=JobService(settings, db, requests, admission.redis), webhooks=webhooks,
                     recent_keys=RecentKeys(settings.auth_cache_s), waiters=Waiters(settings.redis_url),
                     budgets=budgets)

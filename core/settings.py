@@ -197,6 +197,11 @@ class Settings:
         "A row queued this long whose message is in no queue and was taken by no worker that "
         "recorded it (deleted, evicted, lost in a failover, taken by a worker killed at once) is "
         "re-published by the sweep.")
+    fair_depth: int = _field(
+        "SLUICE_FAIR_DEPTH", 2,
+        "Messages each class queue (realtime.small, batch.small, ...) is kept at; the rest wait in the "
+        "queue's fair line, tenants taking turns in engine time (docs/fairness.md). 0: no lines, every "
+        "request straight to its queue, first come first served.")
     cancel_poll_s: float = _field(
         "SLUICE_CANCEL_POLL_S", 0.5, "How often a worker checks for cancelled in-flight requests.")
 
@@ -462,6 +467,8 @@ class Settings:
                 raise SettingsError(f"{_env(name)} must be in (0, 1]")
         if self.auth_cache_s < 0:
             raise SettingsError("SLUICE_AUTH_CACHE_S must be >= 0 (0 = every refusal asks Postgres)")
+        if self.fair_depth < 0:
+            raise SettingsError("SLUICE_FAIR_DEPTH must be >= 0 (0 = no fair lines)")
         if self.cache_ttl_s < 0:
             raise SettingsError("SLUICE_CACHE_TTL_S must be >= 0 (0 = no hot answer cache)")
         if self.upload_min_bytes_per_s < 0:

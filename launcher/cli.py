@@ -193,7 +193,7 @@ def monitor() -> None:
     feeder = threading.Thread(target=Feeder(svc).run, args=(stop,), name="feeder", daemon=True)
     feeder.start()
     export_platform(svc)
-    Monitor(svc.settings, svc.redis, svc.db, broker=svc.broker).run(stop)
+    Monitor(svc.settings, svc.redis, svc.db, broker=svc.broker, fair=svc.fair).run(stop)
     feeder.join(timeout=10)
 
 

@@ -136,6 +136,7 @@ class Moved:
     cache_hit: bool = False
     cost: Decimal = Decimal(0)
     service_tier: str = "default"  # its service tier: the tier ahead in its class has counters of its own
+    queue: str = ""  # the queue it is published to: one it ends queued in leaves that queue's fair line
 
 
 Ended = Moved  # what on_end hooks receive: a Moved whose status is terminal
@@ -173,13 +174,22 @@ class Requeued(NamedTuple):
     id: uuid.UUID
     queue: str
     service_tier: str | None = None  # its message's place in line (core/broker/queues.py MESSAGE_PRIORITY)
+    # Its tenant and tokens: its place in its queue's fair line (core/broker/fair.py).
+    tenant_id: uuid.UUID | None = None
+    input_tokens: int = 0
+    reserved_tokens: int = 0
+
+    @classmethod
+    def of(cls, row: Any) -> Requeued:
+        """From a row of ``_MOVED_COLUMNS``."""
+        return cls(row.id, row.queue, row.service_tier, row.tenant_id, row.input_tokens, row.reserved_tokens)
 
 
 _t = InferenceRequest
 _MOVED_COLUMNS = (_t.id, _t.tenant_id, _t.status, _t.error_code, _t.priority, func.coalesce(_t.model_routed,
                   _t.model_requested), _t.reserved_tokens, _t.input_tokens, _t.output_tokens, _t.started_at,
                   _t.follows_id, cast(func.extract("epoch", _t.deadline_at - _t.created_at), Float),
-                  _t.webhook_url.is_not(None), _t.cache_hit, _t.cost, _t.service_tier)
+                  _t.webhook_url.is_not(None), _t.cache_hit, _t.cost, _t.service_tier, _t.queue)
 
 
 def _moved(source: Status | None, row: Any) -> Moved:
@@ -189,7 +199,7 @@ def _moved(source: Status | None, row: Any) -> Moved:
         row = (row.id, row.tenant_id, row.status, row.error_code, row.priority, row.target_model,
                row.reserved_tokens, row.input_tokens, row.output_tokens, row.started_at, row.follows_id, deadline,
                row.webhook_url is not None, bool(row.cache_hit), Decimal(0),  # born, or cancelled queued: no engine ran
-               row.service_tier or "default")
+               row.service_tier or "default", row.queue or "")
     return Moved(row[0], row[1], source, *row[2:])
 
 
@@ -349,12 +359,12 @@ class Lifecycle:
                 moved += [dataclasses.replace(_moved(Status.QUEUED, r), started_at=None) for r in rows]
                 return []
             rows = session.execute(update(_t).where(*parked).values(follows_id=None)
-                                   .returning(_t.queue, *_MOVED_COLUMNS)).all()
+                                   .returning(*_MOVED_COLUMNS)).all()
             # Un-parked: to the queue counters, as good as just accepted.
-            moved += [_moved(None, r[1:]) for r in rows]
+            moved += [_moved(None, r) for r in rows]
         for row in rows:
             log.info("un-parked: the request it followed ended %s", status.value, extra=about(row.id))
-        return [Requeued(r.id, r.queue, r.service_tier) for r in rows]
+        return [Requeued.of(r) for r in rows]
 
     def stamp_enqueued(self, request_id: uuid.UUID, epoch: str | None) -> None:
         """Record that the row's message was published into broker ``epoch`` (``enqueued_at`` once:
@@ -411,12 +421,12 @@ class Lifecycle:
                             _t.cancel_requested_at.is_(None))
                 .values(worker=None, device=None, started_at=None, enqueued_at=None,
                         attempts=func.greatest(_t.attempts - 1, 0))
-                .returning(*_MOVED_COLUMNS, _t.queue)).one_or_none()
+                .returning(*_MOVED_COLUMNS)).one_or_none()
             if row is None:
                 return None
-            moved.append(_moved(Status.RUNNING, row[:-1]))
+            moved.append(_moved(Status.RUNNING, row))
         log.warning("handed back: %s", why, extra=about(request_id))
-        return Requeued(request_id, row[-1], row[-2])
+        return Requeued.of(row)
 
     def recover_orphans(self, *where: ColumnElement[bool], max_attempts: int, limit: int,
                         stalled: frozenset[uuid.UUID] = frozenset()) -> tuple[dict[str, int], list[Requeued]]:
@@ -448,7 +458,7 @@ class Lifecycle:
                     row = session.execute(_transition(Status.RUNNING, Status.QUEUED, *owned).values(
                         worker=None, device=None, started_at=None, enqueued_at=None).returning(*_MOVED_COLUMNS)).one()
                     moved.append(_moved(Status.RUNNING, row))
-                    requeued.append(Requeued(orphan.id, orphan.queue, row.service_tier))
+                    requeued.append(Requeued.of(row))
                     counts["requeued"] += 1
         for orphan in requeued:
             log.warning("requeued: its worker died while running it", extra=about(orphan.id))

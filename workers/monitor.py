@@ -66,6 +66,8 @@ from core.admission.load import (
     tier_place,
     write_level,
 )
+from core.broker.fair import FairQueues
+from core.broker.queues import publish_taken
 from core.fleet.lease import Lease, run_leading
 from core.fleet.workers import live_workers
 from core.settings import Settings
@@ -205,8 +207,13 @@ def with_realtime_share(loads: list[ClassLoad]) -> list[ClassLoad]:
 
 class Monitor:
     def __init__(self, settings: Settings, client: redis.Redis, db: Database,
-                 clock=time.monotonic, policy: LevelPolicy | None = None, broker: Celery | None = None) -> None:
+                 clock=time.monotonic, policy: LevelPolicy | None = None, broker: Celery | None = None,
+                 fair: FairQueues | None = None) -> None:
         self.settings = settings
+        # The floor under the fair lines (core/broker/fair.py): each tick tops up every class
+        # queue from its line, should no publisher or worker have done it.
+        self.fair = fair if broker is not None else None
+        self.broker = broker
         # Peak reservations are carried out by the leader (workers/reservations.py); without a
         # broker to send remote-control commands through, they are not.
         self.pause = BatchPause(client, db, broker, clock) if broker is not None else None
@@ -444,3 +451,5 @@ class Monitor:
             self.recount()
             self._last_recount = self.clock()
         self.tick()
+        if self.fair is not None and self.fair.depth > 0:
+            publish_taken(self.broker, self.fair.take_all())

@@ -44,12 +44,13 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import Any
 
 import redis
 from sqlalchemy import case, func, or_, select, update
 
 from core.admission.limiter import limiter_for, reconcile_in_flight
+from core.broker.fair import FairQueues
 from core.broker.queues import (
     DIRECT_PREFIX,
     BrokerEpoch,
@@ -75,7 +76,7 @@ from core.submit.twins import Twins
 from core.usage import refusals
 from models import InferenceRequest, Job, JobItem, Priority, Status
 from models.idempotency import expire_keys
-from models.lifecycle import Lifecycle, reroute
+from models.lifecycle import Lifecycle, Requeued, reroute
 from models.session import Database
 from workers import webhooks
 
@@ -92,12 +93,17 @@ _t = InferenceRequest
 Publish = Callable[[Sequence[Any]], None]
 
 
+# What publishing a row needs: its queue, its tier (its message's step) and, for its place in its
+# queue's fair line (core/broker/fair.py), its tenant and tokens.
+_PUBLISH_COLUMNS = (_t.id, _t.queue, _t.service_tier, _t.tenant_id, _t.input_tokens, _t.reserved_tokens)
+
+
 def sweep(svc: Services) -> dict[str, int]:
     db, redis_client, settings = svc.db, svc.redis, svc.settings
-    publish = functools.partial(publish_committed, svc.lifecycle, svc.broker, epoch=svc.epoch)
+    publish = functools.partial(publish_committed, svc.lifecycle, svc.broker, epoch=svc.epoch, fair=svc.fair)
     return {
         "published": _publish_unpublished(db, publish, settings),
-        **_republish_lost(db, publish, redis_client, svc.epoch, settings),
+        **_republish_lost(db, publish, redis_client, svc.epoch, svc.fair, settings),
         "twins_settled": _settle_twins(db, svc.twins),
         **_recover_orphans(db, svc.lifecycle, redis_client, publish, settings),
         "unreserved": _recover_reserved(db, redis_client, publish),
@@ -141,7 +147,7 @@ def _ago(seconds: float):
 def _publish_unpublished(db: Database, publish: Publish, settings: Settings) -> int:
     with db.session() as session:
         rows = session.execute(
-            select(_t.id, _t.queue, _t.service_tier).where(_t.status == Status.QUEUED, _t.enqueued_at.is_(None),
+            select(*_PUBLISH_COLUMNS).where(_t.status == Status.QUEUED, _t.enqueued_at.is_(None),
                                           _t.follows_id.is_(None), _t.created_at < _ago(settings.publish_grace_s))
             .order_by(_t.created_at).limit(BATCH)).all()
     publish(rows)
@@ -149,7 +155,7 @@ def _publish_unpublished(db: Database, publish: Publish, settings: Settings) -> 
 
 
 def _republish_lost(db: Database, publish: Publish, redis_client: redis.Redis, epoch: BrokerEpoch,
-                    settings: Settings) -> dict[str, int]:
+                    fair: FairQueues, settings: Settings) -> dict[str, int]:
     """Queued rows whose message the broker no longer has: published into an older epoch of its
     data, or (past the grace, checked message by message) in no queue and taken by no worker.
     A Redis error skips this step, not the sweep."""
@@ -158,7 +164,7 @@ def _republish_lost(db: Database, publish: Publish, redis_client: redis.Redis, e
         if current is None:  # Redis was never reached: nothing can be published now anyway
             return {"lost_epoch": 0, "lost_missing": 0}
         older = _republish_older_epochs(db, publish, redis_client, epoch, current)
-        missing = _republish_missing(db, publish, redis_client, current, settings)
+        missing = _republish_missing(db, publish, redis_client, current, fair, settings)
     except redis.RedisError as exc:
         log.warning("lost-message check skipped: Redis unreachable (%s)", type(exc).__name__)
         return {"lost_epoch": 0, "lost_missing": 0}
@@ -184,7 +190,7 @@ def _republish_older_epochs(db: Database, publish: Publish, redis_client: redis.
     began, done = time.monotonic(), 0
     while True:
         with db.session() as session:
-            rows = session.execute(select(_t.id, _t.queue, _t.service_tier).where(*_PUBLISHED, stale)
+            rows = session.execute(select(*_PUBLISH_COLUMNS).where(*_PUBLISHED, stale)
                                    .order_by(_REALTIME_FIRST, _t.enqueued_at).limit(BATCH)).all()
         publish(rows)  # stamps them with the current epoch: the next round finds the rest
         done += len(rows)
@@ -196,8 +202,9 @@ def _republish_older_epochs(db: Database, publish: Publish, redis_client: redis.
 
 
 def _republish_missing(db: Database, publish: Publish, redis_client: redis.Redis, current: str,
-                       settings: Settings) -> int:
-    """Rows queued past the grace whose message is in no queue list and that no worker recorded
+                       fair: FairQueues, settings: Settings) -> int:
+    """Rows queued past the grace whose message is in no queue list, that are in no fair line
+    (taken off it by a process that died before publishing them) and that no worker recorded
     taking (a message a worker took unrecorded, killed in that instant, would wait for the
     visibility timeout). A queue is read message by message only when it and the workers'
     records together hold fewer messages than it has published queued rows (a duplicate can
@@ -206,7 +213,7 @@ def _republish_missing(db: Database, publish: Publish, redis_client: redis.Redis
         return 0
     with db.session() as session:
         suspects = session.execute(
-            select(_t.id, _t.queue, _t.service_tier).where(*_PUBLISHED, _t.broker_epoch == current,
+            select(*_PUBLISH_COLUMNS).where(*_PUBLISHED, _t.broker_epoch == current,
                                                            _t.enqueued_at < _ago(settings.lost_message_grace_s))
             .order_by(_REALTIME_FIRST, _t.enqueued_at).limit(LOST_SCAN_ROWS)).all()
         queues = {r.queue for r in suspects}
@@ -214,10 +221,12 @@ def _republish_missing(db: Database, publish: Publish, redis_client: redis.Redis
             select(_t.queue, func.count()).where(*_PUBLISHED, _t.broker_epoch == current, _t.queue.in_(queues))
             .group_by(_t.queue)).all()) if queues else {}
     taken = redis_client.hlen(RESERVED_KEY)
-    short = {q for q in queues if queue_length(redis_client, q) + taken < counts.get(q, 0)}
+    short = {q for q in queues if queue_length(redis_client, q) + fair.size(q) + taken < counts.get(q, 0)}
     if not short:
         return 0
     present = messages_queued(redis_client, short)
+    for queue in short:
+        present.update(fair.in_line(queue))
     present.update(redis_client.hkeys(RESERVED_KEY))
     missing = [r for r in suspects if r.queue in short and str(r.id) not in present][:BATCH]
     publish(missing)
@@ -278,7 +287,7 @@ def _recover_reserved(db: Database, redis_client: redis.Redis, publish: Publish)
     if not dead:
         return 0
     with db.session() as session:
-        rows = session.execute(select(_t.id, _t.queue, _t.service_tier).where(
+        rows = session.execute(select(*_PUBLISH_COLUMNS).where(
             _t.id.in_([uuid.UUID(r) for r in dead]), _t.status == Status.QUEUED)).all()
     publish(rows)
     redis_client.hdel(RESERVED_KEY, *dead)
@@ -289,10 +298,10 @@ def _reroute_direct(db: Database, redis_client: redis.Redis, publish: Publish, s
     """Queued turns on a dead worker's direct queue move to their model's shared queue. Not a
     status change: the row stays ``queued``, on another queue, to be published again."""
     registry = settings.registry
-    moved: list[Routed] = []
+    moved: list[Requeued] = []
     with db.session() as session:
         rows = session.execute(
-            select(_t.id, _t.queue, _t.priority, _t.size_class, _t.model_requested, _t.model_routed, _t.service_tier)
+            select(*_PUBLISH_COLUMNS, _t.priority, _t.size_class, _t.model_requested, _t.model_routed)
             .where(_t.status == Status.QUEUED, _t.queue.startswith(DIRECT_PREFIX),
                    _t.enqueued_at < _ago(settings.worker_dead_after_s))
             .limit(BATCH).with_for_update(skip_locked=True)).all()
@@ -304,19 +313,14 @@ def _reroute_direct(db: Database, redis_client: redis.Redis, publish: Publish, s
             model = registry.get(row.model_routed or row.model_requested) or registry.default
             queue = queue_name(row.priority, row.size_class, registry.queue_suffix(model))
             session.execute(reroute(row.id, queue))
-            moved.append(Routed(row.id, queue, row.service_tier))
+            moved.append(Requeued(row.id, queue, row.service_tier, row.tenant_id, row.input_tokens,
+                                  row.reserved_tokens))
     publish(moved)
     # Nobody consumes a dead node's queue; its rows were rerouted above (or will be next time).
     for node in dead:
         if not redis_client.exists(node_key(node)):  # not restarted under the same name meanwhile
             redis_client.delete(direct_queue(node))
     return len(moved)
-
-
-class Routed(NamedTuple):
-    id: uuid.UUID
-    queue: str
-    service_tier: str
 
 
 # What a request keeps of its text once retention ran out.

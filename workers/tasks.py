@@ -46,7 +46,8 @@ def run_request(self: SluiceTask, request_id: str) -> None:
         raise Reject(requeue=True)  # not claimed: the row stays queued, the message goes back
     try:
         def publish(rows, head: bool = False) -> None:  # the broker is svc.redis's Redis
-            publish_committed(svc.lifecycle, svc.broker, rows, svc.epoch, head=svc.redis if head else None)
+            publish_committed(svc.lifecycle, svc.broker, rows, svc.epoch, head=svc.redis if head else None,
+                              fair=svc.fair)
 
         execution.execute(svc.lifecycle, svc.redis, WORKER.require(), uuid.UUID(request_id), svc.answers,
                           svc.twins, publish)

@@ -13,6 +13,7 @@ import re
 import threading
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 import redis
 from celery import Celery
@@ -20,6 +21,9 @@ from kombu.transport.redis import PRIORITY_STEPS
 
 from models import Priority, SizeClass
 from models.lifecycle import Lifecycle
+
+if TYPE_CHECKING:
+    from core.broker.fair import FairQueues
 
 RUN_TASK = "sluice.run_request"
 SWEEP_TASK = "sluice.sweep"
@@ -99,20 +103,33 @@ def publish_request(celery: Celery, request_id: uuid.UUID, queue: str, tier: str
 
 
 def publish_committed(lifecycle: Lifecycle, celery: Celery, rows, epoch: BrokerEpoch,
-                      head: redis.Redis | None = None) -> None:
+                      head: redis.Redis | None = None, fair: FairQueues | None = None) -> None:
     """Publish rows (anything with ``id`` and ``queue``) already committed as queued, then stamp
     each one's ``enqueued_at`` and the broker epoch it was published into. ``head``: the broker's
     Redis, to put each message at the head of its queue (the next one taken), not the tail: a
-    batch request taken out of an engine for realtime work keeps its place in line.
+    batch request taken out of an engine for realtime work keeps its place in line. ``fair``: the
+    fair lines (core/broker/fair.py); a row for a class queue joins its line (its ``tenant_id``,
+    ``input_tokens`` and ``reserved_tokens`` place it there), and what the line lets through now
+    is published, another tenant's request maybe.
 
     A crash between the two leaves enqueued_at NULL and the next sweep publishes again; the
     duplicate message is harmless because only one delivery can claim the row.
     """
     for row in rows:
-        publish_request(celery, row.id, row.queue, getattr(row, "service_tier", None))
-        if head is not None:
-            to_head(head, row.queue, str(row.id))
+        if head is None and fair is not None and fair.handles(row.queue):
+            for request_id, queue, tier in fair.put([row]):
+                publish_request(celery, request_id, queue, tier)
+        else:
+            publish_request(celery, row.id, row.queue, getattr(row, "service_tier", None))
+            if head is not None:
+                to_head(head, row.queue, str(row.id))
         lifecycle.stamp_enqueued(row.id, epoch.current())
+
+
+def publish_taken(celery: Celery, taken: list[tuple[str, str, str | None]]) -> None:
+    """Publish what a fair line let through (``FairQueues.take``): (request id, queue, tier)."""
+    for request_id, queue, tier in taken:
+        publish_request(celery, request_id, queue, tier)
 
 
 # Kombu's Redis transport pushes a message on the left of its list and consumers pop from the

@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session
 
 from core import hooks
 from core.admission.gates import Admission, Ticket
+from core.broker.fair import FairQueues
 from core.broker.queues import BrokerEpoch, publish_committed
 from core.broker.republish import Republisher
 from core.errors import Conflict, Overloaded
@@ -68,8 +69,9 @@ CHEAP_GATE_CHARS = 16_000
 class RequestService:
     def __init__(self, db: Database, planner: Planner, ladder: Ladder, admission: Admission, publisher: Celery,
                  epoch: BrokerEpoch, lifecycle: Lifecycle, answers: AnswerCache, twins: Twins,
-                 republisher: Republisher) -> None:
+                 republisher: Republisher, fair: FairQueues | None = None) -> None:
         self.db = db
+        self.fair = fair
         self.republisher = republisher
         self.answers = answers
         self.twins = twins
@@ -225,7 +227,7 @@ class RequestService:
             self.republisher.add([row])
             return
         try:
-            publish_committed(self.lifecycle, self.publisher, [row], self.epoch)
+            publish_committed(self.lifecycle, self.publisher, [row], self.epoch, fair=self.fair)
         except Exception as exc:
             log.warning("publish failed (%s); publishing it again shortly", type(exc).__name__)
             self.republisher.add([row])

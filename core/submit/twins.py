@@ -25,6 +25,7 @@ from collections.abc import Callable
 import redis
 from celery import Celery
 
+from core.broker.fair import FairQueues
 from core.broker.queues import BrokerEpoch, publish_committed
 from core.broker.republish import Republisher
 from core.submit.answers import ANSWER_PREFIX
@@ -45,8 +46,10 @@ return 0
 
 class Twins:
     def __init__(self, client: redis.Redis, lifecycle: Lifecycle, publisher: Celery, epoch: BrokerEpoch,
-                 healthy: Callable[[], bool] = lambda: True, republisher: Republisher | None = None) -> None:
+                 healthy: Callable[[], bool] = lambda: True, republisher: Republisher | None = None,
+                 fair: FairQueues | None = None) -> None:
         self.redis = client
+        self.fair = fair
         self.republisher = republisher
         self.lifecycle = lifecycle
         self.publisher = publisher
@@ -108,7 +111,7 @@ class Twins:
         publishes the un-parked ones. How many were un-parked."""
         unparked = self.lifecycle.follow_up(leader_id)
         try:
-            publish_committed(self.lifecycle, self.publisher, unparked, self.epoch)
+            publish_committed(self.lifecycle, self.publisher, unparked, self.epoch, fair=self.fair)
         except Exception as exc:
             log.warning("un-parked twins not published (%s); publishing them again shortly", type(exc).__name__)
             if self.republisher is not None:

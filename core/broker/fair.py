@@ -1,0 +1,149 @@
+"""Fair queuing across tenants: each tenant's excess waits in its own place in line, not in
+everybody's queue (docs/fairness.md).
+
+The Celery queues stay the transport: workers consume ``realtime.small`` and the rest as before.
+What changes is what those queues hold. A request published to a class queue first joins that
+queue's *line* in Redis (the broker's Redis, so it lives and dies with the messages), ordered by
+start-time fair queuing across tenants in engine time (``lua/fair.lua``); the Celery queue is
+kept at ``depth`` messages, taken off the line in fair order:
+
+* by the publisher itself, in the same step as its put (an idle class: the request goes straight
+  through);
+* by a worker each time it takes a message off the queue (``workers/bootstrap.py``), so the queue
+  is topped up as it drains;
+* by the load monitor's leader every tick, the floor for a line nobody else topped up.
+
+A tenant that floods a class queues far ahead in the line's virtual time, so another tenant's
+request starts next; a priority request's line is served before a default one's (the tiers'
+message priority steps rank the line as they rank the queue's lists).
+
+Nothing is lost between the line and the queue: the row is the contract. A row is stamped
+published when it joins the line; a request taken off the line by a process that dies before
+publishing it is in neither place, and the sweep's lost-message check (which counts the lines as
+queued) publishes it again. A request that ends while in the line (cancelled, expired) leaves it
+(:meth:`FairQueues.drop`, a lifecycle hook).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+
+import redis
+
+from core.admission.load import snapshot_key
+from core.broker.queues import message_priority, queue_lists
+from models.lifecycle import Moved
+from models.request import Status
+
+log = logging.getLogger(__name__)
+
+PREFIX = "sluice:fair:"
+QUEUES_KEY = PREFIX + "queues"  # the queues that have had a line
+_LUA = Path(__file__).with_name("lua")
+
+
+def line_key(queue: str) -> str:
+    return f"{PREFIX}{queue}:line"
+
+
+def _items_key(queue: str) -> str:
+    return f"{PREFIX}{queue}:items"
+
+
+def state_key(queue: str) -> str:
+    return f"{PREFIX}{queue}:state"
+
+
+class FairQueues:
+    """The fair lines in front of the class queues of one broker Redis (a client that decodes
+    responses, ``core/rediskeys.py``); ``depth``: the messages a
+    class queue is kept at (0: no lines, every request is published straight to its queue);
+    ``default_model``: the model whose queues carry no suffix (``core/registry.py``)."""
+
+    def __init__(self, client: redis.Redis, depth: int, default_model: str) -> None:
+        self.redis = client
+        self.depth = depth
+        self.default_model = default_model
+        self._fair = client.register_script((_LUA / "fair.lua").read_text())
+        self._drop = client.register_script((_LUA / "drop.lua").read_text())
+
+    def handles(self, queue: str) -> bool:
+        """Whether ``queue`` has a line: a class queue shared by tenants (not a worker's direct
+        queue, the maintenance or webhooks queue)."""
+        return self.depth > 0 and queue.startswith(("realtime.", "batch."))
+
+    def put(self, rows: Iterable) -> list[tuple[str, str, str]]:
+        """Put rows (``id``, ``queue``, ``tenant_id``, ``service_tier``, ``input_tokens``,
+        ``reserved_tokens``; those without a tenant count as one tenant) in their queues' lines;
+        what to publish now, in order: (request id, queue, tier)."""
+        by_queue: dict[str, list] = defaultdict(list)
+        for row in rows:
+            by_queue[row.queue].append(row)
+        out: list[tuple[str, str, str]] = []
+        for queue, group in by_queue.items():
+            args: list = []
+            for row in group:
+                tier = getattr(row, "service_tier", None) or ""
+                prompt = int(getattr(row, "input_tokens", 0) or 0)
+                output = max(0, int(getattr(row, "reserved_tokens", 0) or 0) - prompt)
+                args += [str(row.id), tier, message_priority(queue, tier), str(getattr(row, "tenant_id", "") or "-"),
+                         1.0, prompt, output]
+            out += self._run(queue, len(group), args)
+        return out
+
+    def take(self, queue: str) -> list[tuple[str, str, str]]:
+        """What to publish to ``queue`` now to bring it back to its depth, in fair order."""
+        return self._run(queue, 0, [])
+
+    def take_all(self) -> list[tuple[str, str, str]]:
+        """:meth:`take` for every queue with a line."""
+        out: list[tuple[str, str, str]] = []
+        for queue in sorted(self.redis.smembers(QUEUES_KEY)):
+            if self.redis.zcard(line_key(queue)):
+                out += self.take(queue)
+        return out
+
+    def drop(self, queue: str, request_id: str) -> bool:
+        """Take a request that ended while queued out of its line; whether it was there."""
+        return bool(self._drop(keys=[line_key(queue), _items_key(queue), state_key(queue)], args=[request_id]))
+
+    def in_line(self, queue: str) -> set[str]:
+        """The ids of the requests in ``queue``'s line."""
+        return set(self.redis.zrange(line_key(queue), 0, -1))
+
+    def size(self, queue: str) -> int:
+        return int(self.redis.zcard(line_key(queue)))
+
+    def tenants(self, queue: str) -> dict[str, tuple[int, float]]:
+        """Each tenant with requests in ``queue``'s line: (requests, engine seconds)."""
+        state = self.redis.hgetall(state_key(queue))
+        return {k[2:]: (int(v), float(state.get("c:" + k[2:]) or 0)) for k, v in state.items() if k.startswith("n:")}
+
+    def _run(self, queue: str, puts: int, args: list) -> list[tuple[str, str, str]]:
+        priority, _, rest = queue.partition(".")
+        _, _, model = rest.partition(".")
+        keys = [line_key(queue), _items_key(queue), state_key(queue),
+                snapshot_key(priority, model or self.default_model), QUEUES_KEY, *queue_lists(queue)]
+        taken = self._fair(keys=keys, args=[self.depth, queue, puts, *args])
+        return [(taken[i], queue, taken[i + 1] or None) for i in range(0, len(taken), 2)]
+
+
+class LineDrops:
+    """A lifecycle ``on_move`` hook: a request that ends while queued leaves its queue's line, so
+    the line holds only requests still waiting and each tenant's queued engine time stays true."""
+
+    def __init__(self, fair: FairQueues, healthy=lambda: True) -> None:
+        self.fair = fair
+        self.healthy = healthy
+
+    def __call__(self, moved: Moved) -> None:
+        if (moved.source != Status.QUEUED or not moved.status.terminal or not self.fair.handles(moved.queue)
+                or not self.healthy()):
+            return
+        try:
+            self.fair.drop(moved.queue, str(moved.id))
+        except redis.RedisError as exc:  # taken off later and dropped by the worker that finds it ended
+            log.warning("fair line not updated (%s)", type(exc).__name__)

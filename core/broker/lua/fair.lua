@@ -1,0 +1,72 @@
+-- Fair queuing of one class queue's requests across tenants (core/broker/fair.py), in one step:
+-- the puts, then as many takes as keep the Celery queue at its depth.
+--
+-- Start-time fair queuing per service tier: a request of cost c (engine seconds) from a tenant
+-- of weight w starts at S = max(V, the tenant's last finish F) and finishes at F = S + c / w; the
+-- line is served in order of start, and V (the tier's virtual time) is the start of the request
+-- served last. A tenant that queued much has its starts far ahead of V, so a request of a tenant
+-- that queued nothing starts at V and goes next; between tenants with work queued, each gets
+-- engine time in proportion to its weight. Tiers never mix: a tier's rank (its message priority
+-- step) scales the score, so the line gives all of a better tier's requests first.
+--
+-- KEYS 1 the line (zset: request id → rank × RANK + start)  2 the items (hash: request id →
+--        'tier tenant cost') 3 the state (hash: 'v:<tier>' the tier's virtual time,
+--        'f:<tier>:<tenant>' the tenant's last finish, 'c:<tenant>' the engine seconds it has in the
+--        line, 'n:<tenant>' its requests there)  4 the class's monitor snapshot (hash: drain_tps,
+--        prefill_s_tok, prefill_s_tok2, engines: what a request's engine time is priced at)
+--        5 the set of queues with a line  6.. the Celery queue's lists (one per priority step)
+-- ARGV 1 the depth: how many messages the Celery queue may hold  2 the queue's name  3 n puts, then
+--        per put: id, tier, rank, tenant, weight, prompt tokens, output tokens
+-- Returns {id, tier, ...}: the requests taken off the line, for the caller to publish in that order.
+local RANK = 1e10  -- virtual time advances at most a second per engine second: centuries apart
+
+local snap = redis.call('HMGET', KEYS[4], 'drain_tps', 'prefill_s_tok', 'prefill_s_tok2', 'engines')
+local drain = tonumber(snap[1]) or 0
+local price, price2 = tonumber(snap[2]) or 0, tonumber(snap[3]) or 0
+local engines = math.max(1, tonumber(snap[4]) or 1)
+if drain <= 0 then drain, price, price2, engines = 1000, 0.0002, 0, 1 end
+
+local puts = tonumber(ARGV[3])
+for i = 0, puts - 1 do
+  local id, tier, rank, tenant = ARGV[4 + 7 * i], ARGV[5 + 7 * i], tonumber(ARGV[6 + 7 * i]), ARGV[7 + 7 * i]
+  local weight = math.max(1e-6, tonumber(ARGV[8 + 7 * i]) or 1)
+  local prompt, output = tonumber(ARGV[9 + 7 * i]) or 0, tonumber(ARGV[10 + 7 * i]) or 0
+  -- Once only: a request published again (the sweep, a retry) keeps its place.
+  if not redis.call('ZSCORE', KEYS[1], id) then
+    local cost = output / drain + (prompt * price + prompt * prompt * price2) / engines
+    local v = redis.call('HMGET', KEYS[3], 'v:' .. tier, 'f:' .. tier .. ':' .. tenant)
+    local start = math.max(tonumber(v[1]) or 0, tonumber(v[2]) or 0)
+    redis.call('HSET', KEYS[3], 'f:' .. tier .. ':' .. tenant, start + cost / weight)
+    redis.call('HINCRBYFLOAT', KEYS[3], 'c:' .. tenant, cost)
+    redis.call('HINCRBY', KEYS[3], 'n:' .. tenant, 1)
+    redis.call('HSET', KEYS[2], id, tier .. ' ' .. tenant .. ' ' .. cost)
+    redis.call('ZADD', KEYS[1], rank * RANK + start, id)
+  end
+end
+if puts > 0 then redis.call('SADD', KEYS[5], ARGV[2]) end
+
+local depth = 0
+for k = 6, #KEYS do depth = depth + redis.call('LLEN', KEYS[k]) end
+local out = {}
+while depth < tonumber(ARGV[1]) do
+  local top = redis.call('ZPOPMIN', KEYS[1])
+  if #top == 0 then break end
+  local id, score = top[1], tonumber(top[2])
+  local item = redis.call('HGET', KEYS[2], id)
+  redis.call('HDEL', KEYS[2], id)
+  local tier, tenant, cost = string.match(item or '', '^(%S+) (%S+) (%S+)$')
+  if tier then
+    local vkey = 'v:' .. tier
+    local start = score % RANK
+    if start > (tonumber(redis.call('HGET', KEYS[3], vkey)) or 0) then redis.call('HSET', KEYS[3], vkey, start) end
+    if redis.call('HINCRBY', KEYS[3], 'n:' .. tenant, -1) <= 0 then
+      redis.call('HDEL', KEYS[3], 'n:' .. tenant, 'c:' .. tenant)
+    else
+      redis.call('HINCRBYFLOAT', KEYS[3], 'c:' .. tenant, -tonumber(cost))
+    end
+  end
+  out[#out + 1] = id
+  out[#out + 1] = tier or ''
+  depth = depth + 1
+end
+return out

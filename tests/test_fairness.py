@@ -1,0 +1,146 @@
+"""Fair share across tenants (docs/fairness.md): a tenant's excess waits in its own place in its
+class queue's fair line, so a quiet tenant's requests start in fair order beside a flooder's."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timedelta
+from typing import NamedTuple
+
+from conftest import WorkerProcess
+from sqlalchemy import select, update
+
+from core.broker.fair import FairQueues
+from core.broker.queues import messages_queued, queue_length, queue_lists
+from core.rediskeys import redis_client
+from models import InferenceRequest, utcnow
+from web.services import services
+from workers.sweep import sweep
+
+QUEUE = "batch.small"
+
+
+class Row(NamedTuple):
+    id: uuid.UUID
+    queue: str
+    tenant_id: uuid.UUID
+    service_tier: str = "batch"
+    input_tokens: int = 100
+    reserved_tokens: int = 164
+
+
+def rows(tenant: uuid.UUID, n: int, queue: str = QUEUE, **kw) -> list[Row]:
+    return [Row(uuid.uuid4(), queue, tenant, **kw) for _ in range(n)]
+
+
+def drain(fair: FairQueues, queue: str = QUEUE) -> list[str]:
+    """Every id the line lets through, in order (nothing is published: the queue stays empty, so
+    each take lets one more through at depth 1)."""
+    out = []
+    while taken := fair.take(queue):
+        out += [request_id for request_id, _, _ in taken]
+    return out
+
+
+def test_a_quiet_tenant_is_taken_next_however_much_a_flooder_queued(scratch_redis_url):
+    fair = FairQueues(redis_client(scratch_redis_url), depth=1, default_model="m")
+    loud, quiet = uuid.uuid4(), uuid.uuid4()
+    flood = rows(loud, 50)
+    first = fair.put(flood)
+    assert [t[0] for t in first] == [str(flood[0].id)]  # an idle queue: straight through
+    calm = rows(quiet, 3)
+    assert fair.put(calm) == [(str(calm[0].id), QUEUE, "batch")]  # next, ahead of 49 queued
+    order = drain(fair)
+    # Then turns: one each while both have work (the same start: either first), the flooder's rest after.
+    assert set(order[:2]) == {str(flood[1].id), str(calm[1].id)}
+    assert set(order[2:4]) == {str(flood[2].id), str(calm[2].id)}
+    assert order[4:] == [str(r.id) for r in flood[3:]]
+    assert fair.size(QUEUE) == 0 and fair.tenants(QUEUE) == {}
+
+
+def test_turns_are_in_engine_time_and_by_weight_of_cost(scratch_redis_url):
+    """A tenant whose requests cost four times as much gets a quarter as many turns."""
+    fair = FairQueues(redis_client(scratch_redis_url), depth=1, default_model="m")
+    heavy, light = uuid.uuid4(), uuid.uuid4()
+    big = rows(heavy, 10, input_tokens=0, reserved_tokens=400)
+    small = rows(light, 40, input_tokens=0, reserved_tokens=100)
+    fair.put(big + small)  # the first big one goes straight through
+    order = drain(fair)[:25]
+    bigs = sum(1 for i in order if i in {str(r.id) for r in big})
+    assert 4 <= bigs <= 6, order  # 1:4 in requests = 1:1 in engine time
+
+
+def test_a_better_tier_is_taken_first_and_an_ended_request_leaves_the_line(scratch_redis_url):
+    fair = FairQueues(redis_client(scratch_redis_url), depth=1, default_model="m")
+    tenant = uuid.uuid4()
+    default = rows(tenant, 5, queue="realtime.small", service_tier="default")
+    fair.put(default)
+    priority = rows(uuid.uuid4(), 1, queue="realtime.small", service_tier="priority")
+    assert fair.put(priority) == [(str(priority[0].id), "realtime.small", "priority")]
+    # Published again while in the line (the sweep, a retry): it keeps its place, no second one.
+    assert fair.put(default[1:3]) == [(str(default[1].id), "realtime.small", "default")]
+    assert fair.size("realtime.small") == 3
+    assert fair.drop("realtime.small", str(default[3].id)) and not fair.drop("realtime.small", str(default[3].id))
+    count, seconds = fair.tenants("realtime.small")[str(tenant)]
+    assert count == 2 and seconds > 0
+    assert drain(fair, "realtime.small") == [str(default[2].id), str(default[4].id)]
+
+
+def test_a_flooders_batch_backlog_lets_another_tenants_requests_start_first(isolated, database_url, new_client,
+                                                                          tmp_path):
+    """The acceptance check: 400 batch requests from one tenant, then 5 from another, all queued
+    before a worker starts: the 5 start before 100 of the flooder's (in fair order: among its
+    first few). The class queue holds its depth; the rest wait in its line."""
+    application, flooder, redis_url = isolated
+    quiet = new_client(application)
+    body = {"prompt": "summarise the quarterly report", "max_tokens": 8, "priority": "batch"}
+    flood = [flooder.submit(**body) for _ in range(400)]
+    assert all(r.status_code == 202 for r in flood), flood[-1].get_json()
+    calm = [quiet.submit(**body).get_json()["id"] for _ in range(5)]
+    svc = services(application)
+    assert queue_length(svc.redis, QUEUE) == svc.settings.fair_depth
+    assert svc.fair.size(QUEUE) == 405 - svc.settings.fair_depth
+    worker = WorkerProcess(database_url, redis_url, tmp_path, concurrency=2)
+    try:
+        for request_id in calm:
+            assert quiet.wait(request_id)["status"] == "succeeded"
+    finally:
+        worker.stop()
+    ids = [uuid.UUID(r.get_json()["id"]) for r in flood]
+    with svc.db.session() as session:
+        started = {r.id: r.started_at for r in session.execute(
+            select(InferenceRequest.id, InferenceRequest.started_at).where(InferenceRequest.id.in_(ids)))}
+    last_calm = max(datetime.fromisoformat(quiet.get(i).get_json()["timings"]["started_at"]) for i in calm)
+    before = sum(1 for t in started.values() if t is not None and t.replace(tzinfo=last_calm.tzinfo) < last_calm)
+    assert before < 20, f"{before} of the flooder's requests started before the quiet tenant's last"
+
+
+def test_a_request_taken_off_the_line_by_a_process_that_died_is_published_by_the_sweep(isolated, database_url,
+                                                                                      tmp_path):
+    """The row is the contract: taken off the line and never published (the process died between
+    the two), a request is in no queue and no line, and the sweep's lost-message check publishes
+    it again; what waits in the line is not published twice."""
+    application, client, redis_url = isolated
+    svc = services(application)
+    depth = svc.settings.fair_depth
+    ids = [client.submit(prompt=f"hello {i}", max_tokens=8, priority="batch").get_json()["id"] for i in range(5)]
+    queued = messages_queued(svc.redis, {QUEUE}) & set(ids)
+    in_line = svc.fair.in_line(QUEUE)
+    assert len(queued) == depth and len(in_line) == 5 - depth and queued | in_line == set(ids)
+    svc.redis.delete(*queue_lists(QUEUE))  # taken by a consumer...
+    lost = {request_id for request_id, _, _ in svc.fair.take(QUEUE)}  # ...and the next by one that died
+    assert len(lost) == depth and svc.fair.size(QUEUE) == 5 - 2 * depth
+    with svc.db.session() as session:
+        session.execute(update(InferenceRequest).where(InferenceRequest.id.in_([uuid.UUID(i) for i in ids]))
+                        .values(enqueued_at=utcnow() - timedelta(seconds=svc.settings.lost_message_grace_s + 5)))
+    assert sweep(svc)["lost_missing"] >= 2 * depth  # (the count is the shared database's)
+    # Published again through the line: back in the queue or in the line, each once.
+    queued, in_line = messages_queued(svc.redis, {QUEUE}) & set(ids), svc.fair.in_line(QUEUE) & set(ids)
+    assert queued | in_line == set(ids) and not queued & in_line
+    assert queue_length(svc.redis, QUEUE) == depth
+    worker = WorkerProcess(database_url, redis_url, tmp_path)
+    try:
+        for request_id in ids:
+            assert client.wait(request_id)["status"] == "succeeded"
+    finally:
+        worker.stop()

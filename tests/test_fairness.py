@@ -7,6 +7,7 @@ import uuid
 from datetime import datetime, timedelta
 from typing import NamedTuple
 
+import pytest
 from conftest import WorkerProcess
 from sqlalchemy import select, update
 
@@ -144,3 +145,32 @@ def test_a_request_taken_off_the_line_by_a_process_that_died_is_published_by_the
             assert client.wait(request_id)["status"] == "succeeded"
     finally:
         worker.stop()
+
+
+def test_the_promise_reads_the_wait_in_fair_order_so_a_flooder_is_refused_and_a_quiet_tenant_is_not(
+        isolated_app, new_client):
+    """Requests of 1 s of engine time each (100 tokens at a drain of 100/s) from one tenant fill
+    its class until its own backlog passes the 30 s deadline: it is refused, with a Retry-After
+    from that backlog. Another tenant's request is admitted beside it, told a wait of the queue's
+    depth only: of the flooder's line, nothing goes before it."""
+    from test_promise import publish
+
+    application = isolated_app(realtime_deadline_s=30.0, promise_factor=1.0)
+    flooder, quiet = new_client(application), new_client(application)
+    svc = services(application)
+    publish(application, queued_work=0, drain_tps=100, seq_tps=50)
+    accepted = 0
+    while (answer := flooder.submit(prompt="flood", max_tokens=100)).status_code == 202:
+        accepted += 1
+        assert accepted < 40, "the flooder's backlog never refused it"
+    assert answer.status_code == 503 and answer.get_json()["error"]["details"]["reason"] == "deadline"
+    assert 26 <= accepted <= 29, accepted  # its 2 s of run and its backlog of 1 s each past 30 s
+    assert int(answer.headers["Retry-After"]) >= 1
+    first = quiet.submit(prompt="a quiet question", max_tokens=100)
+    assert first.status_code == 202, first.get_json()
+    depth = svc.settings.fair_depth
+    assert first.get_json()["estimated_wait_s"] == pytest.approx(depth, abs=0.5)
+    # Its second waits for its first too (a tenant's own work is before it), still far from 30 s.
+    second = quiet.submit(prompt="another quiet question", max_tokens=100)
+    assert second.status_code == 202 and second.get_json()["estimated_wait_s"] == pytest.approx(depth + 2, abs=0.5)
+    assert flooder.submit(prompt="flood", max_tokens=100).status_code == 503

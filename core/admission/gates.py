@@ -213,7 +213,8 @@ class Admission:
                                  count=count, refusal_field=refusals.field(
                                      tenant.id, plan.api_key_id, plan.target_model, plan.priority.value,
                                      plan.source.value, plan.service_tier.value),
-                                 place=tier_place(plan.service_tier), held_share=self.settings.priority_share)
+                                 place=tier_place(plan.service_tier), held_share=self.settings.priority_share,
+                                 queue=plan.queue, tier=plan.service_tier.value)
 
     def cancel(self, ticket: Ticket) -> None:
         """Undo an admission whose row was never committed."""

@@ -27,6 +27,7 @@ import redis
 from sqlalchemy import select
 
 from core.admission.load import LoadLevel, capacity_key, class_name, counters_key, room_key, snapshot_key
+from core.broker.fair import seconds_key
 from core.rediskeys import (
     INFLIGHT_SUFFIX,
     LOAD_LEVEL_KEY,
@@ -117,7 +118,8 @@ class SharedLimiter:
               model: str = "", deadline_s: float = float("inf"), max_tokens: int = 0,
               input_tokens: int = 0, spent_s: float = 0.0, charge: str = "full",
               budgets: Sequence[tuple[str, int, int]] = (), budget_record: str = "",
-              count: str = "", refusal_field: str = "", place: str = "", held_share: float = 0.0) -> Verdict:
+              count: str = "", refusal_field: str = "", place: str = "", held_share: float = 0.0,
+              queue: str = "", tier: str = "") -> Verdict:
         """Run the gates for one request; when it passes, charge every limit and count it in flight.
 
         ``charge`` says what the request will cost (``admit.lua``, ARGV 20): ``full`` for work for
@@ -139,12 +141,15 @@ class SharedLimiter:
         (``core/usage/refusals.py``).
         ``place``: where its service tier stands in its class (``tier_place``: ``ahead``, ``held`` or
         ''), and ``held_share`` the share of the class's drain held for the tier ahead.
+        ``queue`` and ``tier``: the queue it goes to and its service tier, whose fair line
+        (``core/broker/fair.py``) the wait is read in: of each other tenant's work in its tier's line,
+        only as much as its own tenant has there is ahead of it.
         ``now_ms`` replaces the Redis clock (tests drive time explicitly); leave it None.
         """
         keys = [PLATFORM_BUCKET_KEY, LOAD_LEVEL_KEY, tenant_bucket_key(tenant_id), inflight_key(tenant_id),
                 counters_key(priority, model), snapshot_key(priority, model), room_key(priority, model),
                 capacity_key(priority, model), BUDGET_CHARGES_KEY, refusals.day_key(time.time()),
-                *(counter for counter, _, _ in budgets)]
+                *(counter for counter, _, _ in budgets), seconds_key(queue or "-")]
         deadline_ms = 2**53 if deadline_s == float("inf") else int(deadline_s * 1000)
         args = [request_id, cost, self.platform_tokens_per_minute, limits.tokens_per_minute,
                 limits.requests_per_minute, limits.max_concurrent, priority, int(too_large),
@@ -155,6 +160,7 @@ class SharedLimiter:
                 place, held_share, len(budgets), budget_record]
         for _, limit, amount in budgets:
             args += [limit, amount]
+        args += [tier, tenant_id]
         gate, reason, retry, *numbers, basis, budget, budget_spent = self._admit(keys=keys, args=args)
         tl, tr, tz, rl, rr, rz, level, wait, finish = (int(n) for n in numbers)
         return Verdict(_text(gate), _text(reason), int(retry), Quota(tl, tr, tz), Quota(rl, rr, rz), level, wait,

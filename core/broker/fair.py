@@ -57,6 +57,15 @@ def state_key(queue: str) -> str:
     return f"{PREFIX}{queue}:state"
 
 
+def seconds_key(queue: str) -> str:
+    """What each tenant has in ``queue``'s line: '<tier>|<tenant>' → engine seconds."""
+    return f"{PREFIX}{queue}:seconds"
+
+
+def _counts_key(queue: str) -> str:
+    return f"{PREFIX}{queue}:counts"
+
+
 class FairQueues:
     """The fair lines in front of the class queues of one broker Redis (a client that decodes
     responses, ``core/rediskeys.py``); ``depth``: the messages a
@@ -108,7 +117,8 @@ class FairQueues:
 
     def drop(self, queue: str, request_id: str) -> bool:
         """Take a request that ended while queued out of its line; whether it was there."""
-        return bool(self._drop(keys=[line_key(queue), _items_key(queue), state_key(queue)], args=[request_id]))
+        return bool(self._drop(keys=[line_key(queue), _items_key(queue), seconds_key(queue), _counts_key(queue)],
+                               args=[request_id]))
 
     def in_line(self, queue: str) -> set[str]:
         """The ids of the requests in ``queue``'s line."""
@@ -118,14 +128,22 @@ class FairQueues:
         return int(self.redis.zcard(line_key(queue)))
 
     def tenants(self, queue: str) -> dict[str, tuple[int, float]]:
-        """Each tenant with requests in ``queue``'s line: (requests, engine seconds)."""
-        state = self.redis.hgetall(state_key(queue))
-        return {k[2:]: (int(v), float(state.get("c:" + k[2:]) or 0)) for k, v in state.items() if k.startswith("n:")}
+        """Each tenant with requests in ``queue``'s line, all tiers: (requests, engine seconds)."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(_counts_key(queue))
+            pipe.hgetall(seconds_key(queue))
+            counts, seconds = pipe.execute()
+        out: dict[str, tuple[int, float]] = {}
+        for field, n in counts.items():
+            tenant = field.partition("|")[2]
+            had = out.get(tenant, (0, 0.0))
+            out[tenant] = (had[0] + int(n), had[1] + float(seconds.get(field) or 0))
+        return out
 
     def _run(self, queue: str, puts: int, args: list) -> list[tuple[str, str, str]]:
         priority, _, rest = queue.partition(".")
         _, _, model = rest.partition(".")
-        keys = [line_key(queue), _items_key(queue), state_key(queue),
+        keys = [line_key(queue), _items_key(queue), state_key(queue), seconds_key(queue), _counts_key(queue),
                 snapshot_key(priority, model or self.default_model), QUEUES_KEY, *queue_lists(queue)]
         taken = self._fair(keys=keys, args=[self.depth, queue, puts, *args])
         return [(taken[i], queue, taken[i + 1] or None) for i in range(0, len(taken), 2)]

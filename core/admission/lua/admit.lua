@@ -43,7 +43,9 @@
 --       30 + 2i this request's reservation, in the budget's units (tokens or micro-dollars)
 -- KEYS  9 the budget charge records (hash: request id → record)  10 today's refusal counts (hash:
 --       field → count, core/usage/refusals.py)  10 + i the counter of budget i in its window (what
---       its requests used once ended, or hold while in flight)
+--       its requests used once ended, or hold while in flight)  last: what each tenant has in the
+--       fair line of the request's queue (hash: '<tier>|<tenant>' → engine seconds, core/broker/fair.py)
+-- ARGV  after the budgets: its service tier, then its tenant (that line's fields)
 -- Returns {gate, reason, retry_ms, tokens limit, tokens remaining, tokens reset ms,
 --          requests limit, requests remaining, requests reset ms, load level, estimated wait ms,
 --          estimated finish ms (the wait plus its own output), what the estimate stood on,
@@ -212,6 +214,26 @@ if full and drain > 0 then
   local prompts = math.max(0, tonumber(counters[2] or '0') or 0)
   local squares = math.max(0, tonumber(counters[3] or '0') or 0)
   wait = math.floor(queued * 1000 / drain + (prompts * price + squares * price2 + backlog) * 1000 / engines)
+  -- Its place in the fair line: tenants take turns in engine time there, so of each tenant's
+  -- work in its tier's line only as much as its own tenant has there (plus itself) goes before
+  -- it; the rest of a flooder's excess waits behind it, not in its wait. A tenant that queued
+  -- nothing waits for the queue and the engines only; one that queued much, for its own backlog.
+  local lined, mine, costs = 0, 0, {}
+  local mark = ARGV[#ARGV - 1] .. '|'
+  local line = redis.call('HGETALL', KEYS[#KEYS])
+  for i = 1, #line, 2 do
+    if string.sub(line[i], 1, #mark) == mark then
+      local c = math.max(0, tonumber(line[i + 1]) or 0)
+      lined = lined + c
+      costs[#costs + 1] = c
+      if line[i] == mark .. ARGV[#ARGV] then mine = c end
+    end
+  end
+  if lined > 0 then
+    local before = 0
+    for _, c in ipairs(costs) do before = before + math.min(c, mine) end
+    wait = math.max(0, wait - math.floor((lined - before) * 1000))
+  end
   if room == 0 then wait = wait + math.floor(slot_wait * 1000) end
   local own_prompt = tonumber(ARGV[26]) or 0
   local own = (own_prompt * price + own_prompt * own_prompt * price2) * 1000

@@ -11,16 +11,17 @@
 --
 -- KEYS 1 the line (zset: request id → rank × RANK + start)  2 the items (hash: request id →
 --        'tier tenant cost') 3 the state (hash: 'v:<tier>' the tier's virtual time,
---        'f:<tier>:<tenant>' the tenant's last finish, 'c:<tenant>' the engine seconds it has in the
---        line, 'n:<tenant>' its requests there)  4 the class's monitor snapshot (hash: drain_tps,
---        prefill_s_tok, prefill_s_tok2, engines: what a request's engine time is priced at)
---        5 the set of queues with a line  6.. the Celery queue's lists (one per priority step)
+--        'f:<tier>:<tenant>' the tenant's last finish)  4 what each tenant has in the line (hash:
+--        '<tier>|<tenant>' → the engine seconds of its requests there; admit.lua reads it)
+--        5 how many (hash: the same fields → requests)  6 the class's monitor snapshot (hash:
+--        drain_tps, prefill_s_tok, prefill_s_tok2, engines: what a request's engine time is priced
+--        at)  7 the set of queues with a line  8.. the Celery queue's lists (one per priority step)
 -- ARGV 1 the depth: how many messages the Celery queue may hold  2 the queue's name  3 n puts, then
 --        per put: id, tier, rank, tenant, weight, prompt tokens, output tokens
 -- Returns {id, tier, ...}: the requests taken off the line, for the caller to publish in that order.
 local RANK = 1e10  -- virtual time advances at most a second per engine second: centuries apart
 
-local snap = redis.call('HMGET', KEYS[4], 'drain_tps', 'prefill_s_tok', 'prefill_s_tok2', 'engines')
+local snap = redis.call('HMGET', KEYS[6], 'drain_tps', 'prefill_s_tok', 'prefill_s_tok2', 'engines')
 local drain = tonumber(snap[1]) or 0
 local price, price2 = tonumber(snap[2]) or 0, tonumber(snap[3]) or 0
 local engines = math.max(1, tonumber(snap[4]) or 1)
@@ -37,16 +38,16 @@ for i = 0, puts - 1 do
     local v = redis.call('HMGET', KEYS[3], 'v:' .. tier, 'f:' .. tier .. ':' .. tenant)
     local start = math.max(tonumber(v[1]) or 0, tonumber(v[2]) or 0)
     redis.call('HSET', KEYS[3], 'f:' .. tier .. ':' .. tenant, start + cost / weight)
-    redis.call('HINCRBYFLOAT', KEYS[3], 'c:' .. tenant, cost)
-    redis.call('HINCRBY', KEYS[3], 'n:' .. tenant, 1)
+    redis.call('HINCRBYFLOAT', KEYS[4], tier .. '|' .. tenant, cost)
+    redis.call('HINCRBY', KEYS[5], tier .. '|' .. tenant, 1)
     redis.call('HSET', KEYS[2], id, tier .. ' ' .. tenant .. ' ' .. cost)
     redis.call('ZADD', KEYS[1], rank * RANK + start, id)
   end
 end
-if puts > 0 then redis.call('SADD', KEYS[5], ARGV[2]) end
+if puts > 0 then redis.call('SADD', KEYS[7], ARGV[2]) end
 
 local depth = 0
-for k = 6, #KEYS do depth = depth + redis.call('LLEN', KEYS[k]) end
+for k = 8, #KEYS do depth = depth + redis.call('LLEN', KEYS[k]) end
 local out = {}
 while depth < tonumber(ARGV[1]) do
   local top = redis.call('ZPOPMIN', KEYS[1])
@@ -59,10 +60,12 @@ while depth < tonumber(ARGV[1]) do
     local vkey = 'v:' .. tier
     local start = score % RANK
     if start > (tonumber(redis.call('HGET', KEYS[3], vkey)) or 0) then redis.call('HSET', KEYS[3], vkey, start) end
-    if redis.call('HINCRBY', KEYS[3], 'n:' .. tenant, -1) <= 0 then
-      redis.call('HDEL', KEYS[3], 'n:' .. tenant, 'c:' .. tenant)
+    local field = tier .. '|' .. tenant
+    if redis.call('HINCRBY', KEYS[5], field, -1) <= 0 then
+      redis.call('HDEL', KEYS[4], field)
+      redis.call('HDEL', KEYS[5], field)
     else
-      redis.call('HINCRBYFLOAT', KEYS[3], 'c:' .. tenant, -tonumber(cost))
+      redis.call('HINCRBYFLOAT', KEYS[4], field, -tonumber(cost))
     end
   end
   out[#out + 1] = id

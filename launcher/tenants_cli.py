@@ -47,6 +47,25 @@ class _LimitValue(click.ParamType):
         return number
 
 
+class _ShareValue(click.ParamType):
+    """A fraction > 0 and < 1, or ``none`` to clear it (None)."""
+
+    name = "SHARE|none"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float | None:
+        if value is None or isinstance(value, float):
+            return value
+        if value == "none":
+            return None
+        try:
+            share = float(value)
+        except ValueError:
+            self.fail(f"{value!r} is not a number or 'none'", param, ctx)
+        if not 0 < share < 1:
+            self.fail("must be > 0 and < 1", param, ctx)
+        return share
+
+
 def _limit_options(command: Callable) -> Callable:
     for name in reversed((*LIMIT_FIELDS, *QUOTA_FIELDS)):
         command = click.option(f"--{name.replace('_', '-')}", name, type=_LimitValue(), default=None,
@@ -57,6 +76,10 @@ def _limit_options(command: Callable) -> Callable:
     command = click.option("--batch-weight", "batch_weight", type=click.FloatRange(0, 1000, min_open=True),
                            default=None, help="Share of batch capacity for bulk jobs against other tenants' "
                            "(tokens; default 1).")(command)
+    command = click.option("--reserved-share", "reserved_share", type=_ShareValue(), default=None,
+                           help="The share (0 to 1) of each class's engine time the tenant gets whenever it has "
+                           "work, beside tenants that queue more; inside it, it is never refused for their work "
+                           "(docs/fairness.md). 'none' clears it.")(command)
     return click.option("--tier", default=None, help="Tier name from SLUICE_TIERS ('default': the default tier).")(
         command)
 
@@ -115,6 +138,7 @@ def _summary(view: dict[str, Any]) -> str:
             f"concurrent={limits['max_concurrent']}{marks['max_concurrent']}  "
             f"max_request_tokens={limits['max_request_tokens']}{marks['max_request_tokens']}  "
             f"batch_weight={view['batch_weight']:g}  auto_service_tier={view['auto_service_tier']}  "
+            f"reserved_share={view['reserved_share'] if view.get('reserved_share') is not None else '-'}  "
             f"file_bytes={quotas['max_stored_bytes']}{marks['max_stored_bytes']}  "
             f"files={quotas['max_files']}{marks['max_files']}  "
             f"uploads/min={quotas['uploads_per_minute']}{marks['uploads_per_minute']}  "

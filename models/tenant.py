@@ -49,6 +49,9 @@ class Tenant(Base):
     # Its share of batch capacity for bulk jobs, against the other tenants with jobs running
     # (counted in tokens, core/jobs/scheduling.py): 2 gets twice what 1 gets.
     batch_weight: Mapped[float] = mapped_column(default=1.0, server_default="1")
+    # The share (0 to 1) of each class's engine time it gets whenever it has work queued, beside
+    # the tenants that queue more (core/broker/fair.py); NULL: an equal turn with the rest.
+    reserved_share: Mapped[float | None]
     # What its requests' `service_tier: auto` asks for (docs/tiers.md): default, or priority, which
     # runs as default (named on the row and in a header) when the priority promise cannot be kept.
     auto_service_tier: Mapped[str] = mapped_column(String(16), default="default", server_default="default")
@@ -71,7 +74,8 @@ class Tenant(Base):
         for column in ("tokens_per_minute", "requests_per_minute", "max_concurrent", "max_request_tokens",
                        "batch_weight", "max_stored_bytes", "max_files", "uploads_per_minute",
                        "max_concurrent_uploads")) + (
-        CheckConstraint("auto_service_tier IN ('default', 'priority')", name="auto_service_tier"),)
+        CheckConstraint("auto_service_tier IN ('default', 'priority')", name="auto_service_tier"),
+        CheckConstraint("reserved_share > 0 AND reserved_share < 1", name="reserved_share"))
 
 
 class ApiKey(Base):

@@ -8,13 +8,17 @@ from datetime import datetime, timedelta
 from typing import NamedTuple
 
 import pytest
+from admission_support import tenant_id_of
 from conftest import WorkerProcess
 from sqlalchemy import select, update
+from test_promise import publish
 
-from core.broker.fair import FairQueues
+from core.admission.load import LoadLevel, write_level
+from core.broker.fair import FairQueues, seconds_key, sync_reservations
 from core.broker.queues import messages_queued, queue_length, queue_lists
 from core.rediskeys import redis_client
-from models import InferenceRequest, utcnow
+from core.tenants.manage import update_tenant
+from models import InferenceRequest, Tenant, utcnow
 from web.services import services
 from workers.sweep import sweep
 
@@ -153,8 +157,6 @@ def test_the_promise_reads_the_wait_in_fair_order_so_a_flooder_is_refused_and_a_
     its class until its own backlog passes the 30 s deadline: it is refused, with a Retry-After
     from that backlog. Another tenant's request is admitted beside it, told a wait of the queue's
     depth only: of the flooder's line, nothing goes before it."""
-    from test_promise import publish
-
     application = isolated_app(realtime_deadline_s=30.0, promise_factor=1.0)
     flooder, quiet = new_client(application), new_client(application)
     svc = services(application)
@@ -174,3 +176,36 @@ def test_the_promise_reads_the_wait_in_fair_order_so_a_flooder_is_refused_and_a_
     second = quiet.submit(prompt="another quiet question", max_tokens=100)
     assert second.status_code == 202 and second.get_json()["estimated_wait_s"] == pytest.approx(depth + 2, abs=0.5)
     assert flooder.submit(prompt="flood", max_tokens=100).status_code == 503
+
+
+def test_a_tenant_inside_its_reserved_share_is_not_refused_for_an_overload_of_others(isolated_app, new_client):
+    """A flooder fills its class to the deadline; at the shed level everyone else is refused, but
+    a tenant with a reserved share is admitted while its own line drains in its deadline at that
+    share (0.3 × 30 s = 9 s of engine time) and its promise holds (at the shed level, the tight
+    factor: 18 s, its turns beside the flooder's included)."""
+
+    application = isolated_app(realtime_deadline_s=30.0, promise_factor=1.0)
+    flooder, reserved, plain = new_client(application), new_client(application), new_client(application)
+    svc = services(application)
+    with svc.db.session() as session:
+        update_tenant(session, svc.settings, session.get(Tenant, tenant_id_of(application, reserved)),
+                      {"reserved_share": 0.3})
+    assert list(sync_reservations(svc.db, svc.redis).values()) == [0.3]
+    publish(application, queued_work=0, drain_tps=100, seq_tps=50)
+    while flooder.submit(prompt="flood", max_tokens=100).status_code == 202:
+        pass
+    write_level(svc.redis, LoadLevel.SHED, ttl_s=30)
+    refused = plain.submit(prompt="plain", max_tokens=100)
+    assert refused.status_code == 503 and refused.get_json()["error"]["details"]["reason"] == "shed"
+    admitted = 0
+    while (answer := reserved.submit(prompt="reserved", max_tokens=100)).status_code == 202:
+        admitted += 1
+        assert admitted < 20, "a reservation with no end"
+    # Each waits for the queue's depth (2 s), its tenant's line and as much of the flooder's, and
+    # runs 2 s: the seventh would be due at 2 + 7 + 7 + 2 = 18 s, past the tight 18 s.
+    assert admitted == 7, (admitted, answer.get_json())
+    assert answer.get_json()["error"]["details"]["reason"] == "deadline"
+    # Past 9 s of its own line it is outside its share: shed like the rest.
+    svc.redis.hincrbyfloat(seconds_key("realtime.small"), f"default|{tenant_id_of(application, reserved)}", 3)
+    outside = reserved.submit(prompt="reserved", max_tokens=1)
+    assert outside.status_code == 503 and outside.get_json()["error"]["details"]["reason"] == "shed"

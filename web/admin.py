@@ -27,11 +27,13 @@ import logging
 from decimal import Decimal
 from typing import Any
 
+import redis
 from flask import Blueprint, Response, jsonify, request
 from marshmallow import Schema, fields, validate
 from sqlalchemy import func, select
 
 from core.admission.load import load_view
+from core.broker.fair import sync_reservations
 from core.broker.queues import ROLES
 from core.ids import uuid_or_404
 from core.rediskeys import bump_auth_epoch
@@ -95,6 +97,11 @@ class TenantLimitsSchema(Schema):
     batch_weight = StrictFloat(allow_none=True, validate=validate.Range(min=0, max=1000, min_inclusive=False),
                                metadata={"description": "Share of batch capacity for bulk jobs against other "
                                                         "tenants', counted in tokens (default 1; null resets)."})
+    reserved_share = StrictFloat(allow_none=True, validate=validate.Range(min=0, max=1, min_inclusive=False,
+                                                                          max_inclusive=False),
+                                 metadata={"description": "The share (0 to 1) of each class's engine time the "
+                                                          "tenant gets whenever it has work, beside tenants that "
+                                                          "queue more (null: none)."})
     disabled = StrictBoolean(metadata={"description": "true: every key of the tenant gets 403 tenant_disabled "
                                                       "until false again."})
 
@@ -202,6 +209,11 @@ def update(tenant_ref: str) -> Response:
         view = tenant_view(tenant, _settings(), _active_keys(session, tenant))
     if disabled:
         _forget_keys()
+    if "reserved_share" in changes:  # in force now, not at the monitor's next copy
+        try:
+            sync_reservations(_db(), services().redis)
+        except redis.RedisError:
+            log.warning("reserved shares not copied to Redis; the load monitor will within seconds")
     return jsonify(view)
 
 

@@ -153,6 +153,8 @@ class TenantViewSchema(Schema):
         "description": "Effective file quotas: the tier's (SLUICE_FILE_QUOTAS) plus overrides."})
     created_at = fields.DateTime(allow_none=True)
     batch_weight = fields.Float(metadata={"description": "Share of batch capacity for bulk jobs (tokens)."})
+    reserved_share = fields.Float(allow_none=True, metadata={
+        "description": "Its reserved share of each class's engine time (null: none)."})
     auto_service_tier = fields.String(metadata={"description": "What its `service_tier: auto` buys."})
     disabled = fields.Boolean(metadata={"description": "Every key of the tenant gets 403 tenant_disabled."})
     disabled_at = fields.DateTime(allow_none=True)

@@ -66,7 +66,7 @@ from core.admission.load import (
     tier_place,
     write_level,
 )
-from core.broker.fair import FairQueues
+from core.broker.fair import FairQueues, sync_reservations
 from core.broker.queues import publish_taken
 from core.fleet.lease import Lease, run_leading
 from core.fleet.workers import live_workers
@@ -86,6 +86,7 @@ MEASURE_MIN_S = 2.0  # ... once a backlog has lasted this long
 # holding long documents claimed a tenth of the drain, and a 27-document job was told 8 minutes).
 BUSY_MIN_S = 5.0
 RECOUNT_S = 30.0
+RESERVATIONS_S = 5.0  # how often the tenants' reserved shares are copied to Redis (core/broker/fair.py)
 # Estimated wait ÷ the class's deadline at which each level (1..6) is entered; a level is left
 # only after the ratio stayed below DOWN_FACTOR × its threshold for HOLD_S. Shedding waits for
 # twice the deadline: below that the promise at arrival already refuses each request that cannot
@@ -225,6 +226,7 @@ class Monitor:
         self._classes: dict[str, _ClassState] = {}
         self._steps: dict[str, tuple[float, int]] = {}  # worker → (t, engine steps)
         self._last_recount = float("-inf")
+        self._last_reservations = float("-inf")
 
     # ------------------------------------------------------------------ one tick
 
@@ -450,6 +452,9 @@ class Monitor:
         if self.clock() - self._last_recount >= RECOUNT_S:
             self.recount()
             self._last_recount = self.clock()
+        if self.clock() - self._last_reservations >= RESERVATIONS_S:
+            sync_reservations(self.db, self.redis)
+            self._last_reservations = self.clock()
         self.tick()
         if self.fair is not None and self.fair.depth > 0:
             publish_taken(self.broker, self.fair.take_all())

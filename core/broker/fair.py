@@ -32,9 +32,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import redis
+from sqlalchemy import select
 
 from core.admission.load import snapshot_key
 from core.broker.queues import message_priority, queue_lists
+from models import Database, Tenant
 from models.lifecycle import Moved
 from models.request import Status
 
@@ -42,6 +44,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "sluice:fair:"
 QUEUES_KEY = PREFIX + "queues"  # the queues that have had a line
+RESERVED_KEY = PREFIX + "reserved"  # tenant → its reserved share (sync_reservations)
 _LUA = Path(__file__).with_name("lua")
 
 
@@ -144,9 +147,24 @@ class FairQueues:
         priority, _, rest = queue.partition(".")
         _, _, model = rest.partition(".")
         keys = [line_key(queue), _items_key(queue), state_key(queue), seconds_key(queue), _counts_key(queue),
-                snapshot_key(priority, model or self.default_model), QUEUES_KEY, *queue_lists(queue)]
+                snapshot_key(priority, model or self.default_model), QUEUES_KEY, RESERVED_KEY, *queue_lists(queue)]
         taken = self._fair(keys=keys, args=[self.depth, queue, puts, *args])
         return [(taken[i], queue, taken[i + 1] or None) for i in range(0, len(taken), 2)]
+
+
+def sync_reservations(db: Database, client: redis.Redis) -> dict[str, float]:
+    """Copy the tenants' reserved shares from Postgres to Redis (``RESERVED_KEY``), where the fair
+    lines and the promise read them: the load monitor's leader does it every few seconds, the
+    admin API as it changes one. In one transaction: no reader sees the hash half written."""
+    with db.session() as session:
+        shares = {str(tenant): float(share) for tenant, share in session.execute(
+            select(Tenant.id, Tenant.reserved_share).where(Tenant.reserved_share.is_not(None)))}
+    with client.pipeline() as pipe:
+        pipe.delete(RESERVED_KEY)
+        if shares:
+            pipe.hset(RESERVED_KEY, mapping=shares)
+        pipe.execute()
+    return shares
 
 
 class LineDrops:

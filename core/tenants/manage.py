@@ -47,7 +47,7 @@ def create_tenant(session: Session, settings: Settings, name: str, tier: str | N
     if session.scalar(select(Tenant.id).where(Tenant.name == name)) is not None:
         raise TenantError(f"A tenant named {name!r} already exists.", "tenant_exists")
     tenant = Tenant(name=name)
-    _apply(tenant, settings, {"tier": tier, **(overrides or {})})
+    _apply(tenant, settings, {"tier": tier, **(overrides or {})}, session)
     session.add(tenant)
     session.flush()
     return tenant
@@ -55,7 +55,7 @@ def create_tenant(session: Session, settings: Settings, name: str, tier: str | N
 
 def update_tenant(session: Session, settings: Settings, tenant: Tenant, changes: dict[str, Any]) -> Tenant:
     """Apply ``changes`` (``tier``, limit and file quota fields); a value of None resets it to the default."""
-    _apply(tenant, settings, changes)
+    _apply(tenant, settings, changes, session)
     session.flush()
     return tenant
 
@@ -136,6 +136,7 @@ def tenant_view(tenant: Tenant, settings: Settings, active_keys: int | None = No
         "file_quotas": effective_file_quotas(settings.file_quotas, settings.default_tier, tenant).as_dict(),
         "created_at": _iso(tenant.created_at),
         "batch_weight": tenant.batch_weight if tenant.batch_weight is not None else 1.0,
+        "reserved_share": tenant.reserved_share,
         "auto_service_tier": tenant.auto_service_tier or "default",
         "disabled": tenant.disabled_at is not None,
         "disabled_at": _iso(tenant.disabled_at),
@@ -145,12 +146,34 @@ def tenant_view(tenant: Tenant, settings: Settings, active_keys: int | None = No
     return view
 
 
+# What all tenants together may hold in reservations: the rest of each class is always shared.
+MAX_RESERVED = 0.9
+
+
+def _reserve(session: Session, tenant: Tenant, share: Any) -> None:
+    """Set (or, with None, clear) ``tenant``'s reserved share, within what the others leave."""
+    if share is None:
+        tenant.reserved_share = None
+        return
+    if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share < 1:
+        raise TenantError("reserved_share must be a number > 0 and < 1 (null: none).", "invalid_request")
+    others = session.scalar(select(func.coalesce(func.sum(Tenant.reserved_share), 0.0))
+                            .where(Tenant.id != tenant.id) if tenant.id else
+                            select(func.coalesce(func.sum(Tenant.reserved_share), 0.0)))
+    if others + share > MAX_RESERVED + 1e-9:
+        raise TenantError(f"reserved_share {share:g} with the {others:g} other tenants hold would reserve more "
+                          f"than {MAX_RESERVED:g} of the engines; the rest is always shared.",
+                          "reservations_exceed_capacity")
+    tenant.reserved_share = float(share)
+
+
 def _iso(moment: datetime | None) -> str | None:
     return moment.isoformat() if moment else None
 
 
-def _apply(tenant: Tenant, settings: Settings, changes: dict[str, Any]) -> None:
-    unknown = set(changes) - {"tier", "batch_weight", "auto_service_tier", *LIMIT_FIELDS, *QUOTA_FIELDS}
+def _apply(tenant: Tenant, settings: Settings, changes: dict[str, Any], session: Session) -> None:
+    unknown = set(changes) - {"tier", "batch_weight", "reserved_share", "auto_service_tier", *LIMIT_FIELDS,
+                              *QUOTA_FIELDS}
     if unknown:
         raise TenantError(f"Unknown fields: {', '.join(sorted(unknown))}.", "invalid_request")
     if "tier" in changes:
@@ -165,6 +188,8 @@ def _apply(tenant: Tenant, settings: Settings, changes: dict[str, Any]) -> None:
         if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight <= 1000:
             raise TenantError("batch_weight must be a number > 0 and ≤ 1000 (null: 1).", "invalid_request")
         tenant.batch_weight = float(weight)
+    if "reserved_share" in changes:
+        _reserve(session, tenant, changes["reserved_share"])
     if "auto_service_tier" in changes:
         auto = changes["auto_service_tier"]
         if auto not in (None, "default", "priority"):

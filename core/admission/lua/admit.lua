@@ -43,8 +43,9 @@
 --       30 + 2i this request's reservation, in the budget's units (tokens or micro-dollars)
 -- KEYS  9 the budget charge records (hash: request id → record)  10 today's refusal counts (hash:
 --       field → count, core/usage/refusals.py)  10 + i the counter of budget i in its window (what
---       its requests used once ended, or hold while in flight)  last: what each tenant has in the
---       fair line of the request's queue (hash: '<tier>|<tenant>' → engine seconds, core/broker/fair.py)
+--       its requests used once ended, or hold while in flight)  then the tenants' reserved shares
+--       (hash: tenant → share)  last: what each tenant has in the fair line of the request's queue
+--       (hash: '<tier>|<tenant>' → engine seconds; both core/broker/fair.py)
 -- ARGV  after the budgets: its service tier, then its tenant (that line's fields)
 -- Returns {gate, reason, retry_ms, tokens limit, tokens remaining, tokens reset ms,
 --          requests limit, requests remaining, requests reset ms, load level, estimated wait ms,
@@ -82,6 +83,41 @@ local ptpm, tpm, rpm = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local gate, reason, retry = '', '', 0
 local full, hit = ARGV[20] == 'full', ARGV[20] == 'hit'
 
+-- Its place in its queue's fair line (core/broker/fair.py, lua/fair.lua): tenants take turns there
+-- in engine time, each by its weight (1; r/(1 − r) × the other tenants in the line for a reserved
+-- share r), so of another tenant's work in its tier's line only as much goes before it as that
+-- tenant's weight gets while its own tenant's line drains; the rest of a flooder's excess waits
+-- behind it. Its own tenant's work there goes before it whole. `passed`: the engine seconds of
+-- the line that do not go before it, which the wait leaves out.
+local me, mark = ARGV[#ARGV], ARGV[#ARGV - 1] .. '|'
+local mine, lined, passed, names, costs, here = 0, 0, 0, {}, {}, false
+local line = redis.call('HGETALL', KEYS[#KEYS])
+for i = 1, #line, 2 do
+  if string.sub(line[i], 1, #mark) == mark then
+    local c = math.max(0, tonumber(line[i + 1]) or 0)
+    local name = string.sub(line[i], #mark + 1)
+    lined = lined + c
+    if name == me then mine, here = c, true else names[#names + 1], costs[#costs + 1] = name, c end
+  end
+end
+local function weight(share, others)
+  if share and share > 0 and share < 1 then return math.max(1, share / (1 - share) * math.max(1, others)) end
+  return 1
+end
+local shares = redis.call('HMGET', KEYS[#KEYS - 1], me, unpack(names))
+local my_share = tonumber(shares[1]) or 0
+local w_me = weight(my_share, #names)
+if lined > 0 then
+  local before = mine
+  for i, c in ipairs(costs) do
+    before = before + math.min(c, mine * weight(tonumber(shares[i + 1]), #names) / w_me)
+  end
+  passed = lined - before
+end
+-- Inside its reservation: its own line drains within its deadline at its reserved share. Then no
+-- overload of the others' making (the shed and batch levels) refuses it.
+local inside = my_share > 0 and mine * 1000 <= my_share * tonumber(ARGV[14])
+
 -- 1. Global: the degradation level (only while fresh) and the platform's token rate. A request
 -- larger than a whole bucket asks only for a full bucket here: the per-request gate rejects it.
 -- The level is the request's class's own (or the one written for every class: '*').
@@ -95,9 +131,9 @@ local ptok, pt, pstored, pst = 0, now, 0, now
 if ptpm > 0 then ptok, pt, pstored, pst = bucket(KEYS[1], 'tok', ptpm) end
 if not full then
   -- no global gate: it uses no engine now
-elseif load >= tonumber(ARGV[11]) then
+elseif load >= tonumber(ARGV[11]) and not inside then
   gate, reason = 'global', 'shed'
-elseif load >= tonumber(ARGV[10]) and ARGV[7] == 'batch' then
+elseif load >= tonumber(ARGV[10]) and ARGV[7] == 'batch' and not inside then
   gate, reason = 'global', 'batch_paused'
 elseif ptpm > 0 and ptok < math.min(cost, ptpm) then
   gate, reason, retry = 'global', 'platform_tokens', wait_ms(ptok, math.min(cost, ptpm), ptpm, pstored, pst)
@@ -214,26 +250,9 @@ if full and drain > 0 then
   local prompts = math.max(0, tonumber(counters[2] or '0') or 0)
   local squares = math.max(0, tonumber(counters[3] or '0') or 0)
   wait = math.floor(queued * 1000 / drain + (prompts * price + squares * price2 + backlog) * 1000 / engines)
-  -- Its place in the fair line: tenants take turns in engine time there, so of each tenant's
-  -- work in its tier's line only as much as its own tenant has there (plus itself) goes before
-  -- it; the rest of a flooder's excess waits behind it, not in its wait. A tenant that queued
-  -- nothing waits for the queue and the engines only; one that queued much, for its own backlog.
-  local lined, mine, costs = 0, 0, {}
-  local mark = ARGV[#ARGV - 1] .. '|'
-  local line = redis.call('HGETALL', KEYS[#KEYS])
-  for i = 1, #line, 2 do
-    if string.sub(line[i], 1, #mark) == mark then
-      local c = math.max(0, tonumber(line[i + 1]) or 0)
-      lined = lined + c
-      costs[#costs + 1] = c
-      if line[i] == mark .. ARGV[#ARGV] then mine = c end
-    end
-  end
-  if lined > 0 then
-    local before = 0
-    for _, c in ipairs(costs) do before = before + math.min(c, mine) end
-    wait = math.max(0, wait - math.floor((lined - before) * 1000))
-  end
+  -- In fair order: a tenant that queued nothing waits for the queue and the engines only; one
+  -- that queued much, for its own backlog and the others' turns beside it.
+  wait = math.max(0, wait - math.floor(passed * 1000))
   if room == 0 then wait = wait + math.floor(slot_wait * 1000) end
   local own_prompt = tonumber(ARGV[26]) or 0
   local own = (own_prompt * price + own_prompt * own_prompt * price2) * 1000

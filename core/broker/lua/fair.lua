@@ -6,7 +6,9 @@
 -- line is served in order of start, and V (the tier's virtual time) is the start of the request
 -- served last. A tenant that queued much has its starts far ahead of V, so a request of a tenant
 -- that queued nothing starts at V and goes next; between tenants with work queued, each gets
--- engine time in proportion to its weight. Tiers never mix: a tier's rank (its message priority
+-- engine time in proportion to its weight: 1, or for a tenant with a reserved share r, r/(1 − r)
+-- times the number of other tenants in the tier's line (at least 1), which gives it r of the
+-- engines while they all have work. Tiers never mix: a tier's rank (its message priority
 -- step) scales the score, so the line gives all of a better tier's requests first.
 --
 -- KEYS 1 the line (zset: request id → rank × RANK + start)  2 the items (hash: request id →
@@ -15,7 +17,8 @@
 --        '<tier>|<tenant>' → the engine seconds of its requests there; admit.lua reads it)
 --        5 how many (hash: the same fields → requests)  6 the class's monitor snapshot (hash:
 --        drain_tps, prefill_s_tok, prefill_s_tok2, engines: what a request's engine time is priced
---        at)  7 the set of queues with a line  8.. the Celery queue's lists (one per priority step)
+--        at)  7 the set of queues with a line  8 the reserved shares (hash: tenant → share, synced
+--        from Postgres by the load monitor)  9.. the Celery queue's lists (one per priority step)
 -- ARGV 1 the depth: how many messages the Celery queue may hold  2 the queue's name  3 n puts, then
 --        per put: id, tier, rank, tenant, weight, prompt tokens, output tokens
 -- Returns {id, tier, ...}: the requests taken off the line, for the caller to publish in that order.
@@ -35,6 +38,14 @@ for i = 0, puts - 1 do
   -- Once only: a request published again (the sweep, a retry) keeps its place.
   if not redis.call('ZSCORE', KEYS[1], id) then
     local cost = output / drain + (prompt * price + prompt * prompt * price2) / engines
+    local share = tonumber(redis.call('HGET', KEYS[8], tenant)) or 0
+    if share > 0 and share < 1 then
+      local others, mark = 0, tier .. '|'
+      for _, field in ipairs(redis.call('HKEYS', KEYS[5])) do
+        if string.sub(field, 1, #mark) == mark and field ~= mark .. tenant then others = others + 1 end
+      end
+      weight = math.max(weight, share / (1 - share) * math.max(1, others))
+    end
     local v = redis.call('HMGET', KEYS[3], 'v:' .. tier, 'f:' .. tier .. ':' .. tenant)
     local start = math.max(tonumber(v[1]) or 0, tonumber(v[2]) or 0)
     redis.call('HSET', KEYS[3], 'f:' .. tier .. ':' .. tenant, start + cost / weight)
@@ -47,7 +58,7 @@ end
 if puts > 0 then redis.call('SADD', KEYS[7], ARGV[2]) end
 
 local depth = 0
-for k = 8, #KEYS do depth = depth + redis.call('LLEN', KEYS[k]) end
+for k = 9, #KEYS do depth = depth + redis.call('LLEN', KEYS[k]) end
 local out = {}
 while depth < tonumber(ARGV[1]) do
   local top = redis.call('ZPOPMIN', KEYS[1])

@@ -199,9 +199,12 @@ def monitor() -> None:
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def status(as_json: bool) -> None:
+@click.option("--tenants", "by_tenant", is_flag=True,
+              help="Also each class queue's fair line, tenant by tenant: requests, engine seconds, share, wait.")
+def status(as_json: bool, by_tenant: bool) -> None:
     """Show the load per class, as the monitor last published it."""
     from core.admission.load import ClassLoad, load_view
+    from core.broker.fair import lines_view, name_tenants
     from core.rediskeys import redis_client
     from models import Database
     from models.reservation import current_views
@@ -210,15 +213,20 @@ def status(as_json: bool) -> None:
     if not settings.redis_url:  # it reads the load from Redis; the reservations from Postgres, if set
         raise click.UsageError(not_found(settings, ["REDIS_URL"]))
     reservations = []
-    if settings.database_url:  # the reservations live in Postgres
+    client = redis_client(settings.redis_url)
+    lines = lines_view(client) if by_tenant else []
+    if settings.database_url:  # the reservations and the tenants' names live in Postgres
         db = Database()
         db.configure(settings.sqlalchemy_url, pool_size=1, max_overflow=0)
         try:
             with db.session() as session:
                 reservations = current_views(session)
+                name_tenants(session, lines)
         finally:
             db.dispose()
-    view = load_view(redis_client(settings.redis_url), settings.ladder, reservations)
+    view = load_view(client, settings.ladder, reservations)
+    if by_tenant:
+        view["lines"] = lines
     if as_json:
         click.echo(json.dumps(view, indent=2))
         return
@@ -239,6 +247,16 @@ def status(as_json: bool) -> None:
                    f"role {one['role'] or 'all shared'}{', ' + one['note'] if one['note'] else ''}")
     if view["paused_for_reservations"]:
         click.echo(f"batch queues paused on: {', '.join(view['paused_for_reservations'])}")
+    if by_tenant:
+        click.echo(f"\n{'queue':24} {'tenant':36} {'queued':>7} {'engine s':>9} {'share':>6} {'reserved':>8} "
+                   f"{'wait s':>7}")
+        for line in lines:
+            for row in line["tenants"]:
+                reserved = "-" if row["reserved_share"] is None else f"{row['reserved_share']:g}"
+                click.echo(f"{line['queue']:24} {row.get('name', row['tenant'])[:36]:36} {row['requests']:>7} "
+                           f"{row['seconds']:>9.1f} {row['share']:>6.2f} {reserved:>8} {row['wait_s']:>7.1f}")
+        if not lines:
+            click.echo("no tenant has work waiting in a fair line")
 
 
 @main.command("config")

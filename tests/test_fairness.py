@@ -14,7 +14,7 @@ from sqlalchemy import select, update
 from test_promise import publish
 
 from core.admission.load import LoadLevel, write_level
-from core.broker.fair import FairQueues, seconds_key, sync_reservations
+from core.broker.fair import RESERVED_KEY, FairQueues, lines_view, seconds_key, sync_reservations
 from core.broker.queues import messages_queued, queue_length, queue_lists
 from core.rediskeys import redis_client
 from core.tenants.manage import update_tenant
@@ -209,3 +209,35 @@ def test_a_tenant_inside_its_reserved_share_is_not_refused_for_an_overload_of_ot
     svc.redis.hincrbyfloat(seconds_key("realtime.small"), f"default|{tenant_id_of(application, reserved)}", 3)
     outside = reserved.submit(prompt="reserved", max_tokens=1)
     assert outside.status_code == 503 and outside.get_json()["error"]["details"]["reason"] == "shed"
+
+
+def test_the_lines_are_shown_tenant_by_tenant_the_ten_with_most_work_and_the_rest_as_other(scratch_redis_url):
+    """What `sluice status --tenants`, GET /v1/admin/load, the dashboard and the monitor's metrics
+    show: per line, tenants by engine seconds queued, a reserved tenant's share, each one's wait in
+    fair order; the eleventh and later summed as ``other`` (bounded metric labels)."""
+    from workers.exporter import PlatformCollector
+
+    client = redis_client(scratch_redis_url)
+    fair = FairQueues(client, depth=1, default_model="m")
+    tenants = [uuid.uuid4() for _ in range(12)]
+    client.hset(RESERVED_KEY, str(tenants[0]), 0.5)
+    client.lpush(QUEUE, "a message")  # the queue is at its depth: all of them wait in the line
+    for i, tenant in enumerate(tenants):
+        assert fair.put(rows(tenant, i + 1)) == []
+    [line] = lines_view(client)
+    assert line["queue"] == QUEUE and len(line["tenants"]) == 11
+    named = line["tenants"][:10]
+    assert [r["tenant"] for r in named] == [str(t) for t in reversed(tenants[2:])]
+    assert [r["requests"] for r in named] == list(range(12, 2, -1))
+    other = line["tenants"][10]
+    assert other["tenant"] == "other" and other["requests"] == 1 + 2  # the first two tenants
+    biggest = named[0]
+    # Eleven others with work beside the reserved one: its weight 11, the rest 1 each.
+    assert biggest["share"] == pytest.approx(1 / 22, abs=0.001)
+    assert other["share"] == pytest.approx(12 / 22, abs=0.001)
+    # Its 12 requests drain beside each other tenant's turns: all of theirs (at most 11 each) and its own.
+    assert biggest["wait_s"] == pytest.approx(sum(r["seconds"] for r in named) + other["seconds"], rel=0.01)
+    svc = type("Svc", (), {"redis": client})()
+    families = {f.name: f for f in PlatformCollector(svc)._lines()}
+    samples = families["sluice_tenant_queued_requests"].samples
+    assert len(samples) == 11 and {s.labels["tenant"] for s in samples} >= {"other", str(tenants[-1])}

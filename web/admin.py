@@ -33,7 +33,7 @@ from marshmallow import Schema, fields, validate
 from sqlalchemy import func, select
 
 from core.admission.load import load_view
-from core.broker.fair import sync_reservations
+from core.broker.fair import lines_view, name_tenants, sync_reservations
 from core.broker.queues import ROLES
 from core.ids import uuid_or_404
 from core.rediskeys import bump_auth_epoch
@@ -311,11 +311,12 @@ def revoke_api_key(tenant_ref: str, key_id: str) -> Response:
 @load_bp.get("/load")
 def show_load() -> Response:
     """Per class, as the load monitor last published it: queue, drain, wait, level, workers;
-    and the peak reservations."""
+    the peak reservations; and each class queue's fair line, tenant by tenant."""
     svc = services()
     with svc.db.session() as session:
         reservations = current_views(session)
-    return jsonify(load_view(svc.redis, svc.settings.ladder, reservations))
+        lines = name_tenants(session, lines_view(svc.redis))
+    return jsonify({**load_view(svc.redis, svc.settings.ladder, reservations), "lines": lines})
 
 
 class ReservationSchema(Schema):

@@ -23,6 +23,7 @@ from flask import Blueprint, Response, jsonify
 from sqlalchemy import Float, cast, func, select
 
 from core.admission.load import load_view
+from core.broker.fair import lines_view, name_tenants
 from core.fleet.workers import live_workers
 from core.observe.metrics import scrape_registry
 from core.usage.report import UsageQuery, usage
@@ -76,6 +77,7 @@ def data() -> Response:
         reservations = current_views(session)
         timings = _timings(session)
         jobs = _jobs(session)
+        lines = name_tenants(session, lines_view(svc.redis))
     load = load_view(svc.redis, svc.settings.ladder, reservations)
     workers = [{"worker": w.get("worker"), "model": w.get("model"), "device": w.get("device"),
                 "role": w.get("role"), "running": w.get("running", 0), "waiting": w.get("waiting", 0),
@@ -86,7 +88,7 @@ def data() -> Response:
     return jsonify({"level": load["level"], "steps": load["steps"], "monitor": load["monitor"],
                     "classes": load["classes"], "reservations": reservations,
                     "paused_for_reservations": load["paused_for_reservations"], "workers": workers,
-                    "timings": timings, "jobs": jobs, "rejections": _rejections()})
+                    "timings": timings, "jobs": jobs, "rejections": _rejections(), "lines": lines})
 
 
 @data_bp.get("/dashboard/usage")

@@ -20,6 +20,7 @@ from prometheus_client.registry import REGISTRY, Collector
 from sqlalchemy import func, select
 
 from core.admission.load import load_view
+from core.broker.fair import lines_view
 from core.observe.metrics import serve
 from core.settings import Settings
 from models import Delivery, Job, JobItem, JobStatus
@@ -141,6 +142,25 @@ class PlatformCollector(Collector):
         for step in svc.settings.ladder:
             steps.add_metric([step], 1.0 if step in view["steps"] else 0.0)
         yield steps
+        yield from self._lines()
+
+    def _lines(self) -> Iterator[GaugeMetricFamily]:
+        """Each class queue's fair line per tenant: the top tenants by queued engine time by id, the
+        rest as ``other`` (``core/broker/fair.py lines_view``): at most 11 series per queue."""
+        families = {key: GaugeMetricFamily(name, doc, labels=["queue", "tenant"]) for key, name, doc in (
+            ("requests", "sluice_tenant_queued_requests",
+             "Requests a tenant has waiting in a class queue's fair line."),
+            ("seconds", "sluice_tenant_queued_engine_seconds",
+             "Engine seconds of a tenant's requests waiting in a class queue's fair line."),
+            ("share", "sluice_tenant_share", "The share of the engines a tenant's weight gets while the tenants "
+                                             "with work in the line all have work (0-1)."),
+            ("wait_s", "sluice_tenant_wait_estimate_seconds",
+             "How long a tenant's line takes to drain in fair order at the class's whole capacity."))}
+        for line in lines_view(self.svc.redis):
+            for row in line["tenants"]:
+                for key, family in families.items():
+                    family.add_metric([line["queue"], row["tenant"]], float(row[key]))
+        yield from families.values()
 
     def _database(self) -> Iterator[GaugeMetricFamily]:
         with self.svc.db.session() as session:

@@ -27,6 +27,7 @@ queued) publishes it again. A request that ends while in the line (cancelled, ex
 from __future__ import annotations
 
 import logging
+import uuid
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
@@ -150,6 +151,75 @@ class FairQueues:
                 snapshot_key(priority, model or self.default_model), QUEUES_KEY, RESERVED_KEY, *queue_lists(queue)]
         taken = self._fair(keys=keys, args=[self.depth, queue, puts, *args])
         return [(taken[i], queue, taken[i + 1] or None) for i in range(0, len(taken), 2)]
+
+
+TOP_TENANTS = 10  # tenants named per line in views and metrics; the rest are summed as "other"
+
+
+def weight(share: float | None, others: int) -> float:
+    """A tenant's weight in a line (``lua/fair.lua``): 1, or for a reserved share r, r/(1 − r)
+    times the other tenants with work there (at least 1), which gives it r while they all have work."""
+    if share and 0 < share < 1:
+        return max(1.0, share / (1 - share) * max(1, others))
+    return 1.0
+
+
+def lines_view(client: redis.Redis, top: int = TOP_TENANTS) -> list[dict]:
+    """Each class queue's fair line as the operator sees it (``GET /v1/admin/load``, ``sluice status
+    --tenants``, the dashboard, the monitor's metrics): per tenant with work there, its requests
+    and engine seconds, its reserved share, the share of the engines its weight gets while the
+    tenants listed all have work, and how long its line takes to drain in fair order (its own
+    work and the others' turns beside it, at the class's whole capacity). The ``top`` tenants with
+    most work; the rest summed under ``tenant: "other"``."""
+    reserved = {k: float(v) for k, v in client.hgetall(RESERVED_KEY).items()}
+    out = []
+    for queue in sorted(client.smembers(QUEUES_KEY)):
+        with client.pipeline(transaction=False) as pipe:
+            pipe.hgetall(_counts_key(queue))
+            pipe.hgetall(seconds_key(queue))
+            counts, seconds = pipe.execute()
+        work: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+        for field, n in counts.items():
+            tenant = field.partition("|")[2]
+            work[tenant][0] += int(n)
+            work[tenant][1] += max(0.0, float(seconds.get(field) or 0))
+        if not work:
+            continue
+        weights = {t: weight(reserved.get(t), len(work) - 1) for t in work}
+        total = sum(weights.values())
+        rows = [{"tenant": t, "requests": int(n), "seconds": round(s, 3), "reserved_share": reserved.get(t),
+                 "share": round(weights[t] / total, 3),
+                 "wait_s": round(sum(min(s2, s * weights[o] / weights[t]) for o, (_, s2) in work.items()), 3)}
+                for t, (n, s) in work.items()]
+        rows.sort(key=lambda r: -r["seconds"])
+        if len(rows) > top:
+            rest = rows[top:]
+            rows = rows[:top] + [{"tenant": "other", "requests": sum(r["requests"] for r in rest),
+                                  "seconds": round(sum(r["seconds"] for r in rest), 3), "reserved_share": None,
+                                  "share": round(sum(r["share"] for r in rest), 3),
+                                  "wait_s": max(r["wait_s"] for r in rest)}]
+        out.append({"queue": queue, "tenants": rows})
+    return out
+
+
+def name_tenants(session, lines: list[dict]) -> list[dict]:
+    """``lines_view``'s rows with each tenant's name (``name``), read in ``session``."""
+    ids = {r["tenant"] for line in lines for r in line["tenants"] if r["tenant"] != "other"}
+    valid = [uuid.UUID(i) for i in ids if _is_uuid(i)]
+    names = {str(i): n for i, n in session.execute(select(Tenant.id, Tenant.name).where(Tenant.id.in_(valid)))} \
+        if valid else {}
+    for line in lines:
+        for row in line["tenants"]:
+            row["name"] = names.get(row["tenant"], row["tenant"])
+    return lines
+
+
+def _is_uuid(text: str) -> bool:
+    try:
+        uuid.UUID(text)
+    except ValueError:
+        return False
+    return True
 
 
 def sync_reservations(db: Database, client: redis.Redis) -> dict[str, float]:

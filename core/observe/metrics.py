@@ -12,8 +12,9 @@ Who exports what (each a scrape target of its own):
 * the monitor on ``SLUICE_MONITOR_METRICS_PORT``: the queues in requests *and tokens*, the level
   and the steps it turns on, job items by status, webhook deliveries by status.
 
-Labels are bounded: priority, model, status, gate, reason, step, device — never a request or
-tenant id.
+Labels are bounded: priority, model, status, gate, reason, step, device — never a request id,
+and a tenant id only in the monitor's fair-line series, for the ten tenants with most work queued
+per class queue (the rest as ``other``).
 """
 
 from __future__ import annotations

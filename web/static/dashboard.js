@@ -76,6 +76,11 @@ function start(key) {
                                  w.threads, `${w.kv_used_tokens} / ${w.kv_capacity_tokens}`]));
     table(document.getElementById("jobs"), ["job", "items by status"],
           data.jobs.map(j => [j.id, Object.entries(j.items).map(([s, n]) => `${s} ${n}`).join(", ")]));
+    table(document.getElementById("lines"), ["queue", "tenant", "queued", "engine s", "share", "reserved",
+                                             "wait s"],
+          (data.lines || []).flatMap(l => l.tenants.map(r => [l.queue, r.name || r.tenant, r.requests,
+                                                              r.seconds.toFixed(1), r.share.toFixed(2),
+                                                              r.reserved_share ?? "-", r.wait_s.toFixed(1)])));
     table(document.getElementById("reservations"), ["from", "until", "state", "role"],
           data.reservations.map(r => [r.from, r.until, r.state, r.role || "all"]));
     table(document.getElementById("rejections"), ["gate: reason", "count"],

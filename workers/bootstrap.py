@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from celery.signals import task_received, worker_init, worker_ready, worker_shutdown, worker_shutting_down
 
-from core.broker.queues import RUN_TASK, publish_taken
+from core.broker.queues import RUN_TASK
 from core.rediskeys import RESERVED_KEY
 from core.registry import ModelSpec
 from core.services import Services
@@ -234,13 +234,7 @@ def connect(svc: Services) -> None:
         except Exception:
             log.warning("could not record reservation of %s; recovery falls back to the visibility timeout",
                         request.id)
-        # A message left its queue: the queue's fair line tops it up, in fair order (core/broker/fair.py).
-        queue = (request.delivery_info or {}).get("routing_key") or ""
-        if svc.fair.handles(queue):
-            try:
-                publish_taken(svc.broker, svc.fair.take(queue))
-            except Exception:
-                log.warning("could not top up %s from its fair line; the load monitor will", queue)
+
 
     @worker_shutting_down.connect(weak=False)
     def _on_shutting_down(**kwargs) -> None:

@@ -14,7 +14,7 @@ import redis
 from celery import shared_task
 from celery.exceptions import Reject
 
-from core.broker.queues import RUN_TASK, SWEEP_TASK, publish_committed
+from core.broker.queues import RUN_TASK, SWEEP_TASK, publish_committed, publish_taken
 from core.rediskeys import RESERVED_KEY, SWEEP_LAST_KEY
 from workers import execution, sweep
 from workers.bootstrap import WORKER, EngineNotStarted
@@ -44,6 +44,7 @@ def run_request(self: SluiceTask, request_id: str) -> None:
         time.sleep(BATCH_FULL_PAUSE_S)
         _unreserve(svc, request_id)
         raise Reject(requeue=True)  # not claimed: the row stays queued, the message goes back
+    _top_up(svc, queue)
     try:
         def publish(rows, head: bool = False) -> None:  # the broker is svc.redis's Redis
             publish_committed(svc.lifecycle, svc.broker, rows, svc.epoch, head=svc.redis if head else None,
@@ -62,6 +63,17 @@ def run_request(self: SluiceTask, request_id: str) -> None:
             slots.give_back()
         # Claimed (the heartbeat now covers it) or not ours to run: either way no longer reserved.
         _unreserve(svc, request_id)
+
+
+def _top_up(svc, queue: str) -> None:
+    """This message is taken for good (not handed back): its queue is topped up from its fair line,
+    in fair order (core/broker/fair.py); failing that, the load monitor does it within a second."""
+    if not svc.fair.handles(queue):
+        return
+    try:
+        publish_taken(svc.broker, svc.fair.take(queue))
+    except Exception:
+        log.warning("could not top up %s from its fair line; the load monitor will", queue)
 
 
 def _unreserve(svc, request_id: str) -> None:

@@ -9,8 +9,8 @@ kept at ``depth`` messages, taken off the line in fair order:
 
 * by the publisher itself, in the same step as its put (an idle class: the request goes straight
   through);
-* by a worker each time it takes a message off the queue (``workers/bootstrap.py``), so the queue
-  is topped up as it drains;
+* by a worker each time it takes a message off the queue for good (``workers/tasks.py``; not one
+  it hands back), so the queue is topped up as it drains;
 * by the load monitor's leader every tick, the floor for a line nobody else topped up.
 
 A tenant that floods a class queues far ahead in the line's virtual time, so another tenant's

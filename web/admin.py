@@ -186,6 +186,8 @@ def create() -> tuple[Response, int]:
         tenant = create_tenant(session, _settings(), name, data.pop("tier", None), data)
         key = add_key(session, tenant) if make_key else None
         view = tenant_view(tenant, _settings(), 1 if key else 0)
+    if data.get("reserved_share") is not None:
+        _sync_reservations()
     return jsonify(**view, **({"api_key": key} if key else {})), 201
 
 
@@ -209,12 +211,17 @@ def update(tenant_ref: str) -> Response:
         view = tenant_view(tenant, _settings(), _active_keys(session, tenant))
     if disabled:
         _forget_keys()
-    if "reserved_share" in changes:  # in force now, not at the monitor's next copy
-        try:
-            sync_reservations(_db(), services().redis)
-        except redis.RedisError:
-            log.warning("reserved shares not copied to Redis; the load monitor will within seconds")
+    if "reserved_share" in changes:
+        _sync_reservations()
     return jsonify(view)
+
+
+def _sync_reservations() -> None:
+    """A reserved share changed: in force now, not at the load monitor's next copy."""
+    try:
+        sync_reservations(_db(), services().redis)
+    except redis.RedisError:
+        log.warning("reserved shares not copied to Redis; the load monitor will within seconds")
 
 
 class KeyCreateSchema(Schema):

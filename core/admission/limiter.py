@@ -27,7 +27,7 @@ import redis
 from sqlalchemy import select
 
 from core.admission.load import LoadLevel, capacity_key, class_name, counters_key, room_key, snapshot_key
-from core.broker.fair import RESERVED_KEY, seconds_key
+from core.broker.fair import RESERVED_KEY, class_queues, seconds_key
 from core.rediskeys import (
     INFLIGHT_SUFFIX,
     LOAD_LEVEL_KEY,
@@ -149,7 +149,7 @@ class SharedLimiter:
         keys = [PLATFORM_BUCKET_KEY, LOAD_LEVEL_KEY, tenant_bucket_key(tenant_id), inflight_key(tenant_id),
                 counters_key(priority, model), snapshot_key(priority, model), room_key(priority, model),
                 capacity_key(priority, model), BUDGET_CHARGES_KEY, refusals.day_key(time.time()),
-                *(counter for counter, _, _ in budgets), RESERVED_KEY, seconds_key(queue or "-")]
+                *(counter for counter, _, _ in budgets), RESERVED_KEY, *(seconds_key(q) for q in class_queues(queue))]
         deadline_ms = 2**53 if deadline_s == float("inf") else int(deadline_s * 1000)
         args = [request_id, cost, self.platform_tokens_per_minute, limits.tokens_per_minute,
                 limits.requests_per_minute, limits.max_concurrent, priority, int(too_large),

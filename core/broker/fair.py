@@ -66,6 +66,16 @@ def seconds_key(queue: str) -> str:
     return f"{PREFIX}{queue}:seconds"
 
 
+def class_queues(queue: str) -> tuple[str, str]:
+    """``queue`` and its class's queue of the other size (``realtime.small`` ↔ ``realtime.large``):
+    the class's counters, which the promise reads, hold both. A queue of no size (an embed queue,
+    none at all): itself, and a name with no line."""
+    priority, _, rest = queue.partition(".")
+    size, dot, model = rest.partition(".")
+    other = {"small": "large", "large": "small"}.get(size)
+    return (queue or "-", f"{priority}.{other}{dot}{model}" if other else "-")
+
+
 def _counts_key(queue: str) -> str:
     return f"{PREFIX}{queue}:counts"
 

@@ -44,8 +44,9 @@
 -- KEYS  9 the budget charge records (hash: request id → record)  10 today's refusal counts (hash:
 --       field → count, core/usage/refusals.py)  10 + i the counter of budget i in its window (what
 --       its requests used once ended, or hold while in flight)  then the tenants' reserved shares
---       (hash: tenant → share)  last: what each tenant has in the fair line of the request's queue
---       (hash: '<tier>|<tenant>' → engine seconds; both core/broker/fair.py)
+--       (hash: tenant → share)  last two: what each tenant has in the fair lines of the request's
+--       queue and of its class's other size (hash: '<tier>|<tenant>' → engine seconds; both
+--       core/broker/fair.py)
 -- ARGV  after the budgets: its service tier, then its tenant (that line's fields)
 -- Returns {gate, reason, retry_ms, tokens limit, tokens remaining, tokens reset ms,
 --          requests limit, requests remaining, requests reset ms, load level, estimated wait ms,
@@ -83,34 +84,42 @@ local ptpm, tpm, rpm = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local gate, reason, retry = '', '', 0
 local full, hit = ARGV[20] == 'full', ARGV[20] == 'hit'
 
--- Its place in its queue's fair line (core/broker/fair.py, lua/fair.lua): tenants take turns there
--- in engine time, each by its weight (1; r/(1 − r) × the other tenants in the line for a reserved
--- share r), so of another tenant's work in its tier's line only as much goes before it as that
--- tenant's weight gets while its own tenant's line drains; the rest of a flooder's excess waits
--- behind it. Its own tenant's work there goes before it whole. `passed`: the engine seconds of
--- the line that do not go before it, which the wait leaves out.
+-- Its place in the fair lines of its class's queues (core/broker/fair.py, lua/fair.lua: its own
+-- and the other size's, both in the class's counters): tenants take turns there in engine time,
+-- each by its weight (1; r/(1 − r) × the other tenants in the line for a reserved share r), so of
+-- another tenant's work in its tier's lines only as much goes before it as that tenant's weight
+-- gets while its own tenant's work drains; the rest of a flooder's excess waits behind it. Its own
+-- tenant's work goes before it whole. `passed`: the engine seconds of the lines that do not go
+-- before it, which the wait leaves out.
 local me, mark = ARGV[#ARGV], ARGV[#ARGV - 1] .. '|'
-local mine, lined, passed, names, costs, here = 0, 0, 0, {}, {}, false
-local line = redis.call('HGETALL', KEYS[#KEYS])
-for i = 1, #line, 2 do
-  if string.sub(line[i], 1, #mark) == mark then
-    local c = math.max(0, tonumber(line[i + 1]) or 0)
-    local name = string.sub(line[i], #mark + 1)
-    lined = lined + c
-    if name == me then mine, here = c, true else names[#names + 1], costs[#costs + 1] = name, c end
+local mine, lined, passed, names, costs = 0, 0, 0, {}, {}
+for k = #KEYS - 1, #KEYS do
+  local line = redis.call('HGETALL', KEYS[k])
+  for i = 1, #line, 2 do
+    if string.sub(line[i], 1, #mark) == mark then
+      local c = math.max(0, tonumber(line[i + 1]) or 0)
+      local name = string.sub(line[i], #mark + 1)
+      lined = lined + c
+      if name == me then mine = mine + c
+      elseif costs[name] then costs[name] = costs[name] + c
+      else names[#names + 1], costs[name] = name, c end
+    end
   end
 end
 local function weight(share, others)
   if share and share > 0 and share < 1 then return math.max(1, share / (1 - share) * math.max(1, others)) end
   return 1
 end
-local shares = redis.call('HMGET', KEYS[#KEYS - 1], me, unpack(names))
-local my_share = tonumber(shares[1]) or 0
+local my_share = tonumber(redis.call('HGET', KEYS[#KEYS - 2], me)) or 0
 local w_me = weight(my_share, #names)
 if lined > 0 then
   local before = mine
-  for i, c in ipairs(costs) do
-    before = before + math.min(c, mine * weight(tonumber(shares[i + 1]), #names) / w_me)
+  for first = 1, #names, 500 do  -- HMGET in slices: unpack has a limit
+    local last = math.min(#names, first + 499)
+    local shares = redis.call('HMGET', KEYS[#KEYS - 2], unpack(names, first, last))
+    for i = first, last do
+      before = before + math.min(costs[names[i]], mine * weight(tonumber(shares[i - first + 1]), #names) / w_me)
+    end
   end
   passed = lined - before
 end

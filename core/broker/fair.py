@@ -33,6 +33,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import redis
+from kombu.transport.redis import PRIORITY_STEPS
 from sqlalchemy import select
 
 from core.admission.load import snapshot_key
@@ -109,7 +110,7 @@ class FairQueues:
         for queue, group in by_queue.items():
             args: list = []
             for row in group:
-                tier = getattr(row, "service_tier", None) or ""
+                tier = getattr(row, "service_tier", None) or ("batch" if queue.startswith("batch.") else "default")
                 prompt = int(getattr(row, "input_tokens", 0) or 0)
                 output = max(0, int(getattr(row, "reserved_tokens", 0) or 0) - prompt)
                 args += [str(row.id), tier, message_priority(queue, tier), str(getattr(row, "tenant_id", "") or "-"),
@@ -159,7 +160,7 @@ class FairQueues:
         _, _, model = rest.partition(".")
         keys = [line_key(queue), _items_key(queue), state_key(queue), seconds_key(queue), _counts_key(queue),
                 snapshot_key(priority, model or self.default_model), QUEUES_KEY, RESERVED_KEY, *queue_lists(queue)]
-        taken = self._fair(keys=keys, args=[self.depth, queue, puts, *args])
+        taken = self._fair(keys=keys, args=[self.depth, queue, ",".join(map(str, PRIORITY_STEPS)), puts, *args])
         return [(taken[i], queue, taken[i + 1] or None) for i in range(0, len(taken), 2)]
 
 

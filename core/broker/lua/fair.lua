@@ -19,8 +19,11 @@
 --        drain_tps, prefill_s_tok, prefill_s_tok2, engines: what a request's engine time is priced
 --        at)  7 the set of queues with a line  8 the reserved shares (hash: tenant → share, synced
 --        from Postgres by the load monitor)  9.. the Celery queue's lists (one per priority step)
--- ARGV 1 the depth: how many messages the Celery queue may hold  2 the queue's name  3 n puts, then
---        per put: id, tier, rank, tenant, weight, prompt tokens, output tokens
+-- ARGV 1 the depth: how many messages of a tier or a better one the Celery queue may hold for the
+--        line to let that tier's next request through (a priority request never waits in the line
+--        behind default messages the queue holds)  2 the queue's name  3 the priority step of each
+--        of KEYS 9.. (comma-separated)  4 n puts, then per put: id, tier, rank (its step), tenant,
+--        weight, prompt tokens, output tokens
 -- Returns {id, tier, ...}: the requests taken off the line, for the caller to publish in that order.
 local RANK = 1e10  -- virtual time advances at most a second per engine second: centuries apart
 
@@ -30,11 +33,11 @@ local price, price2 = tonumber(snap[2]) or 0, tonumber(snap[3]) or 0
 local engines = math.max(1, tonumber(snap[4]) or 1)
 if drain <= 0 then drain, price, price2, engines = 1000, 0.0002, 0, 1 end
 
-local puts = tonumber(ARGV[3])
+local puts = tonumber(ARGV[4])
 for i = 0, puts - 1 do
-  local id, tier, rank, tenant = ARGV[4 + 7 * i], ARGV[5 + 7 * i], tonumber(ARGV[6 + 7 * i]), ARGV[7 + 7 * i]
-  local weight = math.max(1e-6, tonumber(ARGV[8 + 7 * i]) or 1)
-  local prompt, output = tonumber(ARGV[9 + 7 * i]) or 0, tonumber(ARGV[10 + 7 * i]) or 0
+  local id, tier, rank, tenant = ARGV[5 + 7 * i], ARGV[6 + 7 * i], tonumber(ARGV[7 + 7 * i]), ARGV[8 + 7 * i]
+  local weight = math.max(1e-6, tonumber(ARGV[9 + 7 * i]) or 1)
+  local prompt, output = tonumber(ARGV[10 + 7 * i]) or 0, tonumber(ARGV[11 + 7 * i]) or 0
   -- Once only: a request published again (the sweep, a retry) keeps its place.
   if not redis.call('ZSCORE', KEYS[1], id) then
     local cost = output / drain + (prompt * price + prompt * prompt * price2) / engines
@@ -57,13 +60,24 @@ for i = 0, puts - 1 do
 end
 if puts > 0 then redis.call('SADD', KEYS[7], ARGV[2]) end
 
-local depth = 0
-for k = 9, #KEYS do depth = depth + redis.call('LLEN', KEYS[k]) end
+-- The messages waiting at each step of the queue.
+local steps, waiting = {}, {}
+for step in string.gmatch(ARGV[3], '[^,]+') do steps[#steps + 1] = tonumber(step) end
+for k = 9, #KEYS do waiting[k - 8] = redis.call('LLEN', KEYS[k]) end
+local function ahead(rank)  -- those a message at step `rank` waits behind
+  local n = 0
+  for j, step in ipairs(steps) do if step <= rank then n = n + (waiting[j] or 0) end end
+  return n
+end
 local out = {}
-while depth < tonumber(ARGV[1]) do
-  local top = redis.call('ZPOPMIN', KEYS[1])
+while true do
+  local top = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
   if #top == 0 then break end
   local id, score = top[1], tonumber(top[2])
+  local rank = math.floor(score / RANK)
+  -- Best tier first: once this one may not go, no later one may (a worse step waits behind more).
+  if ahead(rank) >= tonumber(ARGV[1]) then break end
+  redis.call('ZREM', KEYS[1], id)
   local item = redis.call('HGET', KEYS[2], id)
   redis.call('HDEL', KEYS[2], id)
   local tier, tenant, cost = string.match(item or '', '^(%S+) (%S+) (%S+)$')
@@ -81,6 +95,8 @@ while depth < tonumber(ARGV[1]) do
   end
   out[#out + 1] = id
   out[#out + 1] = tier or ''
-  depth = depth + 1
+  for j, step in ipairs(steps) do
+    if step == rank then waiting[j] = (waiting[j] or 0) + 1 end
+  end
 end
 return out

@@ -14,6 +14,7 @@ from core.rediskeys import bump_auth_epoch, redis_client
 from core.settings import Settings
 from core.tenants.file_quotas import QUOTA_FIELDS
 from core.tenants.manage import (
+    MAX_RESERVED,
     TenantError,
     add_key,
     create_tenant,
@@ -48,7 +49,7 @@ class _LimitValue(click.ParamType):
 
 
 class _ShareValue(click.ParamType):
-    """A fraction > 0 and < 1, or ``none`` to clear it (None)."""
+    """A fraction > 0 and ≤ MAX_RESERVED, or ``none`` to clear it (None)."""
 
     name = "SHARE|none"
 
@@ -61,8 +62,8 @@ class _ShareValue(click.ParamType):
             share = float(value)
         except ValueError:
             self.fail(f"{value!r} is not a number or 'none'", param, ctx)
-        if not 0 < share < 1:
-            self.fail("must be > 0 and < 1", param, ctx)
+        if not 0 < share <= MAX_RESERVED:
+            self.fail(f"must be > 0 and ≤ {MAX_RESERVED:g}", param, ctx)
         return share
 
 

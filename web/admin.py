@@ -40,6 +40,7 @@ from core.rediskeys import bump_auth_epoch
 from core.submit.schemas import SafeString, StrictBoolean, StrictFloat, StrictInteger
 from core.tenants.file_quotas import BIGINT_MAX
 from core.tenants.manage import (
+    MAX_RESERVED,
     TenantError,
     add_key,
     create_tenant,
@@ -70,7 +71,8 @@ bp = Blueprint("admin", __name__, url_prefix="/admin")
 # The operator's view of load lives beside the request API it describes.
 load_bp = Blueprint("admin_load", __name__, url_prefix="/v1/admin")
 
-_STATUS = {"tenant_exists": 409, "unknown_tier": 422, "invalid_request": 422, "key_not_found": 404}
+_STATUS = {"tenant_exists": 409, "reservations_exceed_capacity": 409, "unknown_tier": 422, "invalid_request": 422,
+           "key_not_found": 404}
 
 
 class TenantLimitsSchema(Schema):
@@ -97,11 +99,12 @@ class TenantLimitsSchema(Schema):
     batch_weight = StrictFloat(allow_none=True, validate=validate.Range(min=0, max=1000, min_inclusive=False),
                                metadata={"description": "Share of batch capacity for bulk jobs against other "
                                                         "tenants', counted in tokens (default 1; null resets)."})
-    reserved_share = StrictFloat(allow_none=True, validate=validate.Range(min=0, max=1, min_inclusive=False,
-                                                                          max_inclusive=False),
-                                 metadata={"description": "The share (0 to 1) of each class's engine time the "
+    reserved_share = StrictFloat(allow_none=True, validate=validate.Range(min=0, max=MAX_RESERVED,
+                                                                          min_inclusive=False),
+                                 metadata={"description": "The share (0 to 0.9) of each class's engine time the "
                                                           "tenant gets whenever it has work, beside tenants that "
-                                                          "queue more (null: none)."})
+                                                          "queue more (null: none). All tenants together hold at "
+                                                          "most 0.9: past it, 409 reservations_exceed_capacity."})
     disabled = StrictBoolean(metadata={"description": "true: every key of the tenant gets 403 tenant_disabled "
                                                       "until false again."})
 

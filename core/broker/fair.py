@@ -118,9 +118,11 @@ class FairQueues:
             out += self._run(queue, len(group), args)
         return out
 
-    def take(self, queue: str) -> list[tuple[str, str, str]]:
-        """What to publish to ``queue`` now to bring it back to its depth, in fair order."""
-        return self._run(queue, 0, [])
+    def take(self, queue: str, room: int = 0) -> list[tuple[str, str, str]]:
+        """What to publish to ``queue`` now to bring it back to its depth, in fair order; ``room``:
+        more a worker that takes from it has room for now (its engine's free seats), so that a
+        burst into an idle engine fills it at once, not one top-up after another."""
+        return self._run(queue, 0, [], self.depth + max(0, room))
 
     def take_all(self) -> list[tuple[str, str, str]]:
         """:meth:`take` for every queue with a line."""
@@ -155,12 +157,13 @@ class FairQueues:
             out[tenant] = (had[0] + int(n), had[1] + float(seconds.get(field) or 0))
         return out
 
-    def _run(self, queue: str, puts: int, args: list) -> list[tuple[str, str, str]]:
+    def _run(self, queue: str, puts: int, args: list, depth: int | None = None) -> list[tuple[str, str, str]]:
         priority, _, rest = queue.partition(".")
         _, _, model = rest.partition(".")
         keys = [line_key(queue), _items_key(queue), state_key(queue), seconds_key(queue), _counts_key(queue),
                 snapshot_key(priority, model or self.default_model), QUEUES_KEY, RESERVED_KEY, *queue_lists(queue)]
-        taken = self._fair(keys=keys, args=[self.depth, queue, ",".join(map(str, PRIORITY_STEPS)), puts, *args])
+        taken = self._fair(keys=keys, args=[self.depth if depth is None else depth, queue,
+                                            ",".join(map(str, PRIORITY_STEPS)), puts, *args])
         return [(taken[i], queue, taken[i + 1] or None) for i in range(0, len(taken), 2)]
 
 

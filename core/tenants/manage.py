@@ -155,8 +155,9 @@ def _reserve(session: Session, tenant: Tenant, share: Any) -> None:
     if share is None:
         tenant.reserved_share = None
         return
-    if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share < 1:
-        raise TenantError("reserved_share must be a number > 0 and < 1 (null: none).", "invalid_request")
+    if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= MAX_RESERVED:
+        raise TenantError(f"reserved_share must be a number > 0 and ≤ {MAX_RESERVED:g} (null: none).",
+                          "invalid_request")
     others = session.scalar(select(func.coalesce(func.sum(Tenant.reserved_share), 0.0))
                             .where(Tenant.id != tenant.id) if tenant.id else
                             select(func.coalesce(func.sum(Tenant.reserved_share), 0.0)))

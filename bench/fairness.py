@@ -139,13 +139,14 @@ def arrivals(api: str, key: str, tenant: str, rate: float, seconds: float, promp
         n += 1
 
 
-def scenario(front, tenants: dict[str, tuple[str, float]], ours, prompts, rt_tokens: int) -> list[Asked]:
+def scenario(front, tenants: dict[str, tuple[str, float]], ours, prompts, rt_tokens: int, seed: int) -> list[Asked]:
     """``tenants``: name → (key, questions/s), all arriving at once for --seconds; every question
-    followed to its end."""
+    followed to its end. Each tenant's questions come from a seed of its own (``seed`` + its
+    place): no question is asked twice, which the hot cache would answer at once."""
     out: list[Asked] = []
     threads: list[threading.Thread] = []
     sources = [threading.Thread(target=arrivals, args=(front.api, key, name, rate, ours.seconds, prompts, rt_tokens,
-                                                       ours.poll, ours.seed + i, out, threads), daemon=True)
+                                                       ours.poll, seed + i, out, threads), daemon=True)
                for i, (name, (key, rate)) in enumerate(tenants.items())]
     for source in sources:
         source.start()
@@ -198,9 +199,10 @@ def stack_run(depth: int, ours, args, prompts) -> dict:
             "spike": {"reserved": ours.inside * ours.reserved * knee, "spike-a": ours.spike_times * knee / 2,
                       "spike-b": ours.spike_times * knee / 2},
         }
-        for name, rates in plan.items():
+        for n, (name, rates) in enumerate(plan.items()):
             overload.say(f"  depth {depth}, {name}: " + ", ".join(f"{t} {r:.2f}/s" for t, r in rates.items()))
-            asked = scenario(front, {t: (keys[t], r) for t, r in rates.items()}, ours, prompts, args.rt_tokens)
+            asked = scenario(front, {t: (keys[t], r) for t, r in rates.items()}, ours, prompts, args.rt_tokens,
+                             ours.seed * 1000 + 10 * n)
             runs[name] = {t: summary(asked, t, ours.deadline) for t in rates}
             time.sleep(ours.deadline)  # what the scenario left drains or expires before the next
     return {"depth": depth, "knee": knee, "runs": runs}

@@ -259,6 +259,27 @@ class ReservationViewSchema(Schema):
     cancelled_at = fields.DateTime(allow_none=True)
 
 
+class TenantLineSchema(Schema):
+    """One tenant's work waiting in a class queue's fair line (``core/broker/fair.py lines_view``)."""
+
+    tenant = SafeString(metadata={"description": "The tenant's id; `other` sums the tenants past the ten with most "
+                                                 "work."})
+    name = SafeString(metadata={"description": "The tenant's name (its id where it has none to show)."})
+    requests = fields.Integer(metadata={"description": "Its requests waiting in the line."})
+    seconds = fields.Float(metadata={"description": "Their engine time: output at the class's drain, prompts at "
+                                                   "the prefill prices."})
+    reserved_share = fields.Float(allow_none=True, metadata={"description": "Its reserved share; null: none."})
+    share = fields.Float(metadata={"description": "The share of the engines its weight gets while the tenants "
+                                                 "listed all have work (0-1)."})
+    wait_s = fields.Float(metadata={"description": "How long its line takes to drain in fair order, at the "
+                                                  "class's whole capacity."})
+
+
+class FairLineSchema(Schema):
+    queue = SafeString()
+    tenants = fields.List(fields.Nested(TenantLineSchema), metadata={"description": "By engine seconds, most first."})
+
+
 class LoadViewSchema(Schema):
     level = fields.Integer(allow_none=True, metadata={
         "description": "The platform's level: the highest realtime class's (each request is judged by its "
@@ -271,3 +292,5 @@ class LoadViewSchema(Schema):
         "description": "Peak reservations in force or to come."})
     paused_for_reservations = fields.List(SafeString(), metadata={
         "description": "Workers (node names) that stopped reading batch queues for a reservation now."})
+    lines = fields.List(fields.Nested(FairLineSchema), metadata={
+        "description": "Each class queue's fair line, tenant by tenant (docs/fairness.md)."})

@@ -18,7 +18,7 @@ from core.broker.fair import RESERVED_KEY, FairQueues, lines_view, seconds_key, 
 from core.broker.queues import messages_queued, queue_length, queue_lists
 from core.rediskeys import redis_client
 from core.tenants.manage import update_tenant
-from models import InferenceRequest, Tenant, utcnow
+from models import InferenceRequest, Status, Tenant, utcnow
 from web.services import services
 from workers.sweep import sweep
 
@@ -32,6 +32,23 @@ class Row(NamedTuple):
     service_tier: str = "batch"
     input_tokens: int = 100
     reserved_tokens: int = 164
+
+
+@pytest.fixture
+def left_queued():
+    """Call with (application, client): what that client's tenant left queued is cancelled when
+    the test ends. The sweep and the monitor's recount read the shared database: a later test's
+    would publish or count a flood this one left."""
+    held = []
+    yield lambda application, *clients: held.extend((application, c) for c in clients)
+    for application, client in held:
+        svc = services(application)
+        tenant = tenant_id_of(application, client)
+        with svc.db.session() as session:
+            queued = session.scalars(select(InferenceRequest.id).where(
+                InferenceRequest.tenant_id == tenant, InferenceRequest.status == Status.QUEUED)).all()
+        for request_id in queued:
+            svc.lifecycle.cancel(tenant, request_id)
 
 
 def rows(tenant: uuid.UUID, n: int, queue: str = QUEUE, **kw) -> list[Row]:
@@ -92,12 +109,13 @@ def test_a_better_tier_is_taken_first_and_an_ended_request_leaves_the_line(scrat
 
 
 def test_a_flooders_batch_backlog_lets_another_tenants_requests_start_first(isolated, database_url, new_client,
-                                                                          tmp_path):
+                                                                          tmp_path, left_queued):
     """The acceptance check: 400 batch requests from one tenant, then 5 from another, all queued
     before a worker starts: the 5 start before 100 of the flooder's (in fair order: among its
     first few). The class queue holds its depth; the rest wait in its line."""
     application, flooder, redis_url = isolated
     quiet = new_client(application)
+    left_queued(application, flooder)
     body = {"prompt": "summarise the quarterly report", "max_tokens": 8, "priority": "batch"}
     flood = [flooder.submit(**body) for _ in range(400)]
     assert all(r.status_code == 202 for r in flood), flood[-1].get_json()
@@ -152,13 +170,14 @@ def test_a_request_taken_off_the_line_by_a_process_that_died_is_published_by_the
 
 
 def test_the_promise_reads_the_wait_in_fair_order_so_a_flooder_is_refused_and_a_quiet_tenant_is_not(
-        isolated_app, new_client):
+        isolated_app, new_client, left_queued):
     """Requests of 1 s of engine time each (100 tokens at a drain of 100/s) from one tenant fill
     its class until its own backlog passes the 30 s deadline: it is refused, with a Retry-After
     from that backlog. Another tenant's request is admitted beside it, told a wait of the queue's
     depth only: of the flooder's line, nothing goes before it."""
     application = isolated_app(realtime_deadline_s=30.0, promise_factor=1.0)
     flooder, quiet = new_client(application), new_client(application)
+    left_queued(application, flooder, quiet)
     svc = services(application)
     publish(application, queued_work=0, drain_tps=100, seq_tps=50)
     accepted = 0
@@ -178,7 +197,8 @@ def test_the_promise_reads_the_wait_in_fair_order_so_a_flooder_is_refused_and_a_
     assert flooder.submit(prompt="flood", max_tokens=100).status_code == 503
 
 
-def test_a_tenant_inside_its_reserved_share_is_not_refused_for_an_overload_of_others(isolated_app, new_client):
+def test_a_tenant_inside_its_reserved_share_is_not_refused_for_an_overload_of_others(isolated_app, new_client,
+                                                                                      left_queued):
     """A flooder fills its class to the deadline; at the shed level everyone else is refused, but
     a tenant with a reserved share is admitted while its own line drains in its deadline at that
     share (0.3 × 30 s = 9 s of engine time) and its promise holds (at the shed level, the tight
@@ -186,6 +206,7 @@ def test_a_tenant_inside_its_reserved_share_is_not_refused_for_an_overload_of_ot
 
     application = isolated_app(realtime_deadline_s=30.0, promise_factor=1.0)
     flooder, reserved, plain = new_client(application), new_client(application), new_client(application)
+    left_queued(application, flooder, reserved)
     svc = services(application)
     with svc.db.session() as session:
         update_tenant(session, svc.settings, session.get(Tenant, tenant_id_of(application, reserved)),

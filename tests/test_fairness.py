@@ -13,7 +13,7 @@ from conftest import WorkerProcess
 from sqlalchemy import select, update
 from test_promise import publish
 
-from core.admission.load import LoadLevel, write_level
+from core.admission.load import ClassLoad, LoadLevel, write_level
 from core.broker.fair import RESERVED_KEY, FairQueues, lines_view, seconds_key, sync_reservations
 from core.broker.queues import messages_queued, queue_length, queue_lists
 from core.rediskeys import redis_client
@@ -49,6 +49,17 @@ def left_queued():
                 InferenceRequest.tenant_id == tenant, InferenceRequest.status == Status.QUEUED)).all()
         for request_id in queued:
             svc.lifecycle.cancel(tenant, request_id)
+
+
+def snapshot(application) -> None:
+    """The monitor's figures for the default model's realtime class, stamped now: a drain of 100
+    tokens/s, 50 a sequence (test_promise.py's publish, without resetting the live counters, so a
+    test can stamp them again before each submit: admission ignores figures older than
+    SLUICE_LOAD_LEVEL_MAX_AGE_S, which a slow host can pass within one test)."""
+    svc = services(application)
+    seconds, micros = svc.redis.time()
+    ClassLoad("realtime", svc.settings.registry.default.name, 0, 0, 0, 100.0, 50.0, 0.0, 0, 1,
+              seconds * 1000 + micros // 1000).write(svc.redis, ttl_s=60)
 
 
 def rows(tenant: uuid.UUID, n: int, queue: str = QUEUE, **kw) -> list[Row]:
@@ -116,10 +127,11 @@ def test_a_flooders_batch_backlog_lets_another_tenants_requests_start_first(isol
     application, flooder, redis_url = isolated
     quiet = new_client(application)
     left_queued(application, flooder)
-    body = {"prompt": "summarise the quarterly report", "max_tokens": 8, "priority": "batch"}
-    flood = [flooder.submit(**body) for _ in range(400)]
+    # Every prompt its own: identical ones in flight would be parked on their twin, off the queues.
+    body = {"max_tokens": 8, "priority": "batch"}
+    flood = [flooder.submit(prompt=f"summarise report {i}", **body) for i in range(400)]
     assert all(r.status_code == 202 for r in flood), flood[-1].get_json()
-    calm = [quiet.submit(**body).get_json()["id"] for _ in range(5)]
+    calm = [quiet.submit(prompt=f"summarise memo {i}", **body).get_json()["id"] for i in range(5)]
     svc = services(application)
     assert queue_length(svc.redis, QUEUE) == svc.settings.fair_depth
     assert svc.fair.size(QUEUE) == 405 - svc.settings.fair_depth
@@ -180,21 +192,26 @@ def test_the_promise_reads_the_wait_in_fair_order_so_a_flooder_is_refused_and_a_
     left_queued(application, flooder, quiet)
     svc = services(application)
     publish(application, queued_work=0, drain_tps=100, seq_tps=50)
+    # Every prompt its own: identical ones in flight would be parked on their twin, which only the
+    # tenant's gates judge (core/submit/twins.py), not the promise.
     accepted = 0
-    while (answer := flooder.submit(prompt="flood", max_tokens=100)).status_code == 202:
+    while (answer := flooder.submit(prompt=f"flood {accepted}", max_tokens=100)).status_code == 202:
         accepted += 1
         assert accepted < 40, "the flooder's backlog never refused it"
+        snapshot(application)
     assert answer.status_code == 503 and answer.get_json()["error"]["details"]["reason"] == "deadline"
     assert 26 <= accepted <= 29, accepted  # its 2 s of run and its backlog of 1 s each past 30 s
     assert int(answer.headers["Retry-After"]) >= 1
+    snapshot(application)
     first = quiet.submit(prompt="a quiet question", max_tokens=100)
     assert first.status_code == 202, first.get_json()
     depth = svc.settings.fair_depth
     assert first.get_json()["estimated_wait_s"] == pytest.approx(depth, abs=0.5)
     # Its second waits for its first too (a tenant's own work is before it), still far from 30 s.
+    snapshot(application)
     second = quiet.submit(prompt="another quiet question", max_tokens=100)
     assert second.status_code == 202 and second.get_json()["estimated_wait_s"] == pytest.approx(depth + 2, abs=0.5)
-    assert flooder.submit(prompt="flood", max_tokens=100).status_code == 503
+    assert flooder.submit(prompt="flood once more", max_tokens=100).status_code == 503
 
 
 def test_a_tenant_inside_its_reserved_share_is_not_refused_for_an_overload_of_others(isolated_app, new_client,
@@ -213,22 +230,29 @@ def test_a_tenant_inside_its_reserved_share_is_not_refused_for_an_overload_of_ot
                       {"reserved_share": 0.3})
     assert list(sync_reservations(svc.db, svc.redis).values()) == [0.3]
     publish(application, queued_work=0, drain_tps=100, seq_tps=50)
-    while flooder.submit(prompt="flood", max_tokens=100).status_code == 202:
-        pass
+    flood = 0  # every prompt its own: an identical one in flight would be parked on its twin, past the promise
+    while flooder.submit(prompt=f"flood {flood}", max_tokens=100).status_code == 202:
+        flood += 1
+        snapshot(application)
+    snapshot(application)
     write_level(svc.redis, LoadLevel.SHED, ttl_s=30)
     refused = plain.submit(prompt="plain", max_tokens=100)
     assert refused.status_code == 503 and refused.get_json()["error"]["details"]["reason"] == "shed"
     admitted = 0
-    while (answer := reserved.submit(prompt="reserved", max_tokens=100)).status_code == 202:
+    while (answer := reserved.submit(prompt=f"reserved {admitted}", max_tokens=100)).status_code == 202:
         admitted += 1
         assert admitted < 20, "a reservation with no end"
+        snapshot(application)
+        write_level(svc.redis, LoadLevel.SHED, ttl_s=30)
     # Each waits for the queue's depth (2 s), its tenant's line and as much of the flooder's, and
     # runs 2 s: the seventh would be due at 2 + 7 + 7 + 2 = 18 s, past the tight 18 s.
     assert admitted == 7, (admitted, answer.get_json())
     assert answer.get_json()["error"]["details"]["reason"] == "deadline"
     # Past 9 s of its own line it is outside its share: shed like the rest.
     svc.redis.hincrbyfloat(seconds_key("realtime.small"), f"default|{tenant_id_of(application, reserved)}", 3)
-    outside = reserved.submit(prompt="reserved", max_tokens=1)
+    snapshot(application)
+    write_level(svc.redis, LoadLevel.SHED, ttl_s=30)
+    outside = reserved.submit(prompt="reserved, outside its share", max_tokens=1)
     assert outside.status_code == 503 and outside.get_json()["error"]["details"]["reason"] == "shed"
 
 

@@ -88,7 +88,7 @@ def parse_args() -> tuple[argparse.Namespace, argparse.Namespace]:
 class Asked(NamedTuple):
     tenant: str
     status: int  # the submit's HTTP status
-    outcome: str  # how it ended ('' when refused)
+    outcome: str  # how it ended; when refused, the refusal's reason (deadline, shed, ...)
     wait_s: float | None
     first_s: float | None
     total_s: float | None
@@ -105,7 +105,9 @@ def ask(api: str, key: str, tenant: str, prompt: str, rt_tokens: int, poll_s: fl
         reply = http.call("POST", "/v1/requests", {"prompt": prompt, "max_tokens": rt_tokens, "ignore_eos": True},
                           timeout_s=60)
         if reply.status != 202:
-            out.append(Asked(tenant, reply.status, "", None, None, None))
+            error = (reply.doc or {}).get("error") or {}
+            reason = (error.get("details") or {}).get("reason") or error.get("code") or ""
+            out.append(Asked(tenant, reply.status, reason, None, None, None))
             return
         while True:
             time.sleep(poll_s)
@@ -167,7 +169,9 @@ def quantile(values: list[float], q: float) -> float | None:
 def summary(asked: list[Asked], tenant: str, deadline: float) -> dict:
     mine = [a for a in asked if a.tenant == tenant]
     done = [a for a in mine if a.status == 202]
-    return {"sent": len(mine), "admitted": len(done), "refused": sum(1 for a in mine if a.status in (429, 503)),
+    refused = [a.outcome for a in mine if a.status in (429, 503)]
+    return {"sent": len(mine), "admitted": len(done), "refused": len(refused),
+            "reasons": {r: refused.count(r) for r in sorted(set(refused))},
             "in_time": sum(1 for a in done if a.outcome == "succeeded" and (a.total_s or 1e9) <= deadline),
             **{f"{name}_{label}": quantile([getattr(a, name) for a in done], q)
                for name in ("wait_s", "first_s", "total_s") for label, q in (("p50", 0.5), ("p99", 0.99))}}
@@ -311,13 +315,14 @@ def main() -> int:
         overload.say(f"# {note}")
     results = [stack_run(int(d), ours, args, prompts) for d in ours.depths.split(",")]
     overload.say(f"\n{'depth':>5} {'scenario':<8} {'tenant':<9} {'sent':>5} {'refused':>7} {'in time':>7} "
-                 f"{'wait p50':>8} {'wait p99':>8} {'ttft p50':>8} {'ttft p99':>8} {'total p99':>9}")
+                 f"{'wait p50':>8} {'wait p99':>8} {'ttft p50':>8} {'ttft p99':>8} {'total p99':>9}  refused for")
     for result in results:
         for scenario_name, per in result["runs"].items():
             for tenant, s in per.items():
                 cells = [s[k] for k in ("wait_s_p50", "wait_s_p99", "first_s_p50", "first_s_p99", "total_s_p99")]
                 overload.say(f"{result['depth']:>5} {scenario_name:<8} {tenant:<9} {s['sent']:>5} {s['refused']:>7} "
-                             f"{s['in_time']:>7} " + " ".join(f"{'-' if c is None else f'{c:.2f}':>8}" for c in cells))
+                             f"{s['in_time']:>7} " + " ".join(f"{'-' if c is None else f'{c:.2f}':>8}" for c in cells)
+                             + "  " + ", ".join(f"{r} {n}" for r, n in s["reasons"].items()))
         alone = result["runs"]["alone"]["quiet"]["first_s_p99"]
         beside = result["runs"]["flood"]["quiet"]["first_s_p99"]
         if alone and beside:

@@ -22,6 +22,15 @@ def uuid_or_404(raw: str, what: str, *, hint: str | None = None, code: str | Non
         raise NotFound(f"No such {what}: {hint or f'{what} ids are UUIDs'}.", code=code) from None
 
 
+def is_uuid(raw: str) -> bool:
+    """Whether ``raw`` reads as a UUID."""
+    try:
+        uuid.UUID(raw)
+    except ValueError:
+        return False
+    return True
+
+
 def instant(raw: str) -> datetime | None:
     """An RFC 3339 time (naive: UTC) or Unix seconds; None when it is neither."""
     try:

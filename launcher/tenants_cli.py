@@ -78,7 +78,7 @@ def _limit_options(command: Callable) -> Callable:
                            default=None, help="Share of batch capacity for bulk jobs against other tenants' "
                            "(tokens; default 1).")(command)
     command = click.option("--reserved-share", "reserved_share", type=_ShareValue(), default=None,
-                           help="The share (0 to 1) of each class's engine time the tenant gets whenever it has "
+                           help="The share (0 to 0.9) of each class's engine time the tenant gets whenever it has "
                            "work, beside tenants that queue more; inside it, it is never refused for their work "
                            "(docs/fairness.md). 'none' clears it.")(command)
     return click.option("--tier", default=None, help="Tier name from SLUICE_TIERS ('default': the default tier).")(

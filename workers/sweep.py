@@ -313,8 +313,7 @@ def _reroute_direct(db: Database, redis_client: redis.Redis, publish: Publish, s
             model = registry.get(row.model_routed or row.model_requested) or registry.default
             queue = queue_name(row.priority, row.size_class, registry.queue_suffix(model))
             session.execute(reroute(row.id, queue))
-            moved.append(Requeued(row.id, queue, row.service_tier, row.tenant_id, row.input_tokens,
-                                  row.reserved_tokens))
+            moved.append(Requeued.of(row)._replace(queue=queue))
     publish(moved)
     # Nobody consumes a dead node's queue; its rows were rerouted above (or will be next time).
     for node in dead:

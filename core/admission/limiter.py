@@ -27,7 +27,8 @@ import redis
 from sqlalchemy import select
 
 from core.admission.load import LoadLevel, capacity_key, class_name, counters_key, room_key, snapshot_key
-from core.broker.fair import RESERVED_KEY, class_queues, seconds_key
+from core.broker.fair import LINE_LUA, RESERVED_KEY, class_queues, seconds_key
+from core.ids import is_uuid
 from core.rediskeys import (
     INFLIGHT_SUFFIX,
     LOAD_LEVEL_KEY,
@@ -110,7 +111,8 @@ class SharedLimiter:
         # While the monitor is away, a worker's capacity entry counts for this long after its
         # heartbeat wrote it (admission passes the patience ``live_workers`` has; 0: never).
         self.capacity_max_age_ms = int(capacity_max_age_s * 1000)
-        self._admit = client.register_script(_script("admit.lua"))
+        # admit.lua reads the fair lines with their weight() (core/broker/lua/line.lua).
+        self._admit = client.register_script(LINE_LUA + _script("admit.lua"))
         self._release = client.register_script(_script("release.lua"))
 
     def admit(self, request_id: str, tenant_id: str, limits: Limits, cost: int, priority: str, *,
@@ -210,7 +212,7 @@ def reconcile_in_flight(db: Database, limiter: SharedLimiter, grace_s: float = 6
         tenant_id = key[len(TENANT_LIMIT_PREFIX):-len(INFLIGHT_SUFFIX)]
         # Bounded by the tenant's concurrency cap: only admitted, unfinished requests are members.
         members = dict(limiter.redis.zrange(key, 0, -1, withscores=True))
-        ids = [uuid.UUID(m) for m in members if _is_uuid(m)]
+        ids = [uuid.UUID(m) for m in members if is_uuid(m)]
         with db.session() as session:
             rows = {str(r.id): r for r in session.execute(
                 select(t.id, t.tenant_id, t.status, t.reserved_tokens, t.input_tokens, t.output_tokens,
@@ -230,14 +232,6 @@ def reconcile_in_flight(db: Database, limiter: SharedLimiter, grace_s: float = 6
 def _script(name: str) -> str:
     """A limiter script with the bucket arithmetic it shares (buckets.lua) in front of it."""
     return (_LUA / "buckets.lua").read_text() + (_LUA / name).read_text()
-
-
-def _is_uuid(value: str) -> bool:
-    try:
-        uuid.UUID(value)
-    except ValueError:
-        return False
-    return True
 
 
 def _text(value: bytes | str) -> str:

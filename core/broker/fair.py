@@ -38,6 +38,7 @@ from sqlalchemy import select
 
 from core.admission.load import snapshot_key
 from core.broker.queues import message_priority, queue_lists
+from core.ids import is_uuid
 from models import Database, Tenant
 from models.lifecycle import Moved
 from models.request import Status
@@ -48,6 +49,8 @@ PREFIX = "sluice:fair:"
 QUEUES_KEY = PREFIX + "queues"  # the queues that have had a line
 RESERVED_KEY = PREFIX + "reserved"  # tenant → its reserved share (sync_reservations)
 _LUA = Path(__file__).with_name("lua")
+# weight() and leave(), which fair.lua, drop.lua and the admission script share.
+LINE_LUA = (_LUA / "line.lua").read_text()
 
 
 def line_key(queue: str) -> str:
@@ -67,14 +70,21 @@ def seconds_key(queue: str) -> str:
     return f"{PREFIX}{queue}:seconds"
 
 
+def _parts(queue: str) -> tuple[str, str, str]:
+    """A queue's priority, size class and model suffix ('' for the default model's):
+    ``<priority>.<size>[.<model>]`` (``core/broker/queues.py``)."""
+    priority, _, rest = queue.partition(".")
+    size, _, model = rest.partition(".")
+    return priority, size, model
+
+
 def class_queues(queue: str) -> tuple[str, str]:
     """``queue`` and its class's queue of the other size (``realtime.small`` ↔ ``realtime.large``):
     the class's counters, which the promise reads, hold both. A queue of no size (an embed queue,
     none at all): itself, and a name with no line."""
-    priority, _, rest = queue.partition(".")
-    size, dot, model = rest.partition(".")
+    priority, size, model = _parts(queue)
     other = {"small": "large", "large": "small"}.get(size)
-    return (queue or "-", f"{priority}.{other}{dot}{model}" if other else "-")
+    return (queue or "-", f"{priority}.{other}{'.' + model if model else ''}" if other else "-")
 
 
 def _counts_key(queue: str) -> str:
@@ -91,8 +101,8 @@ class FairQueues:
         self.redis = client
         self.depth = depth
         self.default_model = default_model
-        self._fair = client.register_script((_LUA / "fair.lua").read_text())
-        self._drop = client.register_script((_LUA / "drop.lua").read_text())
+        self._fair = client.register_script(LINE_LUA + (_LUA / "fair.lua").read_text())
+        self._drop = client.register_script(LINE_LUA + (_LUA / "drop.lua").read_text())
 
     def handles(self, queue: str) -> bool:
         """Whether ``queue`` has a line: a class queue shared by tenants (not a worker's direct
@@ -114,23 +124,19 @@ class FairQueues:
                 prompt = int(getattr(row, "input_tokens", 0) or 0)
                 output = max(0, int(getattr(row, "reserved_tokens", 0) or 0) - prompt)
                 args += [str(row.id), tier, message_priority(queue, tier), str(getattr(row, "tenant_id", "") or "-"),
-                         1.0, prompt, output]
-            out += self._run(queue, len(group), args)
+                         prompt, output]
+            out += self._run(queue, self.depth, len(group), args)
         return out
 
     def take(self, queue: str, room: int = 0) -> list[tuple[str, str, str]]:
         """What to publish to ``queue`` now to bring it back to its depth, in fair order; ``room``:
         more a worker that takes from it has room for now (its engine's free seats), so that a
         burst into an idle engine fills it at once, not one top-up after another."""
-        return self._run(queue, 0, [], self.depth + max(0, room))
+        return self._run(queue, self.depth + max(0, room), 0, [])
 
     def take_all(self) -> list[tuple[str, str, str]]:
         """:meth:`take` for every queue with a line."""
-        out: list[tuple[str, str, str]] = []
-        for queue in sorted(self.redis.smembers(QUEUES_KEY)):
-            if self.redis.zcard(line_key(queue)):
-                out += self.take(queue)
-        return out
+        return [taken for queue in sorted(self.redis.smembers(QUEUES_KEY)) for taken in self.take(queue)]
 
     def drop(self, queue: str, request_id: str) -> bool:
         """Take a request that ended while queued out of its line; whether it was there."""
@@ -157,13 +163,11 @@ class FairQueues:
             out[tenant] = (had[0] + int(n), had[1] + float(seconds.get(field) or 0))
         return out
 
-    def _run(self, queue: str, puts: int, args: list, depth: int | None = None) -> list[tuple[str, str, str]]:
-        priority, _, rest = queue.partition(".")
-        _, _, model = rest.partition(".")
+    def _run(self, queue: str, depth: int, puts: int, args: list) -> list[tuple[str, str, str]]:
+        priority, _, model = _parts(queue)
         keys = [line_key(queue), _items_key(queue), state_key(queue), seconds_key(queue), _counts_key(queue),
                 snapshot_key(priority, model or self.default_model), QUEUES_KEY, RESERVED_KEY, *queue_lists(queue)]
-        taken = self._fair(keys=keys, args=[self.depth if depth is None else depth, queue,
-                                            ",".join(map(str, PRIORITY_STEPS)), puts, *args])
+        taken = self._fair(keys=keys, args=[depth, queue, ",".join(map(str, PRIORITY_STEPS)), puts, *args])
         return [(taken[i], queue, taken[i + 1] or None) for i in range(0, len(taken), 2)]
 
 
@@ -171,8 +175,9 @@ TOP_TENANTS = 10  # tenants named per line in views and metrics; the rest are su
 
 
 def weight(share: float | None, others: int) -> float:
-    """A tenant's weight in a line (``lua/fair.lua``): 1, or for a reserved share r, r/(1 − r)
-    times the other tenants with work there (at least 1), which gives it r while they all have work."""
+    """A tenant's weight in a line, as ``lua/line.lua``'s weight() gives it to the scripts: 1, or
+    for a reserved share r, r/(1 − r) times the other tenants with work there (at least 1), which
+    gives it r while they all have work."""
     if share and 0 < share < 1:
         return max(1.0, share / (1 - share) * max(1, others))
     return 1.0
@@ -186,12 +191,14 @@ def lines_view(client: redis.Redis, top: int = TOP_TENANTS) -> list[dict]:
     work and the others' turns beside it, at the class's whole capacity). The ``top`` tenants with
     most work; the rest summed under ``tenant: "other"``."""
     reserved = {k: float(v) for k, v in client.hgetall(RESERVED_KEY).items()}
-    out = []
-    for queue in sorted(client.smembers(QUEUES_KEY)):
-        with client.pipeline(transaction=False) as pipe:
+    queues = sorted(client.smembers(QUEUES_KEY))
+    with client.pipeline(transaction=False) as pipe:  # every line in one round trip
+        for queue in queues:
             pipe.hgetall(_counts_key(queue))
             pipe.hgetall(seconds_key(queue))
-            counts, seconds = pipe.execute()
+        hashes = pipe.execute()
+    out = []
+    for queue, counts, seconds in zip(queues, hashes[::2], hashes[1::2], strict=True):
         work: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
         for field, n in counts.items():
             tenant = field.partition("|")[2]
@@ -219,21 +226,13 @@ def lines_view(client: redis.Redis, top: int = TOP_TENANTS) -> list[dict]:
 def name_tenants(session, lines: list[dict]) -> list[dict]:
     """``lines_view``'s rows with each tenant's name (``name``), read in ``session``."""
     ids = {r["tenant"] for line in lines for r in line["tenants"] if r["tenant"] != "other"}
-    valid = [uuid.UUID(i) for i in ids if _is_uuid(i)]
+    valid = [uuid.UUID(i) for i in ids if is_uuid(i)]
     names = {str(i): n for i, n in session.execute(select(Tenant.id, Tenant.name).where(Tenant.id.in_(valid)))} \
         if valid else {}
     for line in lines:
         for row in line["tenants"]:
             row["name"] = names.get(row["tenant"], row["tenant"])
     return lines
-
-
-def _is_uuid(text: str) -> bool:
-    try:
-        uuid.UUID(text)
-    except ValueError:
-        return False
-    return True
 
 
 def sync_reservations(db: Database, client: redis.Redis) -> dict[str, float]:

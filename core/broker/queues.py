@@ -117,8 +117,7 @@ def publish_committed(lifecycle: Lifecycle, celery: Celery, rows, epoch: BrokerE
     """
     for row in rows:
         if head is None and fair is not None and fair.handles(row.queue):
-            for request_id, queue, tier in fair.put([row]):
-                publish_request(celery, request_id, queue, tier)
+            publish_taken(celery, fair.put([row]))
         else:
             publish_request(celery, row.id, row.queue, getattr(row, "service_tier", None))
             if head is not None:

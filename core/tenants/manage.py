@@ -158,9 +158,8 @@ def _reserve(session: Session, tenant: Tenant, share: Any) -> None:
     if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= MAX_RESERVED:
         raise TenantError(f"reserved_share must be a number > 0 and ≤ {MAX_RESERVED:g} (null: none).",
                           "invalid_request")
-    others = session.scalar(select(func.coalesce(func.sum(Tenant.reserved_share), 0.0))
-                            .where(Tenant.id != tenant.id) if tenant.id else
-                            select(func.coalesce(func.sum(Tenant.reserved_share), 0.0)))
+    held = select(func.coalesce(func.sum(Tenant.reserved_share), 0.0))
+    others = session.scalar(held.where(Tenant.id != tenant.id) if tenant.id else held)  # a new one has no id yet
     if others + share > MAX_RESERVED + 1e-9:
         raise TenantError(f"reserved_share {share:g} with the {others:g} other tenants hold would reserve more "
                           f"than {MAX_RESERVED:g} of the engines; the rest is always shared.",

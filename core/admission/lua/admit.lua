@@ -86,7 +86,7 @@ local full, hit = ARGV[20] == 'full', ARGV[20] == 'hit'
 
 -- Its place in the fair lines of its class's queues (core/broker/fair.py, lua/fair.lua: its own
 -- and the other size's, both in the class's counters): tenants take turns there in engine time,
--- each by its weight (1; r/(1 − r) × the other tenants in the line for a reserved share r), so of
+-- each by its weight (core/broker/lua/line.lua's weight(), prepended here), so of
 -- another tenant's work in its tier's lines only as much goes before it as that tenant's weight
 -- gets while its own tenant's work drains; the rest of a flooder's excess waits behind it. Its own
 -- tenant's work goes before it whole. `passed`: the engine seconds of the lines that do not go
@@ -105,10 +105,6 @@ for k = #KEYS - 1, #KEYS do
       else names[#names + 1], costs[name] = name, c end
     end
   end
-end
-local function weight(share, others)
-  if share and share > 0 and share < 1 then return math.max(1, share / (1 - share) * math.max(1, others)) end
-  return 1
 end
 local my_share = tonumber(redis.call('HGET', KEYS[#KEYS - 2], me)) or 0
 local w_me = weight(my_share, #names)

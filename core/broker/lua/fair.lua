@@ -1,14 +1,13 @@
 -- Fair queuing of one class queue's requests across tenants (core/broker/fair.py), in one step:
--- the puts, then as many takes as keep the Celery queue at its depth.
+-- the puts, then as many takes as keep the Celery queue at its depth. weight() and leave() are
+-- line.lua's.
 --
 -- Start-time fair queuing per service tier: a request of cost c (engine seconds) from a tenant
 -- of weight w starts at S = max(V, the tenant's last finish F) and finishes at F = S + c / w; the
 -- line is served in order of start, and V (the tier's virtual time) is the start of the request
 -- served last. A tenant that queued much has its starts far ahead of V, so a request of a tenant
 -- that queued nothing starts at V and goes next; between tenants with work queued, each gets
--- engine time in proportion to its weight: 1, or for a tenant with a reserved share r, r/(1 − r)
--- times the number of other tenants in the tier's line (at least 1), which gives it r of the
--- engines while they all have work. Tiers never mix: a tier's rank (its message priority
+-- engine time in proportion to its weight (a reserved share's, or 1). Tiers never mix: a tier's rank (its message priority
 -- step) scales the score, so the line gives all of a better tier's requests first.
 --
 -- KEYS 1 the line (zset: request id → rank × RANK + start)  2 the items (hash: request id →
@@ -23,7 +22,7 @@
 --        line to let that tier's next request through (a priority request never waits in the line
 --        behind default messages the queue holds)  2 the queue's name  3 the priority step of each
 --        of KEYS 9.. (comma-separated)  4 n puts, then per put: id, tier, rank (its step), tenant,
---        weight, prompt tokens, output tokens
+--        prompt tokens, output tokens
 -- Returns {id, tier, ...}: the requests taken off the line, for the caller to publish in that order.
 local RANK = 1e10  -- virtual time advances at most a second per engine second: centuries apart
 
@@ -35,23 +34,22 @@ if drain <= 0 then drain, price, price2, engines = 1000, 0.0002, 0, 1 end
 
 local puts = tonumber(ARGV[4])
 for i = 0, puts - 1 do
-  local id, tier, rank, tenant = ARGV[5 + 7 * i], ARGV[6 + 7 * i], tonumber(ARGV[7 + 7 * i]), ARGV[8 + 7 * i]
-  local weight = math.max(1e-6, tonumber(ARGV[9 + 7 * i]) or 1)
-  local prompt, output = tonumber(ARGV[10 + 7 * i]) or 0, tonumber(ARGV[11 + 7 * i]) or 0
+  local id, tier, rank, tenant = ARGV[5 + 6 * i], ARGV[6 + 6 * i], tonumber(ARGV[7 + 6 * i]), ARGV[8 + 6 * i]
+  local prompt, output = tonumber(ARGV[9 + 6 * i]) or 0, tonumber(ARGV[10 + 6 * i]) or 0
   -- Once only: a request published again (the sweep, a retry) keeps its place.
   if not redis.call('ZSCORE', KEYS[1], id) then
     local cost = output / drain + (prompt * price + prompt * prompt * price2) / engines
-    local share = tonumber(redis.call('HGET', KEYS[8], tenant)) or 0
-    if share > 0 and share < 1 then
+    local share, w = tonumber(redis.call('HGET', KEYS[8], tenant)) or 0, 1
+    if share > 0 then  -- the other tenants with work in the tier's line
       local others, mark = 0, tier .. '|'
       for _, field in ipairs(redis.call('HKEYS', KEYS[5])) do
         if string.sub(field, 1, #mark) == mark and field ~= mark .. tenant then others = others + 1 end
       end
-      weight = math.max(weight, share / (1 - share) * math.max(1, others))
+      w = weight(share, others)
     end
     local v = redis.call('HMGET', KEYS[3], 'v:' .. tier, 'f:' .. tier .. ':' .. tenant)
     local start = math.max(tonumber(v[1]) or 0, tonumber(v[2]) or 0)
-    redis.call('HSET', KEYS[3], 'f:' .. tier .. ':' .. tenant, start + cost / weight)
+    redis.call('HSET', KEYS[3], 'f:' .. tier .. ':' .. tenant, start + cost / w)
     redis.call('HINCRBYFLOAT', KEYS[4], tier .. '|' .. tenant, cost)
     redis.call('HINCRBY', KEYS[5], tier .. '|' .. tenant, 1)
     redis.call('HSET', KEYS[2], id, tier .. ' ' .. tenant .. ' ' .. cost)
@@ -78,20 +76,11 @@ while true do
   -- Best tier first: once this one may not go, no later one may (a worse step waits behind more).
   if ahead(rank) >= tonumber(ARGV[1]) then break end
   redis.call('ZREM', KEYS[1], id)
-  local item = redis.call('HGET', KEYS[2], id)
-  redis.call('HDEL', KEYS[2], id)
-  local tier, tenant, cost = string.match(item or '', '^(%S+) (%S+) (%S+)$')
+  local tier = leave(KEYS[2], KEYS[4], KEYS[5], id)
   if tier then
     local vkey = 'v:' .. tier
     local start = score % RANK
     if start > (tonumber(redis.call('HGET', KEYS[3], vkey)) or 0) then redis.call('HSET', KEYS[3], vkey, start) end
-    local field = tier .. '|' .. tenant
-    if redis.call('HINCRBY', KEYS[5], field, -1) <= 0 then
-      redis.call('HDEL', KEYS[4], field)
-      redis.call('HDEL', KEYS[5], field)
-    else
-      redis.call('HINCRBYFLOAT', KEYS[4], field, -tonumber(cost))
-    end
   end
   out[#out + 1] = id
   out[#out + 1] = tier or ''

@@ -37,8 +37,9 @@ class Row(NamedTuple):
 @pytest.fixture
 def left_queued():
     """Call with (application, client): what that client's tenant left queued is cancelled when
-    the test ends. The sweep and the monitor's recount read the shared database: a later test's
-    would publish or count a flood this one left."""
+    the test ends, and its reserved share cleared. The sweep and the monitor's recount read the
+    shared database: a later test's would publish or count a flood this one left, and a share
+    left held counts against every later test's reservations (at most 0.9 in all)."""
     held = []
     yield lambda application, *clients: held.extend((application, c) for c in clients)
     for application, client in held:
@@ -47,8 +48,10 @@ def left_queued():
         with svc.db.session() as session:
             queued = session.scalars(select(InferenceRequest.id).where(
                 InferenceRequest.tenant_id == tenant, InferenceRequest.status == Status.QUEUED)).all()
+            session.execute(update(Tenant).where(Tenant.id == tenant).values(reserved_share=None))
         for request_id in queued:
             svc.lifecycle.cancel(tenant, request_id)
+        sync_reservations(svc.db, svc.redis)
 
 
 def snapshot(application) -> None:
@@ -228,7 +231,7 @@ def test_a_tenant_inside_its_reserved_share_is_not_refused_for_an_overload_of_ot
     with svc.db.session() as session:
         update_tenant(session, svc.settings, session.get(Tenant, tenant_id_of(application, reserved)),
                       {"reserved_share": 0.3})
-    assert list(sync_reservations(svc.db, svc.redis).values()) == [0.3]
+    assert sync_reservations(svc.db, svc.redis)[str(tenant_id_of(application, reserved))] == 0.3
     publish(application, queued_work=0, drain_tps=100, seq_tps=50)
     flood = 0  # every prompt its own: an identical one in flight would be parked on its twin, past the promise
     while flooder.submit(prompt=f"flood {flood}", max_tokens=100).status_code == 202:

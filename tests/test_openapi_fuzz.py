@@ -25,10 +25,11 @@ from schemathesis.config import SchemathesisConfig
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 from sqlalchemy import delete, func, select, update
 
+from core.broker.fair import sync_reservations
 from core.settings import Settings
 from core.submit.sampling import BEYOND_THE_DOCUMENT
 from launcher.database import create_key
-from models import ApiKey, Delivery, DeliveryStatus, InferenceRequest, Job, JobStatus, Status, hash_key
+from models import ApiKey, Delivery, DeliveryStatus, InferenceRequest, Job, JobStatus, Status, Tenant, hash_key
 from models.job import LIVE_JOB
 from models.reservation import Reservation
 from web.services import services
@@ -99,6 +100,10 @@ def fuzz_app(database_url, scratch_redis_url, tmp_path):
                 InferenceRequest.tenant_id == ours,
                 InferenceRequest.status.in_([Status.QUEUED, Status.RUNNING]))).all()
             session.execute(delete(Reservation).where(Reservation.created_at >= began))
+            # Nor the reserved shares of the tenants it made: they count against every later
+            # test's (at most 0.9 in all), and the fair lines read them.
+            session.execute(update(Tenant).where(Tenant.created_at >= began, Tenant.reserved_share.is_not(None))
+                            .values(reserved_share=None))
             # Jobs it made are not left for another test's feeder (the database is shared).
             session.execute(update(Job).where(Job.tenant_id == ours, Job.status.in_(LIVE_JOB))
                             .values(status=JobStatus.CANCELLED))
@@ -111,6 +116,7 @@ def fuzz_app(database_url, scratch_redis_url, tmp_path):
             session.execute(update(Delivery).where(Delivery.tenant_id == ours,
                                                    Delivery.status == DeliveryStatus.PENDING)
                             .values(status=DeliveryStatus.FAILED))
+        sync_reservations(db, services(application).redis)
         db.dispose()
 
 

@@ -443,7 +443,9 @@ def _admin_paths(spec: APISpec) -> None:
         "post": {**admin, "summary": "Create a tenant (and its first API key unless create_key is false)",
                  "requestBody": {"required": True, "content": {"application/json": {"schema": "TenantCreate"}}},
                  "responses": {"201": _json("TenantView", "Created; `api_key` is shown only here."), **denied,
-                               "409": _error("A tenant with that name exists (tenant_exists)."),
+                               "409": _error("A tenant with that name exists (tenant_exists), or its "
+                                             "reserved_share would take the reservations past 0.9 "
+                                             "(reservations_exceed_capacity)."),
                                "422": invalid}},
     })
     spec.path(path="/admin/tenants/{tenant_ref}", operations={
@@ -454,7 +456,10 @@ def _admin_paths(spec: APISpec) -> None:
                   "parameters": [tenant],
                   "requestBody": {"required": True, "content": {"application/json": {"schema": "TenantLimits"}}},
                   "responses": {"200": _json("TenantView", "The tenant after the change."), **denied,
-                                "404": _error("No such tenant."), "422": invalid}},
+                                "404": _error("No such tenant."),
+                                "409": _error("The reserved_share would take the reservations past 0.9 "
+                                              "(reservations_exceed_capacity)."),
+                                "422": invalid}},
     })
     spec.path(path="/dashboard", operations={"get": {
         "tags": ["admin"], "summary": "The operator page (HTML; it asks for the admin key and reads "

@@ -88,7 +88,7 @@ def parse_args() -> tuple[argparse.Namespace, argparse.Namespace]:
 class Asked(NamedTuple):
     tenant: str
     status: int  # the submit's HTTP status
-    outcome: str  # how it ended; when refused, the refusal's reason (deadline, shed, ...)
+    outcome: str  # how it ended; when refused, the refusal's reason and level ("deadline at level 5", ...)
     wait_s: float | None
     first_s: float | None
     total_s: float | None
@@ -106,7 +106,10 @@ def ask(api: str, key: str, tenant: str, prompt: str, rt_tokens: int, poll_s: fl
                           timeout_s=60)
         if reply.status != 202:
             error = (reply.doc or {}).get("error") or {}
-            reason = (error.get("details") or {}).get("reason") or error.get("code") or ""
+            details = error.get("details") or {}
+            reason = details.get("reason") or error.get("code") or ""
+            if "load_level" in details:  # the level it was judged at: the load's, or its own wait's
+                reason += f" at level {details['load_level']}"
             out.append(Asked(tenant, reply.status, reason, None, None, None))
             return
         while True:

@@ -199,7 +199,8 @@ class Settings:
         "re-published by the sweep.")
     fair_depth: int = _field(
         "SLUICE_FAIR_DEPTH", 2,
-        "Messages each class queue (realtime.small, batch.small, ...) is kept at; the rest wait in the "
+        "Messages each class queue (realtime.small, batch.small, ...) is kept at while no engine serving "
+        "its class states its free seats (where they do, the queue holds that many); the rest wait in the "
         "queue's fair line, tenants taking turns in engine time (docs/fairness.md). 0: no lines, every "
         "request straight to its queue, first come first served.")
     cancel_poll_s: float = _field(

@@ -235,13 +235,14 @@ def status(as_json: bool, by_tenant: bool) -> None:
                f"{'; steps in force: ' + ', '.join(view['steps']) if view['steps'] else ''}")
     loads = [ClassLoad(**one) for one in view["classes"]]
     click.echo(f"{'class':32} {'queued':>7} {'tokens':>9} {'work':>8} {'drain tok/s':>11} {'seq tok/s':>9} "
-               f"{'room':>5} {'wait s':>7} {'level':>5} {'workers':>7}")
+               f"{'room':>5} {'wait s':>7} {'level':>5} {'fair wait s':>11} {'fair level':>10} {'workers':>7}")
     for load in loads:
         wait = "?" if load.wait_s < 0 else f"{load.wait_s:.1f}"
+        fair = "?" if load.fair_wait_s < 0 else f"{load.fair_wait_s:.1f}"
         room = "?" if load.room < 0 else str(load.room)
         click.echo(f"{load.priority + ':' + load.model:32} {load.queued_requests:>7} {load.queued_tokens:>9} "
                    f"{load.queued_work:>8} {load.drain_tps:>11.0f} {load.seq_tps:>9.1f} {room:>5} {wait:>7} "
-                   f"{load.level:>5} {load.workers:>7}")
+                   f"{load.level:>5} {fair:>11} {load.fair_level:>10} {load.workers:>7}")
     for one in view["reservations"]:
         click.echo(f"reservation {one['id']}: {one['state']}, {one['from']} → {one['until']}, "
                    f"role {one['role'] or 'all shared'}{', ' + one['note'] if one['note'] else ''}")

@@ -117,7 +117,8 @@ def test_shedding_and_batch_pause_come_from_the_load_level(isolated_app, new_cli
     client, redis = new_client(application), services(application).redis
     write_level(redis, LoadLevel.REJECT_BATCH)
     batch = client.submit(prompt="later", max_tokens=4, priority="batch")
-    assert assert_envelope(batch, 503, "overloaded")["details"] == {"gate": "global", "reason": "batch_paused"}
+    assert assert_envelope(batch, 503, "overloaded")["details"] == {"gate": "global", "reason": "batch_paused",
+                                                                        "load_level": 4}
     assert_retry_after(batch)
     assert client.submit(prompt="now", max_tokens=4).status_code == 202
 

@@ -3,23 +3,25 @@ class queue's fair line, so a quiet tenant's requests start in fair order beside
 
 from __future__ import annotations
 
+import time
 import uuid
 from datetime import datetime, timedelta
 from typing import NamedTuple
 
 import pytest
 from admission_support import tenant_id_of
-from conftest import WorkerProcess
+from conftest import WorkerProcess, make_settings
 from sqlalchemy import select, update
 from test_promise import publish
 
-from core.admission.load import ClassLoad, LoadLevel, write_level
-from core.broker.fair import RESERVED_KEY, FairQueues, lines_view, seconds_key, sync_reservations
+from core.admission.load import ClassLoad, LoadLevel, class_level, class_name, write_level
+from core.broker.fair import RESERVED_KEY, FairQueues, line_excess, lines_view, seconds_key, sync_reservations
 from core.broker.queues import messages_queued, queue_length, queue_lists
 from core.rediskeys import redis_client
 from core.tenants.manage import update_tenant
 from models import InferenceRequest, Status, Tenant, utcnow
 from web.services import services
+from workers.monitor import Engines, Monitor, levels
 from workers.sweep import sweep
 
 QUEUE = "batch.small"
@@ -153,6 +155,45 @@ def test_a_flooders_batch_backlog_lets_another_tenants_requests_start_first(isol
     assert before < 20, f"{before} of the flooder's requests started before the quiet tenant's last"
 
 
+def test_a_seat_that_comes_free_goes_to_the_lines_next_request_not_to_a_queued_message(isolated, database_url,
+                                                                                      new_client, tmp_path,
+                                                                                      left_queued):
+    """Where the engines state their room, the class queue holds only their free seats' worth: with
+    both seats of the engine taken by a flooder, nothing waits in the queue and the flooder's rest
+    waits in the line. A quiet tenant's question then takes the next seat that comes free: none of
+    the flooder's requests in the line when it came starts before it (a queue kept at a depth of 2
+    would have started two of them first). The flood is queued before the worker starts (no engine
+    states its room yet: the queue holds the depth, 2), so that no put races the worker's first
+    fetches."""
+    application, flooder, redis_url = isolated
+    quiet = new_client(application)
+    left_queued(application, flooder)
+    svc = services(application)
+    body = {"max_tokens": 100, "ignore_eos": True, "deadline_s": 600}
+    flood = [flooder.submit(prompt=f"flood question {i}", **body).get_json()["id"] for i in range(6)]
+    assert queue_length(svc.redis, "realtime.small") == svc.settings.fair_depth == 2
+    worker = WorkerProcess(database_url, redis_url, tmp_path, concurrency=2, extra_env={"SLUICE_SIM_SPEED": "0.2"})
+    try:
+        until = time.monotonic() + 60
+        while (sum(flooder.get(i).get_json()["status"] == "running" for i in flood) < 2
+               or queue_length(svc.redis, "realtime.small")):
+            assert time.monotonic() < until, "the engine never filled from the queue alone"
+            time.sleep(0.1)
+        # Both seats taken, nothing in the queue: the rest of the flood waits in the line.
+        calm = quiet.submit(prompt="a quiet question", max_tokens=8, deadline_s=600).get_json()["id"]
+        # What of the flood was still in the line behind it (a seat that came free in between may
+        # have taken one more off the line before it came: that one goes first, as it should).
+        behind = svc.fair.in_line("realtime.small") & set(flood)
+        assert behind, "the flood's rest waits in the line"
+        assert quiet.wait(calm)["status"] == "succeeded"
+        began = datetime.fromisoformat(quiet.get(calm).get_json()["timings"]["started_at"])
+        overtook = [i for i in behind if (t := flooder.get(i).get_json()["timings"]["started_at"])
+                    and datetime.fromisoformat(t) < began]
+        assert not overtook, f"{len(overtook)} of the flooder's requests in the line started before the quiet one"
+    finally:
+        worker.stop()
+
+
 def test_a_request_taken_off_the_line_by_a_process_that_died_is_published_by_the_sweep(isolated, database_url,
                                                                                       tmp_path):
     """The row is the contract: taken off the line and never published (the process died between
@@ -257,6 +298,54 @@ def test_a_tenant_inside_its_reserved_share_is_not_refused_for_an_overload_of_ot
     write_level(svc.redis, LoadLevel.SHED, ttl_s=30)
     outside = reserved.submit(prompt="reserved, outside its share", max_tokens=1)
     assert outside.status_code == 503 and outside.get_json()["error"]["details"]["reason"] == "shed"
+
+
+def test_a_flooders_excess_raises_the_level_it_alone_is_judged_at(scratch_redis_url):
+    """The monitor judges a class's level on its whole wait and, apart, on the wait of a tenant one
+    turn away in the fair lines: the whole less what tenants queued past their turns (each tenant's
+    turn: one request of the mean cost there, by its weight). It publishes both, and the tenants
+    past their turns (loud), who alone are judged on the whole."""
+    client = redis_client(scratch_redis_url)
+    fair = FairQueues(client, depth=1, default_model="m")
+    loud, quiet = uuid.uuid4(), uuid.uuid4()
+    fair.put(rows(loud, 21, queue="realtime.small", service_tier="default"))  # one through, 20 in line
+    fair.put(rows(quiet, 2, queue="realtime.small", service_tier="default"))  # its first next, one in line
+    cost = fair.tenants("realtime.small")[str(quiet)][1]  # no snapshot: the line's default prices
+    lines = line_excess(client, "m")
+    assert lines["realtime:m"].loud == {str(loud)}
+    assert lines["realtime:m"].seconds == pytest.approx(19 * cost)
+    # 23 requests of that cost queued, on one engine at the same prices, against a 2 s deadline.
+    monitor = Monitor(make_settings("postgresql://unused", scratch_redis_url, realtime_deadline_s=2.0), client, None)
+    engine = Engines(drain_tps=1000.0, seq_tps=50.0, room=1, slot_wait_s=0.0, prefill_s_tok=0.0002, count=1)
+    load = monitor._class_load("realtime", "m", {"queued_work": 23 * 64, "queued_prompt": 23 * 100}, 1, 4, None,
+                               0.0, 0, engine, lines["realtime:m"])
+    assert load.wait_s == pytest.approx(23 * cost, abs=1e-3) and load.level == LoadLevel.TIGHT_PROMISE
+    assert load.fair_wait_s == pytest.approx(4 * cost, abs=1e-3) and load.fair_level == LoadLevel.NORMAL
+    published = {k: str(v) for k, v in levels([load], lines).items()}
+    assert published == {"realtime:m": "5", "realtime:m:fair": "0", f"realtime:m|{loud}": "1"}
+    assert class_level(published, "realtime", "m", str(quiet)) == 0
+    assert class_level(published, "realtime", "m", str(loud)) == 5
+    assert class_level(published, "realtime", "m") == 5  # no tenant: the class's
+    assert class_level(published, "batch", "m", str(quiet)) == 5, "batch yields to the realtime class, whole"
+    # Nobody past a turn: one level, no fair one.
+    calm = line_excess(client, "nobody")
+    assert levels([load], calm) == {"realtime:m": 5}
+
+
+def test_a_tenant_not_loud_is_admitted_and_degraded_at_its_classs_fair_level(isolated_app, new_client):
+    """Where the monitor publishes a fair level beside the class's, the tenants it names loud are
+    judged at the class's (shed here) and every other tenant at the fair one (shorter output):
+    the ladder's steps and admission's gates alike, and each refusal says the level it was at."""
+    application = isolated_app()
+    flooder, quiet = new_client(application), new_client(application)
+    name = class_name("realtime", services(application).settings.registry.default.name)
+    write_level(services(application).redis, LoadLevel.SHED, ttl_s=30, classes={
+        name: 6, f"{name}:fair": 2, f"{name}|{tenant_id_of(application, flooder)}": 1})
+    refused = flooder.submit(prompt="more of the flood", max_tokens=1000)
+    assert refused.status_code == 503
+    assert refused.get_json()["error"]["details"] == {"gate": "global", "reason": "shed", "load_level": 6}
+    admitted = quiet.submit(prompt="a quiet question", max_tokens=1000)
+    assert admitted.status_code == 202 and admitted.headers["Sluice-Degradation"] == "shorter_output"
 
 
 def test_the_lines_are_shown_tenant_by_tenant_the_ten_with_most_work_and_the_rest_as_other(scratch_redis_url):

@@ -42,7 +42,7 @@ def test_a_request_that_cannot_finish_in_time_is_refused_at_once(promising):
     response = client.submit(prompt="late", max_tokens=100)
     elapsed = time.perf_counter() - began
     error = envelope(response, 503, "overloaded")
-    assert error["details"] == {"gate": "global", "reason": "deadline", "estimated_wait_s": 50.0,
+    assert error["details"] == {"gate": "global", "reason": "deadline", "load_level": 0, "estimated_wait_s": 50.0,
                                 "estimated_from": "monitor", "estimated_run_s": 2.0}
     # Retry when the queue has drained by the excess: 50 s wait + 2 s of its own − 30 s.
     assert int(response.headers["Retry-After"]) == math.ceil(50 + 100 / 50 - 30) == 22
@@ -164,7 +164,7 @@ def test_without_the_monitor_the_live_workers_figures_keep_the_promise(promising
         # 4,000 tokens at 100 tokens/s: 40 s, then 100 tokens at the slower sequence's 10 tokens/s.
         refused = client.submit(prompt="a burst with the monitor dead", max_tokens=100)
         details = envelope(refused, 503, "overloaded")["details"]
-        assert details == {"gate": "global", "reason": "deadline", "estimated_wait_s": 40.0,
+        assert details == {"gate": "global", "reason": "deadline", "load_level": 0, "estimated_wait_s": 40.0,
                            "estimated_from": "workers", "estimated_run_s": 10.0}
         assert int(refused.headers["Retry-After"]) == 40 + 10 - 30
         # w2 stopped beating a minute ago: only w1's 50 tokens/s are left, the wait doubles.

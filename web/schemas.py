@@ -243,6 +243,11 @@ class ClassLoadSchema(Schema):
     room = fields.Integer(metadata={"description": "Requests the serving engines would take in now, below their "
                                                    "in-engine limits; -1 = unknown (no governed worker)."})
     slot_wait_s = fields.Float(metadata={"description": "While the engines are full: the estimated wait for a slot."})
+    fair_wait_s = fields.Float(metadata={"description": "The wait of a tenant one turn away in the class's fair "
+                                                        "lines: wait_s less what tenants queued past their turns; "
+                                                        "-1 = unknown (docs/fairness.md)."})
+    fair_level = fields.Integer(metadata={"description": "The level of fair_wait_s: what every tenant but those "
+                                                        "queued past their turns is judged at."})
 
 
 class ReservationViewSchema(Schema):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from celery.signals import task_received, worker_init, worker_ready, worker_shutdown, worker_shutting_down
 
-from core.broker.queues import RUN_TASK
+from core.broker.queues import RUN_TASK, publish_taken
 from core.rediskeys import RESERVED_KEY
 from core.registry import ModelSpec
 from core.services import Services
@@ -172,6 +172,9 @@ def start_runtime(svc: Services, hostname: str, queues: list[str], threads: int 
                             dead_after_s=settings.worker_dead_after_s,
                             cancel_poll_s=settings.cancel_poll_s, watchdog_s=settings.worker_watchdog_s, info=info,
                             governor=governor, poison_prompt=settings.fault_poison_prompt)
+    lined = [q for q in queues if svc.fair.handles(q)]  # in the worker's order: realtime first
+    if lined:
+        runtime.on_room = lambda: top_up(svc, lined)
     runtime.start()
     exporter.export(runtime, settings)
     WORKER.batch = slots = batch_slots(settings, info["threads"], queues, lambda: runtime.realtime_in_flight() > 0)
@@ -180,6 +183,14 @@ def start_runtime(svc: Services, hostname: str, queues: list[str], threads: int 
     log.info("%d of %d threads may hold batch work (%d may start while realtime runs)", WORKER.batch.limit,
              info["threads"], WORKER.batch.beside)
     return runtime
+
+
+def top_up(svc: Services, queues: list[str]) -> None:
+    """A seat came free in this worker's engine: each of its ``queues`` with a fair line gets the
+    next requests of that line, in fair order, as far as the engines serving its class have room
+    (``core/broker/fair.py``): what waited in the line takes the seat, not what a queue held."""
+    for queue in queues:
+        publish_taken(svc.broker, svc.fair.take(queue))
 
 
 def set_prefetch(qos, limit: int) -> None:
@@ -229,6 +240,7 @@ def connect(svc: Services) -> None:
         runtime = WORKER.runtime
         if runtime is None or request.name != RUN_TASK:
             return
+        runtime.arriving(request.id)
         try:
             svc.redis.hset(RESERVED_KEY, request.id, runtime.worker_id)
         except Exception:

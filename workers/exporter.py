@@ -124,13 +124,19 @@ class PlatformCollector(Collector):
             ("sluice_queue_wait_estimate_seconds", "Queued work over the class's measured drain (-1: unknown)."),
             ("sluice_queue_drain_tokens_per_second", "Work (max_tokens) claimed off the class's queues per second."),
             ("sluice_class_level", "The class's degradation level (0 normal … 6 shed)."),
+            ("sluice_class_fair_level", "The level of the class's fair wait, which every tenant not queued past "
+                                        "its turn in the class's fair lines is judged at."),
+            ("sluice_class_fair_wait_estimate_seconds", "The wait of a tenant one turn away in the class's fair "
+                                                        "lines (-1: unknown)."),
             ("sluice_class_workers", "Warm workers consuming the class's queues."))}
         for one in view["classes"]:
             labels = [one["priority"], one["model"]]
             for name, key in (("sluice_queue_requests", "queued_requests"), ("sluice_queue_tokens", "queued_tokens"),
                               ("sluice_queue_wait_estimate_seconds", "wait_s"),
                               ("sluice_queue_drain_tokens_per_second", "drain_tps"),
-                              ("sluice_class_level", "level"), ("sluice_class_workers", "workers")):
+                              ("sluice_class_level", "level"), ("sluice_class_fair_level", "fair_level"),
+                              ("sluice_class_fair_wait_estimate_seconds", "fair_wait_s"),
+                              ("sluice_class_workers", "workers")):
                 value = float(one[key])
                 families[name].add_metric(labels, value if value != float("inf") else -1.0)
         yield from families.values()

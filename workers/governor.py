@@ -449,6 +449,12 @@ class Governor:
         with self._lock:
             return sum(e.seqs for e in self._in_engine.values())
 
+    def realtime_seqs(self) -> int:
+        """Sequences of the realtime requests in the worker's hands: what batch work cannot keep
+        from realtime (``preempt`` takes batch out for it)."""
+        with self._lock:
+            return sum(e.seqs for e in self._in_engine.values() if not e.batch)
+
     def kept_from_priority(self) -> int:
         """Sequences a priority request could not take from the requests in the worker's hands:
         the priority tier's own and the streams (``preempt`` takes the rest out for it)."""

@@ -66,7 +66,7 @@ from core.admission.load import (
     tier_place,
     write_level,
 )
-from core.broker.fair import FairQueues, sync_reservations
+from core.broker.fair import Excess, FairQueues, line_excess, sync_reservations
 from core.broker.queues import publish_taken
 from core.fleet.lease import Lease, run_leading
 from core.fleet.workers import live_workers
@@ -150,6 +150,7 @@ class _ClassState:
     busy_threads: int = 0
     seq_tps: float = 0.0
     policy: LevelPolicy = field(default_factory=LevelPolicy)
+    fair_policy: LevelPolicy = field(default_factory=LevelPolicy)  # the level of the fair wait
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,27 @@ def engines(serving: list[dict], priority: str = "realtime") -> Engines | None:
                    step_base_s=max(w.get("step_base_s") or 0.0 for w in serving),
                    step_seq_s=max(w.get("step_seq_s") or 0.0 for w in serving),
                    priority_safety=min(w.get("priority_safety") or 0.0 for w in serving))
+
+
+# Loud tenants named per class in the published levels; past it every tenant of the class is
+# judged on the class's whole wait (the fair level is not published).
+MAX_LOUD = 1000
+
+
+def levels(loads: list[ClassLoad], lines: dict[str, Excess]) -> dict[str, int]:
+    """What the monitor publishes (``write_level``'s ``classes``): each class's level on its whole
+    wait; where some tenants queued past their turns in its fair lines, also its level on the fair
+    wait (``<class>:fair``) and those tenants (``<class>|<tenant>``), who alone are judged on the
+    whole (``core/admission/load.py class_level``, ``admit.lua``)."""
+    out: dict[str, int] = {}
+    for load in loads:
+        name = class_name(load.priority, load.model)
+        out[name] = load.level
+        loud = lines[name].loud if name in lines else frozenset()
+        if loud and len(loud) <= MAX_LOUD and load.fair_level < load.level:
+            out[name + ":fair"] = load.fair_level
+            out.update((f"{name}|{tenant}", 1) for tenant in loud)
+    return out
 
 
 def with_realtime_share(loads: list[ClassLoad]) -> list[ClassLoad]:
@@ -239,6 +261,7 @@ class Monitor:
         seconds, micros = self.redis.time()
         stamp = seconds * 1000 + micros // 1000  # the Redis clock, which admission compares it with
         loads = []
+        lines = line_excess(self.redis, self.settings.registry.default.name) if self.settings.fair_depth > 0 else {}
         for name, counters in self._counters(workers).items():
             priority, model = name.split(":", 1)
             serving = [w for w in workers if w.get("model") == model
@@ -248,11 +271,11 @@ class Monitor:
             if priority == Priority.REALTIME.value:  # threads busy with batch work serve no realtime
                 threads -= sum(w.get("batch_in_flight", 0) for w in serving)
             loads.append(self._class_load(priority, model, counters, len(serving), max(0, threads),
-                                          seq_by_model.get(model), now, stamp, engines(serving, priority)))
+                                          seq_by_model.get(model), now, stamp, engines(serving, priority),
+                                          lines.get(name)))
         loads = with_realtime_share(loads)
         level = max((load.level for load in loads if load.priority == Priority.REALTIME.value), default=0)
-        write_level(self.redis, LoadLevel(level), ttl_s=3 * TICK_S,
-                    classes={class_name(load.priority, load.model): load.level for load in loads}, snapshots=loads)
+        write_level(self.redis, LoadLevel(level), ttl_s=3 * TICK_S, classes=levels(loads, lines), snapshots=loads)
         return loads
 
     def _live_workers(self) -> list[dict]:
@@ -311,7 +334,7 @@ class Monitor:
 
     def _class_load(self, priority: str, model: str, counters: dict[str, int], workers: int,
                     threads: int, seq_tps: float | None, now: float, stamp: int,
-                    engine: Engines | None = None) -> ClassLoad:
+                    engine: Engines | None = None, lines: Excess | None = None) -> ClassLoad:
         # Each class keeps its own level: a fresh copy of the configured policy.
         state = self._classes.setdefault(class_name(priority, model),
                                          _ClassState(policy=dataclasses.replace(self.policy)))
@@ -379,6 +402,12 @@ class Monitor:
         if requests > 0 and counters.get("queued_deadline_ms", 0) > 0:
             deadline = min(deadline, counters["queued_deadline_ms"] / requests / 1000)
         level = state.policy.step(max(0.0, wait) / deadline if wait != float("inf") else float("inf"), now)
+        # The wait of a tenant whose next request is one turn away in the fair lines: the class's,
+        # less what tenants queued past their turns (core/broker/fair.py line_excess). A flooder's
+        # excess waits behind everyone else's next request, so it raises only its own level.
+        fair_wait = max(0.0, wait - lines.seconds) if lines is not None and wait > 0 else wait
+        fair_level = state.fair_policy.step(
+            max(0.0, fair_wait) / deadline if fair_wait != float("inf") else float("inf"), now)
         first, last = state.samples[0], state.samples[-1]
         span = now - first.t
         claimed_tps = (last.claimed - first.claimed) / span if span > 0 else 0.0
@@ -411,7 +440,8 @@ class Monitor:
                          priority_safety=engine.priority_safety if engine is not None else 0.0,
                          claimed_tps=round(max(0.0, claimed_tps), 2), ahead_tps=round(max(0.0, ahead_tps), 2),
                          claimed_share=round(claimed_share, 3), ahead_share=round(ahead_share, 3),
-                         busy_tps=round(_for_threads(state.busy_tps, state.busy_threads, threads), 2))
+                         busy_tps=round(_for_threads(state.busy_tps, state.busy_threads, threads), 2),
+                         fair_wait_s=round(fair_wait, 3) if fair_wait != float("inf") else -1.0, fair_level=fair_level)
 
     # ------------------------------------------------------------------ leading and re-counting
 

@@ -128,6 +128,11 @@ class EngineRuntime:
         self._sink: TokenSink | None = None  # token increments of streaming requests, to Redis
         self.governor = governor  # also knows which requests in flight are batch work
         self.on_limit = lambda limit: None  # the worker sets its prefetch count here
+        # Called (outside any lock) when the engine's room grew, a request having left it or the
+        # limit risen: the worker tops up its queues from their fair lines (core/broker/fair.py).
+        self.on_room = lambda: None
+        self._room_seen = 0
+        self._arriving: set[str] = set()  # messages received, not yet in the governor's hands
         self.limit = self.governor.max_seqs
         # The highest limit governed since start: the engine never holds more than this (a lowered
         # limit takes nobody out; those in the engine finish), so max_batch_seen is checked against it.
@@ -311,6 +316,7 @@ class EngineRuntime:
             if self._handing_back:  # claimed in the instant the stop ran out: never started
                 return RunResult(None, None, "shutdown")
             self._in_flight.add(rid)
+            self._arriving.discard(rid)  # its seat is counted in the governor from here
         # The limit counts sequences: n choices decode side by side, an embeddings request's texts
         # are embedded side by side.
         seqs = len(request.texts) if request.texts is not None else request.params.n
@@ -367,21 +373,42 @@ class EngineRuntime:
             return "preempted" if rid in self._preempted else "engine_abort"
 
     def room(self) -> int:
-        """Sequences this engine would take in now: its limit less the sequences it holds."""
-        return max(0, self.limit - self.governor.seqs())
+        """Sequences this engine would take in now: its limit less the sequences it holds and the
+        requests on their way to it (messages this worker received that have not entered yet)."""
+        return max(0, self.limit - self.governor.seqs() - len(self._arriving))
+
+    def arriving(self, request_id: str) -> None:
+        """This worker received ``request_id``'s message: its seat is spoken for from now, not from
+        when it enters the engine (the fair lines fill free seats, and must not fill this one twice)."""
+        with self._lock:
+            self._arriving.add(request_id)
+        self.write_room()
+
+    def arrived(self, request_id: str) -> None:
+        """``request_id``'s message is done with (run, handed back, or never ours to run)."""
+        with self._lock:
+            if request_id not in self._arriving:
+                return
+            self._arriving.discard(request_id)
+        self.write_room()
 
     def room_entries(self) -> list[str]:
         """What admission reads of this engine, live (``core/admission/load.py`` ROOM_PREFIX), one
         entry per class it serves (``_room_keys``' order): its room, the engine seconds of prefill
         ahead of a request of that class that came now, the speed a sequence would get if it
-        came now (one more than it holds, tokens per second), and the room a priority request
-        would have (a realtime class's default and flex work leaves for it: ``Governor.preempt``)."""
+        came now (one more than it holds, tokens per second), the room a priority request
+        would have (a realtime class's default and flex work leaves for it: ``Governor.preempt``),
+        and the seats its class's fair line may fill (``core/broker/lua/fair.lua``): for a realtime
+        class, those batch work does not keep from it either (batch yields to the realtime messages
+        it sees queued, and is preempted for them), less the messages on their way here."""
         if self.draining.is_set():
-            return ["0 0 0 0"] * len(self._room_heads)
+            return ["0 0 0 0 0"] * len(self._room_heads)
         room = self.room()
         seq = self.governor.curve.seq_tps(min(self.governor.seqs() + 1, max(1, self.limit))) or 0.0
         ahead = max(0, self.limit - self.governor.kept_from_priority())
-        return [f"{room} {self.governor.backlog_s(head == 'batch'):.2f} {seq:.2f} {room if head == 'batch' else ahead}"
+        realtime = max(0, self.limit - self.governor.realtime_seqs() - len(self._arriving))
+        return [f"{room} {self.governor.backlog_s(head == 'batch'):.2f} {seq:.2f} "
+                + (f"{room} {room}" if head == "batch" else f"{ahead} {realtime}")
                 for head in self._room_heads]
 
     def write_room(self, force: bool = False) -> None:
@@ -394,17 +421,25 @@ class EngineRuntime:
             if self._stop.is_set():  # stopped: its entries are deleted (stop), not written again
                 return
             room = self.room_entries()
+            seats = 0 if self.draining.is_set() else self.room()
+            grew, self._room_seen = seats > self._room_seen, seats
             if room == self._room_written and not force:
-                return
+                written = False
+            else:
+                try:
+                    with self._redis.pipeline(transaction=False) as pipe:
+                        for key, entry in zip(self._room_keys, room, strict=True):
+                            pipe.hset(key, self.worker_id, entry)
+                        pipe.execute()
+                    self._room_written, written = room, True
+                except redis.RedisError as exc:
+                    self._room_written, written = None, False
+                    log.warning("could not write the engine's room (%s)", type(exc).__name__)
+        if grew and written:
             try:
-                with self._redis.pipeline(transaction=False) as pipe:
-                    for key, entry in zip(self._room_keys, room, strict=True):
-                        pipe.hset(key, self.worker_id, entry)
-                    pipe.execute()
-                self._room_written = room
-            except redis.RedisError as exc:
-                self._room_written = None
-                log.warning("could not write the engine's room (%s)", type(exc).__name__)
+                self.on_room()
+            except Exception:  # the load monitor tops the queues up within a second
+                log.warning("could not top up the queues from their fair lines", exc_info=True)
 
     def _await_start(self, rid: str, prompt_tokens: int, batch: bool, limit_s: float, ends_as: str) -> str | None:
         """Wait until the governor lets this request into the engine (``Governor.take_prefill``:

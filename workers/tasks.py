@@ -44,7 +44,7 @@ def run_request(self: SluiceTask, request_id: str) -> None:
         time.sleep(BATCH_FULL_PAUSE_S)
         _unreserve(svc, request_id)
         raise Reject(requeue=True)  # not claimed: the row stays queued, the message goes back
-    _top_up(svc, queue, runtime)
+    _top_up(svc, queue)
     try:
         def publish(rows, head: bool = False) -> None:  # the broker is svc.redis's Redis
             publish_committed(svc.lifecycle, svc.broker, rows, svc.epoch, head=svc.redis if head else None,
@@ -65,21 +65,24 @@ def run_request(self: SluiceTask, request_id: str) -> None:
         _unreserve(svc, request_id)
 
 
-def _top_up(svc, queue: str, runtime) -> None:
+def _top_up(svc, queue: str) -> None:
     """This message is taken for good (not handed back): its queue is topped up from its fair line,
-    in fair order (core/broker/fair.py), with as many more as this engine has free seats beside
-    this request's (a burst into an idle engine fills it at once, not a top-up at a time); failing
-    that, the load monitor does it within a second."""
+    in fair order (core/broker/fair.py), to the free seats the engines state (this request's seat
+    is spoken for since its message came: EngineRuntime.arriving), or where no engine states its
+    room, to the line's depth; the
+    engine tops it up again as a request leaves (``bootstrap.start_runtime``'s ``on_room``), and
+    failing both, the load monitor does within a second."""
     if not svc.fair.handles(queue):
         return
     try:
-        room = runtime.room() - 1 if runtime is not None else 0
-        publish_taken(svc.broker, svc.fair.take(queue, room=room))
+        publish_taken(svc.broker, svc.fair.take(queue))
     except Exception:
         log.warning("could not top up %s from its fair line; the load monitor will", queue)
 
 
 def _unreserve(svc, request_id: str) -> None:
+    if WORKER.runtime is not None:
+        WORKER.runtime.arrived(request_id)
     try:
         svc.redis.hdel(RESERVED_KEY, request_id)
     except Exception:

@@ -304,6 +304,10 @@ def _seconds(ms: int) -> float | None:
 def _rejection(verdict: Verdict, limits: Limits, cost: int, too_large, headers: dict[str, str],
                deadline_s: float | None = None) -> ApiError:
     details = {"gate": verdict.gate, "reason": verdict.reason}
+    if verdict.gate == "global":
+        # The level it was judged at: its class's, or its fair level for a tenant not loud there
+        # (docs/fairness.md): whether a refusal came from the load or from this request's own wait.
+        details["load_level"] = verdict.load_level
     if verdict.reason == "deadline":
         # estimated_from: "monitor" (its published rates) or "workers" (the monitor is away: the
         # capacity the live workers' heartbeats state).

@@ -238,6 +238,10 @@ class ClassLoad:
     step_base_s: float = 0.0
     step_seq_s: float = 0.0
     priority_safety: float = 0.0
+    # The wait, and its level, of a tenant whose next request is one turn away in the class's fair
+    # lines (core/broker/fair.py line_excess): what every tenant but the loud ones is judged on.
+    fair_wait_s: float = 0.0
+    fair_level: int = 0
 
     def write(self, client: redis.Redis, ttl_s: float) -> None:
         with client.pipeline(transaction=False) as pipe:
@@ -290,14 +294,21 @@ def write_level(client: redis.Redis, level: LoadLevel, ttl_s: float = 60.0,
         pipe.execute()
 
 
-def class_level(levels: dict[str, str], priority: Priority | str, model: str) -> int:
+def class_level(levels: dict[str, str], priority: Priority | str, model: str, tenant: str | None = None) -> int:
     """A class's level in the published hash (``LOAD_LEVEL_KEY``): its own, or the level written
-    for every class; a batch class is also at its model's realtime level (what ``reject_batch``
-    protects). 0 for a class the monitor does not know. Freshness is the caller's to check."""
+    for every class; for ``tenant``, its class's fair level where the monitor published one and
+    does not name the tenant loud (``workers/monitor.py levels``: a flooder's excess raises only
+    its own level). A batch class is also at its model's realtime level, whole (what
+    ``reject_batch`` protects). 0 for a class the monitor does not know. Freshness is the
+    caller's to check; ``admit.lua`` reads the same fields."""
     def one(name: str) -> int:
         raw = levels.get(name, levels.get(ALL_CLASSES))
         return int(raw) if raw is not None else 0
-    level = one(class_name(priority, model))
+    name = class_name(priority, model)
+    level = one(name)
+    fair = levels.get(name + ":fair")
+    if tenant is not None and fair is not None and f"{name}|{tenant}" not in levels:
+        level = int(fair)
     if Priority(priority) == Priority.BATCH:
         level = max(level, one(class_name(Priority.REALTIME, model)))
     return level

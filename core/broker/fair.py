@@ -4,13 +4,15 @@ everybody's queue (docs/fairness.md).
 The Celery queues stay the transport: workers consume ``realtime.small`` and the rest as before.
 What changes is what those queues hold. A request published to a class queue first joins that
 queue's *line* in Redis (the broker's Redis, so it lives and dies with the messages), ordered by
-start-time fair queuing across tenants in engine time (``lua/fair.lua``); the Celery queue is
-kept at ``depth`` messages, taken off the line in fair order:
+start-time fair queuing across tenants in engine time (``lua/fair.lua``); the Celery queue holds
+what the engines serving its class can start now (their free seats, as each engine states them
+live; ``depth`` messages where none does), taken off the line in fair order:
 
 * by the publisher itself, in the same step as its put (an idle class: the request goes straight
   through);
 * by a worker each time it takes a message off the queue for good (``workers/tasks.py``; not one
-  it hands back), so the queue is topped up as it drains;
+  it hands back), and by its engine each time a seat comes free (``workers/bootstrap.py
+  top_up``), so a seat goes to the line's next request, not to a message queued before it;
 * by the load monitor's leader every tick, the floor for a line nobody else topped up.
 
 A tenant that floods a class queues far ahead in the line's virtual time, so another tenant's
@@ -30,13 +32,14 @@ import logging
 import uuid
 from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
 from kombu.transport.redis import PRIORITY_STEPS
 from sqlalchemy import select
 
-from core.admission.load import snapshot_key
+from core.admission.load import class_name, room_key, snapshot_key
 from core.broker.queues import message_priority, queue_lists
 from core.ids import is_uuid
 from models import Database, Tenant
@@ -93,8 +96,9 @@ def _counts_key(queue: str) -> str:
 
 class FairQueues:
     """The fair lines in front of the class queues of one broker Redis (a client that decodes
-    responses, ``core/rediskeys.py``); ``depth``: the messages a
-    class queue is kept at (0: no lines, every request is published straight to its queue);
+    responses, ``core/rediskeys.py``); ``depth``: the messages a class queue is kept at while no
+    engine serving its class states its room (0: no lines, every request is published straight to
+    its queue);
     ``default_model``: the model whose queues carry no suffix (``core/registry.py``)."""
 
     def __init__(self, client: redis.Redis, depth: int, default_model: str) -> None:
@@ -125,14 +129,14 @@ class FairQueues:
                 output = max(0, int(getattr(row, "reserved_tokens", 0) or 0) - prompt)
                 args += [str(row.id), tier, message_priority(queue, tier), str(getattr(row, "tenant_id", "") or "-"),
                          prompt, output]
-            out += self._run(queue, self.depth, len(group), args)
+            out += self._run(queue, len(group), args)
         return out
 
-    def take(self, queue: str, room: int = 0) -> list[tuple[str, str, str]]:
-        """What to publish to ``queue`` now to bring it back to its depth, in fair order; ``room``:
-        more a worker that takes from it has room for now (its engine's free seats), so that a
-        burst into an idle engine fills it at once, not one top-up after another."""
-        return self._run(queue, self.depth + max(0, room), 0, [])
+    def take(self, queue: str) -> list[tuple[str, str, str]]:
+        """What to publish to ``queue`` now to fill its room, in fair order: as many messages as the
+        engines serving its class state free seats, or where none states its room, its depth
+        (``lua/fair.lua``)."""
+        return self._run(queue, 0, [])
 
     def take_all(self) -> list[tuple[str, str, str]]:
         """:meth:`take` for every queue with a line."""
@@ -163,11 +167,15 @@ class FairQueues:
             out[tenant] = (had[0] + int(n), had[1] + float(seconds.get(field) or 0))
         return out
 
-    def _run(self, queue: str, depth: int, puts: int, args: list) -> list[tuple[str, str, str]]:
+    def _run(self, queue: str, puts: int, args: list) -> list[tuple[str, str, str]]:
         priority, _, model = _parts(queue)
+        model = model or self.default_model
         keys = [line_key(queue), _items_key(queue), state_key(queue), seconds_key(queue), _counts_key(queue),
-                snapshot_key(priority, model or self.default_model), QUEUES_KEY, RESERVED_KEY, *queue_lists(queue)]
-        taken = self._fair(keys=keys, args=[depth, queue, ",".join(map(str, PRIORITY_STEPS)), puts, *args])
+                snapshot_key(priority, model), QUEUES_KEY, RESERVED_KEY, room_key(priority, model),
+                *queue_lists(queue)]
+        ahead = "flex" if priority == "batch" else "priority"  # the tier served ahead of its class
+        taken = self._fair(keys=keys, args=[self.depth, queue, ",".join(map(str, PRIORITY_STEPS)),
+                                            message_priority(queue, ahead), puts, *args])
         return [(taken[i], queue, taken[i + 1] or None) for i in range(0, len(taken), 2)]
 
 
@@ -220,6 +228,55 @@ def lines_view(client: redis.Redis, top: int = TOP_TENANTS) -> list[dict]:
                                   "share": round(sum(r["share"] for r in rest), 3),
                                   "wait_s": max(r["wait_s"] for r in rest)}]
         out.append({"queue": queue, "tenants": rows})
+    return out
+
+
+@dataclass(frozen=True)
+class Excess:
+    """A class's fair lines as its level sees them (the load monitor, ``workers/monitor.py``)."""
+
+    seconds: float  # engine seconds queued past each tenant's turn, summed over its tenants
+    loud: frozenset[str]  # the tenants with work past their turn: each sees the class's whole wait
+
+
+def line_excess(client: redis.Redis, default_model: str) -> dict[str, Excess]:
+    """Per class (``core/admission/load.py class_name``): how much of its lines' engine time only
+    the tenants that queued it wait for. In each tier of a class's lines (both sizes together), a
+    tenant's *turn* is what its weight gets beside one request of the mean cost there (the mean
+    over the tier's requests): a tenant that queued more than its turn is *loud*, and the rest,
+    its *excess*, goes after every other tenant's next request. The class's wait less the summed
+    excess is the wait of a tenant whose next request is one turn away, the wait the class's fair
+    level is judged on; a loud tenant is judged on the whole (``admit.lua``, ``ladder.py``). One
+    round trip for every line."""
+    reserved = {k: float(v) for k, v in client.hgetall(RESERVED_KEY).items()}
+    queues = sorted(client.smembers(QUEUES_KEY))
+    with client.pipeline(transaction=False) as pipe:
+        for queue in queues:
+            pipe.hgetall(_counts_key(queue))
+            pipe.hgetall(seconds_key(queue))
+        hashes = pipe.execute()
+    # class → tier → tenant → [requests, seconds]
+    work: dict[str, dict[str, dict[str, list[float]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(
+        lambda: [0, 0.0])))
+    for queue, counts, seconds in zip(queues, hashes[::2], hashes[1::2], strict=True):
+        priority, _, model = _parts(queue)
+        tiers = work[class_name(priority, model or default_model)]
+        for field, n in counts.items():
+            tier, _, tenant = field.partition("|")
+            tiers[tier][tenant][0] += int(n)
+            tiers[tier][tenant][1] += max(0.0, float(seconds.get(field) or 0))
+    out: dict[str, Excess] = {}
+    for name, tiers in work.items():
+        total, loud = 0.0, set()
+        for tenants in tiers.values():
+            requests = sum(n for n, _ in tenants.values())
+            mean = sum(s for _, s in tenants.values()) / requests if requests else 0.0
+            for tenant, (_, s) in tenants.items():
+                past = s - mean * weight(reserved.get(tenant), len(tenants) - 1)
+                if past > 1e-9:
+                    total += past
+                    loud.add(tenant)
+        out[name] = Excess(total, frozenset(loud))
     return out
 
 

@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from core.admission.gates import Admission
@@ -45,8 +46,9 @@ class Levels:
 
     published: dict[str, str] = field(default_factory=dict)
 
-    def of(self, priority: Priority | str, model: str) -> LoadLevel:
-        return LoadLevel(min(class_level(self.published, priority, model), max(LoadLevel)))
+    def of(self, priority: Priority | str, model: str, tenant: uuid.UUID | None = None) -> LoadLevel:
+        """The class's level, as ``tenant`` is judged at it (its fair level unless it is loud)."""
+        return LoadLevel(min(class_level(self.published, priority, model, tenant and str(tenant)), max(LoadLevel)))
 
 
 class LoadReader:
@@ -97,7 +99,8 @@ class Ladder:
         """Step 3 (cached_answer) in force for ``plan``'s class: a sampled request too may be
         answered by its cached twin."""
         return (plan.priority == Priority.REALTIME and "cached_answer" in self.settings.ladder
-                and self.reader.current()[0].of(plan.priority, self._arrived_for(plan)) >= LoadLevel.CACHED_ANSWERS)
+                and self.reader.current()[0].of(plan.priority, self._arrived_for(plan), plan.tenant_id)
+                >= LoadLevel.CACHED_ANSWERS)
 
     def apply(self, plan: Plan, model_named: bool) -> Plan:
         """``plan`` with the steps its class's level calls for; unchanged for batch work and for
@@ -105,7 +108,7 @@ class Ladder:
         if plan.priority != Priority.REALTIME or plan.size_class == SizeClass.EMBED:
             return plan
         levels, light_warm = self.reader.current()
-        level = levels.of(plan.priority, plan.target_model)
+        level = levels.of(plan.priority, plan.target_model, plan.tenant_id)
         steps = self.settings.ladder
         light = self.reader.light
         applied: list[str] = []

@@ -68,7 +68,13 @@ function start(key) {
     }
     charts.engines.push(t, engines);
     charts.kv.push(t, kv);
-    if (data.level !== null) charts.level.push(t, {level: data.level});
+    if (data.level !== null) {
+      // Beside the platform's level, each realtime class's fair level: what a tenant that did not
+      // queue past its turn is judged at (docs/fairness.md).
+      const levels = {level: data.level};
+      for (const c of data.classes) if (c.priority === "realtime") levels[`${c.model} fair`] = c.fair_level;
+      charts.level.push(t, levels);
+    }
     table(document.getElementById("workers"), ["model", "device", "role", "running", "waiting", "largest batch",
                                                "in-engine limit", "batch", "threads", "KV used"],
           data.workers.map(w => [w.model, w.device, w.role || "all", w.running, w.waiting, w.max_batch_seen,

@@ -10,7 +10,8 @@
 --       5 the request's class counters (hash)  6 the class's monitor snapshot (hash)
 --       7 the class's live room (hash worker → 'room backlog_s seq_tps': the sequences its engine
 --         would take in now, the engine seconds of prefill ahead of a request that came now, and
---         the speed a sequence would get there; a plain number is the room alone)
+--         the speed a sequence would get there, then the room of the tier ahead and the fair
+--         line's, workers/runtime.py room_entries; a plain number is the room alone)
 --       8 the class's capacity (hash worker → 'at_ms drain_tps seq_tps slot_wait_s prefill_s_tok
 --         prefill_s_tok2 step_base_s step_seq_s priority_safety', heartbeats)
 -- ARGV  1 request id  2 cost in tokens  3 platform tokens/min (0 = no cap)  4 tenant tokens/min
@@ -125,11 +126,16 @@ local inside = my_share > 0 and mine * 1000 <= my_share * tonumber(ARGV[14])
 
 -- 1. Global: the degradation level (only while fresh) and the platform's token rate. A request
 -- larger than a whole bucket asks only for a full bucket here: the per-request gate rejects it.
--- The level is the request's class's own (or the one written for every class: '*').
+-- The level is the request's class's own (or the one written for every class: '*'): its fair
+-- level ('<class>:fair', the wait of a tenant one turn away in the fair lines) where the monitor
+-- published one and does not name this tenant loud ('<class>|<tenant>': it queued past its turn),
+-- so a flooder's excess raises only its own level (core/admission/load.py class_level, the same).
 local load = 0
-local lv = redis.call('HMGET', KEYS[2], 'updated_at_ms', ARGV[22], ARGV[23], '*')
+local lv = redis.call('HMGET', KEYS[2], 'updated_at_ms', ARGV[22], ARGV[23], '*', ARGV[22] .. ':fair',
+                      ARGV[22] .. '|' .. me)
 if lv[1] and now - tonumber(lv[1]) <= tonumber(ARGV[9]) then
   load = tonumber(lv[2] or lv[4]) or 0
+  if lv[5] and not lv[6] then load = tonumber(lv[5]) or load end
   if ARGV[7] == 'batch' then load = math.max(load, tonumber(lv[3] or lv[4]) or 0) end
 end
 local ptok, pt, pstored, pst = 0, now, 0, now
@@ -167,7 +173,7 @@ local raw_rooms = redis.call('HGETALL', KEYS[7])
 -- figure, where the worker states it): the governor takes them out of the engine for it.
 local priority_room = ARGV[27] == 'ahead' and ARGV[7] ~= 'batch'
 for i = 1, #raw_rooms, 2 do
-  local r, b, s, a = string.match(raw_rooms[i + 1], '^(%S+) (%S+) (%S+) ?(%S*)$')
+  local r, b, s, a = string.match(raw_rooms[i + 1], '^(%S+) (%S+) (%S+) ?(%S*)')
   if not r then r = raw_rooms[i + 1] end
   if priority_room and tonumber(a) then r = a end
   r = math.max(0, tonumber(r) or 0)

@@ -1,6 +1,13 @@
 -- Fair queuing of one class queue's requests across tenants (core/broker/fair.py), in one step:
--- the puts, then as many takes as keep the Celery queue at its depth. weight() and leave() are
+-- the puts, then as many takes as the Celery queue has room for. weight() and leave() are
 -- line.lua's.
+--
+-- The queue's room: where the engines serving the class state theirs (KEYS 9, written as each
+-- request enters or leaves an engine), as many messages as they have seats for it, so that a
+-- request waits in the line, in fair order, until a seat is free for it, never in the queue
+-- behind another tenant's messages; a tier served ahead of its class (priority) the seats the
+-- governor would free for it (the entries' fourth figure: default work leaves for it). Where no
+-- engine states its room (none serves the class yet, or none is governed), the depth (ARGV 1).
 --
 -- Start-time fair queuing per service tier: a request of cost c (engine seconds) from a tenant
 -- of weight w starts at S = max(V, the tenant's last finish F) and finishes at F = S + c / w; the
@@ -17,12 +24,16 @@
 --        5 how many (hash: the same fields → requests)  6 the class's monitor snapshot (hash:
 --        drain_tps, prefill_s_tok, prefill_s_tok2, engines: what a request's engine time is priced
 --        at)  7 the set of queues with a line  8 the reserved shares (hash: tenant → share, synced
---        from Postgres by the load monitor)  9.. the Celery queue's lists (one per priority step)
+--        from Postgres by the load monitor)  9 the class's live room (hash: worker → 'room
+--        backlog_s seq_tps ahead_room line_room', core/admission/load.py room_key: the seats
+--        free for the tier ahead, and for the line: a realtime class's counts those batch work
+--        holds, which yields to realtime)  10.. the Celery queue's lists (one per priority step)
 -- ARGV 1 the depth: how many messages of a tier or a better one the Celery queue may hold for the
---        line to let that tier's next request through (a priority request never waits in the line
---        behind default messages the queue holds)  2 the queue's name  3 the priority step of each
---        of KEYS 9.. (comma-separated)  4 n puts, then per put: id, tier, rank (its step), tenant,
---        prompt tokens, output tokens
+--        line to let that tier's next request through where no engine states its room (a priority
+--        request never waits in the line behind default messages the queue holds)  2 the queue's
+--        name  3 the priority step of each of KEYS 10.. (comma-separated)  4 the step of the tier
+--        served ahead in this queue ('' none)  5 n puts, then per put: id, tier, rank (its step),
+--        tenant, prompt tokens, output tokens
 -- Returns {id, tier, ...}: the requests taken off the line, for the caller to publish in that order.
 local RANK = 1e10  -- virtual time advances at most a second per engine second: centuries apart
 
@@ -32,10 +43,10 @@ local price, price2 = tonumber(snap[2]) or 0, tonumber(snap[3]) or 0
 local engines = math.max(1, tonumber(snap[4]) or 1)
 if drain <= 0 then drain, price, price2, engines = 1000, 0.0002, 0, 1 end
 
-local puts = tonumber(ARGV[4])
+local puts = tonumber(ARGV[5])
 for i = 0, puts - 1 do
-  local id, tier, rank, tenant = ARGV[5 + 6 * i], ARGV[6 + 6 * i], tonumber(ARGV[7 + 6 * i]), ARGV[8 + 6 * i]
-  local prompt, output = tonumber(ARGV[9 + 6 * i]) or 0, tonumber(ARGV[10 + 6 * i]) or 0
+  local id, tier, rank, tenant = ARGV[6 + 6 * i], ARGV[7 + 6 * i], tonumber(ARGV[8 + 6 * i]), ARGV[9 + 6 * i]
+  local prompt, output = tonumber(ARGV[10 + 6 * i]) or 0, tonumber(ARGV[11 + 6 * i]) or 0
   -- Once only: a request published again (the sweep, a retry) keeps its place.
   if not redis.call('ZSCORE', KEYS[1], id) then
     local cost = output / drain + (prompt * price + prompt * prompt * price2) / engines
@@ -61,7 +72,24 @@ if puts > 0 then redis.call('SADD', KEYS[7], ARGV[2]) end
 -- The messages waiting at each step of the queue.
 local steps, waiting = {}, {}
 for step in string.gmatch(ARGV[3], '[^,]+') do steps[#steps + 1] = tonumber(step) end
-for k = 9, #KEYS do waiting[k - 8] = redis.call('LLEN', KEYS[k]) end
+for k = 10, #KEYS do waiting[k - 9] = redis.call('LLEN', KEYS[k]) end
+-- How many messages the queue may hold for a tier: the free seats the engines state, or the depth.
+local seats, ahead_seats, stated = 0, 0, false
+local rooms = redis.call('HVALS', KEYS[9])
+for _, entry in ipairs(rooms) do
+  local r, a, l = string.match(entry, '^(%S+) %S+ %S+ (%S+) ?(%S*)$')
+  r = tonumber(r or entry)
+  if r then
+    stated = true
+    seats = seats + math.max(0, tonumber(l) or r)
+    ahead_seats = ahead_seats + math.max(0, tonumber(a) or r)
+  end
+end
+local ahead_step = tonumber(ARGV[4])
+local function room(rank)
+  if not stated then return tonumber(ARGV[1]) end
+  return rank == ahead_step and ahead_seats or seats
+end
 local function ahead(rank)  -- those a message at step `rank` waits behind
   local n = 0
   for j, step in ipairs(steps) do if step <= rank then n = n + (waiting[j] or 0) end end
@@ -74,7 +102,7 @@ while true do
   local id, score = top[1], tonumber(top[2])
   local rank = math.floor(score / RANK)
   -- Best tier first: once this one may not go, no later one may (a worse step waits behind more).
-  if ahead(rank) >= tonumber(ARGV[1]) then break end
+  if ahead(rank) >= room(rank) then break end
   redis.call('ZREM', KEYS[1], id)
   local tier = leave(KEYS[2], KEYS[4], KEYS[5], id)
   if tier then

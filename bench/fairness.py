@@ -219,7 +219,7 @@ def dispatch(ours) -> dict:
     """The fair line's put and take at ``--rate`` requests/s, beside a plain publish."""
     from core.broker.config import publisher
     from core.broker.fair import FairQueues
-    from core.broker.queues import publish_request, publish_taken, queue_lists
+    from core.broker.queues import publish_request, queue_lists
     from core.rediskeys import redis_client
     from core.settings import Settings
     from launcher.harness import free_redis_db
@@ -256,7 +256,7 @@ def dispatch(ours) -> dict:
             began = time.perf_counter()
             taken = fair.take(queue)
             timings["take"].append(time.perf_counter() - began)
-            publish_taken(celery, taken)
+            fair.publish(celery, taken)
 
     def publisher_thread(i: int, fair_line: bool, end: float) -> None:
         """One web process's share of the rate: the line's put alone is timed (the publish that
@@ -267,7 +267,7 @@ def dispatch(ours) -> dict:
             if fair_line:
                 taken = fair.put([Row(uuid.uuid4(), queue, tenants[(i + n * PUBLISHERS) % 50])])
                 timings["put"].append(time.perf_counter() - began)
-                publish_taken(celery, taken)
+                fair.publish(celery, taken)
             else:
                 publish_request(celery, uuid.uuid4(), "bench.plain", "default")
                 timings["plain"].append(time.perf_counter() - began)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from celery.signals import task_received, worker_init, worker_ready, worker_shutdown, worker_shutting_down
 
-from core.broker.queues import RUN_TASK, publish_taken
+from core.broker.queues import RUN_TASK
 from core.rediskeys import RESERVED_KEY
 from core.registry import ModelSpec
 from core.services import Services
@@ -190,7 +190,7 @@ def top_up(svc: Services, queues: list[str]) -> None:
     next requests of that line, in fair order, as far as the engines serving its class have room
     (``core/broker/fair.py``): what waited in the line takes the seat, not what a queue held."""
     for queue in queues:
-        publish_taken(svc.broker, svc.fair.take(queue))
+        svc.fair.publish(svc.broker, svc.fair.take(queue))
 
 
 def set_prefetch(qos, limit: int) -> None:

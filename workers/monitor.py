@@ -67,7 +67,6 @@ from core.admission.load import (
     write_level,
 )
 from core.broker.fair import Excess, FairQueues, line_excess, sync_reservations
-from core.broker.queues import publish_taken
 from core.fleet.lease import Lease, run_leading
 from core.fleet.workers import live_workers
 from core.settings import Settings
@@ -487,4 +486,4 @@ class Monitor:
             self._last_reservations = self.clock()
         self.tick()
         if self.fair is not None and self.fair.depth > 0:
-            publish_taken(self.broker, self.fair.take_all())
+            self.fair.publish(self.broker, self.fair.take_all())

@@ -14,7 +14,7 @@ import redis
 from celery import shared_task
 from celery.exceptions import Reject
 
-from core.broker.queues import RUN_TASK, SWEEP_TASK, publish_committed, publish_taken
+from core.broker.queues import RUN_TASK, SWEEP_TASK, publish_committed
 from core.rediskeys import RESERVED_KEY, SWEEP_LAST_KEY
 from workers import execution, sweep
 from workers.bootstrap import WORKER, EngineNotStarted
@@ -75,7 +75,7 @@ def _top_up(svc, queue: str) -> None:
     if not svc.fair.handles(queue):
         return
     try:
-        publish_taken(svc.broker, svc.fair.take(queue))
+        svc.fair.publish(svc.broker, svc.fair.take(queue))
     except Exception:
         log.warning("could not top up %s from its fair line; the load monitor will", queue)
 

@@ -40,7 +40,7 @@ from kombu.transport.redis import PRIORITY_STEPS
 from sqlalchemy import select
 
 from core.admission.load import class_name, room_key, snapshot_key
-from core.broker.queues import message_priority, queue_lists
+from core.broker.queues import message_priority, publish_request, queue_lists
 from core.ids import is_uuid
 from models import Database, Tenant
 from models.lifecycle import Moved
@@ -94,6 +94,11 @@ def _counts_key(queue: str) -> str:
     return f"{PREFIX}{queue}:counts"
 
 
+def sending_key(queue: str) -> str:
+    """What a line let through that its taker has not published yet (``lua/fair.lua`` KEYS 10)."""
+    return f"{PREFIX}{queue}:sending"
+
+
 class FairQueues:
     """The fair lines in front of the class queues of one broker Redis (a client that decodes
     responses, ``core/rediskeys.py``); ``depth``: the messages a class queue is kept at while no
@@ -142,6 +147,21 @@ class FairQueues:
         """:meth:`take` for every queue with a line."""
         return [taken for queue in sorted(self.redis.smembers(QUEUES_KEY)) for taken in self.take(queue)]
 
+    def publish(self, celery, taken: list[tuple[str, str, str | None]]) -> None:
+        """Publish what a line let through (:meth:`put`, :meth:`take`): (request id, queue, tier),
+        in order; then it is in the queue's lists, no longer on its way (the other takers count it
+        there now, not twice)."""
+        for request_id, queue, tier in taken:
+            publish_request(celery, request_id, queue, tier)
+        by_queue: dict[str, list[str]] = defaultdict(list)
+        for request_id, queue, tier in taken:
+            by_queue[queue].append(f"{message_priority(queue, tier)}:{request_id}")
+        if by_queue:
+            with self.redis.pipeline(transaction=False) as pipe:
+                for queue, members in by_queue.items():
+                    pipe.zrem(sending_key(queue), *members)
+                pipe.execute()
+
     def drop(self, queue: str, request_id: str) -> bool:
         """Take a request that ended while queued out of its line; whether it was there."""
         return bool(self._drop(keys=[line_key(queue), _items_key(queue), seconds_key(queue), _counts_key(queue)],
@@ -172,7 +192,7 @@ class FairQueues:
         model = model or self.default_model
         keys = [line_key(queue), _items_key(queue), state_key(queue), seconds_key(queue), _counts_key(queue),
                 snapshot_key(priority, model), QUEUES_KEY, RESERVED_KEY, room_key(priority, model),
-                *queue_lists(queue)]
+                sending_key(queue), *queue_lists(queue)]
         ahead = "flex" if priority == "batch" else "priority"  # the tier served ahead of its class
         taken = self._fair(keys=keys, args=[self.depth, queue, ",".join(map(str, PRIORITY_STEPS)),
                                             message_priority(queue, ahead), puts, *args])

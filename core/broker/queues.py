@@ -117,18 +117,12 @@ def publish_committed(lifecycle: Lifecycle, celery: Celery, rows, epoch: BrokerE
     """
     for row in rows:
         if head is None and fair is not None and fair.handles(row.queue):
-            publish_taken(celery, fair.put([row]))
+            fair.publish(celery, fair.put([row]))
         else:
             publish_request(celery, row.id, row.queue, getattr(row, "service_tier", None))
             if head is not None:
                 to_head(head, row.queue, str(row.id))
         lifecycle.stamp_enqueued(row.id, epoch.current())
-
-
-def publish_taken(celery: Celery, taken: list[tuple[str, str, str | None]]) -> None:
-    """Publish what a fair line let through (``FairQueues.take``): (request id, queue, tier)."""
-    for request_id, queue, tier in taken:
-        publish_request(celery, request_id, queue, tier)
 
 
 # Kombu's Redis transport pushes a message on the left of its list and consumers pop from the

@@ -27,13 +27,19 @@
 --        from Postgres by the load monitor)  9 the class's live room (hash: worker → 'room
 --        backlog_s seq_tps ahead_room line_room', core/admission/load.py room_key: the seats
 --        free for the tier ahead, and for the line: a realtime class's counts those batch work
---        holds, which yields to realtime)  10.. the Celery queue's lists (one per priority step)
+--        holds, which yields to realtime)  10 the messages on their way (zset: '<step>:<id>' → the
+--        ms they were taken: let through by a script, not yet in the queue's lists; the taker
+--        removes them once published, and one older than SENDING_MS counts no more)  11.. the
+--        Celery queue's lists (one per priority step)
 -- ARGV 1 the depth: how many messages of a tier or a better one the Celery queue may hold for the
 --        line to let that tier's next request through where no engine states its room (a priority
 --        request never waits in the line behind default messages the queue holds)  2 the queue's
 --        name  3 the priority step of each of KEYS 10.. (comma-separated)  4 the step of the tier
 --        served ahead in this queue ('' none)  5 n puts, then per put: id, tier, rank (its step),
 --        tenant, prompt tokens, output tokens
+-- Several takers run at once (each engine as its seats free, the publishers, the monitor): each
+-- counts what the others let through and have not pushed yet, or a burst of free seats would be
+-- filled several times over, and a quiet tenant's request let through behind the extra ones.
 -- Returns {id, tier, ...}: the requests taken off the line, for the caller to publish in that order.
 local RANK = 1e10  -- virtual time advances at most a second per engine second: centuries apart
 
@@ -47,6 +53,8 @@ local puts = tonumber(ARGV[5])
 for i = 0, puts - 1 do
   local id, tier, rank, tenant = ARGV[6 + 6 * i], ARGV[7 + 6 * i], tonumber(ARGV[8 + 6 * i]), ARGV[9 + 6 * i]
   local prompt, output = tonumber(ARGV[10 + 6 * i]) or 0, tonumber(ARGV[11 + 6 * i]) or 0
+  -- Put again (the sweep, a retry), it is no longer on its way from an earlier take.
+  redis.call('ZREM', KEYS[10], rank .. ':' .. id)
   -- Once only: a request published again (the sweep, a retry) keeps its place.
   if not redis.call('ZSCORE', KEYS[1], id) then
     local cost = output / drain + (prompt * price + prompt * prompt * price2) / engines
@@ -72,7 +80,16 @@ if puts > 0 then redis.call('SADD', KEYS[7], ARGV[2]) end
 -- The messages waiting at each step of the queue.
 local steps, waiting = {}, {}
 for step in string.gmatch(ARGV[3], '[^,]+') do steps[#steps + 1] = tonumber(step) end
-for k = 10, #KEYS do waiting[k - 9] = redis.call('LLEN', KEYS[k]) end
+for k = 11, #KEYS do waiting[k - 10] = redis.call('LLEN', KEYS[k]) end
+local SENDING_MS = 2000
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[10], '-inf', now_ms - SENDING_MS)
+local sending = {}
+for _, member in ipairs(redis.call('ZRANGE', KEYS[10], 0, -1)) do
+  local step = tonumber(string.match(member, '^(%d+):'))
+  if step then sending[step] = (sending[step] or 0) + 1 end
+end
 -- How many messages the queue may hold for a tier: the free seats the engines state, or the depth.
 local seats, ahead_seats, stated = 0, 0, false
 local rooms = redis.call('HVALS', KEYS[9])
@@ -93,6 +110,7 @@ end
 local function ahead(rank)  -- those a message at step `rank` waits behind
   local n = 0
   for j, step in ipairs(steps) do if step <= rank then n = n + (waiting[j] or 0) end end
+  for step, count in pairs(sending) do if step <= rank then n = n + count end end
   return n
 end
 local out = {}
@@ -112,8 +130,7 @@ while true do
   end
   out[#out + 1] = id
   out[#out + 1] = tier or ''
-  for j, step in ipairs(steps) do
-    if step == rank then waiting[j] = (waiting[j] or 0) + 1 end
-  end
+  redis.call('ZADD', KEYS[10], now_ms, rank .. ':' .. id)
+  sending[rank] = (sending[rank] or 0) + 1
 end
 return out

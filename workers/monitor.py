@@ -400,13 +400,15 @@ class Monitor:
         requests = counters.get("queued_requests", 0)
         if requests > 0 and counters.get("queued_deadline_ms", 0) > 0:
             deadline = min(deadline, counters["queued_deadline_ms"] / requests / 1000)
-        level = state.policy.step(max(0.0, wait) / deadline if wait != float("inf") else float("inf"), now)
+        def ratio(w: float) -> float:
+            return max(0.0, w) / deadline if w != float("inf") else float("inf")
+
+        level = state.policy.step(ratio(wait), now)
         # The wait of a tenant whose next request is one turn away in the fair lines: the class's,
         # less what tenants queued past their turns (core/broker/fair.py line_excess). A flooder's
         # excess waits behind everyone else's next request, so it raises only its own level.
         fair_wait = max(0.0, wait - lines.seconds) if lines is not None and wait > 0 else wait
-        fair_level = state.fair_policy.step(
-            max(0.0, fair_wait) / deadline if fair_wait != float("inf") else float("inf"), now)
+        fair_level = state.fair_policy.step(ratio(fair_wait), now)
         first, last = state.samples[0], state.samples[-1]
         span = now - first.t
         claimed_tps = (last.claimed - first.claimed) / span if span > 0 else 0.0

@@ -17,7 +17,7 @@ from celery.exceptions import Reject
 from core.broker.queues import RUN_TASK, SWEEP_TASK, publish_committed
 from core.rediskeys import RESERVED_KEY, SWEEP_LAST_KEY
 from workers import execution, sweep
-from workers.bootstrap import WORKER, EngineNotStarted
+from workers.bootstrap import WORKER, EngineNotStarted, top_up
 from workers.celery_app import SluiceTask
 from workers.execution import DB_UNAVAILABLE
 
@@ -75,7 +75,7 @@ def _top_up(svc, queue: str) -> None:
     if not svc.fair.handles(queue):
         return
     try:
-        svc.fair.publish(svc.broker, svc.fair.take(queue))
+        top_up(svc, [queue])
     except Exception:
         log.warning("could not top up %s from its fair line; the load monitor will", queue)
 

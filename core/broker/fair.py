@@ -151,10 +151,9 @@ class FairQueues:
         """Publish what a line let through (:meth:`put`, :meth:`take`): (request id, queue, tier),
         in order; then it is in the queue's lists, no longer on its way (the other takers count it
         there now, not twice)."""
-        for request_id, queue, tier in taken:
-            publish_request(celery, request_id, queue, tier)
         by_queue: dict[str, list[str]] = defaultdict(list)
         for request_id, queue, tier in taken:
+            publish_request(celery, request_id, queue, tier)
             by_queue[queue].append(f"{message_priority(queue, tier)}:{request_id}")
         if by_queue:
             with self.redis.pipeline(transaction=False) as pipe:
@@ -211,6 +210,19 @@ def weight(share: float | None, others: int) -> float:
     return 1.0
 
 
+def _read_lines(client: redis.Redis) -> tuple[dict[str, float], list[tuple[str, dict, dict]]]:
+    """The tenants' reserved shares, and each queue with a line: (queue, its counts hash, its
+    seconds hash), every line in one round trip."""
+    reserved = {k: float(v) for k, v in client.hgetall(RESERVED_KEY).items()}
+    queues = sorted(client.smembers(QUEUES_KEY))
+    with client.pipeline(transaction=False) as pipe:
+        for queue in queues:
+            pipe.hgetall(_counts_key(queue))
+            pipe.hgetall(seconds_key(queue))
+        hashes = pipe.execute()
+    return reserved, list(zip(queues, hashes[::2], hashes[1::2], strict=True))
+
+
 def lines_view(client: redis.Redis, top: int = TOP_TENANTS) -> list[dict]:
     """Each class queue's fair line as the operator sees it (``GET /v1/admin/load``, ``sluice status
     --tenants``, the dashboard, the monitor's metrics): per tenant with work there, its requests
@@ -218,15 +230,9 @@ def lines_view(client: redis.Redis, top: int = TOP_TENANTS) -> list[dict]:
     tenants listed all have work, and how long its line takes to drain in fair order (its own
     work and the others' turns beside it, at the class's whole capacity). The ``top`` tenants with
     most work; the rest summed under ``tenant: "other"``."""
-    reserved = {k: float(v) for k, v in client.hgetall(RESERVED_KEY).items()}
-    queues = sorted(client.smembers(QUEUES_KEY))
-    with client.pipeline(transaction=False) as pipe:  # every line in one round trip
-        for queue in queues:
-            pipe.hgetall(_counts_key(queue))
-            pipe.hgetall(seconds_key(queue))
-        hashes = pipe.execute()
+    reserved, lines = _read_lines(client)
     out = []
-    for queue, counts, seconds in zip(queues, hashes[::2], hashes[1::2], strict=True):
+    for queue, counts, seconds in lines:
         work: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
         for field, n in counts.items():
             tenant = field.partition("|")[2]
@@ -268,17 +274,11 @@ def line_excess(client: redis.Redis, default_model: str) -> dict[str, Excess]:
     excess is the wait of a tenant whose next request is one turn away, the wait the class's fair
     level is judged on; a loud tenant is judged on the whole (``admit.lua``, ``ladder.py``). One
     round trip for every line."""
-    reserved = {k: float(v) for k, v in client.hgetall(RESERVED_KEY).items()}
-    queues = sorted(client.smembers(QUEUES_KEY))
-    with client.pipeline(transaction=False) as pipe:
-        for queue in queues:
-            pipe.hgetall(_counts_key(queue))
-            pipe.hgetall(seconds_key(queue))
-        hashes = pipe.execute()
+    reserved, lines = _read_lines(client)
     # class → tier → tenant → [requests, seconds]
     work: dict[str, dict[str, dict[str, list[float]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(
         lambda: [0, 0.0])))
-    for queue, counts, seconds in zip(queues, hashes[::2], hashes[1::2], strict=True):
+    for queue, counts, seconds in lines:
         priority, _, model = _parts(queue)
         tiers = work[class_name(priority, model or default_model)]
         for field, n in counts.items():

@@ -355,6 +355,40 @@ def test_a_flooders_excess_raises_the_level_it_alone_is_judged_at(scratch_redis_
     assert levels([load], calm) == {"realtime:m": 5}
 
 
+def test_a_reserved_tenant_inside_its_reservation_is_not_loud(scratch_redis_url):
+    """A tenant with a reserved share that queued past one turn is loud only once its own line no
+    longer drains within the class's deadline at its share (admit.lua's ``inside``): a burst
+    inside its reservation is judged at the fair level, the others' spike notwithstanding."""
+    client = redis_client(scratch_redis_url)
+    fair = FairQueues(client, depth=1, default_model="m")
+    flooder, reserved = uuid.uuid4(), uuid.uuid4()
+    client.hset(RESERVED_KEY, str(reserved), 0.3)
+    fair.put(rows(flooder, 21, queue="realtime.small", service_tier="default"))
+    consumed(fair, "realtime.small")
+    fair.put(rows(reserved, 3, queue="realtime.small", service_tier="default"))  # one through, two in line
+    n, held = fair.tenants("realtime.small")[str(reserved)]
+    assert n == 2
+    cost = held / n
+    lines = line_excess(client, "m")["realtime:m"]
+    assert lines.loud == {str(flooder), str(reserved)}, "past one turn"
+    roomy = lines.within(held / 0.3)  # its line drains at 0.3 of the engines in time
+    assert roomy.loud == {str(flooder)}
+    assert roomy.seconds == pytest.approx(lines.seconds - cost), "its work past its turn leaves the excess"
+    tight = lines.within(held / 0.3 * 0.9)
+    assert tight.loud == lines.loud and tight.seconds == pytest.approx(lines.seconds)
+    # The monitor judges it by the deadlines the class's queued requests carry (4 s here).
+    monitor = Monitor(make_settings("postgresql://unused", scratch_redis_url, realtime_deadline_s=30.0), client, None)
+    counters = {"queued_work": 24 * 64, "queued_prompt": 24 * 100, "queued_requests": 24,
+                "queued_deadline_ms": 24 * 4000}
+    excess = lines.within(monitor._deadline("realtime", counters))
+    assert held <= 0.3 * 4, "its line fits at its share in 4 s"
+    engine = Engines(drain_tps=1000.0, seq_tps=50.0, room=1, slot_wait_s=0.0, prefill_s_tok=0.0002, count=1)
+    load = monitor._class_load("realtime", "m", counters, 1, 4, None, 0.0, 0, engine, excess)
+    published = levels([load], {"realtime:m": excess})
+    assert load.fair_level < load.level and f"realtime:m|{flooder}" in published
+    assert f"realtime:m|{reserved}" not in published
+
+
 def test_a_tenant_not_loud_is_admitted_and_degraded_at_its_classs_fair_level(isolated_app, new_client):
     """Where the monitor publishes a fair level beside the class's, the tenants it names loud are
     judged at the class's (shed here) and every other tenant at the fair one (shorter output):

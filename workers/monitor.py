@@ -263,6 +263,8 @@ class Monitor:
         lines = line_excess(self.redis, self.settings.registry.default.name) if self.settings.fair_depth > 0 else {}
         for name, counters in self._counters(workers).items():
             priority, model = name.split(":", 1)
+            if name in lines:  # a reserved tenant inside its reservation is not loud
+                lines[name] = lines[name].within(self._deadline(priority, counters))
             serving = [w for w in workers if w.get("model") == model
                        and any(q.startswith(priority + ".") for q in w.get("queues", ()))
                        and not (priority == Priority.BATCH.value and w["worker"] in paused)]
@@ -331,6 +333,17 @@ class Monitor:
             hashes = pipe.execute()
         return {name: {k: int(v) for k, v in raw.items()} for name, raw in zip(ordered, hashes, strict=True)}
 
+    def _deadline(self, priority: str, counters: dict[str, int]) -> float:
+        """What a class's wait is judged against: the deadlines its queued requests carry (users
+        who state a 5 s patience degrade the class sooner than the 30 s default would), never a
+        longer one than the default."""
+        deadline = (self.settings.realtime_deadline_s if priority == Priority.REALTIME.value
+                    else self.settings.batch_deadline_s)
+        requests = counters.get("queued_requests", 0)
+        if requests > 0 and counters.get("queued_deadline_ms", 0) > 0:
+            deadline = min(deadline, counters["queued_deadline_ms"] / requests / 1000)
+        return deadline
+
     def _class_load(self, priority: str, model: str, counters: dict[str, int], workers: int,
                     threads: int, seq_tps: float | None, now: float, stamp: int,
                     engine: Engines | None = None, lines: Excess | None = None) -> ClassLoad:
@@ -393,13 +406,8 @@ class Monitor:
             wait = -1.0 if workers else float("inf")  # unknown yet; or nobody serves this class at all
         if engine is not None and engine.room == 0 and wait >= 0:
             wait += engine.slot_wait_s  # full engines: a request also waits for a slot
-        # The wait is judged against the deadlines the queued requests carry (users who state a
-        # 5 s patience degrade the class sooner than the 30 s default would), never a longer one.
-        deadline = (self.settings.realtime_deadline_s if priority == Priority.REALTIME.value
-                    else self.settings.batch_deadline_s)
+        deadline = self._deadline(priority, counters)
         requests = counters.get("queued_requests", 0)
-        if requests > 0 and counters.get("queued_deadline_ms", 0) > 0:
-            deadline = min(deadline, counters["queued_deadline_ms"] / requests / 1000)
         def ratio(w: float) -> float:
             return max(0.0, w) / deadline if w != float("inf") else float("inf")
 

@@ -263,6 +263,21 @@ class Excess:
 
     seconds: float  # engine seconds queued past each tenant's turn, summed over its tenants
     loud: frozenset[str]  # the tenants with work past their turn: each sees the class's whole wait
+    # (tenant, its reserved share, its engine seconds in the lines, those past its turn) for each
+    # loud tenant that holds a reservation: ``within`` decides whether it is inside it
+    reserved: tuple[tuple[str, float, float, float], ...] = ()
+
+    def within(self, deadline_s: float) -> Excess:
+        """The excess as a class whose requests carry ``deadline_s`` judges it: a reserved tenant
+        whose own line drains within the deadline at its share is inside its reservation, the
+        test ``admit.lua`` makes (``inside``). It is not loud, so no level of the others' making
+        reaches it, and its work past one turn stays in the fair wait: its weight puts that work
+        before the others' next requests, so they do wait for it."""
+        inside = {t: past for t, share, own, past in self.reserved if own <= share * deadline_s}
+        if not inside:
+            return self
+        return Excess(max(0.0, self.seconds - sum(inside.values())), self.loud - inside.keys(),
+                      tuple(r for r in self.reserved if r[0] not in inside))
 
 
 def line_excess(client: redis.Redis, default_model: str) -> dict[str, Excess]:
@@ -287,16 +302,18 @@ def line_excess(client: redis.Redis, default_model: str) -> dict[str, Excess]:
             tiers[tier][tenant][1] += max(0.0, float(seconds.get(field) or 0))
     out: dict[str, Excess] = {}
     for name, tiers in work.items():
-        total, loud = 0.0, set()
+        pasts: dict[str, float] = defaultdict(float)
+        own: dict[str, float] = defaultdict(float)
         for tenants in tiers.values():
             requests = sum(n for n, _ in tenants.values())
             mean = sum(s for _, s in tenants.values()) / requests if requests else 0.0
             for tenant, (_, s) in tenants.items():
+                own[tenant] += s
                 past = s - mean * weight(reserved.get(tenant), len(tenants) - 1)
                 if past > 1e-9:
-                    total += past
-                    loud.add(tenant)
-        out[name] = Excess(total, frozenset(loud))
+                    pasts[tenant] += past
+        out[name] = Excess(sum(pasts.values()), frozenset(pasts), tuple(
+            (t, reserved[t], own[t], past) for t, past in pasts.items() if 0 < reserved.get(t, 0) < 1))
     return out
 
 

@@ -128,14 +128,15 @@ local inside = my_share > 0 and mine * 1000 <= my_share * tonumber(ARGV[14])
 -- larger than a whole bucket asks only for a full bucket here: the per-request gate rejects it.
 -- The level is the request's class's own (or the one written for every class: '*'): its fair
 -- level ('<class>:fair', the wait of a tenant one turn away in the fair lines) where the monitor
--- published one and does not name this tenant loud ('<class>|<tenant>': it queued past its turn),
+-- published one and does not name this tenant loud ('<class>|<tenant>': it queued past its turn;
+-- a tenant inside its reservation never is, as the monitor also judges: Excess.within),
 -- so a flooder's excess raises only its own level (core/admission/load.py class_level, the same).
 local load = 0
 local lv = redis.call('HMGET', KEYS[2], 'updated_at_ms', ARGV[22], ARGV[23], '*', ARGV[22] .. ':fair',
                       ARGV[22] .. '|' .. me)
 if lv[1] and now - tonumber(lv[1]) <= tonumber(ARGV[9]) then
   load = tonumber(lv[2] or lv[4]) or 0
-  if lv[5] and not lv[6] then load = tonumber(lv[5]) or load end
+  if lv[5] and (not lv[6] or inside) then load = tonumber(lv[5]) or load end
   if ARGV[7] == 'batch' then load = math.max(load, tonumber(lv[3] or lv[4]) or 0) end
 end
 local ptok, pt, pstored, pst = 0, now, 0, now

@@ -378,14 +378,17 @@ class Lifecycle:
     # ------------------------------------------------------------------ running → …
 
     def finish(self, request_id: uuid.UUID, worker: str, end: End, *, model: str | None = None,
-               output: Any = None, first_token_after_s: float | None = None) -> Moved | None:
+               output: Any = None, first_token_after_s: float | None = None,
+               finished_after_s: float | None = None) -> Moved | None:
         """running → ``end`` if ``worker`` still owns the row; what ended, or None if not its.
 
         ``output`` is the engine's last :class:`GenerationOutput` (or None). The first-token
         stamp is ``started_at`` (the database's clock at the claim) plus ``first_token_after_s``,
         the time from claim to first token the worker measured on its own monotonic clock: one
         clock for every stamp, and no error from how long the write itself waited. It is never
-        after ``finished_at``.
+        after ``finished_at``, which ``finished_after_s`` (the engine's end, measured the same way)
+        stamps likewise: a result computed before its deadline whose write came after is recorded
+        as computed when it was.
         """
         values: dict[str, Any] = {}
         if model is not None:
@@ -393,6 +396,9 @@ class Lifecycle:
         if first_token_after_s is not None:
             values["first_token_at"] = func.least(_t.started_at + timedelta(seconds=max(0.0, first_token_after_s)),
                                                   db_now())
+        if finished_after_s is not None:
+            values["finished_at"] = func.least(_t.started_at + timedelta(seconds=max(0.0, finished_after_s)),
+                                               db_now())
         if output is not None:
             values.update(output_text=storable_text(output.text), output_tokens=output.output_tokens,
                           input_tokens=output.prompt_tokens, cached_tokens=output.cached_tokens,

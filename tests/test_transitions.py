@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from datetime import timedelta
 from types import SimpleNamespace
@@ -74,6 +75,24 @@ def test_claim_then_finish_stamps_on_the_database_clock(db, tenant_id, lifecycle
     assert row.first_token_at == row.finished_at
     assert lifecycle.finish(rid, "w/1", lc.ENGINE_ERROR) is None, "one terminal status only"
     assert lifecycle.seen == [(rid, Status.SUCCEEDED, Status.SUCCEEDED)]
+
+
+def test_a_finish_written_late_is_stamped_when_the_engine_ended(db, tenant_id, lifecycle):
+    """The row's finished_at is the claim's database time plus the engine's end as the worker
+    measured it: a result computed before its deadline whose write waited (a slow link, a retry)
+    is not recorded as computed after it. Never later than the write itself."""
+    rid = add_row(db, tenant_id)
+    assert lifecycle.claim(rid, "w/1", "dev0") is not None
+    time.sleep(0.3)  # the write comes well after the engine ended
+    out = SimpleNamespace(text="hi", output_tokens=2, prompt_tokens=3, cached_tokens=0, finish_reason="stop")
+    lifecycle.finish(rid, "w/1", lc.SUCCEEDED, output=out, first_token_after_s=0.02, finished_after_s=0.05)
+    row = row_of(db, rid)
+    assert row.finished_at - row.started_at == timedelta(seconds=0.05)
+    assert row.first_token_at - row.started_at == timedelta(seconds=0.02)
+    other = add_row(db, tenant_id)
+    assert lifecycle.claim(other, "w/1", "dev0") is not None
+    lifecycle.finish(other, "w/1", lc.SUCCEEDED, output=out, finished_after_s=3600)
+    assert row_of(db, other).finished_at <= db_clock(db), "never after the write"
 
 
 def test_claim_of_a_late_row_expires_it_instead(db, tenant_id, lifecycle):

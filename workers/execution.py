@@ -68,8 +68,17 @@ def execute(lifecycle: Lifecycle, redis_client: redis.Redis, runtime: EngineRunt
             publish: Callable[..., None] | None = None) -> None:
     """Claim, run and finish one request. ``publish`` sends a request this worker hands back
     (it stopped before the request finished) to its queue again; without it the sweep does."""
-    claimed = with_db_retries(lambda: lifecycle.claim(request_id, runtime.worker_id, runtime.info["device"]))
-    claimed_mono = time.monotonic()  # started_at, on this host's clock (give or take the claim's return)
+    sent = [0.0]
+
+    def claim():
+        sent[0] = time.monotonic()
+        return lifecycle.claim(request_id, runtime.worker_id, runtime.info["device"])
+
+    claimed = with_db_retries(claim)
+    # started_at on this host's clock: read as the claim that succeeded was sent, so never after
+    # the database stamped it. The deadline counted from here ends no later than the row's, and
+    # the stamps counted from here (first token, finish) are never earlier than what they stamp.
+    claimed_mono = sent[0]
     if claimed is None:
         return
     metrics.QUEUE_WAIT.labels(claimed.priority.value, runtime.info["model"]).observe(claimed.queue_wait_s)
@@ -94,7 +103,9 @@ def run(lifecycle: Lifecycle, runtime: EngineRuntime, claimed: Claimed, claimed_
     request_id = claimed.id
     try:
         whole = None if claimed.deadline_in_s is None else claimed.deadline_in_s + claimed.queue_wait_s
-        result = runtime.run(generation_request(claimed), claimed.time_limit_s, claimed.deadline_in_s, whole)
+        # What is left of its deadline now: the claim's return and what came since are spent.
+        left = None if claimed.deadline_in_s is None else claimed.deadline_in_s - (time.monotonic() - claimed_mono)
+        result = runtime.run(generation_request(claimed), claimed.time_limit_s, left, whole)
     except RequestRefused as exc:  # the request's fault, not the engine's
         log.info("refused by the engine: %s", exc)
         end = lc.invalid_constraint(str(exc)) if isinstance(exc, ConstraintError) else lc.engine_refused(str(exc))
@@ -152,7 +163,8 @@ def finish(lifecycle: Lifecycle, request_id: uuid.UUID, worker_id: str, model: s
     """The engine run's outcome onto the row, if this worker still owns it."""
     return with_db_retries(lambda: lifecycle.finish(
         request_id, worker_id, ENDS[result.ended_by], model=model, output=result.output,
-        first_token_after_s=result.first_token_after(claimed_mono)))
+        first_token_after_s=result.first_token_after(claimed_mono),
+        finished_after_s=result.finished_after(claimed_mono)))
 
 
 def engine_priority(claimed: Claimed) -> int:

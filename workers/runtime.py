@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -90,10 +91,17 @@ class RunResult:
     # "finished" | "timeout" | "deadline" | "unreachable" (not started: it could not finish by its
     # deadline) | "cancel" | "shutdown" | "preempted" | "engine_abort"
     ended_by: str
+    # time.monotonic() when the engine's stream ended: the row's finished_at is stamped from it as
+    # the first token's is, so a write that waited (a slow link, a retry) does not move it
+    finished_mono: float | None = None
 
     def first_token_after(self, mono: float) -> float | None:
         """Seconds from ``mono`` (a time.monotonic() reading) to the first token, or None."""
         return None if self.first_token_mono is None else self.first_token_mono - mono
+
+    def finished_after(self, mono: float) -> float | None:
+        """Seconds from ``mono`` to the end of the engine's stream, or None."""
+        return None if self.finished_mono is None else self.finished_mono - mono
 
 
 class EngineRuntime:
@@ -347,7 +355,7 @@ class EngineRuntime:
             except EngineDead as exc:
                 self._die(str(exc))
             if result.ended_by == "cancel":  # aborted in the engine: by whom?
-                result = RunResult(result.output, result.first_token_mono, self._why_stopped(rid))
+                result = dataclasses.replace(result, ended_by=self._why_stopped(rid))
             self._learn_speed(result)
             if request.stream:
                 self._token_sink().end(rid, result.ended_by)
@@ -565,10 +573,11 @@ class EngineRuntime:
             timed_out = True
         finally:
             timer.cancel()
+        ended = time.monotonic()
         if timed_out:
-            return RunResult(last, first_token_mono, ends_as)
+            return RunResult(last, first_token_mono, ends_as, ended)
         cancelled = last is not None and last.finish_reason == "abort"
-        return RunResult(last, first_token_mono, "cancel" if cancelled else "finished")
+        return RunResult(last, first_token_mono, "cancel" if cancelled else "finished", ended)
 
     def _learn_speed(self, result: RunResult) -> None:
         """Fold one run's decode speed (tokens after the first, per second) into ``seq_tps``,

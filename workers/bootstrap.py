@@ -170,7 +170,8 @@ def start_runtime(svc: Services, hostname: str, queues: list[str], threads: int 
     cap = settings.vllm_max_num_seqs if settings.engine == "vllm" else info["threads"]
     governor = Governor(StepCurve(), max_seqs=min(info["threads"], cap),
                         default_pace_s=(settings.realtime_deadline_s / settings.default_max_tokens
-                                        if serves_realtime else math.inf))
+                                        if serves_realtime else math.inf),
+                        newcomer_seats=NEWCOMER_SEATS if serves_realtime and svc.fair.depth > 0 else 0)
     runtime = EngineRuntime(load_engine(settings, model), svc.redis, worker_id,
                             heartbeat_s=settings.worker_heartbeat_s,
                             dead_after_s=settings.worker_dead_after_s,

@@ -410,9 +410,13 @@ class Governor:
     class's default deadline over its default ``max_tokens``)."""
 
     def __init__(self, curve: StepCurve, *, max_seqs: int, default_pace_s: float, safety: float = SAFETY,
-                 memory_s: float = MEMORY_S, clock: Callable[[], float] = time.monotonic) -> None:
+                 memory_s: float = MEMORY_S, clock: Callable[[], float] = time.monotonic,
+                 newcomer_seats: int = NEWCOMER_SEATS) -> None:
         self.curve = curve
         self.max_seqs = max(1, max_seqs)
+        # Sequences it lets in past the limit for newcomers (core/fleet/workers.py): 0 where no
+        # fair line sends them (a worker serving no realtime queue, SLUICE_FAIR_DEPTH=0).
+        self.newcomer_seats = max(0, newcomer_seats)
         self.default_pace_s = default_pace_s
         self.safety = safety
         self.memory_s = memory_s
@@ -460,7 +464,7 @@ class Governor:
             return sum(e.seqs for e in self._in_engine.values() if not e.batch)
 
     def newcomers(self) -> tuple[int, dict[str, int]]:
-        """The newcomer seats free (``NEWCOMER_SEATS`` less those in use), and the sequences each
+        """The newcomer seats free (``newcomer_seats`` less those in use), and the sequences each
         tenant holds of the realtime work in the worker's hands (``core/broker/lua/fair.lua`` lets
         a request past the engines' limits only for a tenant below their average)."""
         limit = self.limit()
@@ -470,17 +474,17 @@ class Governor:
             for e in self._in_engine.values():
                 if e.tenant and not e.batch:
                     held[e.tenant] = held.get(e.tenant, 0) + e.seqs
-        return max(0, NEWCOMER_SEATS - used), held
+        return max(0, self.newcomer_seats - used), held
 
     def _newcomer(self, me: _Entry, limit: int) -> bool:
         """Whether ``me`` may take a newcomer seat: a realtime request of one sequence whose tenant
         holds fewer of the engine's seats than the tenants in it hold on average, while the engine
-        runs fewer than ``NEWCOMER_SEATS`` sequences past ``limit`` (a seat of the limit that comes
+        runs fewer than ``newcomer_seats`` sequences past ``limit`` (a seat of the limit that comes
         free while one runs on a newcomer seat frees that seat). Under the lock."""
         if me.batch or me.seqs != 1 or me.tenant is None:
             return False
         started = [e for e in self._in_engine.values() if e.started]
-        if sum(e.seqs for e in started) - limit >= NEWCOMER_SEATS:
+        if sum(e.seqs for e in started) - limit >= self.newcomer_seats:
             return False
         held: dict[str, int] = {}
         for e in started:

@@ -48,7 +48,6 @@ import redis
 from core.admission.load import capacity_entry, capacity_key, room_key
 from core.broker.queues import queue_lists, tier_list
 from core.delivery.streams import TokenSink
-from core.fleet.workers import NEWCOMER_SEATS
 from core.rediskeys import cancel_key, node_key, stalled_key, worker_key
 from workers.engines import Engine, GenerationOutput, GenerationRequest, SamplingParams
 from workers.engines.base import WARMUP_PREFIX, EngineDead
@@ -737,9 +736,12 @@ class EngineRuntime:
         self.limit, self.limit_peak = limit, max(self.limit_peak, limit)
         self.write_room()
         try:
-            # A realtime worker fetches one message more per newcomer seat, which only the newcomer
-            # lines let through while the engine is full (core/broker/lua/fair.lua).
-            self.on_limit(limit + (NEWCOMER_SEATS if "realtime" in self._room_heads else 0))
+            # One message more per newcomer seat while realtime work fills the engine, which only
+            # the fair lines send then, and only for a tenant below the average of seats held
+            # (core/broker/lua/fair.lua); batch queues are closed meanwhile (batch yields below), so
+            # the extra message is never a batch request parked in the worker's hands.
+            full = self.governor.batch_yields(0)
+            self.on_limit(limit + (self.governor.newcomer_seats if full else 0))
         except Exception:
             log.warning("could not set the prefetch count to the in-engine limit", exc_info=True)
         queued, priority = self._realtime_queued()

@@ -149,19 +149,22 @@ end
 -- starts at the line's virtual time, is first in line and goes at once. Each on its way is marked
 -- ('n:<id>', counted for NEWCOMER_MS: the engine states it taken within milliseconds of taking it)
 -- so that a seat is not given twice, nor held from the next newcomer for long.
-local NEWCOMER_MS = 500
+local NEWCOMER_MS, NEWCOMER_LOOK = 500, 8
 if stated and newcomer_seats > 0 then
   for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[10], now_ms - NEWCOMER_MS, '+inf')) do
     if string.sub(member, 1, 2) == 'n:' then newcomer_seats = newcomer_seats - 1 end
   end
-  local top = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-  if newcomer_seats > 0 and #top > 0 then
-    local id, score = top[1], tonumber(top[2])
+  -- The first of the line's next NEWCOMER_LOOK requests that qualifies: a quiet tenant's request
+  -- may tie at the line's present with a flooder's first one (equal starts go in id order).
+  local next = redis.call('ZRANGE', KEYS[1], 0, NEWCOMER_LOOK - 1, 'WITHSCORES')
+  for i = 1, #next, 2 do
+    if newcomer_seats <= 0 or holding == 0 then break end
+    local id, score = next[i], tonumber(next[i + 1])
     local rank = math.floor(score / RANK)
     local tenant = string.match(redis.call('HGET', KEYS[2], id) or '', '^%S+ (%S+)')
-    if tenant and tenant ~= '-' and rank ~= ahead_step and holding > 0
-        and (held[string.sub(tenant, 1, 8)] or 0) < seated / holding then
+    if tenant and tenant ~= '-' and rank ~= ahead_step and (held[string.sub(tenant, 1, 8)] or 0) < seated / holding then
       take(id, score, 'n:' .. id)
+      newcomer_seats = newcomer_seats - 1
     end
   end
 end

@@ -156,8 +156,7 @@ class Settings:
     worker_concurrency: int | None = _field(
         "SLUICE_WORKER_CONCURRENCY", None,
         "Tasks one worker keeps in flight, all feeding its single engine (thread pool). Unset: "
-        "SLUICE_VLLM_MAX_NUM_SEQS, so the engine can fill its batch. The pool has one thread more, and a vLLM "
-        "engine one sequence more than SLUICE_VLLM_MAX_NUM_SEQS: the newcomer seat (docs/fairness.md).")
+        "SLUICE_VLLM_MAX_NUM_SEQS, so the engine can fill its batch.")
     worker_realtime_threads: int | None = _field(
         "SLUICE_WORKER_REALTIME_THREADS", None,
         "On a worker that serves realtime and batch queues, threads batch work may never hold, so a "

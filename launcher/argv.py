@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 from core.broker.queues import WEBHOOKS_QUEUE, WEBHOOKS_ROLE, queues_for_role
-from core.fleet.workers import NEWCOMER_SEATS
 from core.settings import Settings
 
 
@@ -28,9 +27,7 @@ def worker_argv(settings: Settings, role: str, concurrency: int | None = None, n
     # `env` carries the role and model into the worker process without touching our own env.
     return ["env", f"SLUICE_WORKER_ROLE={role}", f"SLUICE_WORKER_MODEL={spec.name}",
             sys.executable, "-m", "celery", "-A", "workers.entry", *_banner(settings), "worker",
-            # a thread more per newcomer seat (workers/bootstrap.py start_runtime gives the engine
-            # the rest as its batch)
-            "--pool", "threads", "--concurrency", str((concurrency or settings.worker_threads) + NEWCOMER_SEATS),
+            "--pool", "threads", "--concurrency", str(concurrency or settings.worker_threads),
             "--queues", ",".join(queues), "--hostname", node,
             "--loglevel", settings.log_level, "--without-mingle", "--without-gossip"]
 

@@ -14,7 +14,7 @@ from conftest import WorkerProcess, make_settings
 from sqlalchemy import select, update
 from test_promise import publish
 
-from core.admission.load import ClassLoad, LoadLevel, class_level, class_name, room_key, write_level
+from core.admission.load import ClassLoad, LoadLevel, class_level, class_name, write_level
 from core.broker.fair import (
     RESERVED_KEY,
     FairQueues,
@@ -214,33 +214,6 @@ def test_a_seat_that_comes_free_goes_to_the_lines_next_request_not_to_a_queued_m
         assert len(overtook) <= 1, f"{len(overtook)} of the flooder's requests in the line started first"
     finally:
         worker.stop()
-
-
-def test_the_engines_full_a_newcomer_seat_goes_to_a_tenant_below_the_average_seats(scratch_redis_url):
-    """Where the engines state no free seat but a newcomer seat (``workers/governor.py
-    NEWCOMER_SEATS``), the line lets its next request through at once if its tenant holds fewer
-    of their seats than the tenants in them hold on average; one per seat, marked on its way so
-    that no other taker gives it twice; never to the tenant that fills them."""
-    client = redis_client(scratch_redis_url)
-    fair = FairQueues(client, depth=2, default_model="m")
-    queue = "realtime.small"
-    flooder, quiet, other = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
-    room = room_key("realtime", "m")
-    client.hset(room, "w1", f"0 0.00 10.00 0 0 1 {str(flooder)[:8]}:4")
-    assert fair.put(rows(flooder, 5, queue=queue, service_tier="default")) == [], "it holds every seat"
-    [(taken, _, _)] = fair.put(quiet_rows := rows(quiet, 1, queue=queue, service_tier="default"))
-    assert taken == str(quiet_rows[0].id), "past the flooder's five, at once"
-    assert client.zrange(sending_key(queue), 0, -1) == [f"n:{taken}"]
-    assert fair.put(rows(other, 1, queue=queue, service_tier="default")) == [], "the seat is on its way"
-    client.delete(sending_key(queue))  # in the engine now, which says so
-    client.hset(room, "w1", f"0 0.00 10.00 0 0 1 {str(flooder)[:8]}:4,{str(quiet)[:8]}:1")
-    assert len(fair.take(queue)) == 1, "the other tenant holds none: below 2.5"
-    client.delete(sending_key(queue))
-    client.hset(room, "w1", f"0 0.00 10.00 0 0 1 {str(flooder)[:8]}:4")
-    assert fair.take(queue) == [], "the flooder's own next request: at the average, not below it"
-    client.hset(room, "w1", f"0 0.00 10.00 0 0 0 {str(flooder)[:8]}:4")
-    client.delete(sending_key(queue))
-    assert fair.put(rows(uuid.uuid4(), 1, queue=queue, service_tier="default")) == [], "no newcomer seat free"
 
 
 def test_a_request_taken_off_the_line_by_a_process_that_died_is_published_by_the_sweep(isolated, database_url,

@@ -272,46 +272,6 @@ def test_the_wait_before_the_engine_lets_a_better_tier_go_first():
     assert governor.take_prefill(10, "priority", batch=False)
 
 
-def test_a_full_engine_lets_in_one_request_of_a_tenant_below_the_average_seats_past_its_limit():
-    """A flooder holds every seat of the limit: a realtime request of a tenant that holds fewer
-    seats than the tenants in the engine hold on average goes in at once, past the limit and past
-    the flooder's requests waiting for a seat; one such seat only; the flooder's wait for a seat of
-    the limit, and batch never takes it."""
-    # Steps of 10 ms + 1.5 ms a sequence against a pace of 1.25 s for 64 tokens: a limit of 2 of 8.
-    governor = Governor(cpu_curve(c=0.0), max_seqs=8, default_pace_s=10.0, clock=Clock())
-    for rid in ("f1", "f2"):
-        governor.enter(rid, batch=False, deadline_s=1.25, max_tokens=64, tenant="flooder")
-        assert governor.take_prefill(10, rid, batch=False)
-        governor.curve.forget(rid)  # prefilled: the step budget is free again
-    assert governor.limit() == 2 and governor.newcomers() == (1, {"flooder": 2})
-    governor.enter("f3", batch=False, deadline_s=1.25, max_tokens=64, tenant="flooder")
-    governor.enter("b", batch=True, deadline_s=3600.0, max_tokens=64, tenant="quiet")
-    governor.enter("q1", batch=False, deadline_s=1.25, max_tokens=64, tenant="quiet")
-    governor.enter("q2", batch=False, deadline_s=1.25, max_tokens=64, tenant="quiet")
-    governor.enter("n", batch=False, deadline_s=1.25, max_tokens=64)  # nobody's: no newcomer seat
-    assert not governor.take_prefill(10, "f3", batch=False), "the flooder waits for a seat of the limit"
-    assert not governor.take_prefill(10, "b", batch=True)
-    assert not governor.take_prefill(10, "n", batch=False)
-    assert governor.take_prefill(10, "q1", batch=False), "past the limit and the flooder's waiting request"
-    governor.curve.forget("q1")
-    assert governor.seqs() == 7 and governor.newcomers()[0] == 0
-    assert not governor.take_prefill(10, "q2", batch=False), "one newcomer seat"
-    governor.leave("q1")
-    assert governor.newcomers()[0] == 1
-    assert governor.take_prefill(10, "q2", batch=False), "free again, and its tenant holds none"
-    governor.curve.forget("q2")
-    # A seat of the limit that comes free frees the newcomer seat: the quiet one's now counts in it.
-    governor.enter("o", batch=False, deadline_s=1.25, max_tokens=64, tenant="other")
-    governor.leave("f1")
-    assert governor.newcomers() == (1, {"flooder": 2, "quiet": 1, "other": 1})
-    assert not governor.take_prefill(10, "f3", batch=False), "the flooder is at the average (1 of 2 seated)"
-    assert governor.take_prefill(10, "o", batch=False), "the other tenant holds none"
-    governor.curve.forget("o")
-    governor.leave("f2")
-    governor.leave("o")
-    assert governor.take_prefill(10, "f3", batch=False), "a seat of the limit"
-
-
 def test_prompts_are_prefilled_in_the_slack_the_realtime_steps_leave():
     """On a compute-bound engine one prompt prefilled whole in a step costs the realtime decoding
     beside it more than a step's budget: the engine is told to prefill no more per step than the
@@ -576,9 +536,7 @@ def test_batch_in_a_full_engine_makes_room_for_realtime_and_still_finishes(datab
         rows = wait_terminal(application, [r.get_json()["id"] for r in batch])
         assert {r.status for r in rows} == {Status.SUCCEEDED}, "preempted batch work is requeued and finishes"
         assert max(r.attempts for r in rows) <= 1, "a preemption spends no attempt"
-        # (the realtime request waits queued, or in the worker's hands: a realtime worker fetches
-        # one message past its limit for the newcomer seat, core/fleet/workers.py NEWCOMER_SEATS)
-        assert "preempting 1 request(s) (" in worker.log_path.read_text()
+        assert "preempting 1 request(s) (1 realtime queued" in worker.log_path.read_text()
     finally:
         worker.stop()
         services(application).db.dispose()

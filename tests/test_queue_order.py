@@ -15,10 +15,7 @@ def test_a_free_worker_thread_takes_realtime_before_batch(database_url, redis_db
     from web import create_app
 
     redis_url = redis_dbs()
-    # The consumer's own order, with every message in the queues (no fair lines in front of them,
-    # which also leaves the worker no newcomer seat: one message in its hands at a time).
-    unlined = {"SLUICE_FAIR_DEPTH": "0"}
-    application = create_app(make_settings(database_url, redis_url, unlined))
+    application = create_app(make_settings(database_url, redis_url))
     client = new_client(application)
     # Queued before any worker runs: six batch requests, then three small and three large
     # realtime ones (the tests' large threshold is 1,024 tokens).
@@ -26,7 +23,7 @@ def test_a_free_worker_thread_takes_realtime_before_batch(database_url, redis_db
     small = [client.submit(prompt=f"now {i}", max_tokens=4).get_json()["id"] for i in range(3)]
     large = [client.submit(prompt="abcd" * 1100, max_tokens=4).get_json()["id"] for _ in range(3)]
     # One thread: requests start one at a time, in the order the worker takes them.
-    worker = WorkerProcess(database_url, redis_url, tmp_path, concurrency=1, extra_env=unlined)
+    worker = WorkerProcess(database_url, redis_url, tmp_path, concurrency=1)
     try:
         views = {i: client.wait(i) for i in [*batch, *small, *large]}
     finally:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from core.fleet.workers import NEWCOMER_SEATS
 from core.settings import LADDER_STEPS, Settings, SettingsError
 from launcher.argv import worker_argv
 
@@ -14,13 +13,11 @@ def concurrency_of(argv: list[str]) -> int:
 
 
 def test_worker_threads_default_to_the_engine_batch_size():
-    # Fewer threads than the engine's batch size would cap the batch the engine can form; the pool
-    # holds one more per newcomer seat (core/fleet/workers.py), which the engine runs past its limit.
-    assert NEWCOMER_SEATS == 1
-    assert concurrency_of(worker_argv(Settings.from_env({}), "all")) == 257
-    assert concurrency_of(worker_argv(Settings.from_env({"SLUICE_VLLM_MAX_NUM_SEQS": "64"}), "all")) == 65
-    assert concurrency_of(worker_argv(Settings.from_env({"SLUICE_WORKER_CONCURRENCY": "12"}), "all")) == 13
-    assert concurrency_of(worker_argv(Settings.from_env({}), "all", concurrency=5)) == 6
+    # Fewer threads than the engine's batch size would cap the batch the engine can form.
+    assert concurrency_of(worker_argv(Settings.from_env({}), "all")) == 256
+    assert concurrency_of(worker_argv(Settings.from_env({"SLUICE_VLLM_MAX_NUM_SEQS": "64"}), "all")) == 64
+    assert concurrency_of(worker_argv(Settings.from_env({"SLUICE_WORKER_CONCURRENCY": "12"}), "all")) == 12
+    assert concurrency_of(worker_argv(Settings.from_env({}), "all", concurrency=5)) == 5
     with pytest.raises(SettingsError, match="SLUICE_WORKER_CONCURRENCY must be > 0"):
         Settings.from_env({"SLUICE_WORKER_CONCURRENCY": "0"})
 

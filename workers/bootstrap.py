@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from celery.signals import task_received, worker_init, worker_ready, worker_shutdown, worker_shutting_down
 
 from core.broker.queues import RUN_TASK
-from core.fleet.workers import NEWCOMER_SEATS
 from core.rediskeys import RESERVED_KEY
 from core.registry import ModelSpec
 from core.services import Services
@@ -158,11 +157,8 @@ def start_runtime(svc: Services, hostname: str, queues: list[str], threads: int 
     settings = svc.settings
     worker_id = f"{hostname}/{os.getpid()}.{uuid.uuid4().hex[:6]}"
     model = served_model(settings)
-    # The pool's threads less those kept for newcomer seats (launcher/argv.py adds them): the
-    # engine's batch, which the governor's limit fills.
-    threads = max(1, threads - NEWCOMER_SEATS) if threads else settings.worker_threads
     info = {"node": hostname, "role": settings.worker_role, "model": model.name, "engine": settings.engine,
-            "device": device_label(settings), "queues": queues, "threads": threads}
+            "device": device_label(settings), "queues": queues, "threads": threads or settings.worker_threads}
     # Realtime traffic not seen yet is taken to be its class's defaults: its deadline for its
     # max_tokens. A worker that serves no realtime queue has none to expect.
     serves_realtime = any(q.startswith("realtime.") for q in queues)
@@ -170,8 +166,7 @@ def start_runtime(svc: Services, hostname: str, queues: list[str], threads: int 
     cap = settings.vllm_max_num_seqs if settings.engine == "vllm" else info["threads"]
     governor = Governor(StepCurve(), max_seqs=min(info["threads"], cap),
                         default_pace_s=(settings.realtime_deadline_s / settings.default_max_tokens
-                                        if serves_realtime else math.inf),
-                        newcomer_seats=NEWCOMER_SEATS if serves_realtime and svc.fair.depth > 0 else 0)
+                                        if serves_realtime else math.inf))
     runtime = EngineRuntime(load_engine(settings, model), svc.redis, worker_id,
                             heartbeat_s=settings.worker_heartbeat_s,
                             dead_after_s=settings.worker_dead_after_s,

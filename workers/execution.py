@@ -200,8 +200,7 @@ def generation_request(claimed: Claimed) -> GenerationRequest:
                 else tuple(constraint[1]) if constraint[0] == "choice" else constraint[1])),
         priority=engine_priority(claimed), prompt_tokens=claimed.input_tokens,
         messages=tuple(claimed.input["messages"]) if "messages" in claimed.input else None,
-        stream=bool(params.get("stream")), tools=tuple(tools) if tools else None,
-        tenant=str(claimed.tenant_id) if claimed.tenant_id else None)
+        stream=bool(params.get("stream")), tools=tuple(tools) if tools else None)
 
 
 def render_prompt(request_input: dict[str, Any]) -> str:

@@ -42,7 +42,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from core.fleet.workers import NEWCOMER_SEATS
 from workers.engines.base import TIER_RANK, StepSample
 
 # A step is ~0.5× as long as the fit says about this many steps later (older steps fade out).
@@ -397,7 +396,6 @@ class _Entry:
     ticket: int = 0  # arrival order, for the wait before the engine (first come, first served)
     rank: int = 0  # its service tier's engine priority (workers/engines/base.py TIER_RANK): lower goes first
     stream: bool = False  # its client reads tokens as they come: never taken out for a better tier
-    tenant: str | None = None  # who asked: a newcomer seat goes to a tenant below the average
 
 
 class Governor:
@@ -410,13 +408,9 @@ class Governor:
     class's default deadline over its default ``max_tokens``)."""
 
     def __init__(self, curve: StepCurve, *, max_seqs: int, default_pace_s: float, safety: float = SAFETY,
-                 memory_s: float = MEMORY_S, clock: Callable[[], float] = time.monotonic,
-                 newcomer_seats: int = NEWCOMER_SEATS) -> None:
+                 memory_s: float = MEMORY_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.curve = curve
         self.max_seqs = max(1, max_seqs)
-        # Sequences it lets in past the limit for newcomers (core/fleet/workers.py): 0 where no
-        # fair line sends them (a worker serving no realtime queue, SLUICE_FAIR_DEPTH=0).
-        self.newcomer_seats = max(0, newcomer_seats)
         self.default_pace_s = default_pace_s
         self.safety = safety
         self.memory_s = memory_s
@@ -427,10 +421,8 @@ class Governor:
         self._lock = threading.Lock()
 
     def enter(self, request_id: str, *, batch: bool, deadline_s: float | None, max_tokens: int,
-              seqs: int = 1, prompt_tokens: int = 0, rank: int | None = None, stream: bool = False,
-              tenant: str | None = None) -> None:
-        """``rank``: its tier's engine priority (by default its class's plain tier's: default or batch);
-        ``tenant``: who asked (None: nobody a newcomer seat is kept for)."""
+              seqs: int = 1, prompt_tokens: int = 0, rank: int | None = None, stream: bool = False) -> None:
+        """``rank``: its tier's engine priority (by default its class's plain tier's: default or batch)."""
         now = self.clock()
         pace = math.inf if deadline_s is None else max(0.0, deadline_s) / max(1, max_tokens)
         rank = TIER_RANK["batch" if batch else "default"] if rank is None else rank
@@ -438,7 +430,7 @@ class Governor:
             self._tickets += 1
             self._in_engine[request_id] = _Entry(pace, batch, now, max(1, max_tokens), max(1, seqs),
                                                  max(0, prompt_tokens), ticket=self._tickets, rank=rank,
-                                                 stream=stream, tenant=tenant or None)
+                                                 stream=stream)
             if not batch and math.isfinite(pace):
                 self._recent.append((now, pace))
 
@@ -462,35 +454,6 @@ class Governor:
         from realtime (``preempt`` takes batch out for it)."""
         with self._lock:
             return sum(e.seqs for e in self._in_engine.values() if not e.batch)
-
-    def newcomers(self) -> tuple[int, dict[str, int]]:
-        """The newcomer seats free (``newcomer_seats`` less those in use), and the sequences each
-        tenant holds of the realtime work in the worker's hands (``core/broker/lua/fair.lua`` lets
-        a request past the engines' limits only for a tenant below their average)."""
-        limit = self.limit()
-        with self._lock:
-            used = max(0, sum(e.seqs for e in self._in_engine.values() if e.started) - limit)
-            held: dict[str, int] = {}
-            for e in self._in_engine.values():
-                if e.tenant and not e.batch:
-                    held[e.tenant] = held.get(e.tenant, 0) + e.seqs
-        return max(0, self.newcomer_seats - used), held
-
-    def _newcomer(self, me: _Entry, limit: int) -> bool:
-        """Whether ``me`` may take a newcomer seat: a realtime request of one sequence whose tenant
-        holds fewer of the engine's seats than the tenants in it hold on average, while the engine
-        runs fewer than ``newcomer_seats`` sequences past ``limit`` (a seat of the limit that comes
-        free while one runs on a newcomer seat frees that seat). Under the lock."""
-        if me.batch or me.seqs != 1 or me.tenant is None:
-            return False
-        started = [e for e in self._in_engine.values() if e.started]
-        if sum(e.seqs for e in started) - limit >= self.newcomer_seats:
-            return False
-        held: dict[str, int] = {}
-        for e in started:
-            if e.tenant and not e.batch:
-                held[e.tenant] = held.get(e.tenant, 0) + e.seqs
-        return bool(held) and held.get(me.tenant, 0) < sum(held.values()) / len(held)
 
     def kept_from_priority(self) -> int:
         """Sequences a priority request could not take from the requests in the worker's hands:
@@ -596,16 +559,12 @@ class Governor:
             if me is not None:
                 if me.started:
                     return True
-                started = sum(e.seqs for e in self._in_engine.values() if e.started)
-                # A full engine: only a newcomer goes in, on the newcomer seat, past the requests
-                # of its tier that wait for a seat of the limit.
-                extra = bool(started) and started + me.seqs > limit
-                if extra and not self._newcomer(me, limit):
-                    return False
                 waiting = [e for e in self._in_engine.values() if not e.started and e is not me]
-                if any(not e.batch and (batch or (e.rank, e.ticket) < (me.rank, me.ticket))
-                       and not (extra and e.rank == me.rank) for e in waiting):
+                if any(not e.batch and (batch or (e.rank, e.ticket) < (me.rank, me.ticket)) for e in waiting):
                     return False  # realtime first, a better tier first, in the order it came
+                started = sum(e.seqs for e in self._in_engine.values() if e.started)
+                if started and started + me.seqs > limit:
+                    return False
             if batch:
                 if pending > 0 and pending + cost > budget:
                     return False

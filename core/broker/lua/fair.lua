@@ -25,13 +25,11 @@
 --        drain_tps, prefill_s_tok, prefill_s_tok2, engines: what a request's engine time is priced
 --        at)  7 the set of queues with a line  8 the reserved shares (hash: tenant → share, synced
 --        from Postgres by the load monitor)  9 the class's live room (hash: worker → 'room
---        backlog_s seq_tps ahead_room line_room newcomer_seats holders', core/admission/load.py
---        room_key: the seats free for the tier ahead, and for the line: a realtime class's counts
---        those batch work holds, which yields to realtime; the newcomer seats free past the limit
---        and the seats each tenant holds, '<its id's first 8 characters>:<seats>,...')
---        10 the messages on their way (zset: '<step>:<id>' → the ms they were taken: let through
---        by a script, not yet in the queue's lists; the taker removes them once published, and
---        one older than SENDING_MS counts no more; 'n:<id>' one on a newcomer seat)  11.. the
+--        backlog_s seq_tps ahead_room line_room', core/admission/load.py room_key: the seats
+--        free for the tier ahead, and for the line: a realtime class's counts those batch work
+--        holds, which yields to realtime)  10 the messages on their way (zset: '<step>:<id>' → the
+--        ms they were taken: let through by a script, not yet in the queue's lists; the taker
+--        removes them once published, and one older than SENDING_MS counts no more)  11.. the
 --        Celery queue's lists (one per priority step)
 -- ARGV 1 the depth: how many messages of a tier or a better one the Celery queue may hold for the
 --        line to let that tier's next request through where no engine states its room (a priority
@@ -93,20 +91,15 @@ for _, member in ipairs(redis.call('ZRANGE', KEYS[10], 0, -1)) do
   if step then sending[step] = (sending[step] or 0) + 1 end
 end
 -- How many messages the queue may hold for a tier: the free seats the engines state, or the depth.
-local seats, ahead_seats, stated, newcomer_seats, held, holding, seated = 0, 0, false, 0, {}, 0, 0
+local seats, ahead_seats, stated = 0, 0, false
 local rooms = redis.call('HVALS', KEYS[9])
 for _, entry in ipairs(rooms) do
-  local r, a, l, n, holders = string.match(entry, '^(%S+) %S+ %S+ (%S+) ?(%S*) ?(%S*) ?(%S*)$')
+  local r, a, l = string.match(entry, '^(%S+) %S+ %S+ (%S+) ?(%S*)$')
   r = tonumber(r or entry)
   if r then
     stated = true
     seats = seats + math.max(0, tonumber(l) or r)
     ahead_seats = ahead_seats + math.max(0, tonumber(a) or r)
-    newcomer_seats = newcomer_seats + math.max(0, tonumber(n) or 0)
-    for h, n in string.gmatch(holders or '', '([^,:]+):(%d+)') do
-      if not held[h] then held[h], holding = 0, holding + 1 end
-      held[h], seated = held[h] + tonumber(n), seated + tonumber(n)
-    end
   end
 end
 local ahead_step = tonumber(ARGV[4])
@@ -121,7 +114,13 @@ local function ahead(rank)  -- those a message at step `rank` waits behind
   return n
 end
 local out = {}
-local function take(id, score, member)  -- off the line, on its way: the tier's virtual time moves
+while true do
+  local top = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  if #top == 0 then break end
+  local id, score = top[1], tonumber(top[2])
+  local rank = math.floor(score / RANK)
+  -- Best tier first: once this one may not go, no later one may (a worse step waits behind more).
+  if ahead(rank) >= room(rank) then break end
   redis.call('ZREM', KEYS[1], id)
   local tier = leave(KEYS[2], KEYS[4], KEYS[5], id)
   if tier then
@@ -131,41 +130,7 @@ local function take(id, score, member)  -- off the line, on its way: the tier's 
   end
   out[#out + 1] = id
   out[#out + 1] = tier or ''
-  redis.call('ZADD', KEYS[10], now_ms, member)
-end
-while true do
-  local top = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-  if #top == 0 then break end
-  local id, score = top[1], tonumber(top[2])
-  local rank = math.floor(score / RANK)
-  -- Best tier first: once this one may not go, no later one may (a worse step waits behind more).
-  if ahead(rank) >= room(rank) then break end
-  take(id, score, rank .. ':' .. id)
+  redis.call('ZADD', KEYS[10], now_ms, rank .. ':' .. id)
   sending[rank] = (sending[rank] or 0) + 1
-end
--- The engines full, a newcomer seat past their limits (workers/governor.py NEWCOMER_SEATS) goes
--- to the line's next request where it is of the class's own tier and its tenant holds fewer of
--- the engines' seats than the tenants in them hold on average: a quiet tenant's question, which
--- starts at the line's virtual time, is first in line and goes at once. Each on its way is marked
--- ('n:<id>', counted for NEWCOMER_MS: the engine states it taken within milliseconds of taking it)
--- so that a seat is not given twice, nor held from the next newcomer for long.
-local NEWCOMER_MS, NEWCOMER_LOOK = 500, 8
-if stated and newcomer_seats > 0 then
-  for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[10], now_ms - NEWCOMER_MS, '+inf')) do
-    if string.sub(member, 1, 2) == 'n:' then newcomer_seats = newcomer_seats - 1 end
-  end
-  -- The first of the line's next NEWCOMER_LOOK requests that qualifies: a quiet tenant's request
-  -- may tie at the line's present with a flooder's first one (equal starts go in id order).
-  local next = redis.call('ZRANGE', KEYS[1], 0, NEWCOMER_LOOK - 1, 'WITHSCORES')
-  for i = 1, #next, 2 do
-    if newcomer_seats <= 0 or holding == 0 then break end
-    local id, score = next[i], tonumber(next[i + 1])
-    local rank = math.floor(score / RANK)
-    local tenant = string.match(redis.call('HGET', KEYS[2], id) or '', '^%S+ (%S+)')
-    if tenant and tenant ~= '-' and rank ~= ahead_step and (held[string.sub(tenant, 1, 8)] or 0) < seated / holding then
-      take(id, score, 'n:' .. id)
-      newcomer_seats = newcomer_seats - 1
-    end
-  end
 end
 return out

@@ -393,12 +393,9 @@ class Lifecycle:
         values: dict[str, Any] = {}
         if model is not None:
             values["model_used"] = model
-        if first_token_after_s is not None:
-            values["first_token_at"] = func.least(_t.started_at + timedelta(seconds=max(0.0, first_token_after_s)),
-                                                  db_now())
-        if finished_after_s is not None:
-            values["finished_at"] = func.least(_t.started_at + timedelta(seconds=max(0.0, finished_after_s)),
-                                               db_now())
+        for stamp, after_s in (("first_token_at", first_token_after_s), ("finished_at", finished_after_s)):
+            if after_s is not None:  # the claim's database time plus the worker's offset, never after the write
+                values[stamp] = func.least(_t.started_at + timedelta(seconds=max(0.0, after_s)), db_now())
         if output is not None:
             values.update(output_text=storable_text(output.text), output_tokens=output.output_tokens,
                           input_tokens=output.prompt_tokens, cached_tokens=output.cached_tokens,

@@ -68,17 +68,17 @@ def execute(lifecycle: Lifecycle, redis_client: redis.Redis, runtime: EngineRunt
             publish: Callable[..., None] | None = None) -> None:
     """Claim, run and finish one request. ``publish`` sends a request this worker hands back
     (it stopped before the request finished) to its queue again; without it the sweep does."""
-    sent = [0.0]
-
-    def claim():
-        sent[0] = time.monotonic()
-        return lifecycle.claim(request_id, runtime.worker_id, runtime.info["device"])
-
-    claimed = with_db_retries(claim)
     # started_at on this host's clock: read as the claim that succeeded was sent, so never after
     # the database stamped it. The deadline counted from here ends no later than the row's, and
     # the stamps counted from here (first token, finish) are never earlier than what they stamp.
-    claimed_mono = sent[0]
+    claimed_mono = 0.0
+
+    def claim():
+        nonlocal claimed_mono
+        claimed_mono = time.monotonic()
+        return lifecycle.claim(request_id, runtime.worker_id, runtime.info["device"])
+
+    claimed = with_db_retries(claim)
     if claimed is None:
         return
     metrics.QUEUE_WAIT.labels(claimed.priority.value, runtime.info["model"]).observe(claimed.queue_wait_s)

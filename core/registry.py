@@ -16,13 +16,23 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from core.usage.prices import TIERS, multiplier
 
 ALL_ROLES = ("realtime", "batch", "large", "all")
 # How `tool_choice: auto` can read tool calls out of a model's free text (core/submit/sampling.py):
-# hermes = <tool_call>{"name": ..., "arguments": ...}</tool_call>, as Hermes, Qwen and others write them.
-TOOL_PARSERS = ("hermes",)
+# hermes = <tool_call>{"name": ..., "arguments": ...}</tool_call>, as Hermes, Qwen and others write them;
+# llama3_json = the answer is {"name": ..., "parameters": ...} (Llama 3.1 and later); mistral =
+# [TOOL_CALLS] then the calls (Mistral's templates).
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral")
+# A model with no tool_parser of its own gets the one its chat template's family writes calls in:
+# the first of these marks found in the template (tokenizer_config.json's chat_template, or
+# chat_template.jinja beside it) names it.
+TEMPLATE_FAMILIES = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("[AVAILABLE_TOOLS]", "mistral"),
+                     ("<|python_tag|>", "llama3_json"), ("<|start_header_id|>ipython", "llama3_json"))
+# The simulated engine writes its calls as a hermes model does (workers/engines/simulated.py).
+SIMULATED_TOOL_PARSER = "hermes"
 # Model names end up in queue names (`realtime.small.<model>`, 64 characters at most).
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,47}$")
 
@@ -83,11 +93,14 @@ class Registry:
 
 
 def parse_registry(models_json: str | None, *, name: str, path: str | None, context_tokens: int,
-                   embed: ModelSpec | None = None) -> Registry:
+                   embed: ModelSpec | None = None, simulated: bool = False) -> Registry:
     """``embed``: the embedding model SLUICE_EMBED_MODEL names, served beside the main model when
-    SLUICE_MODELS is unset (with it, list the embedding model there, role embed)."""
+    SLUICE_MODELS is unset (with it, list the embedding model there, role embed). ``simulated``:
+    the simulated engine serves these models (its tool calls are written as hermes models write
+    them); else a model that names no ``tool_parser`` gets its chat template family's."""
     if not models_json:
-        main = ModelSpec(name=name, path=path, context_tokens=context_tokens)
+        main = ModelSpec(name=name, path=path, context_tokens=context_tokens,
+                         tool_parser=SIMULATED_TOOL_PARSER if simulated else template_parser(path))
         if embed is not None:
             _check(embed, 1)
             if embed.name == name:
@@ -110,7 +123,7 @@ def parse_registry(models_json: str | None, *, name: str, path: str | None, cont
         spec = ModelSpec(name=entry["name"], path=entry.get("path"), role=entry.get("role", "main"),
                          context_tokens=entry.get("context_tokens", context_tokens),
                          worker_roles=tuple(entry.get("worker_roles", ALL_ROLES)),
-                         tool_parser=entry.get("tool_parser"), dimensions=entry.get("dimensions"),
+                         tool_parser=_parser_of(entry, simulated), dimensions=entry.get("dimensions"),
                          matryoshka=entry.get("matryoshka", False), prices=entry.get("prices"),
                          service_tiers=entry.get("service_tiers"))
         _check(spec, i)
@@ -121,6 +134,41 @@ def parse_registry(models_json: str | None, *, name: str, path: str | None, cont
     if not any(m.role == "main" for m in models):
         raise RegistryError("SLUICE_MODELS needs at least one model with role main")
     return Registry(tuple(models))
+
+
+def _parser_of(entry: dict, simulated: bool) -> str | None:
+    """A SLUICE_MODELS entry's tool parser: its own (null: none, so `auto` is refused), else the
+    simulated engine's or its chat template family's; an embedding model has none."""
+    if "tool_parser" in entry or entry.get("role") == "embed":
+        return entry.get("tool_parser")
+    return SIMULATED_TOOL_PARSER if simulated else template_parser(entry.get("path"))
+
+
+def template_parser(path: str | None) -> str | None:
+    """The tool parser of the chat template family of the model in ``path`` (TEMPLATE_FAMILIES);
+    None when it has no template, or one of no family known here."""
+    template = chat_template(path)
+    return next((parser for mark, parser in TEMPLATE_FAMILIES if mark in template), None)
+
+
+def chat_template(path: str | None) -> str:
+    """The chat template of the model in ``path`` as its tokenizer files give it ('' if none):
+    ``chat_template.jinja``, else tokenizer_config.json's ``chat_template`` (a string, or named
+    templates, of which ``tool_use`` renders tools, else ``default``)."""
+    if not path:
+        return ""
+    directory = Path(path)
+    try:
+        if (directory / "chat_template.jinja").is_file():
+            return (directory / "chat_template.jinja").read_text()
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    template = config.get("chat_template") if isinstance(config, dict) else None
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("tool_use") or named.get("default")
+    return template if isinstance(template, str) else ""
 
 
 def _check(spec: ModelSpec, i: int) -> None:

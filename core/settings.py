@@ -100,7 +100,8 @@ class Settings:
     models_json: str | None = _field(
         "SLUICE_MODELS", None,
         "Model registry as JSON: [{name, path, role: main|light|long, context_tokens, worker_roles, "
-        "tool_parser: hermes}]; unset: one main model from SLUICE_MODEL / SLUICE_MODEL_PATH.")
+        "tool_parser: hermes|llama3_json|mistral|null (default: its chat template's family)}]; unset: one "
+        "main model from SLUICE_MODEL / SLUICE_MODEL_PATH.")
     vllm_max_num_seqs: int = _field(
         "SLUICE_VLLM_MAX_NUM_SEQS", 256, "vLLM max batch size (sequences per engine step).")
     vllm_max_num_batched_tokens: int = _field(
@@ -629,7 +630,8 @@ class Settings:
             name=self.embed_model, path=self.embed_model_path, role="embed", context_tokens=self.max_context_tokens,
             dimensions=self.embed_dimensions, matryoshka=self.engine == "simulated")
         return parse_registry(self.models_json, name=self.model, path=self.model_path,
-                              context_tokens=self.max_context_tokens, embed=embed)
+                              context_tokens=self.max_context_tokens, embed=embed,
+                              simulated=self.engine == "simulated")
 
     def require_services(self) -> None:
         """Fail clearly when a process that needs Postgres and Redis has neither URL."""

@@ -209,10 +209,14 @@ def stored_choices(output: Any) -> list[dict[str, Any]] | None:
     if not getattr(output, "choices", None):
         return None
     return [{"text": storable_text(c.text), "finish_reason": c.finish_reason, "output_tokens": c.output_tokens,
-             "logprobs": None if c.logprobs is None else
-             [{"token": storable_text(t.token), "logprob": t.logprob,
-               "top": [[storable_text(token), logprob] for token, logprob in t.top]} for t in c.logprobs]}
+             "logprobs": None if c.logprobs is None else stored_logprobs(c.logprobs)}
             for c in output.choices]
+
+
+def stored_logprobs(tokens: Any) -> list[dict[str, Any]]:
+    """Engine ``TokenLogprob``s as a row's choices (and a stream's increments) keep them."""
+    return [{"token": storable_text(t.token), "logprob": t.logprob,
+             "top": [[storable_text(token), logprob] for token, logprob in t.top]} for t in tokens]
 
 
 def about(request_id: uuid.UUID) -> dict[str, str]:

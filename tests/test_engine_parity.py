@@ -17,12 +17,15 @@ import uuid
 
 import jsonschema
 import pytest
+from conftest import sse_events
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_openai_errors import sdk
+from tiny_model import CHAT_TEMPLATE
 
+from core.registry import parse_registry, template_parser
 from core.submit.plan import Planner
-from core.submit.sampling import decoding, schema_problem, tool_calls
+from core.submit.sampling import check_tools, decoding, schema_problem, tool_calls
 from core.submit.schemas import SubmitRequestSchema
 from core.submit.tokens import TokenCounters
 from web.services import services
@@ -134,24 +137,84 @@ def test_a_named_function_is_called_and_streamed_whole(client, app):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
-def test_tool_choice_auto_needs_a_parser_for_the_model(client, app):
+def test_tools_without_tool_choice_come_back_as_the_models_calls(client, app):
+    """OpenAI's default with tools is auto: the simulated engine writes its call as a hermes model
+    does (the registry's parser for it), and the answer carries it, whole or streamed."""
     openai, api = sdk(app, client.key)
-    with pytest.raises(openai.BadRequestError) as refused:
-        api.chat.completions.create(model=MODEL, messages=chat(), tools=[WEATHER])
-    assert refused.value.param == "tool_choice" and "parser" in refused.value.message
+    asked = chat("weather in Paris?")
+    answer = api.chat.completions.create(model=MODEL, messages=asked, max_tokens=200, tools=[WEATHER, TIME])
+    (choice,) = answer.choices
+    (call,) = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and call.id.startswith("call_") and not choice.message.content
+    jsonschema.validate(json.loads(call.function.arguments), TOOLS[call.function.name]["function"]["parameters"])
+    chunks = list(api.chat.completions.create(model=MODEL, messages=chat("time?"), max_tokens=200,
+                                              tools=[WEATHER, TIME], tool_choice="auto", stream=True))
+    (streamed,) = [call for c in chunks if c.choices for call in (c.choices[0].delta.tool_calls or ())]
+    assert streamed.function.name in TOOLS and [c.choices[0].finish_reason for c in chunks
+                                                 if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    # The tool's result sent back: the model answers in text.
+    follow = api.chat.completions.create(model=MODEL, max_tokens=8, tools=[WEATHER, TIME], messages=[
+        *asked, choice.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id,
+                                                                "content": "21 C"}])
+    assert follow.choices[0].message.tool_calls is None and follow.choices[0].message.content
     native = client.submit(messages=chat(), tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
     view = client.wait(native.get_json()["id"])
     (call,) = view["output"]["tool_calls"]  # parallel_tool_calls false: one call
     assert call["function"]["name"] in TOOLS
 
 
-def test_the_hermes_parser_reads_calls_out_of_free_text():
+def test_a_model_gets_the_tool_parser_of_its_chat_template_family(tmp_path):
+    llama = '{{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}{{ "<|python_tag|>" }}'
+    families = {"test": (CHAT_TEMPLATE, "hermes"), "llama": (llama, "llama3_json"),
+                "mistral": ("[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS]", "mistral"),
+                "plain": ("{% for m in messages %}{{ m['content'] }}{% endfor %}", None)}
+    for name, (template, parser) in families.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+        assert template_parser(str(tmp_path / name)) == parser, name
+    (tmp_path / "named").mkdir()  # named templates: tool_use renders the tools
+    (tmp_path / "named" / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "default", "template": "plain"}, {"name": "tool_use", "template": "<tool_call>"}]}))
+    (tmp_path / "jinja").mkdir()  # a chat_template.jinja beside the tokenizer wins
+    (tmp_path / "jinja" / "chat_template.jinja").write_text("[TOOL_CALLS]")
+    (tmp_path / "jinja" / "tokenizer_config.json").write_text(json.dumps({"chat_template": "<tool_call>"}))
+    assert (template_parser(str(tmp_path / "named")), template_parser(str(tmp_path / "jinja"))) == ("hermes", "mistral")
+    assert template_parser(str(tmp_path / "missing")) is None and template_parser(None) is None
+    test_model = str(tmp_path / "test")
+    assert parse_registry(None, name="m", path=test_model, context_tokens=8192).default.tool_parser == "hermes"
+    simulated = parse_registry(None, name="m", path=None, context_tokens=8192, simulated=True)
+    assert simulated.default.tool_parser == "hermes"
+    listed = parse_registry(json.dumps([{"name": "a", "path": test_model}, {"name": "b", "path": test_model,
+                                                                             "tool_parser": None, "role": "light"},
+                                        {"name": "c", "path": str(tmp_path / "llama"), "tool_parser": "hermes",
+                                         "role": "light"}]), name="m", path=None, context_tokens=8192)
+    assert [m.tool_parser for m in listed.models] == ["hermes", None, "hermes"]  # its own wins, null too
+
+
+def test_auto_needs_a_parser_and_a_model_with_none_is_refused_clearly():
+    assert check_tools({"tools": [WEATHER]}, None) == {"tool_choice": [
+        "tool_choice auto needs a tool-call parser for this model (the registry's tool_parser); use required or a "
+        "named function, which structured decoding enforces on any model."]}
+    assert check_tools({"tools": [WEATHER]}, "hermes") == {}
+
+
+def test_each_parser_reads_calls_out_of_free_text():
     text = 'Checking.<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
     calls, content = tool_calls("r1", {"tool_choice": "auto"}, [TIME], text, "hermes")
     assert content == "Checking." and calls[0]["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
     assert tool_calls("r1", {"tool_choice": "auto"}, [TIME], "no call here", "hermes") is None
     # A forced answer cut short by max_tokens is no JSON: its text stays the content.
     assert tool_calls("r1", {"tool_choice": "required"}, [TIME], '[{"name": "get_ti', None) is None
+    llama = '<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}; {"name": "get_time", "parameters": {}}'
+    calls, content = tool_calls("r1", {}, [TIME], llama, "llama3_json")
+    assert [c["function"]["arguments"] for c in calls] == ['{"zone": "UTC"}', "{}"] and content is None
+    assert tool_calls("r1", {}, [TIME], "It is noon {zone}.", "llama3_json") is None
+    assert tool_calls("r1", {}, [TIME], '{"name": "get_time", "parameters": {"zo', "llama3_json") is None
+    for mistral in ('Sure.[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}]',
+                    'Sure.[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}'):
+        calls, content = tool_calls("r1", {}, [TIME], mistral, "mistral")
+        assert content == "Sure." and calls[0]["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
+    assert tool_calls("r1", {}, [TIME], "no call", "mistral") is None
 
 
 # ------------------------------------------------------------------ n, logprobs, sampling fields
@@ -184,6 +247,42 @@ def test_logprobs_carry_top_alternatives_per_token(client, app):
     assert echoed.text.startswith("say it again")
 
 
+def test_a_stream_of_n_choices_with_logprobs_carries_each_index_and_its_tokens(client, app):
+    """As OpenAI and vLLM: each chunk names its choice; logprobs come with the text they are of."""
+    openai, api = sdk(app, client.key)
+    raw = api.chat.completions.with_raw_response.create(
+        model=MODEL, messages=chat(), max_tokens=6, n=2, logprobs=True, top_logprobs=2, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(raw.parse())
+    view = client.get(raw.headers["Sluice-Request-Id"]).get_json()
+    for index, stored in enumerate(view["output"]["choices"]):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(c.delta.content or "" for c in mine) == stored["text"]
+        tokens = [t for c in mine if c.logprobs for t in c.logprobs.content]
+        assert [t.token for t in tokens] == [t["token"] for t in stored["logprobs"]] and len(tokens) == 6
+        assert all(len(t.top_logprobs) == 2 for t in tokens)
+        assert [c.finish_reason for c in mine if c.finish_reason] == ["length"]
+    assert chunks[-1].usage.completion_tokens == 12
+    texts = list(api.completions.create(model=MODEL, prompt=f"p {uuid.uuid4()}", max_tokens=4, n=2, logprobs=1,
+                                        stream=True, extra_body={"ignore_eos": True}))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in texts if c.choices and c.choices[0].index == index]
+        offsets = [o for c in mine if c.logprobs for o in c.logprobs.text_offset]
+        tokens = [t for c in mine if c.logprobs for t in c.logprobs.tokens]
+        assert len(tokens) == 4 and offsets[0] == 0  # offsets run on through the choice's whole text
+        assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(4)]
+    native = client.http.post("/v1/requests", json={"prompt": f"p {uuid.uuid4()}", "max_tokens": 3, "n": 2,
+                                                    "ignore_eos": True, "stream": True},
+                              headers=client.headers, buffered=False)
+    events = sse_events(native.response)
+    native.close()
+    tokens = [data for name, data in events if name == "token"]
+    assert {t["index"] for t in tokens} == {0, 1} and events[-1][0] == "done"
+    for stored in events[-1][1]["output"]["choices"]:
+        assert "".join(t["text"] for t in tokens if t["index"] == stored["index"]) == stored["text"]
+
+
 def test_sampling_fields_are_kept_and_bad_ones_refused(client):
     body = {"prompt": f"p {uuid.uuid4()}", "max_tokens": 6, "presence_penalty": 0.5, "frequency_penalty": -0.5,
             "repetition_penalty": 1.2, "logit_bias": {"17": 5}, "min_tokens": 3, "seed": 7}
@@ -192,7 +291,6 @@ def test_sampling_fields_are_kept_and_bad_ones_refused(client):
     bad = client.submit(prompt="p", max_tokens=2, min_tokens=3, logit_bias={"x": 1}, n=0, logprobs=21)
     assert bad.status_code == 422
     assert set(bad.get_json()["error"]["details"]) >= {"logit_bias", "n", "logprobs"}
-    assert client.submit(prompt="p", stream=True, n=2).status_code == 422
     assert client.submit(prompt="p", tools=[WEATHER], tool_choice="required").status_code == 422  # tools need messages
 
 

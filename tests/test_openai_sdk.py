@@ -310,6 +310,20 @@ def test_required_tool_calls_of_vllm_validate_streamed_and_not(sluice, sdk, tena
         jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
 
 
+def test_tools_without_tool_choice_work_on_vllm_with_the_templates_parser(sluice, sdk, tenant):
+    """OpenAI's default, auto: the test model's chat template is of the hermes family, so the
+    registry reads calls with hermes. Random weights choose no call: the answer is the model's
+    text, as content, and the tools reached the template (the prompt counts them)."""
+    client = sdk(tenant[1])
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, tools=[WEATHER, CLOCK],
+                                            extra_body=EXACT)
+    bare = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, extra_body=EXACT)
+    (choice,) = answer.choices
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None and choice.message.content
+    assert answer.usage.prompt_tokens > bare.usage.prompt_tokens  # the template rendered the tools
+
+
 def test_the_sdks_usage_fields_and_the_rollups_agree_on_vllm(sluice, sdk, tenant):
     """Issue 23 on a real engine: what the official client reads in each answer's ``usage``
     (the prompt tokens vLLM's prefix cache held included) is what ``GET /v1/usage`` sums, to the
@@ -361,6 +375,23 @@ def test_n_logprobs_and_seed_on_vllm(sluice, sdk, tenant):
     other = client.completions.create(model=MODEL, prompt="A seed", max_tokens=12, temperature=1.0, seed=43,
                                       extra_body=EXACT).choices[0].text
     assert seeded[0] == seeded[1] != other  # the same seed, the same answer, on the same worker
+
+
+def test_a_stream_of_two_choices_with_logprobs_on_vllm(sluice, sdk, tenant):
+    """Chunks per choice index, each with its tokens' logprobs, as vLLM's own server streams them."""
+    raw = sdk(tenant[1]).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Two takes, streamed"}], max_tokens=8, n=2,
+        logprobs=True, top_logprobs=3, stream=True, stream_options={"include_usage": True}, extra_body=EXACT)
+    chunks = list(raw.parse())
+    view = row_view(sluice, tenant[1], raw.headers["Sluice-Request-Id"])
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+    for stored in view["output"]["choices"]:
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == stored["index"]]
+        assert "".join(c.delta.content or "" for c in mine) == stored["text"]
+        tokens = [t for c in mine if c.logprobs for t in c.logprobs.content]
+        assert len(tokens) == 8 and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in tokens)
+        assert [c.finish_reason for c in mine if c.finish_reason] == ["length"]
+    assert chunks[-1].usage.completion_tokens == 16 == view["usage"]["output_tokens"]
 
 
 def test_penalties_bias_and_min_tokens_reach_vllm(sluice, sdk, tenant):

@@ -27,7 +27,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-BUILD_VERSION = "sluice-tiny-llama-v2"
+BUILD_VERSION = "sluice-tiny-llama-v3"
 MARKER = ".sluice-tiny-model"
 
 VOCAB_SIZE = 1024
@@ -47,8 +47,10 @@ UNK = "<unk>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]  # ids 0, 1, 2, 3
 
 # Renders role-tagged messages; generation prompts end with the assistant tag.
-CHAT_TEMPLATE = (
+CHAT_TEMPLATE = (  # a hermes-family template: tools offered in <tools>, calls written in <tool_call>
     "{{ bos_token }}"
+    "{% if tools %}<|system|>\nTools:{% for tool in tools %} {{ tool['function']['name'] }}{% endfor %}\n"
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>\n{% endif %}"
     "{% for message in messages %}"
     "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
     "{% endfor %}"

@@ -2,15 +2,16 @@
 
 Events, in order: ``accepted`` (the id and status link, at once), ``started`` (when a worker
 claims it, with its queue wait), ``token`` (each text increment the engine produced, with the
-output token count so far), then ``done`` with the request's full view (usage, timings, the
+output token count so far, the choice it belongs to, ``index``, and with ``logprobs`` asked, the new
+tokens' logprobs), then ``done`` with the request's full view (usage, timings, the
 whole output). ``requeued`` says the request is starting over on another worker (its worker
 stopped or died): discard the text received so far. Comments (``: ping``) keep an idle
 connection open and find out whether the client is still there.
 
 The worker writes increments to a Redis stream (``core/delivery/streams.py``); this reads them, so
 the engine never waits for a slow client. Whatever the increments missed (a cache hit, an
-identical request computed once for both, a Redis hiccup) is sent as one last ``token``
-before ``done``, from the row. A client that leaves before ``done`` has abandoned its request:
+identical request computed once for both, a Redis hiccup) is sent as one last ``token`` per
+choice before ``done``, from the row. A client that leaves before ``done`` has abandoned its request:
 it is cancelled unless it detached (``web/waits.py``).
 """
 
@@ -20,7 +21,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from flask import Response, stream_with_context
 
@@ -56,7 +57,10 @@ def _events(svc: Services, row: InferenceRequest, accepted: dict[str, Any]) -> I
             if kind == "started":
                 yield _event("started", {"queue_wait_s": value.queue_wait_s, "worker": worker_tag(value.worker)})
             elif kind == "token":
-                yield _event("token", {"text": value[0], "output_tokens": value[1]})
+                token = {"text": value.text, "output_tokens": value.output_tokens, "index": value.index}
+                if value.logprobs is not None:
+                    token["logprobs"] = value.logprobs
+                yield _event("token", token)
             elif kind == "requeued":
                 yield _event("requeued", {"reason": value})
             elif kind == "ping":
@@ -80,7 +84,8 @@ def relay(svc: Services, row: InferenceRequest) -> Iterator[tuple[str, Any]]:
     settings = svc.settings
     rid, source = str(row.id), str(row.follows_id or row.id)  # a twin reads its leader's tokens
     began = last_sent = time.monotonic()
-    streamed, count, cursor = "", 0, "0"
+    sent: dict[int, _Sent] = {}  # per choice: what was streamed of it
+    cursor = "0"
     started = finished = False
     ended_at: float | None = None
     try:
@@ -102,15 +107,17 @@ def relay(svc: Services, row: InferenceRequest) -> Iterator[tuple[str, Any]]:
                         if "end" in fields:
                             finished = fields["end"] != "shutdown"
                             if not finished:
-                                streamed, count = "", 0
+                                sent.clear()
                                 yield "requeued", "its worker stopped; it starts over"
                             continue
-                        if int(fields["n"]) < count:  # a second run after a lost worker
-                            streamed = ""
+                        index, count = int(fields.get("i", 0)), int(fields["n"])
+                        if count < sent.get(index, _Sent()).count:  # a second run after a lost worker
+                            sent.clear()
                             yield "requeued", "its worker was lost; it starts over"
-                        streamed, count = streamed + fields["t"], int(fields["n"])
+                        logprobs = json.loads(fields["lp"]) if "lp" in fields else None
+                        sent[index] = sent.get(index, _Sent()).add(fields["t"], count, logprobs)
                         last_sent = time.monotonic()
-                        yield "token", (fields["t"], count)
+                        yield "token", Increment(fields["t"], count, index, logprobs)
                     moved = svc.waiters.wait(watch, 0)
                 if client_gone():
                     abandon(svc, row, "stream")
@@ -121,13 +128,45 @@ def relay(svc: Services, row: InferenceRequest) -> Iterator[tuple[str, Any]]:
                     last_sent = time.monotonic()
                     yield "ping", None
             row = svc.requests.get(Caller(row.tenant_id), rid)
-        text = row.output_text or ""
-        if text.startswith(streamed) and len(text) > len(streamed):
-            yield "token", (text[len(streamed):], row.output_tokens or 0)
+        yield from _rest(row, sent)
         yield "done", row
     except GeneratorExit:  # the client closed the stream before `done`
         abandon(svc, row, "stream")
         raise
+
+
+class Increment(NamedTuple):
+    """A ``token`` move: choice ``index``'s new text, its output tokens so far, and the new
+    tokens' logprobs (as a row's choices keep them; None when the request asked for none)."""
+
+    text: str
+    output_tokens: int
+    index: int = 0
+    logprobs: list[dict[str, Any]] | None = None
+
+
+class _Sent(NamedTuple):
+    text: str = ""
+    count: int = 0
+    logprobs: int = 0
+
+    def add(self, text: str, count: int, logprobs: list[Any] | None) -> _Sent:
+        return _Sent(self.text + text, count, self.logprobs + len(logprobs or ()))
+
+
+def _rest(row: InferenceRequest, sent: dict[int, _Sent]) -> Iterator[tuple[str, Increment]]:
+    """What the increments missed of each choice (a cache hit, an identical request computed once
+    for both, a Redis hiccup), from the ended row."""
+    stored = row.choices or [{"text": row.output_text or "", "output_tokens": row.output_tokens or 0,
+                              "logprobs": None}]
+    for index, choice in enumerate(stored):
+        had = sent.get(index, _Sent())
+        text, logprobs = choice.get("text") or "", choice.get("logprobs")
+        more_text = text[len(had.text):] if text.startswith(had.text) else ""
+        more_logprobs = None if logprobs is None else logprobs[had.logprobs:]
+        if more_text or more_logprobs:
+            tokens = choice.get("output_tokens") or (row.output_tokens if len(stored) == 1 else 0) or 0
+            yield "token", Increment(more_text, tokens, index, more_logprobs)
 
 
 def _read(svc: Services, request_id: str, cursor: str) -> list[tuple[str, dict[str, str]]]:

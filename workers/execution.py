@@ -195,12 +195,14 @@ def generation_request(claimed: Claimed) -> GenerationRequest:
             repetition_penalty=params.get("repetition_penalty", 1.0),
             logit_bias=tuple((int(token), bias) for token, bias in params.get("logit_bias", {}).items()),
             min_tokens=params.get("min_tokens", 0), logprobs=params.get("logprobs"),
+            keep_special_tokens=params.get("tool_parser") == "mistral",
             constraint=None if constraint is None else Constraint(
                 constraint[0], json.dumps(constraint[1]) if constraint[0] == "json"
                 else tuple(constraint[1]) if constraint[0] == "choice" else constraint[1])),
         priority=engine_priority(claimed), prompt_tokens=claimed.input_tokens,
         messages=tuple(claimed.input["messages"]) if "messages" in claimed.input else None,
-        stream=bool(params.get("stream")), tools=tuple(tools) if tools else None)
+        stream=bool(params.get("stream")), tools=tuple(tools) if tools else None,
+        calls_as=params.get("tool_parser") if tools else None)
 
 
 def render_prompt(request_input: dict[str, Any]) -> str:

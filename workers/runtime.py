@@ -49,6 +49,7 @@ from core.admission.load import capacity_entry, capacity_key, room_key
 from core.broker.queues import queue_lists, tier_list
 from core.delivery.streams import TokenSink
 from core.rediskeys import cancel_key, node_key, stalled_key, worker_key
+from models.lifecycle import stored_logprobs
 from workers.engines import Engine, GenerationOutput, GenerationRequest, SamplingParams
 from workers.engines.base import WARMUP_PREFIX, EngineDead
 from workers.governor import PRIORITY_SAFETY, Governor
@@ -554,6 +555,7 @@ class EngineRuntime:
         last: GenerationOutput | None = None
         first_token_mono: float | None = None
         sink, sent = (self._token_sink() if request.stream else None), 0  # chars of text streamed
+        marks: list[tuple[int, int]] = []  # per choice: (chars, logprobs) streamed
         try:
             # Backstop for an engine that never ends an aborted stream. aclosing: leaving early
             # must close the engine's generator now (aborting the sequence), not at GC time.
@@ -564,7 +566,9 @@ class EngineRuntime:
                             first_token_mono = time.monotonic()
                             if out.first_token_time:  # the engine's own (wall-clock) stamp is earlier
                                 first_token_mono -= max(0.0, time.time() - out.first_token_time)
-                        if sink is not None and len(out.text) > sent:
+                        if sink is not None and out.choices:  # n > 1 or logprobs: per choice
+                            marks = _push_choices(sink, rid, out.choices, marks)
+                        elif sink is not None and len(out.text) > sent:
                             sink.push(rid, out.text[sent:], out.output_tokens)  # queued: never blocks
                             sent = len(out.text)
                         last = out
@@ -852,6 +856,21 @@ class EngineRuntime:
                     self._check_progress(time.monotonic() - last_progress, busy)
             except Exception:  # this thread must outlive any error, or a hung engine keeps its requests
                 log.warning("watchdog round failed; retrying", exc_info=True)
+
+
+def _push_choices(sink: TokenSink, request_id: str, choices: tuple,
+                  marks: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Push what each choice (an engine output's, cumulative) added since ``marks`` (per choice:
+    characters and logprobs sent); the marks after."""
+    marks = marks + [(0, 0)] * (len(choices) - len(marks))
+    for i, choice in enumerate(choices):
+        sent, logged = marks[i]
+        logprobs = choice.logprobs or ()
+        if len(choice.text) > sent or len(logprobs) > logged:
+            sink.push(request_id, choice.text[sent:], choice.output_tokens, i,
+                      None if choice.logprobs is None else stored_logprobs(logprobs[logged:]))
+            marks[i] = (len(choice.text), len(logprobs))
+    return marks
 
 
 def _kill_descendants() -> None:

@@ -2,9 +2,11 @@
 web process that relays it as Server-Sent Events.
 
 One Redis stream per request (``sluice:tokens:<id>``), each entry a text increment with the
-output token count so far; an ``end`` entry closes it. Redis holds the increments, so the
-engine never waits for a reader: a slow client only falls behind, and a client that connects
-late still reads from the first token. The key expires a while after the request ends.
+output token count so far (of one choice, ``i``, when a request asks for ``n`` > 1; with the
+new tokens' logprobs as JSON, ``lp``, when it asks for logprobs); an ``end`` entry closes it.
+Redis holds the increments, so the engine never waits for a reader: a slow client only falls
+behind, and a client that connects late still reads from the first token.
+The key expires a while after the request ends.
 
 The worker side (:class:`TokenSink`) hands increments to one thread that writes them in
 pipelined batches: the engine's event loop never blocks on Redis, and a Redis that is down
@@ -13,6 +15,7 @@ loses the increments (the final event still carries the whole text from the row)
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -40,8 +43,16 @@ class TokenSink:
         self._thread = threading.Thread(target=self._write, name="token-sink", daemon=True)
         self._thread.start()
 
-    def push(self, request_id: str, text: str, output_tokens: int) -> None:
-        self._queue.put((request_id, {"t": text, "n": output_tokens}))
+    def push(self, request_id: str, text: str, output_tokens: int, index: int = 0,
+             logprobs: list[dict[str, Any]] | None = None) -> None:
+        """An increment of choice ``index``: its new text, its output tokens so far, and the new
+        tokens' logprobs (as a row's choices keep them) when the request asked for them."""
+        fields: dict[str, Any] = {"t": text, "n": output_tokens}
+        if index:
+            fields["i"] = index
+        if logprobs is not None:
+            fields["lp"] = json.dumps(logprobs, separators=(",", ":"))
+        self._queue.put((request_id, fields))
 
     def end(self, request_id: str, ended_by: str) -> None:
         self._queue.put((request_id, {"end": ended_by}))

@@ -398,23 +398,33 @@ def completion(row: InferenceRequest, chat: bool, echo: bool = False) -> dict[st
 
 
 def chunk(row: InferenceRequest, chat: bool, text: str | None = None, finish: str | None = None,
-          first: bool = False, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """One streamed chunk: a text increment, the tool calls (each whole, in one delta), or
-    (``finish``) the end of the choice."""
+          first: bool = False, calls: list[dict[str, Any]] | None = None, index: int = 0,
+          logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed chunk of choice ``index``: a text increment (with its tokens' ``logprobs``,
+    shaped by ``chunk_logprobs``), the tool calls (each whole, in one delta), or (``finish``) the
+    end of the choice."""
     if chat:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
         if text is not None:
             delta["content"] = text
         if calls:
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
-        choice: dict[str, Any] = {"index": 0, "delta": delta}
+        choice: dict[str, Any] = {"index": index, "delta": delta}
     else:
-        choice = {"index": 0, "text": text or ""}
+        choice = {"index": index, "text": text or ""}
     body = {**_header(row, chat, "chat.completion.chunk" if chat else "text_completion"),
-            "choices": [{**choice, "finish_reason": finish, "logprobs": None}]}
+            "choices": [{**choice, "finish_reason": finish, "logprobs": logprobs}]}
     if first or finish:
         body["sluice"] = extension(row)
     return body
+
+
+def chunk_logprobs(tokens: list[dict[str, Any]], chat: bool, offset: int) -> dict[str, Any]:
+    """A streamed increment's tokens' logprobs (as a row's choices keep them) in the endpoint's
+    shape; ``offset``: where the increment starts in its choice's text (completions' text_offset)."""
+    if chat:
+        return {"content": [_chat_logprob(t) for t in tokens], "refusal": None}
+    return _completion_logprobs(tokens, offset)
 
 
 def usage_chunk(row: InferenceRequest, chat: bool) -> dict[str, Any]:

@@ -556,11 +556,8 @@ def tool_calls(request_id: str, params: dict[str, Any], tools: list[dict[str, An
             calls = [(c["name"], c.get("parameters", {})) for c in json.loads(text, strict=False)]
         elif isinstance(choice, dict):
             calls = [(choice["function"]["name"], json.loads(text, strict=False))]
-        elif parser == "hermes":
-            for found in _HERMES.findall(text):
-                call = json.loads(found, strict=False)
-                calls.append((call["name"], call.get("arguments", {})))
-            content = _HERMES.sub("", text).strip() or None
+        elif parser is not None:
+            calls, content = _READERS[parser](text)
     except (ValueError, TypeError, KeyError):
         return None
     if not calls:
@@ -570,6 +567,53 @@ def tool_calls(request_id: str, params: dict[str, Any], tools: list[dict[str, An
     return [{"id": call_id(request_id, i), "type": "function",
              "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
             for i, (name, arguments) in enumerate(calls)], content
+
+
+def _hermes(text: str) -> tuple[list[tuple[str, Any]], str | None]:
+    """Hermes, Qwen and others: ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``, each
+    call in its own tags, anywhere in the text; the rest is content."""
+    calls = []
+    for found in _HERMES.findall(text):
+        call = json.loads(found, strict=False)
+        calls.append((call["name"], call.get("arguments", {})))
+    return calls, _HERMES.sub("", text).strip() or None
+
+
+def _llama3_json(text: str) -> tuple[list[tuple[str, Any]], str | None]:
+    """Llama 3.1 and later: the answer is the call, ``{"name": …, "parameters": {…}}`` (after
+    ``<|python_tag|>`` where the special tokens were kept), several separated by ``;``. An
+    answer that does not open with ``{`` is content."""
+    body = text.strip().removeprefix(_PYTHON_TAG).strip()
+    if not body.startswith("{"):
+        return [], None
+    calls, decoder, at = [], json.JSONDecoder(strict=False), 0
+    while at < len(body):
+        call, at = decoder.raw_decode(body, at)
+        calls.append((call["name"], call.get("parameters", call.get("arguments", {}))))
+        at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
+    return calls, None
+
+
+def _mistral(text: str) -> tuple[list[tuple[str, Any]], str | None]:
+    """Mistral: ``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}`` (v3 templates), or
+    one ``name[ARGS]{…}`` per ``[TOOL_CALLS]`` (v11 and later); what comes before is content."""
+    if _TOOL_CALLS not in text:
+        return [], None
+    before, *parts = text.split(_TOOL_CALLS)
+    calls = []
+    for part in parts:
+        part = part.strip()
+        if _ARGS in part:
+            name, arguments = part.split(_ARGS, 1)
+            calls.append((name.strip(), json.loads(arguments, strict=False)))
+        else:
+            calls.extend((c["name"], c.get("arguments", {})) for c in json.loads(part, strict=False))
+    return calls, before.strip() or None
+
+
+_PYTHON_TAG, _TOOL_CALLS, _ARGS = "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]"
+# How ``tool_choice: auto`` reads calls out of a model's free text, by the registry's tool_parser.
+_READERS = {"hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral}
 
 
 def call_id(request_id: str, index: int) -> str:
@@ -583,8 +627,8 @@ NO_NUL = "^[^\\u0000]*$"
 _TEXT = {"type": "string", "minLength": 1, "pattern": NO_NUL}
 # The rules across fields that JSON Schema cannot state: a 422 (a 400 on the OpenAI front) names
 # the field. A JSON schema must itself be valid, small and local; a named tool must be one of
-# `tools`, whose names differ; `auto` needs the model's parser; min_tokens ≤ max_tokens; a stream
-# carries one choice without logprobs; logit_bias names tokens of the model's vocabulary; fewer
+# `tools`, whose names differ; `auto` needs the model's parser; min_tokens ≤ max_tokens;
+# logit_bias names tokens of the model's vocabulary; fewer
 # dimensions than the embedding model's only where it is a Matryoshka model.
 BEYOND_THE_DOCUMENT = frozenset({"response_format", "tools", "tool_choice", "min_tokens", "n", "logprobs",
                                  "logit_bias", "echo", "dimensions"})

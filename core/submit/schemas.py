@@ -205,9 +205,6 @@ class SubmitRequestSchema(SchemasWithinCaps):
         if data.get("priority", runs_as) != runs_as:
             raise ValidationError(f"The {tier} service tier runs as {runs_as}; leave priority out or make it "
                                   "agree.", "priority")
-        if data.get("stream") and (data.get("n", 1) > 1 or "logprobs" in data):
-            raise ValidationError("A stream carries one choice's text; ask for n > 1 or logprobs without "
-                                  "stream.", "n" if data.get("n", 1) > 1 else "logprobs")
 
 
     @post_load

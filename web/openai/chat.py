@@ -240,22 +240,29 @@ def _data(body: dict[str, Any]) -> str:
 
 
 def _chunks(svc: Services, row: InferenceRequest, chat: bool, include_usage: bool, echo: bool) -> Iterator[str]:
-    """The stream: a first chunk at once, one per increment, the finish, usage if asked, [DONE].
+    """The stream: a first chunk of each choice at once, one per increment (of its choice,
+    ``index``, with its tokens' logprobs when asked), each choice's finish, usage if asked, [DONE].
 
     An answer that may be tool calls is not relayed token by token (its JSON is no message
     content): the calls come whole in one chunk at the end, as OpenAI's stream may send them.
     OpenAI's stream cannot take text back, so a request that starts over on another worker
     (``requeued``) ends the stream with an error and is cancelled; so is one whose client left."""
-    yield _data(shapes.chunk(row, chat, first=True))
-    if echo:
-        yield _data(shapes.chunk(row, chat, text=row.input["prompt"]))
+    n = int(row.params.get("n") or 1)
+    offsets = [len(row.input["prompt"]) if echo else 0] * n  # completions' text_offset, per choice
+    for index in range(n):
+        yield _data(shapes.chunk(row, chat, first=True, index=index))
+        if echo:
+            yield _data(shapes.chunk(row, chat, text=row.input["prompt"], index=index))
     calls = chat and bool(row.input.get("tools")) and row.params.get("tool_choice") != "none"
     moves = relay(svc, row)
     try:
         for kind, value in moves:
             if kind == "token":
-                if not calls:
-                    yield _data(shapes.chunk(row, chat, text=value[0]))
+                if not calls and value.index < n:
+                    logprobs = (None if value.logprobs is None else
+                                shapes.chunk_logprobs(value.logprobs, chat, offsets[value.index]))
+                    offsets[value.index] += len(value.text)
+                    yield _data(shapes.chunk(row, chat, text=value.text, index=value.index, logprobs=logprobs))
             elif kind == "ping":
                 yield ": ping\n\n"
             elif kind == "requeued":  # ending here closes the relay, which cancels the request
@@ -270,11 +277,12 @@ def _chunks(svc: Services, row: InferenceRequest, chat: bool, include_usage: boo
 
 def _last_chunks(row: InferenceRequest, chat: bool, include_usage: bool, calls: bool) -> Iterator[str]:
     if row.status == Status.SUCCEEDED:
-        (choice,) = shapes.row_choices(row, chat)
-        if calls:  # what the model wrote: the calls, or the text it answered with instead
-            message = choice["message"]
-            yield _data(shapes.chunk(row, chat, text=message["content"], calls=message.get("tool_calls")))
-        yield _data(shapes.chunk(row, chat, finish=choice["finish_reason"]))
+        for choice in shapes.row_choices(row, chat):
+            if calls:  # what the model wrote: the calls, or the text it answered with instead
+                message = choice["message"]
+                yield _data(shapes.chunk(row, chat, text=message["content"], calls=message.get("tool_calls"),
+                                         index=choice["index"], logprobs=choice["logprobs"]))
+            yield _data(shapes.chunk(row, chat, finish=choice["finish_reason"], index=choice["index"]))
         if include_usage:
             yield _data(shapes.usage_chunk(row, chat))
         yield "data: [DONE]\n\n"

@@ -73,6 +73,8 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # each output token's logprob and this many alternatives; None: none
     constraint: Constraint | None = None
+    # Special tokens stay in the text: a tool parser reads calls by one (mistral's [TOOL_CALLS]).
+    keep_special_tokens: bool = False
 
     @property
     def detailed(self) -> bool:
@@ -120,6 +122,9 @@ class GenerationRequest:
     stream: bool = False
     # Tools the chat template renders beside the messages (OpenAI's function tools).
     tools: tuple[dict, ...] | None = None
+    # With tools and ``tool_choice: auto``, the parser that reads the model's calls out of its text
+    # (core/registry.py TOOL_PARSERS): a simulated model writes the calls it makes in that form.
+    calls_as: str | None = None
     # An embeddings request: embed each text (an embedding model's engine), ``dimensions`` long
     # (None: the model's own); nothing is generated.
     texts: tuple[str, ...] | None = None

@@ -34,6 +34,7 @@ from core.submit.sampling import NOWHERE, local_target
 from workers.engines.base import (
     WARMUP_PREFIX,
     Choice,
+    Constraint,
     ConstraintError,
     Engine,
     EngineDead,
@@ -279,6 +280,8 @@ class SimulatedEngine(Engine):
         if request.params.constraint is not None:
             answer = _constrained(request.params.constraint, rng, (max_tokens + 1) * _PIECE_CHARS)
             seq.text, seq.script = "", _pieces(answer)
+        elif (call := _call(request, rng, (max_tokens + 1) * _PIECE_CHARS)) is not None:
+            seq.text, seq.script = "", _pieces(call)
         if request.params.logprobs is not None:
             seq.logprobs = []
         self._seqs[rid] = seq
@@ -300,32 +303,44 @@ class SimulatedEngine(Engine):
 
     async def _fan_out(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         """``n`` choices as ``n`` sequences of one prompt (as vLLM forks a request), each with its
-        own randomness; one final output with every choice."""
+        own randomness; one final output with every choice, and for a streaming request one more
+        each time a choice moves (every choice's text so far, as vLLM's cumulative outputs)."""
         p = request.params
         children = [dataclasses.replace(request, request_id=f"{request.request_id}#{i}",
                                         params=dataclasses.replace(p, n=1, seed=(p.seed or 0) * 1000 + i))
                     for i in range(p.n)]
         first: list[float] = []
+        latest: list[GenerationOutput | None] = [None] * len(children)
+        moved: asyncio.Queue[BaseException | None] = asyncio.Queue()
 
-        async def last_of(child: GenerationRequest) -> GenerationOutput:
-            out = None
-            async for out in self._sequence(child):
-                if out.output_tokens and not first:
-                    first.append(time.time())
-            assert out is not None
-            return out
+        async def follow(i: int, child: GenerationRequest) -> None:
+            try:
+                async for out in self._sequence(child):
+                    if out.output_tokens and not first:
+                        first.append(time.time())
+                    latest[i] = out
+                    moved.put_nowait(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+                moved.put_nowait(exc)
+                raise
 
         self._children[request.request_id] = [c.request_id for c in children]
+        tasks = [asyncio.ensure_future(follow(i, c)) for i, c in enumerate(children)]
         try:
-            outs = await asyncio.gather(*(last_of(c) for c in children))
+            while True:
+                failed = await moved.get()
+                if failed is not None:
+                    raise failed
+                done = all(o is not None and o.finished for o in latest)
+                if done or (request.stream and all(o is not None for o in latest)):
+                    yield _merged(request.request_id, latest, done, first[0] if first else None)
+                if done:
+                    return
         finally:
+            for task in tasks:
+                task.cancel()  # a consumer that left: each child's sequence aborts as it unwinds
+            await asyncio.gather(*tasks, return_exceptions=True)
             del self._children[request.request_id]
-        choices = tuple(Choice(o.text, o.output_tokens, o.finish_reason, o.choices[0].logprobs if o.choices else None)
-                        for o in outs)
-        reason = "abort" if any(o.finish_reason == "abort" for o in outs) else outs[0].finish_reason
-        yield GenerationOutput(request_id=request.request_id, text=outs[0].text, prompt_tokens=outs[0].prompt_tokens,
-                               output_tokens=sum(o.output_tokens for o in outs), finished=True, finish_reason=reason,
-                               first_token_time=first[0] if first else None, choices=choices)
 
     async def _embed(self, request: GenerationRequest) -> GenerationOutput:
         """Each text a one-step sequence (its prefill, priced by the cost model), then its vector:
@@ -572,12 +587,24 @@ class SimulatedEngine(Engine):
 
     def _emit(self, seq: _Seq, reason: str | None) -> None:
         choices = ()
-        if reason is not None and seq.request.params.detailed:
+        if seq.request.params.detailed and (reason is not None or seq.request.stream):
             choices = (Choice(seq.text, seq.num_output, reason,
                               None if seq.logprobs is None else tuple(seq.logprobs)),)
         seq.queue.put_nowait(GenerationOutput(
             request_id=seq.request.request_id, text=seq.text, prompt_tokens=seq.prompt_tokens,
             output_tokens=seq.num_output, finished=reason is not None, finish_reason=reason, choices=choices))
+
+
+def _merged(request_id: str, outs: list, finished: bool, first_token_time: float | None) -> GenerationOutput:
+    """One output of a request of ``n`` sequences: each sequence's latest as a choice."""
+    choices = tuple(Choice(o.text, o.output_tokens, o.finish_reason, o.choices[0].logprobs if o.choices else None)
+                    for o in outs)
+    reason = None
+    if finished:
+        reason = "abort" if any(o.finish_reason == "abort" for o in outs) else outs[0].finish_reason
+    return GenerationOutput(request_id=request_id, text=outs[0].text, prompt_tokens=outs[0].prompt_tokens,
+                            output_tokens=sum(o.output_tokens for o in outs), finished=finished, finish_reason=reason,
+                            first_token_time=first_token_time, choices=choices)
 
 
 def _vector(text: str, size: int, keep: int) -> bytes:
@@ -614,6 +641,27 @@ def _constrained(constraint, rng: random.Random, max_chars: int) -> str:
                 break
         return "".join(text)[:max_chars]
     raise ConstraintError(f"the simulated engine cannot decode under a {constraint.kind} constraint")
+
+
+def _call(request: GenerationRequest, rng: random.Random, max_chars: int) -> str | None:
+    """A tool call as a model of the request's parser family writes one (``calls_as``), when it
+    may choose one (tools, ``tool_choice: auto``) and the user spoke last; after a tool's result
+    it answers in text, as an agent loop expects. None where it writes text (arguments it cannot
+    write, a ``pattern`` say, included)."""
+    last = request.messages[-1] if request.messages else None
+    if not request.calls_as or not request.tools or not last or last.get("role") != "user":
+        return None
+    function = rng.choice(request.tools)["function"]
+    schema = function.get("parameters") or {"type": "object"}
+    try:
+        arguments = _constrained(Constraint("json", json.dumps(schema)), rng, max_chars)
+    except ConstraintError:
+        return None
+    name = _dumps(function["name"])
+    return {"hermes": f'<tool_call>\n{{"name": {name}, "arguments": {arguments}}}\n</tool_call>',
+            "llama3_json": f'{{"name": {name}, "parameters": {arguments}}}',
+            "mistral": f'[TOOL_CALLS][{{"name": {name}, "arguments": {arguments}}}]'}.get(request.calls_as,
+                                                                                      "")[:max_chars] or None
 
 
 def _dumps(value: Any) -> str:

@@ -185,7 +185,7 @@ def sampling_params(p: SamplingParams, stream: bool) -> VllmSamplingParams:
         seed=p.seed, stop=list(p.stop),
         ignore_eos=p.ignore_eos, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias) or None, min_tokens=p.min_tokens,
-        logprobs=p.logprobs, structured_outputs=constraint,
+        logprobs=p.logprobs, structured_outputs=constraint, skip_special_tokens=not p.keep_special_tokens,
         # Stop strings need text every step, and logprobs their tokens' text; otherwise the text
         # is decoded once at the end (less frontend CPU).
         detokenize=bool(p.stop) or stream or p.logprobs is not None,
@@ -207,16 +207,26 @@ def refusal(exc: Exception, constrained: bool) -> RequestRefused:
     return RequestRefused(reason)
 
 
-def _logprobs(completion: Any, top: int) -> tuple[TokenLogprob, ...]:
-    """Each generated token's log probability and its ``top`` likeliest alternatives (vLLM gives
-    the top ranks plus the sampled token wherever it ranked)."""
+def _choice(seen: tuple[str, Any] | None, logprobs: list[TokenLogprob] | None) -> Choice:
+    """One choice of an output: its text and completion as last seen (None: not begun)."""
+    if seen is None:
+        return Choice("", 0, None, None if logprobs is None else ())
+    text, completion = seen
+    return Choice(text, len(completion.token_ids), completion.finish_reason,
+                  None if logprobs is None else tuple(logprobs))
+
+
+def _logprobs(completion: Any, top: int, start: int = 0) -> list[TokenLogprob]:
+    """Each generated token's log probability (from the ``start``-th) and its ``top`` likeliest
+    alternatives (vLLM gives the top ranks plus the sampled token wherever it ranked)."""
     out = []
-    for token_id, position in zip(completion.token_ids, completion.logprobs or (), strict=False):
+    pairs = zip(completion.token_ids[start:], (completion.logprobs or ())[start:], strict=False)
+    for token_id, position in pairs:
         chosen = position.get(token_id)
         ranked = sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= top),
                         key=lambda lp: lp.rank)
         out.append(TokenLogprob(_token(chosen), _finite(chosen), tuple((_token(lp), _finite(lp)) for lp in ranked)))
-    return tuple(out)
+    return out
 
 
 def _token(logprob: Any) -> str:
@@ -382,6 +392,10 @@ class VllmEngine(Engine):
         p = request.params
         try:
             detailed = p.detailed
+            # Each choice as last seen, by index: a stream of n > 1 gets one choice's output at a
+            # time (vLLM's ParentRequest), cumulative for that choice; a final-only one gets all n.
+            latest: dict[int, tuple[str, Any]] = {}
+            converted: dict[int, list[TokenLogprob]] = {}  # each choice's logprobs so far
             try:
                 params = sampling_params(p, request.stream)
                 prompt = await self._prompt(request)
@@ -389,17 +403,23 @@ class VllmEngine(Engine):
                     [parse_model_prompt(llm.model_config, prompt)])
                 stream = llm.generate(engine_input, params, request_id=rid, priority=request.priority)
                 async for out in stream:
-                    completions = sorted(out.outputs, key=lambda c: c.index)
-                    texts = [c.text if params.detokenize else await self._decode(c.token_ids) for c in completions]
+                    for c in out.outputs:
+                        latest[c.index] = (c.text if params.detokenize else
+                                           await self._decode(c.token_ids, p.keep_special_tokens), c)
+                        if p.logprobs is not None:  # converted once each: the outputs are cumulative
+                            have = converted.setdefault(c.index, [])
+                            have.extend(_logprobs(c, p.logprobs, len(have)))
+                    if not latest:
+                        continue
                     choices = ()
-                    if out.finished and detailed:
-                        choices = tuple(Choice(text, len(c.token_ids), c.finish_reason,
-                                               _logprobs(c, p.logprobs) if p.logprobs is not None else None)
-                                        for text, c in zip(texts, completions, strict=True))
+                    if detailed and (out.finished or request.stream):  # a stream's: every choice so far
+                        choices = tuple(_choice(latest.get(i), converted.get(i, []) if p.logprobs is not None else None)
+                                        for i in range(p.n))
+                    text, first = latest.get(0, ("", None))
                     yield GenerationOutput(
-                        request_id=rid, text=texts[0], prompt_tokens=len(out.prompt_token_ids or ()),
-                        output_tokens=sum(len(c.token_ids) for c in completions), finished=out.finished,
-                        finish_reason=completions[0].finish_reason if out.finished else None,
+                        request_id=rid, text=text, prompt_tokens=len(out.prompt_token_ids or ()),
+                        output_tokens=sum(len(c.token_ids) for _, c in latest.values()), finished=out.finished,
+                        finish_reason=first.finish_reason if out.finished and first is not None else None,
                         cached_tokens=out.num_cached_tokens or 0, first_token_time=_first_token_time(out),
                         choices=choices)
             except EngineDeadError as exc:
@@ -449,10 +469,10 @@ class VllmEngine(Engine):
         return GenerationOutput(request_id=rid, text="", prompt_tokens=sum(len(o.prompt_token_ids) for o in outs),
                                 output_tokens=0, finished=True, finish_reason="stop", embedding=vectors)
 
-    async def _decode(self, token_ids) -> str:
+    async def _decode(self, token_ids, keep_special_tokens: bool = False) -> str:
         tokenizer = self._require().get_tokenizer()
         return await asyncio.get_running_loop().run_in_executor(
-            None, lambda: tokenizer.decode(list(token_ids), skip_special_tokens=True))
+            None, lambda: tokenizer.decode(list(token_ids), skip_special_tokens=not keep_special_tokens))
 
     async def _prompt(self, request: GenerationRequest) -> Any:
         if request.messages is None:

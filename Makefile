@@ -5,8 +5,13 @@ BIN := $(VENV)/bin
 
 .PHONY: up test faults lint docs clean browser
 
-up: $(VENV)/.installed
-	$(BIN)/sluice up
+# `make up MODEL=DIR EMBED_MODEL=DIR2` serves a model directory with vLLM (ENGINE=simulated keeps
+# the simulated engine), and an embedding model beside it on a worker of its own.
+ENGINE ?= $(if $(MODEL),vllm,)
+UP_FLAGS := $(if $(ENGINE),--engine $(ENGINE)) $(if $(MODEL),--model $(MODEL)) $(if $(EMBED_MODEL),--embed-model $(EMBED_MODEL))
+
+up: $(VENV)/.installed $(if $(filter vllm,$(ENGINE)),$(VENV)/.installed-vllm)
+	$(BIN)/sluice up $(UP_FLAGS)
 
 # TEST_PROCS=4 spreads the suite over four pytest-xdist processes (which tests share one, and in
 # what order they start: tests/conftest.py). One process stays the default while a spread run on a

@@ -70,17 +70,39 @@ main.add_command(budgets)
 @click.option("--no-flower", is_flag=True, help="Do not start Flower.")
 @click.option("--model", "model_path", type=click.Path(exists=True, file_okay=False, resolve_path=True),
               default=None, help="Model directory to serve (weights + tokenizer); named after the directory.")
+@click.option("--embed-model", "embed_path", type=click.Path(exists=True, file_okay=False, resolve_path=True),
+              default=None, help="Embedding model directory to serve beside it, on a worker of its own (POST "
+              "/v1/embeddings); named after the directory, its dimensions read from its config.json.")
 @click.option("--smoke", is_flag=True, help="Stop after the demo request; exit 0 only if it succeeded.")
-def up(engine: str | None, role: str, no_flower: bool, model_path: str | None, smoke: bool) -> None:
+def up(engine: str | None, role: str, no_flower: bool, model_path: str | None, embed_path: str | None,
+       smoke: bool) -> None:
     """Start everything: Postgres and Redis (embedded unless URLs are set), web, worker, beat, Flower."""
     settings = load_settings()
     if engine:
         settings = settings.replace(engine=engine)
     if model_path:
         settings = settings.replace(model_path=model_path, model=Path(model_path).name)
+    if embed_path:
+        if settings.models_json:
+            raise click.UsageError("--embed-model with SLUICE_MODELS: list the embedding model there (role embed)")
+        if Path(embed_path).name == settings.model:
+            raise click.UsageError(f"--embed-model: {Path(embed_path).name!r} is the chat model's name too; serve a "
+                                   "copy under another directory name")
+        settings = settings.replace(embed_model=Path(embed_path).name, embed_model_path=embed_path,
+                                    embed_dimensions=hidden_size(embed_path) or settings.embed_dimensions)
     if settings.engine == "vllm" and not settings.registry.default.path:
         raise click.UsageError("the vllm engine needs a model: --model PATH (or SLUICE_MODEL_PATH)")
     sys.exit(run_platform(settings, role=role, flower=not no_flower, smoke=smoke))
+
+
+def hidden_size(model_path: str) -> int | None:
+    """The vectors' length of the embedding model in ``model_path``: its config.json's hidden size."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = config.get("hidden_size", config.get("d_model")) if isinstance(config, dict) else None
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
 @main.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})

@@ -6,8 +6,10 @@ key), and after each run no process that belongs to that data directory may be l
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import ENGINE_ENV, ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -48,14 +51,14 @@ def _processes_of(data_dir: Path) -> list[str]:
     return found
 
 
-def _sluice_up(data_dir: Path) -> subprocess.CompletedProcess[str]:
+def _sluice_up(data_dir: Path, *flags: str, **env_vars: str) -> subprocess.CompletedProcess[str]:
     web_port, flower_port = _free_ports(2)
     env = {k: v for k, v in os.environ.items()
            if k not in ("DATABASE_URL", "REDIS_URL", "SLUICE_PUBLIC_URL", "SLUICE_WEB_HOST")}
     env.update(SLUICE_DATA_DIR=str(data_dir), SLUICE_WEB_PORT=str(web_port),
-               SLUICE_FLOWER_PORT=str(flower_port), SLUICE_ENGINE="simulated")
-    return subprocess.run([sys.executable, "-m", "launcher.cli", "up", "--smoke", "--no-flower"],
-                          env=env, capture_output=True, text=True, timeout=300)
+               SLUICE_FLOWER_PORT=str(flower_port), SLUICE_ENGINE="simulated", **env_vars)
+    return subprocess.run([sys.executable, "-m", "launcher.cli", "up", "--smoke", "--no-flower", *flags],
+                          env=env, capture_output=True, text=True, timeout=600)
 
 
 def _demo_key(result: subprocess.CompletedProcess[str]) -> str:
@@ -89,4 +92,25 @@ def test_up_runs_the_demo_on_embedded_servers_and_reuses_its_data(tmp_path: Path
 
     second = _sluice_up(data_dir)
     assert _demo_key(second) == key
+    assert _processes_of(data_dir) == []
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed (make test installs it)")
+def test_up_serves_a_model_and_an_embedding_model_beside_it_on_vllm(tmp_path: Path) -> None:
+    """`sluice up --engine vllm --model DIR --embed-model DIR2` (`make up MODEL=… EMBED_MODEL=…`):
+    the chat model's worker and the embedding model's, both vLLM; the demo's three calls pass."""
+    from tiny_model import build_tiny_model
+
+    chat = build_tiny_model(ROOT / ".cache" / "tiny-llama")
+    embed = shutil.copytree(chat, tmp_path / "tiny-embed")  # another directory: another model's name
+    data_dir = tmp_path / "data"
+    result = _sluice_up(data_dir, "--engine", "vllm", "--model", str(chat), "--embed-model", str(embed),
+                        SLUICE_VLLM_ENFORCE_EAGER="1", SLUICE_VLLM_DTYPE="float32",
+                        SLUICE_VLLM_KV_CACHE_BYTES=str(128 * 2**20), SLUICE_VLLM_MAX_NUM_SEQS="4",
+                        SLUICE_MAX_CONTEXT_TOKENS="16384", **ENGINE_ENV)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "Demo request succeeded." in result.stdout and "Demo job completed." in result.stdout, output
+    assert "2 vectors of 128 dimensions from tiny-embed" in result.stdout, output  # its config's hidden size
     assert _processes_of(data_dir) == []

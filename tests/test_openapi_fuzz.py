@@ -35,7 +35,7 @@ from models.reservation import Reservation
 from web.services import services
 
 ADMIN_KEY = "admin-" + "f" * 24
-# 23 operations, a few without parameters (one case each): over 1,000 cases in all.
+# 28 operations, a few without parameters (one case each): over 1,000 cases in all.
 EXAMPLES_PER_OPERATION = 80
 # A valid request may still be over its tenant's max_request_tokens (413): that is the tenant's
 # limit, not the document's, so it is not "valid data rejected".
@@ -47,12 +47,16 @@ expected-statuses = ["2xx", "3xx", "401", "403", "404", "409", "413", "429"]
 # and of time that JSON Schema cannot say (a 422 names them). Every other check still runs on it.
 # A job file is checked line by line (each a JSON object with custom_id and text, ids unique),
 # and its summary must fit the model's context with the instruction: a text body's rules.
+# A response's input items, tools and text format are checked as a chat body's messages, tools
+# and response_format are (their rules across fields the chat document states, not this one).
 CROSS_FIELD_RULES = {"POST /v1/admin/reservations", "POST /v1/jobs", "POST /admin/tenants/{tenant_ref}/budgets",
-                     "GET /v1/usage", "GET /v1/admin/usage"}
+                     "GET /v1/usage", "GET /v1/admin/usage", "POST /v1/responses"}
 # An OpenAI-style completion answers when its request ends, and the simulated engine writes all
 # of max_tokens: generated bodies keep their shape but ask for a short answer (a valid value,
 # added when they name none), or a case near the 8192 maximum would hold the fuzz for a minute.
-SHORT_ANSWERS = {"POST /v1/chat/completions", "POST /v1/completions"}
+SHORT_ANSWERS = {"POST /v1/chat/completions": ("max_tokens", "max_completion_tokens"),
+                 "POST /v1/completions": ("max_tokens", "max_completion_tokens"),
+                 "POST /v1/responses": ("max_output_tokens",)}
 # The document's embeddings route and `input` need an embedding model, served by a worker of its own.
 EMBED = {"SLUICE_EMBED_MODEL": "simulated-embed", "SLUICE_EMBED_DIMENSIONS": "32"}
 SHORT = 16
@@ -171,9 +175,9 @@ def fuzz_operation(operation, tenant_key: str, cases: dict[str, int]) -> None:
             # A generated key would repeat across cases with other bodies (a 422 by design).
             headers["Idempotency-Key"] = uuid.uuid4().hex
         if label in SHORT_ANSWERS and isinstance(case.body, dict):
-            if not {"max_tokens", "max_completion_tokens"} & case.body.keys():
-                case.body["max_tokens"] = SHORT
-            for name in ("max_tokens", "max_completion_tokens"):
+            if not set(SHORT_ANSWERS[label]) & case.body.keys():
+                case.body[SHORT_ANSWERS[label][0]] = SHORT
+            for name in SHORT_ANSWERS[label]:
                 value = case.body.get(name)
                 if isinstance(value, int | float) and not isinstance(value, bool) and value > SHORT:
                     case.body[name] = SHORT

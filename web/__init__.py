@@ -15,6 +15,7 @@ from web import admin, api, dashboard, errors, health, jobs_api, metrics, usage_
 from web.bodies import Request
 from web.openai import batches_api as openai_batches_api
 from web.openai import chat as openai_api
+from web.openai import responses_api as openai_responses_api
 from web.services import EXTENSION, Services, services
 
 
@@ -33,6 +34,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.register_blueprint(jobs_api.bp)
     app.register_blueprint(openai_api.bp)
     app.register_blueprint(openai_batches_api.bp)
+    app.register_blueprint(openai_responses_api.bp)
     app.register_blueprint(webhooks_api.bp)
     app.register_blueprint(usage_api.bp)
     app.register_blueprint(health.bp)

@@ -19,6 +19,7 @@ from core.submit.sampling import document_rules
 from web import schemas
 from web.admin import BudgetSchema, KeyCreateSchema, ReservationSchema, TenantCreateSchema, TenantLimitsSchema
 from web.openai import batches_spec as openai_batches_spec
+from web.openai import responses_spec as openai_responses_spec
 from web.openai import spec as openai_spec
 from web.webhooks_api import DeliveryListSchema, DeliveryViewSchema, SecretSchema
 
@@ -93,6 +94,7 @@ def build_spec(version: str, settings: Settings | None = None) -> dict:
     _request_paths(spec)
     _job_paths(spec, settings)
     openai_batches_spec.add_paths(spec)
+    openai_responses_spec.add_paths(spec)
     openai_spec.add_paths(spec)
     _webhook_paths(spec)
     _usage_paths(spec)
@@ -100,6 +102,7 @@ def build_spec(version: str, settings: Settings | None = None) -> dict:
     _admin_paths(spec)
     document = spec.to_dict()
     openai_spec.finish(document, settings)
+    openai_responses_spec.finish(document, settings)
     models = None if settings is None else settings.registry.models
     document["components"]["schemas"]["SubmitRequest"]["oneOf"] = schemas.SubmitRequestSchema.openapi_one_of(
         None if models is None else [m.name for m in models if m.role != "embed"],

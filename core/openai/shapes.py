@@ -213,7 +213,7 @@ _NATIVE = SubmitRequestSchema()
 
 
 def to_native(body: dict[str, Any], chat: bool, default_model: str | None = None,
-              batch: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+              batch: bool = False, extra: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Validate the OpenAI ``body`` of ``/v1/chat/completions`` (``chat``) or ``/v1/completions``
     and map it: (the OpenAI fields as loaded, the native submit body, validated by
     ``SubmitRequestSchema``). Raises ``OpenAIBodyError`` naming every bad field.
@@ -221,7 +221,9 @@ def to_native(body: dict[str, Any], chat: bool, default_model: str | None = None
     The one check and mapping of an OpenAI body, wherever one enters: the front
     (``web/openai/chat.py``), a batch line when a job file is read (``core/jobs/ingest.py``,
     ``batch``) and when the feeder runs it (``core/jobs/bodies.py``). A ``batch`` body may leave
-    ``model`` out (the job's) and cannot stream or pick a tier (``NOT_IN_BATCH``)."""
+    ``model`` out (the job's) and cannot stream or pick a tier (``NOT_IN_BATCH``). ``extra``: native
+    fields the route takes beside OpenAI's (the Responses route's deadline and webhook), checked
+    as the native route checks them."""
     try:
         asked = (_BATCH_SCHEMAS if batch else _SCHEMAS)[chat].load(body)
     except ValidationError as exc:
@@ -233,7 +235,7 @@ def to_native(body: dict[str, Any], chat: bool, default_model: str | None = None
         raise OpenAIBodyError(refused, set(refused))
     try:  # loaded for the native defaults (priority, temperature, top_p: the cache key reads them);
         # the OpenAI schemas are as strict on every field they map, so this refuses nothing today
-        return asked, _NATIVE.load(native_body(asked, default_model))
+        return asked, _NATIVE.load({**native_body(asked, default_model), **(extra or {})})
     except ValidationError as exc:  # kept so a field the native side tightens later still answers 400
         raise OpenAIBodyError(exc.messages if isinstance(exc.messages, dict) else {"_schema": exc.messages},
                               set()) from None

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from flask import Blueprint, Response, jsonify, request, stream_with_context
@@ -186,21 +186,28 @@ def _cancel(svc: Services, tenant: Tenant, rows: list[InferenceRequest]) -> None
 
 
 def _submit(svc: Services, tenant: Tenant, url: str, body: dict[str, Any], key_suffix: str = "",
-            held: list[InferenceRequest] | None = None) -> tuple[dict[str, Any], InferenceRequest, dict[str, str]]:
+            held: list[InferenceRequest] | None = None,
+            translate: Callable[[str], tuple[dict[str, Any], dict[str, Any]]] | None = None,
+            patient: bool = True) -> tuple[dict[str, Any], InferenceRequest, dict[str, str]]:
     """Validate, translate and submit the body with its client's patience as its deadline; the
     OpenAI fields, the row and the answer's headers (a refusal's carry the deadline and tier too).
     ``key_suffix``: the prompt's place in a list, which its idempotency key carries. ``held``: an
-    admitted row is not published but appended there, for the caller to publish."""
+    admitted row is not published but appended there, for the caller to publish. ``translate``:
+    the route's own check and mapping (given the default model), else ``shapes.to_native_for``;
+    ``patient`` False: nobody waits on the connection (a background response), so the body's
+    deadline, else its tier's, stands."""
     called: dict[str, str] = {}
     try:
-        asked, data = shapes.to_native_for(url, body, svc.settings.registry.default.name)
-        given = patience.deadline(request.headers, tier_of(data), bool(data.get("stream")), svc.settings)
-        called = {**given.headers(), SERVICE_TIER_HEADER: tier_of(data).value}  # (auto: as default)
+        default = svc.settings.registry.default.name
+        asked, data = translate(default) if translate else shapes.to_native_for(url, body, default)
+        if patient:
+            given = patience.deadline(request.headers, tier_of(data), bool(data.get("stream")), svc.settings)
+            called, data = given.headers(), given.applied(data)
+        called = {**called, SERVICE_TIER_HEADER: tier_of(data).value}  # (auto: as default)
         header = request.headers.get(idempotency.HEADER)
         key = idempotency.key_from(header[:250] + key_suffix if header and key_suffix else header, tenant.id,
                                    body, svc.settings.idempotency_window_s)
-        accepted = svc.requests.submit(tenant, given.applied(data), key, source=Source.OPENAI,
-                                       publish=held is None)
+        accepted = svc.requests.submit(tenant, data, key, source=Source.OPENAI, publish=held is None)
     except ApiError as exc:
         spend_refused(tenant, exc)
         add_quotas(exc, tenant)  # as on the native route: quotas on every answer

@@ -73,6 +73,9 @@ def parse_args() -> tuple[argparse.Namespace, argparse.Namespace]:
     parser.add_argument("--pin-engine", type=int, metavar="CPU", default=None,
                         help="vLLM's engine on this core alone, the stack and this bench on the others (a CPU "
                              "host standing in for a GPU host: refusals are then not slowed by the engine)")
+    parser.add_argument("--door", choices=("native", "openai"), default="native",
+                        help="openai: each user calls /v1/completions with service_tier, held open with the tier's "
+                             "deadline as its patience (Prefer: wait), as an OpenAI client does")
     parser.add_argument("--json", type=Path, default=None)
     ours = parser.parse_args()
     shares = {}
@@ -112,17 +115,33 @@ def stamp(iso: str | None) -> float | None:
     return datetime.fromisoformat(iso).timestamp() if iso else None
 
 
-def user(front, asked: Asked, prompt: str, rt_tokens: int, poll_s: float, deadlines: dict[str, float]) -> None:
+def user(front, asked: Asked, prompt: str, rt_tokens: int, poll_s: float, deadlines: dict[str, float],
+         model: str | None = None) -> None:
+    """One user: native, it submits and polls; through the OpenAI door (``model`` given), the
+    official clients' call (``/v1/completions``, as bench/users.py's OpenAIFront: the same prompt
+    tokens as native; ``service_tier``), held open until the answer with the tier's deadline as
+    its patience (``Prefer: wait``), then the row read for its timings."""
     http = Http(front.api, {"Authorization": f"Bearer {front.key}"})
     began = time.perf_counter()
-    reply = http.call("POST", "/v1/requests", {"prompt": prompt, "max_tokens": rt_tokens, "ignore_eos": True,
-                                               "service_tier": asked.tier}, timeout_s=60)
-    asked.answer_s, asked.status = time.perf_counter() - began, reply.status
-    if reply.status != 202:
-        asked.details = ((reply.doc or {}).get("error") or {}).get("details", {})
-        asked.reason = asked.details.get("reason")
-        return
-    asked.request_id = reply.doc["id"]
+    if model is not None:
+        reply = http.call("POST", "/v1/completions", {
+            "model": model, "prompt": prompt, "max_tokens": rt_tokens, "ignore_eos": True,
+            "service_tier": asked.tier}, timeout_s=deadlines[asked.tier] + 60,
+            headers={"Prefer": f"wait={deadlines[asked.tier]:.0f}"})
+        asked.answer_s, asked.status = time.perf_counter() - began, reply.status
+        asked.request_id = reply.headers.get("Sluice-Request-Id") if reply.headers else None
+        if asked.request_id is None:  # refused at admission: the OpenAI error names its code
+            asked.reason = ((reply.doc or {}).get("error") or {}).get("code")
+            return
+    else:
+        reply = http.call("POST", "/v1/requests", {"prompt": prompt, "max_tokens": rt_tokens, "ignore_eos": True,
+                                                   "service_tier": asked.tier}, timeout_s=60)
+        asked.answer_s, asked.status = time.perf_counter() - began, reply.status
+        if reply.status != 202:
+            asked.details = ((reply.doc or {}).get("error") or {}).get("details", {})
+            asked.reason = asked.details.get("reason")
+            return
+        asked.request_id = reply.doc["id"]
     give_up = time.monotonic() + deadlines[asked.tier] + 30
     while time.monotonic() < give_up:
         time.sleep(poll_s)
@@ -138,6 +157,9 @@ def user(front, asked: Asked, prompt: str, rt_tokens: int, poll_s: float, deadli
 
 def run(front, ours, prompts, knee: float, rt_tokens: int, deadlines: dict[str, float]) -> list[Asked]:
     rng = random.Random(ours.seed)
+    model = None
+    if ours.door == "openai":  # the model a client names: the one GET /v1/models lists first
+        model = Http(front.api, {"Authorization": f"Bearer {front.key}"}).call("GET", "/v1/models").doc["data"][0]["id"]
     rate = ours.times * knee
     names, weights = zip(*ours.shares.items(), strict=True)
     asked: list[Asked] = []
@@ -153,7 +175,7 @@ def run(front, ours, prompts, knee: float, rt_tokens: int, deadlines: dict[str, 
         one = Asked(rng.choices(names, weights)[0], time.time())
         asked.append(one)
         thread = threading.Thread(target=user, args=(front, one, prompts.realtime(n).text, rt_tokens, ours.poll,
-                                                     deadlines), daemon=True)
+                                                     deadlines, model), daemon=True)
         thread.start()
         threads.append(thread)
         n += 1
@@ -235,7 +257,7 @@ def main() -> int:
                                         "=1/0.5/2"})
     overload.say(f"# {os.cpu_count()} CPUs; engine {args.engine} ({args.shape}); {args.mix} mix, questions of "
                  f"{overload.describe(lengths)}, max_tokens {args.rt_tokens}; tiers {ours.tiers}; "
-                 f"deadlines {deadlines}")
+                 f"deadlines {deadlines}; door {ours.door}")
     for note in notes:
         overload.say(f"# {note}")
     with contextlib.ExitStack() as exits:

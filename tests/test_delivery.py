@@ -11,7 +11,8 @@ import time
 import pytest
 from conftest import TERMINAL, service_env, sse_events
 
-from core.delivery import waits
+from core.delivery import streams, waits
+from core.delivery.streams import TokenSink
 from launcher.harness import WebProcess
 from web.services import services
 
@@ -81,6 +82,19 @@ def test_a_stream_delivers_tokens_in_order_then_usage(client, worker):
     done = events[-1][1]
     assert done["status"] == "succeeded" and done["usage"]["output_tokens"] == 48
     assert "".join(t["text"] for t in tokens) == done["output"]["text"]
+
+
+def test_stream_increments_add_up_to_the_text_the_row_keeps(app):
+    """A model may write NUL, which the row keeps as U+FFFD (PostgreSQL text refuses NUL): the
+    increments say the same, so a stream's last events, checked against the row, never repeat it."""
+    redis = services(app).redis
+    sink = TokenSink(redis)
+    rid = f"nul-{time.monotonic_ns()}"
+    sink.push(rid, "a\x00b", 2, 1, [{"token": "b", "logprob": -1.0, "top": []}])
+    sink.close()
+    ((_, fields),) = streams.read(redis, rid, "0", 1000)
+    assert fields["t"] == "a\ufffdb" and fields["i"] == "1" and json.loads(fields["lp"])[0]["token"] == "b"
+    redis.delete(streams.stream_key(rid))
 
 
 def test_closing_a_stream_cancels_the_request_and_frees_its_kv(client, worker):

@@ -23,6 +23,8 @@ from typing import Any
 
 import redis
 
+from models.request import storable_text
+
 log = logging.getLogger(__name__)
 PREFIX = "sluice:tokens:"
 KEEP_S = 600  # a stream outlives its request this long, for readers that fall behind
@@ -47,7 +49,9 @@ class TokenSink:
              logprobs: list[dict[str, Any]] | None = None) -> None:
         """An increment of choice ``index``: its new text, its output tokens so far, and the new
         tokens' logprobs (as a row's choices keep them) when the request asked for them."""
-        fields: dict[str, Any] = {"t": text, "n": output_tokens}
+        # As the row keeps it (a NUL a model may write is U+FFFD there): the increments add up to
+        # the stored text, which a stream's last events are checked against.
+        fields: dict[str, Any] = {"t": storable_text(text), "n": output_tokens}
         if index:
             fields["i"] = index
         if logprobs is not None:

@@ -258,10 +258,9 @@ def _last(row: InferenceRequest, stored: StoredResponse, event, opened: dict[str
                                                                                      "status": "in_progress"})
                 yield event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
                             part=responses.text_part(""))
-            if part["text"] != text:  # what the increments missed (all of it, for an answer that came whole)
+            if len(part["text"]) > len(text) and part["text"].startswith(text):  # what the increments missed
                 yield event("response.output_text.delta", item_id=item["id"], output_index=index, content_index=0,
-                            delta=part["text"][len(text):] if part["text"].startswith(text) else part["text"],
-                            logprobs=[])
+                            delta=part["text"][len(text):], logprobs=[])
             yield event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
                         text=part["text"], logprobs=[])
             yield event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,

@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 
 # `make up MODEL=DIR EMBED_MODEL=DIR2` serves a model directory with vLLM (ENGINE=simulated keeps
 # the simulated engine), and an embedding model beside it on a worker of its own.
-ENGINE ?= $(if $(MODEL),vllm,)
+ENGINE ?= $(if $(MODEL)$(EMBED_MODEL),vllm,)
 UP_FLAGS := $(if $(ENGINE),--engine $(ENGINE)) $(if $(MODEL),--model $(MODEL)) $(if $(EMBED_MODEL),--embed-model $(EMBED_MODEL))
 
 up: $(VENV)/.installed $(if $(filter vllm,$(ENGINE)),$(VENV)/.installed-vllm)

@@ -83,6 +83,9 @@ def up(engine: str | None, role: str, no_flower: bool, model_path: str | None, e
     if model_path:
         settings = settings.replace(model_path=model_path, model=Path(model_path).name)
     if embed_path:
+        if settings.engine != "vllm":
+            raise click.UsageError("--embed-model runs the model with vLLM: add --engine vllm (the simulated engine "
+                                   "serves simulated-embed, random vectors, on its own)")
         if settings.models_json:
             raise click.UsageError("--embed-model with SLUICE_MODELS: list the embedding model there (role embed)")
         if Path(embed_path).name == settings.model:

@@ -23,8 +23,10 @@ from sqlalchemy import (
     Numeric,
     String,
     Text,
+    Update,
     func,
     text,
+    update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import Mapped, mapped_column
@@ -244,3 +246,14 @@ def storable(text: str) -> bool:
 def storable_text(text: str) -> str:
     """``text`` as PostgreSQL text can hold it: a model may emit NUL, which text columns refuse."""
     return text.replace("\x00", "\ufffd")
+
+
+# What a request keeps of its text once it is redacted (retention ran out, or its response was
+# deleted): its accounting stays.
+REDACTED_INPUT = {"redacted": True}
+
+
+def redaction(*where: Any) -> Update:
+    """The UPDATE that redacts the text of the requests ``where`` picks."""
+    return update(InferenceRequest).where(*where).values(input=REDACTED_INPUT, output_text=None, choices=None,
+                                                          embedding=None, redacted_at=func.now())

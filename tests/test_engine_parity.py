@@ -210,6 +210,9 @@ def test_each_parser_reads_calls_out_of_free_text():
     assert [c["function"]["arguments"] for c in calls] == ['{"zone": "UTC"}', "{}"] and content is None
     assert tool_calls("r1", {}, [TIME], "It is noon {zone}.", "llama3_json") is None
     assert tool_calls("r1", {}, [TIME], '{"name": "get_time", "parameters": {"zo', "llama3_json") is None
+    # A JSON answer that happens to hold a "name" is no call of these tools: it stays the content.
+    assert tool_calls("r1", {}, [TIME], '{"name": "Alice", "age": 30}', "llama3_json") is None
+    assert tool_calls("r1", {}, [TIME], '{"name": "get_time", "parameters": "zone=UTC"}', "llama3_json") is None
     for mistral in ('Sure.[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}]',
                     'Sure.[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}'):
         calls, content = tool_calls("r1", {}, [TIME], mistral, "mistral")

@@ -142,8 +142,10 @@ def test_background_responses_are_polled_and_cancelled(client, app):
 
 def test_a_deleted_response_is_gone(client, app):
     openai, api = sdk(app, client.key)
-    made = api.responses.create(model=MODEL, input=said(), max_output_tokens=4)
+    made = api.responses.create(model=MODEL, input=said(), max_output_tokens=4, include=[], reasoning=None)
     api.responses.delete(made.id)
+    row = stored_row(app, made.id)  # its text is gone with it; its accounting stays
+    assert row.redacted_at is not None and row.output_text is None and row.output_tokens == made.usage.output_tokens
     with pytest.raises(openai.NotFoundError):
         api.responses.retrieve(made.id)
     with pytest.raises(openai.BadRequestError) as refused:
@@ -163,6 +165,14 @@ def test_a_deleted_response_is_gone(client, app):
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}}, "text.format"),
     ({"previous_response_id": "resp_" + "0" * 32}, "previous_response_id"),
+    ({"tools": [{"type": []}]}, "tools.0"),
+    ({"tools": [{"type": "function", "name": "f", "cache_control": {}}]}, "tools.0"),
+    ({"extra_body": {"deadline_s": 60}}, "deadline_s"),
+    ({"text": {"verbosity": "low"}}, "text"),
+    ({"store": "false"}, "store"),
+    ({"instructions": ""}, "instructions"),
+    ({"user": "u1", "safety_identifier": "u2"}, "safety_identifier"),
+    ({"max_output_tokens": 10**9}, "max_output_tokens"),
 ])
 def test_what_cannot_be_served_is_refused_by_name(client, app, extra, param):
     openai, api = sdk(app, client.key)

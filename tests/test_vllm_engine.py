@@ -85,6 +85,18 @@ def web_count(view: dict) -> int:
     return view["usage"]["reserved_tokens"] - view["max_tokens"]
 
 
+def test_kept_special_tokens_take_vllms_detokenizer():
+    """A mistral tool parser reads [TOOL_CALLS] in the text: special tokens are kept, and the text
+    comes from vLLM's detokenizer, which leaves out the end-of-sequence token the ids end with."""
+    from workers.engines.base import SamplingParams
+    from workers.engines.vllm import sampling_params
+
+    kept = sampling_params(SamplingParams(max_tokens=4, keep_special_tokens=True), stream=False)
+    assert kept.detokenize and not kept.skip_special_tokens
+    plain = sampling_params(SamplingParams(max_tokens=4), stream=False)
+    assert not plain.detokenize and plain.skip_special_tokens
+
+
 def test_worker_is_warm_and_listed(vllm_stack, engine):
     application, _ = vllm_stack
     ready = application.test_client().get("/readyz").get_json()

@@ -77,6 +77,7 @@ from core.usage import refusals
 from models import InferenceRequest, Job, JobItem, Priority, Status
 from models.idempotency import expire_keys
 from models.lifecycle import Lifecycle, Requeued, reroute
+from models.request import redaction
 from models.session import Database
 from workers import webhooks
 
@@ -322,10 +323,6 @@ def _reroute_direct(db: Database, redis_client: redis.Redis, publish: Publish, s
     return len(moved)
 
 
-# What a request keeps of its text once retention ran out.
-REDACTED_INPUT = {"redacted": True}
-
-
 def _redact_old(db: Database, settings: Settings) -> int:
     if settings.retention_days is None:
         return 0
@@ -333,8 +330,7 @@ def _redact_old(db: Database, settings: Settings) -> int:
         old = (select(_t.id).where(_t.redacted_at.is_(None), _t.finished_at.is_not(None),
                                    _t.finished_at < _ago(settings.retention_days * 86400))
                .limit(BATCH).with_for_update(skip_locked=True).scalar_subquery())
-        done = session.execute(update(_t).where(_t.id.in_(old)).values(
-            input=REDACTED_INPUT, output_text=None, choices=None, embedding=None, redacted_at=func.now()))
+        done = session.execute(redaction(_t.id.in_(old)))
         return done.rowcount
 
 

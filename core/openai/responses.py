@@ -53,8 +53,8 @@ HOSTED_TOOLS = {"web_search", "web_search_preview", "web_search_preview_2025_03_
                 "computer_use_preview", "computer_use", "code_interpreter", "image_generation", "mcp",
                 "local_shell", "shell", "custom", "apply_patch"}
 # Chat fields whose problems are this route's fields.
-_RENAMED = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
-            "tools": "tools", "tool_choice": "tool_choice"}
+RENAMED = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
+           "tools": "tools", "tool_choice": "tool_choice", "conversation_id": "previous_response_id"}
 STATUS = {Status.QUEUED: "queued", Status.RUNNING: "in_progress", Status.SUCCEEDED: "completed",
           Status.CANCELLED: "cancelled"}
 
@@ -79,29 +79,39 @@ class Turn:
 
     def __init__(self, body: dict[str, Any], history: list[dict[str, Any]]) -> None:
         problems: dict[str, list[str]] = {}
-        for name in body:
-            if name in REFUSED:
+        for name, value in body.items():
+            if name in REFUSED and value not in (None, [], {}):  # an empty one asks for nothing
                 problems[name] = [REFUSED[name]]
-            elif name not in FIELDS and name not in EXTENSIONS:
+            elif name not in FIELDS and name not in EXTENSIONS and name not in REFUSED:
                 problems[name] = [shapes.UNKNOWN_FIELD]
-        if body.get("truncation", "disabled") != "disabled":
+        if body.get("truncation") not in (None, "disabled"):
             problems["truncation"] = ["Only disabled: a conversation longer than the model's context is refused (413), "
                                       "never cut."]
-        if body.get("background") and body.get("store") is False:
+        for flag in ("background", "store"):
+            if body.get(flag) is not None and not isinstance(body[flag], bool):
+                problems[flag] = ["true or false."]
+        self.background, self.store = body.get("background") is True, body.get("store") is not False
+        if self.background and not self.store:
             problems["background"] = ["A background response is stored (it is read back with GET); leave store out."]
-        if not isinstance(body.get("background", False), bool):
-            problems["background"] = ["true or false."]
-        items = _items(body.get("input"), problems)
-        tools = _tools(body.get("tools"), problems)
+        if not self.background and "deadline_s" in body:
+            problems["deadline_s"] = ["A foreground response's deadline is its client's patience (its read timeout, "
+                                      "Prefer: wait); deadline_s is for background: true."]
+        instructions = body.get("instructions")
+        if instructions is not None and not (isinstance(instructions, str) and instructions):
+            problems["instructions"] = ["A non-empty string."]
+        if body.get("text") is not None and (not isinstance(body["text"], dict) or set(body["text"]) - {"format"}):
+            problems["text"] = ["{format: {type: text | json_object | json_schema, …}}; nothing else of it (verbosity) "
+                                "is served."]
+        if body.get("safety_identifier") is not None and body.get("user") is not None:
+            problems["safety_identifier"] = ["Kept as user is (the metadata's user): give one of the two."]
         cache_key = body.get("prompt_cache_key")
         if cache_key is not None and not (isinstance(cache_key, str) and 0 < len(cache_key) <= 64):
             problems["prompt_cache_key"] = ["A string of 1 to 64 characters."]
-        # Requests sharing a cache key are one conversation: they run where its prefix is cached.
-        self.cache_key = cache_key
+        items = _items(body.get("input"), problems)
+        tools = _tools(body.get("tools"), problems)
         if problems:
             raise OpenAIBodyError(problems, {n for n, why in problems.items() if why == [shapes.UNKNOWN_FIELD]}
                                   | (set(REFUSED) & set(problems)))
-        instructions = body.get("instructions")
         head = [{"role": "system", "content": instructions}] if instructions else []
         self.instructions_at = 0 if head else None
         self.turn_from = len(head) + len(history)
@@ -110,16 +120,14 @@ class Turn:
         for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
                              ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls"),
                              ("metadata", "metadata"), ("service_tier", "service_tier"), ("user", "user"),
-                             ("stream", "stream"), ("ignore_eos", "ignore_eos")):
+                             ("safety_identifier", "user"), ("stream", "stream"), ("ignore_eos", "ignore_eos")):
             if body.get(ours) is not None:
                 chat[theirs] = body[ours]
-        if body.get("safety_identifier") is not None and "user" not in chat:
-            chat["user"] = body["safety_identifier"]  # who asked, kept as `user` is: the metadata's user
         if tools:
             chat["tools"] = tools
         if "tool_choice" in body:
             chat["tool_choice"] = _tool_choice(body["tool_choice"])
-        text_format = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+        text_format = (body.get("text") or {}).get("format")
         if text_format is not None:
             chat["response_format"] = _response_format(text_format)
         self.chat = chat
@@ -131,8 +139,12 @@ class Turn:
         try:
             return shapes.to_native(self.chat, True, default_model, extra=self.extension)
         except OpenAIBodyError as exc:
-            details = {_RENAMED.get(name.split(".")[0], name): why for name, why in exc.details.items()}
-            raise OpenAIBodyError(details, {_RENAMED.get(n, n) for n in exc.unsupported}) from None
+            raise OpenAIBodyError(renamed(exc.details), {RENAMED.get(n, n) for n in exc.unsupported}) from None
+
+
+def renamed(details: dict[str, Any]) -> dict[str, Any]:
+    """A chat body's problems, by this route's fields."""
+    return {RENAMED.get(str(name).split(".")[0], name): why for name, why in details.items()}
 
 
 def _items(value: Any, problems: dict[str, list[str]]) -> list[dict[str, Any]]:
@@ -199,14 +211,16 @@ def _tools(value: Any, problems: dict[str, list[str]]) -> list[dict[str, Any]]:
         return []
     tools = []
     for i, tool in enumerate(value):
-        kind = tool.get("type") if isinstance(tool, dict) else None
+        kind = tool.get("type") if isinstance(tool, dict) and isinstance(tool.get("type"), str) else None
         if kind in HOSTED_TOOLS:
             problems[f"tools.{i}"] = [f"The hosted tool {kind} is not served: only function tools, which your "
                                       "code runs."]
         elif kind != "function" or not isinstance(tool.get("name"), str):
-            problems[f"tools.{i}"] = ["A function tool: {type: function, name, parameters, description}."]
-        else:
-            function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+            problems[f"tools.{i}"] = ["A function tool: {type: function, name, parameters, description, strict}."]
+        elif unknown := set(tool) - {"type", "name", "description", "parameters", "strict"}:
+            problems[f"tools.{i}"] = [f"A function tool has no {', '.join(sorted(unknown))}."]
+        else:  # checked as chat's function is (strict too: kept, and said back as sent)
+            function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
             tools.append({"type": "function", "function": function})
     return tools
 
@@ -312,7 +326,7 @@ def response(row: InferenceRequest, stored: StoredResponse, status: str | None =
         "text": {"format": form}, "tool_choice": _echo_choice(row.params.get("tool_choice", "auto")),
         "tools": [{"type": "function", "name": t["function"]["name"],
                    "description": t["function"].get("description"), "parameters": t["function"].get("parameters"),
-                   "strict": False} for t in row.input.get("tools") or ()],
+                   "strict": t["function"].get("strict")} for t in row.input.get("tools") or ()],
         "top_p": row.params.get("top_p", 1.0), "truncation": "disabled",
         "usage": usage(row) if done else None, "user": (row.meta or {}).get("user"),
         "metadata": {k: v for k, v in (row.meta or {}).items() if k != "user"}, "sluice": shapes.extension(row),

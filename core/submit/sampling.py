@@ -558,6 +558,9 @@ def tool_calls(request_id: str, params: dict[str, Any], tools: list[dict[str, An
             calls = [(choice["function"]["name"], json.loads(text, strict=False))]
         elif parser is not None:
             calls, content = _READERS[parser](text)
+            names = {tool["function"]["name"] for tool in tools}
+            if any(name not in names or not isinstance(arguments, dict) for name, arguments in calls):
+                return None  # no call of these tools (a JSON answer with a "name", say): the text is the content
     except (ValueError, TypeError, KeyError):
         return None
     if not calls:

@@ -25,11 +25,13 @@ from typing import Any
 
 from flask import Blueprint, Response, jsonify, request, stream_with_context
 from sqlalchemy import select
+from sqlalchemy.dialects.postgresql import insert
 
 from core.errors import InvalidRequest, NotFound
 from core.openai import responses
 from core.tenants.scopes import Caller
 from models import InferenceRequest, Status, StoredResponse, utcnow
+from models.request import redaction
 from web import waits
 from web.api import add_quotas, spend_refused
 from web.auth import authenticate, authenticate_caller
@@ -57,26 +59,33 @@ def create_response() -> Response | tuple[Response, int, dict[str, str]]:
         spend_refused(tenant, exc)
         add_quotas(exc, tenant)
         raise
-    background, store = bool(body.get("background")), body.get("store", True) is not False
-    # Each stored response's turns run where the last one's prefix is cached; so do the requests
-    # that share a prompt_cache_key.
+    background, store = turn.background, turn.store
+    # A stored response's turns are one conversation: each runs where the last one's prefix is cached.
     if previous and previous[0].conversation_id:
         turn.extension["conversation_id"] = previous[0].conversation_id
-    elif turn.cache_key:
-        turn.extension["conversation_id"] = f"key_{turn.cache_key}"
     elif store:
         turn.extension["conversation_id"] = f"resp_{uuid.uuid4().hex}"
     if background and body.get("stream"):
         turn.extension["detach"] = True  # a background stream's client may leave: the response goes on
-    _, row, headers = chat._submit(svc, tenant, responses.RESPONSES_URL, body,
-                                   translate=turn.native, patient=not background)
+    held: list[InferenceRequest] = []
+    try:
+        _, row, headers = chat._submit(svc, tenant, responses.RESPONSES_URL, body, held=held,
+                                       translate=turn.native, patient=not background)
+    except ApiError as exc:  # what the native checks say of chat's fields, said of this route's
+        exc.details = responses.renamed(exc.details) if isinstance(exc.details, dict) else exc.details
+        raise
     stored = StoredResponse(request_id=row.id, previous_id=previous[0].id if previous else None,
                             turn_from=turn.turn_from, instructions_at=turn.instructions_at, background=background,
                             fields={"max_output_tokens": body.get("max_output_tokens"), "store": store})
-    if store:
+    if store:  # before it is published: whoever learns of its end can read it back
         with svc.db.session() as session:
-            session.merge(stored)  # merge: a replayed idempotent call finds its row already stored
+            session.execute(insert(StoredResponse).values(
+                request_id=stored.request_id, previous_id=stored.previous_id, turn_from=stored.turn_from,
+                instructions_at=stored.instructions_at, background=stored.background, fields=stored.fields)
+                .on_conflict_do_nothing())  # a replayed idempotent call's was stored the first time
             session.commit()
+    for unpublished in held:
+        svc.requests.publish(unpublished)
     if body.get("stream"):
         return Response(stream_with_context(_events(svc, row, stored)), 200,
                         {**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -90,7 +99,9 @@ def create_response() -> Response | tuple[Response, int, dict[str, str]]:
         chat._cancel(svc, tenant, [row])
         raise ApiError("The request did not end within its deadline; it was cancelled.",
                        code="wait_timeout", status=504, headers={**headers, **chat.NO_RETRY})
-    raise chat._ended(row, headers)
+    ended = chat._ended(row, headers)
+    ended.details = responses.renamed(ended.details) if isinstance(ended.details, dict) else ended.details
+    raise ended
 
 
 @bp.get("/responses/<response_id>")
@@ -123,16 +134,22 @@ def cancel_response(response_id: str) -> Response:
 
 @bp.delete("/responses/<response_id>")
 def delete_response(response_id: str) -> Response:
+    """Gone: it reads as 404 and cannot be continued; one still running is cancelled first. Its
+    text is redacted from its request row (what the retention sweep does to old rows), once the
+    row has ended; its accounting stays."""
     svc = services()
     caller = authenticate_caller(svc.db, svc.recent_keys)
     row, stored = _read(svc, caller, response_id)
     if not row.status.terminal:
         try:
-            svc.requests.cancel(caller, str(row.id))
+            row = svc.requests.cancel(caller, str(row.id))
         except ApiError:
             pass  # it ended meanwhile
+        row = waits.until_ended(svc, caller.tenant_id, row, CANCEL_WAIT_S)
     with svc.db.session() as session:
         session.get(StoredResponse, row.id).deleted_at = utcnow()
+        # Ended only: an end written later would bring text back.
+        session.execute(redaction(InferenceRequest.id == row.id, InferenceRequest.finished_at.is_not(None)))
         session.commit()
     return jsonify({"id": response_id, "object": "response", "deleted": True})
 
@@ -230,8 +247,10 @@ def _events(svc: Services, row: InferenceRequest, stored: StoredResponse) -> Ite
             elif kind == "ping":
                 yield ": ping\n\n"
             elif kind == "requeued":
-                yield event("error", code="requeued", message=f"The response had to start over on another worker "
-                            f"({value}), which a stream cannot show; it was cancelled. Send it again.", param=None)
+                message = (f"The response had to start over on another worker ({value}), which a stream cannot "
+                           "show; " + ("it goes on: GET it." if stored.background else
+                                       "it was cancelled. Send it again."))
+                yield event("error", code="requeued", message=message, param=None)
                 return
             elif kind == "done":
                 yield from _last(value, stored, event, item if opened else None, text)

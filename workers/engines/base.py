@@ -96,7 +96,9 @@ class Choice:
     text: str
     output_tokens: int
     finish_reason: str | None
-    logprobs: tuple[TokenLogprob, ...] | None = None
+    # Each token's; while a request streams, the engine's growing list itself (a consumer reads
+    # it before the next output): a copy per step would cost O(tokens²).
+    logprobs: tuple[TokenLogprob, ...] | list[TokenLogprob] | None = None
 
 
 # Each service tier's engine priority (docs/tiers.md). The first two are realtime, the rest batch.

@@ -588,8 +588,8 @@ class SimulatedEngine(Engine):
     def _emit(self, seq: _Seq, reason: str | None) -> None:
         choices = ()
         if seq.request.params.detailed and (reason is not None or seq.request.stream):
-            choices = (Choice(seq.text, seq.num_output, reason,
-                              None if seq.logprobs is None else tuple(seq.logprobs)),)
+            logprobs = seq.logprobs if reason is None or seq.logprobs is None else tuple(seq.logprobs)
+            choices = (Choice(seq.text, seq.num_output, reason, logprobs),)
         seq.queue.put_nowait(GenerationOutput(
             request_id=seq.request.request_id, text=seq.text, prompt_tokens=seq.prompt_tokens,
             output_tokens=seq.num_output, finished=reason is not None, finish_reason=reason, choices=choices))

@@ -187,8 +187,9 @@ def sampling_params(p: SamplingParams, stream: bool) -> VllmSamplingParams:
         repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias) or None, min_tokens=p.min_tokens,
         logprobs=p.logprobs, structured_outputs=constraint, skip_special_tokens=not p.keep_special_tokens,
         # Stop strings need text every step, and logprobs their tokens' text; otherwise the text
-        # is decoded once at the end (less frontend CPU).
-        detokenize=bool(p.stop) or stream or p.logprobs is not None,
+        # is decoded once at the end (less frontend CPU). Kept special tokens take vLLM's own
+        # detokenizer too: the token ids end with the end-of-sequence token it leaves out.
+        detokenize=bool(p.stop) or stream or p.logprobs is not None or p.keep_special_tokens,
         # One output per request, not one per step: the caller needs only the result and the
         # first-token time; a streaming client needs the text after every step.
         output_kind=RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY)
@@ -207,13 +208,13 @@ def refusal(exc: Exception, constrained: bool) -> RequestRefused:
     return RequestRefused(reason)
 
 
-def _choice(seen: tuple[str, Any] | None, logprobs: list[TokenLogprob] | None) -> Choice:
-    """One choice of an output: its text and completion as last seen (None: not begun)."""
+def _choice(seen: tuple[str, Any] | None, logprobs: Any) -> Choice:
+    """One choice of an output: its text and completion as last seen (None: not begun), and its
+    logprobs so far (a tuple, or a stream's growing list)."""
     if seen is None:
-        return Choice("", 0, None, None if logprobs is None else ())
+        return Choice("", 0, None, logprobs)
     text, completion = seen
-    return Choice(text, len(completion.token_ids), completion.finish_reason,
-                  None if logprobs is None else tuple(logprobs))
+    return Choice(text, len(completion.token_ids), completion.finish_reason, logprobs)
 
 
 def _logprobs(completion: Any, top: int, start: int = 0) -> list[TokenLogprob]:
@@ -413,13 +414,20 @@ class VllmEngine(Engine):
                         continue
                     choices = ()
                     if detailed and (out.finished or request.stream):  # a stream's: every choice so far
-                        choices = tuple(_choice(latest.get(i), converted.get(i, []) if p.logprobs is not None else None)
+                        # A stream's logprobs are the growing lists themselves (read before the next
+                        # output, on this loop): copying them every step would cost O(tokens²).
+                        choices = tuple(_choice(latest.get(i), None if p.logprobs is None else
+                                                tuple(converted.get(i, ())) if out.finished else
+                                                converted.setdefault(i, []))
                                         for i in range(p.n))
                     text, first = latest.get(0, ("", None))
+                    # An abort ends the choices still running only: any aborted one makes it one.
+                    aborted = any(c.finish_reason == "abort" for _, c in latest.values())
                     yield GenerationOutput(
                         request_id=rid, text=text, prompt_tokens=len(out.prompt_token_ids or ()),
                         output_tokens=sum(len(c.token_ids) for _, c in latest.values()), finished=out.finished,
-                        finish_reason=first.finish_reason if out.finished and first is not None else None,
+                        finish_reason=("abort" if aborted else first.finish_reason if first is not None else None)
+                        if out.finished else None,
                         cached_tokens=out.num_cached_tokens or 0, first_token_time=_first_token_time(out),
                         choices=choices)
             except EngineDeadError as exc:

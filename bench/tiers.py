@@ -203,7 +203,8 @@ def summarise(asked: list[Asked], ours, deadlines: dict[str, float]) -> dict[str
         fast = [a for a in refused if a.answer_s <= ours.fast]
         answered = [a for a in mine if a.ended == "succeeded" and a.finished_at and a.created_at
                     and a.finished_at - a.created_at <= deadlines[tier] + 0.001]
-        late = [a for a in mine if a.status == 202 and a not in answered]
+        # Accepted (a native 202, an OpenAI call's answer or its end: the row exists) and not answered in time.
+        late = [a for a in mine if a.request_id and a.status not in (429, 503) and a not in answered]
         during = [a for a in refused if any(s <= a.sent <= f for s, f in busy)]
         ms = [a.answer_s * 1000 for a in refused]
         rows[tier] = {"sent": len(mine), "answered_in_time": len(answered), "refused": len(refused),

@@ -87,6 +87,18 @@ def test_structured_output_with_text_format(client, app):
     assert answer.text.format.type == "json_schema"
 
 
+def test_the_sdks_parse_reads_a_pydantic_model_back(client, app):
+    pydantic = pytest.importorskip("pydantic")
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=30)
+        age: int
+
+    openai, api = sdk(app, client.key)
+    parsed = api.responses.parse(model=MODEL, input=said("who?"), text_format=Person, max_output_tokens=200)
+    assert isinstance(parsed.output_parsed, Person)
+
+
 def test_function_tools_call_then_answer_after_the_result(client, app):
     openai, api = sdk(app, client.key)
     asked = api.responses.create(model=MODEL, input=said("weather in Oslo?"), tools=[WEATHER], max_output_tokens=200)

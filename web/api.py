@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 
 from flask import Blueprint, Response, jsonify, request, url_for
 
@@ -155,6 +157,18 @@ def spend_refused(tenant, exc: ApiError) -> None:
     if exc.status in BODY_REFUSALS:
         services().admission.spend_refused(tenant, "too_large" if exc.status == 413 else "invalid",
                                            counted=exc.code == "request_too_large")
+
+
+@contextlib.contextmanager
+def refusals_charged(tenant) -> Iterator[None]:
+    """A refusal raised inside, once the tenant is known, spends its request (``spend_refused``)
+    and carries its quotas (``add_quotas``), as every submit route's refusals do."""
+    try:
+        yield
+    except ApiError as exc:
+        spend_refused(tenant, exc)
+        add_quotas(exc, tenant)
+        raise
 
 
 def add_quotas(exc: ApiError, tenant) -> None:

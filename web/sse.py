@@ -165,8 +165,7 @@ def _rest(row: InferenceRequest, sent: dict[int, _Sent]) -> Iterator[tuple[str, 
         more_text = text[len(had.text):] if text.startswith(had.text) else ""
         more_logprobs = None if logprobs is None else logprobs[had.logprobs:]
         if more_text or more_logprobs:
-            tokens = choice.get("output_tokens") or (row.output_tokens if len(stored) == 1 else 0) or 0
-            yield "token", Increment(more_text, tokens, index, more_logprobs)
+            yield "token", Increment(more_text, choice.get("output_tokens") or 0, index, more_logprobs)
 
 
 def _read(svc: Services, request_id: str, cursor: str) -> list[tuple[str, dict[str, str]]]:

@@ -555,7 +555,7 @@ class EngineRuntime:
         last: GenerationOutput | None = None
         first_token_mono: float | None = None
         sink, sent = (self._token_sink() if request.stream else None), 0  # chars of text streamed
-        marks: list[tuple[int, int]] = []  # per choice: (chars, logprobs) streamed
+        marks: dict[int, tuple[int, int]] = {}  # per choice: (chars, logprobs) streamed
         try:
             # Backstop for an engine that never ends an aborted stream. aclosing: leaving early
             # must close the engine's generator now (aborting the sequence), not at GC time.
@@ -567,7 +567,7 @@ class EngineRuntime:
                             if out.first_token_time:  # the engine's own (wall-clock) stamp is earlier
                                 first_token_mono -= max(0.0, time.time() - out.first_token_time)
                         if sink is not None and out.choices:  # n > 1 or logprobs: per choice
-                            marks = _push_choices(sink, rid, out.choices, marks)
+                            _push_choices(sink, rid, out.choices, marks)
                         elif sink is not None and len(out.text) > sent:
                             sink.push(rid, out.text[sent:], out.output_tokens)  # queued: never blocks
                             sent = len(out.text)
@@ -858,19 +858,16 @@ class EngineRuntime:
                 log.warning("watchdog round failed; retrying", exc_info=True)
 
 
-def _push_choices(sink: TokenSink, request_id: str, choices: tuple,
-                  marks: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def _push_choices(sink: TokenSink, request_id: str, choices: tuple, marks: dict[int, tuple[int, int]]) -> None:
     """Push what each choice (an engine output's, cumulative) added since ``marks`` (per choice:
-    characters and logprobs sent); the marks after."""
-    marks = marks + [(0, 0)] * (len(choices) - len(marks))
+    characters and logprobs sent), and move the marks."""
     for i, choice in enumerate(choices):
-        sent, logged = marks[i]
+        sent, logged = marks.get(i, (0, 0))
         logprobs = choice.logprobs or ()
         if len(choice.text) > sent or len(logprobs) > logged:
             sink.push(request_id, choice.text[sent:], choice.output_tokens, i,
                       None if choice.logprobs is None else stored_logprobs(logprobs[logged:]))
             marks[i] = (len(choice.text), len(logprobs))
-    return marks
 
 
 def _kill_descendants() -> None:

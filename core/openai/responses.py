@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
-from core.errors import InvalidRequest, NotFound, OpenAIBodyError
+from core.errors import ApiError, InvalidRequest, NotFound, OpenAIBodyError
 from core.openai import shapes
 from models import InferenceRequest, Status
 from models.response import StoredResponse
 
+E = TypeVar("E", bound=ApiError)
 RESPONSES_URL = "/v1/responses"
 PREFIX = "resp_"
 # What the Responses body may hold, beside the Sluice extensions (EXTENSIONS).
@@ -139,12 +140,17 @@ class Turn:
         try:
             return shapes.to_native(self.chat, True, default_model, extra=self.extension)
         except OpenAIBodyError as exc:
-            raise OpenAIBodyError(renamed(exc.details), {RENAMED.get(n, n) for n in exc.unsupported}) from None
+            renamed(exc)
+            raise
 
 
-def renamed(details: dict[str, Any]) -> dict[str, Any]:
-    """A chat body's problems, by this route's fields."""
-    return {RENAMED.get(str(name).split(".")[0], name): why for name, why in details.items()}
+def renamed(exc: E) -> E:
+    """``exc``, its problems with a chat body's fields named by this route's."""
+    if isinstance(exc.details, dict):
+        exc.details = {RENAMED.get(str(name).split(".")[0], name): why for name, why in exc.details.items()}
+    if isinstance(exc, OpenAIBodyError):
+        exc.unsupported = {RENAMED.get(name, name) for name in exc.unsupported}
+    return exc
 
 
 def _items(value: Any, problems: dict[str, list[str]]) -> list[dict[str, Any]]:
@@ -252,8 +258,7 @@ def history(row: InferenceRequest, stored: StoredResponse) -> list[dict[str, Any
                              "send the whole conversation as input.", code="invalid_request",
                              details={"previous_response_id": ["Its text was redacted."]})
     messages = [m for i, m in enumerate(row.input.get("messages", [])) if i != stored.instructions_at]
-    (choice,) = shapes.row_choices(row, True)[:1]
-    message = choice["message"]
+    message = shapes.row_choices(row, True)[0]["message"]
     answer: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
     if message.get("tool_calls"):
         answer["tool_calls"] = message["tool_calls"]
@@ -285,10 +290,10 @@ def text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def call_item(call: dict[str, Any], status: str, arguments: str | None = None) -> dict[str, Any]:
+def call_item(call: dict[str, Any], status: str) -> dict[str, Any]:
     return {"type": "function_call", "id": "fc_" + hashlib.sha256(call["id"].encode()).hexdigest()[:32],
-            "call_id": call["id"], "name": call["function"]["name"],
-            "arguments": call["function"]["arguments"] if arguments is None else arguments, "status": status}
+            "call_id": call["id"], "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+            "status": status}
 
 
 def status_of(row: InferenceRequest) -> str:

@@ -49,17 +49,21 @@ SCHEMAS = {
 }
 
 
-def _json(schema: str, description: str) -> dict:
+def json_answer(schema: str, description: str) -> dict:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+# What every OpenAI route takes and may answer before its own checks: a tenant's bearer key.
+COMMON = {"security": [{"bearer": []}]}
+AUTH = {"401": _error("Missing, malformed, invalid or revoked API key."),
+        "403": _error("Tenant disabled (tenant_disabled), or the key's scope refuses it (key_scope).")}
 
 
 def add_paths(spec: APISpec) -> None:
     add_schema(spec)
     for name, schema in SCHEMAS.items():
         spec.components.schema(name, schema)
-    common = {"security": [{"bearer": []}]}
-    auth = {"401": _error("Missing, malformed, invalid or revoked API key."),
-            "403": _error("Tenant disabled (tenant_disabled), or the key's scope refuses it (key_scope).")}
+    common, auth = COMMON, AUTH
     file_id = {"name": "file_id", "in": "path", "required": True, "schema": {"type": "string"},
                "description": "file-<hex> (an upload), file-out-<hex> or file-err-<hex> (a batch's results)."}
     batch_id = {"name": "batch_id", "in": "path", "required": True, "schema": {"type": "string"}}
@@ -82,12 +86,12 @@ def add_paths(spec: APISpec) -> None:
                         "description": "A file id: list the files past it, in the order asked for."},
                        {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}},
                        {"name": "purpose", "in": "query", "schema": {"const": "batch"}}],
-        "responses": {"200": _json("OpenAIFileList", "The files."), **auth,
+        "responses": {"200": json_answer("OpenAIFileList", "The files."), **auth,
                       "400": _error("limit, order or purpose out of range."),
                       "404": _error("`after` names no file of this key (file_not_found).")}}, "post": {
         **common, "summary": "Upload a batch input file (OpenAI Files), streamed into Postgres",
         "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": form}}},
-        "responses": {"200": _json("OpenAIFile", "The stored file."), **auth,
+        "responses": {"200": json_answer("OpenAIFile", "The stored file."), **auth,
                       "400": _error("Another purpose (invalid_purpose), no file part, an unreadable form."),
                       "408": _error("The upload stopped arriving (body_timeout)."),
                       "413": _error("Over SLUICE_JOB_MAX_BYTES (file_too_large), or over the tenant's stored bytes "
@@ -99,10 +103,10 @@ def add_paths(spec: APISpec) -> None:
                                     "Retry-After.")}}})
     spec.path(path="/v1/files/{file_id}", operations={"get": {
         **common, "summary": "A file object", "parameters": [file_id],
-        "responses": {"200": _json("OpenAIFile", "The file."), **auth, **no_file}}, "delete": {
+        "responses": {"200": json_answer("OpenAIFile", "The file."), **auth, **no_file}}, "delete": {
         **common, "summary": "Delete an uploaded file; a batch made from it keeps its lines and the file's id",
         "parameters": [file_id],
-        "responses": {"200": _json("OpenAIFileDeleted", "Deleted."), **auth, **no_file,
+        "responses": {"200": json_answer("OpenAIFileDeleted", "Deleted."), **auth, **no_file,
                       "400": _error("A batch's output or error file (file_not_deletable).")}}})
     spec.path(path="/v1/files/{file_id}/content", operations={"get": {
         **common, "summary": "A file's content: an upload as sent, or a batch's results in OpenAI's output format",
@@ -112,7 +116,7 @@ def add_paths(spec: APISpec) -> None:
     spec.path(path="/v1/batches", operations={
         "post": {**common, "summary": "Create a batch (OpenAI Batches): a bulk job of the file's request lines",
                  "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
-                 "responses": {"200": _json("OpenAIBatch", "The batch, its lines already read (in_progress)."),
+                 "responses": {"200": json_answer("OpenAIBatch", "The batch, its lines already read (in_progress)."),
                                **auth, **no_file,
                                "400": _error("Invalid fields; a file with no valid line (no_valid_lines), empty "
                                              "(empty_file) or over the tenant's token budget "
@@ -125,15 +129,15 @@ def add_paths(spec: APISpec) -> None:
                                                                            "maximum": 100}},
                                {"name": "after", "in": "query", "schema": {"type": "string"},
                                 "description": "A batch id: list the batches created before it."}],
-                "responses": {"200": _json("OpenAIBatchList", "The batches."), **auth,
+                "responses": {"200": json_answer("OpenAIBatchList", "The batches."), **auth,
                               "400": _error("limit is not a whole number from 1 to 100."),
                               "404": _error("`after` names no batch of this key (batch_not_found).")}},
     })
     spec.path(path="/v1/batches/{batch_id}", operations={"get": {
         **common, "summary": "A batch: status, request counts, output and error files", "parameters": [batch_id],
-        "responses": {"200": _json("OpenAIBatch", "The batch."), **auth, **no_batch}}})
+        "responses": {"200": json_answer("OpenAIBatch", "The batch."), **auth, **no_batch}}})
     spec.path(path="/v1/batches/{batch_id}/cancel", operations={"post": {
         **common, "summary": "Cancel a batch; the lines that finished stay in its output file",
         "parameters": [batch_id],
-        "responses": {"200": _json("OpenAIBatch", "The batch (cancelling until nothing runs)."), **auth, **no_batch,
-                      "409": _error("Already ended (not_cancellable).")}}})
+        "responses": {"200": json_answer("OpenAIBatch", "The batch (cancelling until nothing runs)."), **auth,
+                      **no_batch, "409": _error("Already ended (not_cancellable).")}}})

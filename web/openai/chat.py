@@ -37,7 +37,7 @@ from core.submit.plan import SERVICE_TIER_HEADER, tier_of
 from core.tenants.scopes import Caller
 from models import InferenceRequest, Source, Status, Tenant
 from web import waits
-from web.api import add_quotas, spend_refused
+from web.api import refusals_charged
 from web.auth import authenticate
 from web.bodies import json_object, large
 from web.errors import ApiError
@@ -90,17 +90,20 @@ def _models(svc: Services) -> list[dict[str, Any]]:
             for model in svc.settings.registry.models]
 
 
+def opened_body(svc: Services, tenant: Tenant) -> dict[str, Any]:
+    """The call's JSON body, once its size is within the tenant's limits (a large one is checked
+    against them before it is parsed further)."""
+    body = json_object()
+    if large(request.content_length):
+        svc.admission.refuse_over_limits(tenant)
+    return body
+
+
 def _create(url: str) -> Response | tuple[Response, int, dict[str, str]]:
     svc = services()
     tenant = authenticate(svc.db, svc.recent_keys)
-    try:
-        body = json_object()
-        if large(request.content_length):
-            svc.admission.refuse_over_limits(tenant)
-    except ApiError as exc:
-        spend_refused(tenant, exc)
-        add_quotas(exc, tenant)
-        raise
+    with refusals_charged(tenant):
+        body = opened_body(svc, tenant)
     prompts = body.get("prompt") if url == shapes.COMPLETIONS_URL else None
     if isinstance(prompts, list) and len(prompts) == 1:
         body = {**body, "prompt": prompts[0]}  # one prompt in a list is that prompt
@@ -197,22 +200,21 @@ def _submit(svc: Services, tenant: Tenant, url: str, body: dict[str, Any], key_s
     ``patient`` False: nobody waits on the connection (a background response), so the body's
     deadline, else its tier's, stands."""
     called: dict[str, str] = {}
-    try:
-        default = svc.settings.registry.default.name
-        asked, data = translate(default) if translate else shapes.to_native_for(url, body, default)
-        if patient:
-            given = patience.deadline(request.headers, tier_of(data), bool(data.get("stream")), svc.settings)
-            called, data = given.headers(), given.applied(data)
-        called = {**called, SERVICE_TIER_HEADER: tier_of(data).value}  # (auto: as default)
-        header = request.headers.get(idempotency.HEADER)
-        key = idempotency.key_from(header[:250] + key_suffix if header and key_suffix else header, tenant.id,
-                                   body, svc.settings.idempotency_window_s)
-        accepted = svc.requests.submit(tenant, data, key, source=Source.OPENAI, publish=held is None)
-    except ApiError as exc:
-        spend_refused(tenant, exc)
-        add_quotas(exc, tenant)  # as on the native route: quotas on every answer
-        exc.headers = {**exc.headers, **called}  # a copy: an error may have been raised with a shared dict
-        raise
+    with refusals_charged(tenant):  # as on the native route: quotas on every answer
+        try:
+            default = svc.settings.registry.default.name
+            asked, data = translate(default) if translate else shapes.to_native_for(url, body, default)
+            if patient:
+                given = patience.deadline(request.headers, tier_of(data), bool(data.get("stream")), svc.settings)
+                called, data = given.headers(), given.applied(data)
+            called = {**called, SERVICE_TIER_HEADER: tier_of(data).value}  # (auto: as default)
+            header = request.headers.get(idempotency.HEADER)
+            key = idempotency.key_from(header[:250] + key_suffix if header and key_suffix else header, tenant.id,
+                                       body, svc.settings.idempotency_window_s)
+            accepted = svc.requests.submit(tenant, data, key, source=Source.OPENAI, publish=held is None)
+        except ApiError as exc:
+            exc.headers = {**exc.headers, **called}  # a copy: an error may have been raised with a shared dict
+            raise
     row = accepted.row
     if accepted.unpublished:  # only when ``held`` asked for it
         held.append(row)

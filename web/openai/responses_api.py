@@ -18,6 +18,7 @@ nobody waits on its connection, and leaving does not cancel it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import uuid
 from collections.abc import Iterator
@@ -33,9 +34,9 @@ from core.tenants.scopes import Caller
 from models import InferenceRequest, Status, StoredResponse, utcnow
 from models.request import redaction
 from web import waits
-from web.api import add_quotas, spend_refused
+from web.api import refusals_charged
 from web.auth import authenticate, authenticate_caller
-from web.bodies import json_object, large, page_limit
+from web.bodies import list_page, page_limit
 from web.errors import ApiError
 from web.openai import chat
 from web.services import Services, services
@@ -49,16 +50,10 @@ CANCEL_WAIT_S = 5.0  # how long a cancel waits for the worker to abort a running
 def create_response() -> Response | tuple[Response, int, dict[str, str]]:
     svc = services()
     tenant = authenticate(svc.db, svc.recent_keys)
-    try:
-        body = json_object()
-        if large(request.content_length):
-            svc.admission.refuse_over_limits(tenant)
+    with refusals_charged(tenant):
+        body = chat.opened_body(svc, tenant)
         previous = _previous(svc, Caller.of(tenant), body.get("previous_response_id"))
         turn = responses.Turn(body, [] if previous is None else responses.history(*previous))
-    except ApiError as exc:
-        spend_refused(tenant, exc)
-        add_quotas(exc, tenant)
-        raise
     background, store = turn.background, turn.store
     # A stored response's turns are one conversation: each runs where the last one's prefix is cached.
     if previous and previous[0].conversation_id:
@@ -72,17 +67,15 @@ def create_response() -> Response | tuple[Response, int, dict[str, str]]:
         _, row, headers = chat._submit(svc, tenant, responses.RESPONSES_URL, body, held=held,
                                        translate=turn.native, patient=not background)
     except ApiError as exc:  # what the native checks say of chat's fields, said of this route's
-        exc.details = responses.renamed(exc.details) if isinstance(exc.details, dict) else exc.details
+        responses.renamed(exc)
         raise
-    stored = StoredResponse(request_id=row.id, previous_id=previous[0].id if previous else None,
-                            turn_from=turn.turn_from, instructions_at=turn.instructions_at, background=background,
-                            fields={"max_output_tokens": body.get("max_output_tokens"), "store": store})
+    values = {"request_id": row.id, "previous_id": previous[0].id if previous else None,
+              "turn_from": turn.turn_from, "instructions_at": turn.instructions_at, "background": background,
+              "fields": {"max_output_tokens": body.get("max_output_tokens"), "store": store}}
+    stored = StoredResponse(**values)
     if store:  # before it is published: whoever learns of its end can read it back
-        with svc.db.session() as session:
-            session.execute(insert(StoredResponse).values(
-                request_id=stored.request_id, previous_id=stored.previous_id, turn_from=stored.turn_from,
-                instructions_at=stored.instructions_at, background=stored.background, fields=stored.fields)
-                .on_conflict_do_nothing())  # a replayed idempotent call's was stored the first time
+        with svc.db.session() as session:  # a replayed idempotent call's was stored the first time
+            session.execute(insert(StoredResponse).values(**values).on_conflict_do_nothing())
             session.commit()
     for unpublished in held:
         svc.requests.publish(unpublished)
@@ -99,9 +92,7 @@ def create_response() -> Response | tuple[Response, int, dict[str, str]]:
         chat._cancel(svc, tenant, [row])
         raise ApiError("The request did not end within its deadline; it was cancelled.",
                        code="wait_timeout", status=504, headers={**headers, **chat.NO_RETRY})
-    ended = chat._ended(row, headers)
-    ended.details = responses.renamed(ended.details) if isinstance(ended.details, dict) else ended.details
-    raise ended
+    raise responses.renamed(chat._ended(row, headers))
 
 
 @bp.get("/responses/<response_id>")
@@ -122,14 +113,7 @@ def cancel_response(response_id: str) -> Response:
     if not stored.background:
         raise InvalidRequest("Only a background response can be cancelled; a foreground one is cancelled by "
                              "closing its connection.", details={"background": ["This response is not one."]})
-    if not row.status.terminal:
-        try:
-            row = svc.requests.cancel(caller, str(row.id))
-        except ApiError:  # it ended meanwhile: its answer stands
-            row = svc.requests.get(caller, str(row.id))
-        # A running one is aborted by its worker: answer once it has ended (at most CANCEL_WAIT_S).
-        row = waits.until_ended(svc, caller.tenant_id, row, CANCEL_WAIT_S)
-    return jsonify(responses.response(row, stored))
+    return jsonify(responses.response(_stopped(svc, caller, row), stored))
 
 
 @bp.delete("/responses/<response_id>")
@@ -140,12 +124,7 @@ def delete_response(response_id: str) -> Response:
     svc = services()
     caller = authenticate_caller(svc.db, svc.recent_keys)
     row, stored = _read(svc, caller, response_id)
-    if not row.status.terminal:
-        try:
-            row = svc.requests.cancel(caller, str(row.id))
-        except ApiError:
-            pass  # it ended meanwhile
-        row = waits.until_ended(svc, caller.tenant_id, row, CANCEL_WAIT_S)
+    row = _stopped(svc, caller, row)
     with svc.db.session() as session:
         session.get(StoredResponse, row.id).deleted_at = utcnow()
         # Ended only: an end written later would bring text back.
@@ -170,24 +149,28 @@ def list_input_items(response_id: str) -> Response:
             raise InvalidRequest(f"No input item {after[:80]!r} in this response.", details={"after": ["Unknown."]})
         items = items[ids.index(after) + 1:]
     limit = page_limit()
-    data = items[:limit]
-    return jsonify({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                    "last_id": data[-1]["id"] if data else None, "has_more": len(items) > limit})
+    return list_page(items[:limit + 1], limit, openai=True)
+
+
+def _stopped(svc: Services, caller: Caller, row: InferenceRequest) -> InferenceRequest:
+    """``row`` cancelled if it had not ended (one that ended meanwhile keeps its answer), as it is
+    once its worker has aborted it (at most ``CANCEL_WAIT_S``)."""
+    if row.status.terminal:
+        return row
+    try:
+        row = svc.requests.cancel(caller, str(row.id))
+    except ApiError:
+        pass  # it ended meanwhile
+    return waits.until_ended(svc, caller.tenant_id, row, CANCEL_WAIT_S)
 
 
 def _read(svc: Services, caller: Caller, response_id: str) -> tuple[InferenceRequest, StoredResponse]:
     """The response ``caller`` sees (its key's scope), not deleted; else 404."""
-    rid = responses.parse_id(response_id)
-    with svc.db.session() as session:
-        stored = session.get(StoredResponse, rid)
-        try:
-            row = svc.requests.get(caller, str(rid), session)
-        except NotFound:  # another key's (an `own` key), or none: the same 404
-            row = None
-        session.expunge_all()
-    if row is None or stored is None or stored.deleted_at is not None:
+    found = _stored(svc, responses.parse_id(response_id),
+                    caller.sees(InferenceRequest.tenant_id, InferenceRequest.api_key_id, "responses"))
+    if found is None:  # another key's (an `own` key), or none: the same 404
         raise NotFound(f"No response {response_id[:80]!r}.", code="response_not_found")
-    return row, stored
+    return found
 
 
 def _previous(svc: Services, caller: Caller, previous_id: Any) -> tuple[InferenceRequest, StoredResponse] | None:
@@ -199,18 +182,24 @@ def _previous(svc: Services, caller: Caller, previous_id: Any) -> tuple[Inferenc
         raise InvalidRequest("previous_response_id is a response's id (resp_…).",
                              details={"previous_response_id": ["A string."]})
     try:
-        rid = responses.parse_id(previous_id)
-        with svc.db.session() as session:
-            row = session.scalar(select(InferenceRequest).where(
-                InferenceRequest.id == rid, caller.uses(InferenceRequest.tenant_id, InferenceRequest.api_key_id)))
-            stored = session.get(StoredResponse, rid)
-            session.expunge_all()
-        if row is None or stored is None or stored.deleted_at is not None:
-            raise NotFound("")
+        found = _stored(svc, responses.parse_id(previous_id),
+                        caller.uses(InferenceRequest.tenant_id, InferenceRequest.api_key_id))
     except NotFound:
+        found = None
+    if found is None:
         raise InvalidRequest(f"No stored response {previous_id[:80]!r} to continue.", code="invalid_request",
-                             details={"previous_response_id": ["Not found (or not stored, or deleted)."]}) from None
-    return row, stored
+                             details={"previous_response_id": ["Not found (or not stored, or deleted)."]})
+    return found
+
+
+def _stored(svc: Services, rid: uuid.UUID, visible: Any) -> tuple[InferenceRequest, StoredResponse] | None:
+    """The request row ``visible`` lets its caller see, and its response, unless deleted; else None."""
+    with svc.db.session() as session:
+        found = session.execute(select(InferenceRequest, StoredResponse).join(
+            StoredResponse, StoredResponse.request_id == InferenceRequest.id).where(
+            InferenceRequest.id == rid, visible, StoredResponse.deleted_at.is_(None))).first()
+        session.expunge_all()
+    return None if found is None else (found[0], found[1])
 
 
 def _data(event: dict[str, Any]) -> str:
@@ -222,7 +211,7 @@ def _events(svc: Services, row: InferenceRequest, stored: StoredResponse) -> Ite
     text part added, a delta per increment, their done events; each function call added whole
     (its arguments in one delta); completed (incomplete, failed). An answer that may be tool calls
     is not relayed token by token (its JSON is no text): its items come whole at the end."""
-    number = iter(range(1 << 62))
+    number = itertools.count()
     calls = bool(row.input.get("tools")) and row.params.get("tool_choice") != "none"
     item = responses.message_item(row, None, "in_progress")
 
@@ -253,14 +242,14 @@ def _events(svc: Services, row: InferenceRequest, stored: StoredResponse) -> Ite
                 yield event("error", code="requeued", message=message, param=None)
                 return
             elif kind == "done":
-                yield from _last(value, stored, event, item if opened else None, text)
+                yield from _last(value, stored, event, opened, text)
     finally:
         moves.close()  # a client that left mid-stream: the relay abandons its request (unless detached)
 
 
-def _last(row: InferenceRequest, stored: StoredResponse, event, opened: dict[str, Any] | None,
-          text: str) -> Iterator[str]:
-    """The done events of what was streamed, the items that come whole, and the response's end."""
+def _last(row: InferenceRequest, stored: StoredResponse, event, opened: bool, text: str) -> Iterator[str]:
+    """The done events of what was streamed (``opened``: its message item was added, ``text`` sent),
+    the items that come whole, and the response's end."""
     if row.status != Status.SUCCEEDED:
         failed = responses.response(row, stored, "failed" if row.status.terminal else "in_progress")
         if not row.status.terminal:
@@ -272,7 +261,7 @@ def _last(row: InferenceRequest, stored: StoredResponse, event, opened: dict[str
     for index, item in enumerate(items):
         if item["type"] == "message":
             part = item["content"][0]
-            if opened is None:
+            if not opened:
                 yield event("response.output_item.added", output_index=index, item={**item, "content": [],
                                                                                      "status": "in_progress"})
                 yield event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
@@ -292,5 +281,5 @@ def _last(row: InferenceRequest, stored: StoredResponse, event, opened: dict[str
             yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                         arguments=item["arguments"], name=item["name"])
         yield event("response.output_item.done", output_index=index, item=item)
-    final = responses.response(row, stored)
+    final = responses.response(row, stored, output=items)
     yield event("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)

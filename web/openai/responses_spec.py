@@ -7,6 +7,8 @@ from __future__ import annotations
 from apispec import APISpec
 
 from core.openai.responses import EXTENSIONS, FIELDS, HOSTED_TOOLS
+from web.openai.batches_spec import AUTH, COMMON
+from web.openai.batches_spec import json_answer as _json
 from web.openai.errors import documented as _error
 
 _STRING_OR_NULL = {"type": ["string", "null"]}
@@ -45,16 +47,10 @@ SCHEMAS = {
 }
 
 
-def _json(schema: str, description: str) -> dict:
-    return {"description": description, "content": {"application/json": {"schema": schema}}}
-
-
 def add_paths(spec: APISpec) -> None:
     for name, schema in SCHEMAS.items():
         spec.components.schema(name, schema)
-    common = {"security": [{"bearer": []}]}
-    auth = {"401": _error("Missing, malformed, invalid or revoked API key."),
-            "403": _error("Tenant disabled (tenant_disabled), or the key's scope refuses it (key_scope).")}
+    common, auth = COMMON, AUTH
     response_id = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"},
                    "description": "resp_<hex>."}
     missing = {"404": _error("No such response for this key, or deleted (response_not_found).")}

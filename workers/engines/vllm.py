@@ -405,8 +405,7 @@ class VllmEngine(Engine):
                 stream = llm.generate(engine_input, params, request_id=rid, priority=request.priority)
                 async for out in stream:
                     for c in out.outputs:
-                        latest[c.index] = (c.text if params.detokenize else
-                                           await self._decode(c.token_ids, p.keep_special_tokens), c)
+                        latest[c.index] = (c.text if params.detokenize else await self._decode(c.token_ids), c)
                         if p.logprobs is not None:  # converted once each: the outputs are cumulative
                             have = converted.setdefault(c.index, [])
                             have.extend(_logprobs(c, p.logprobs, len(have)))
@@ -477,10 +476,10 @@ class VllmEngine(Engine):
         return GenerationOutput(request_id=rid, text="", prompt_tokens=sum(len(o.prompt_token_ids) for o in outs),
                                 output_tokens=0, finished=True, finish_reason="stop", embedding=vectors)
 
-    async def _decode(self, token_ids, keep_special_tokens: bool = False) -> str:
+    async def _decode(self, token_ids) -> str:
         tokenizer = self._require().get_tokenizer()
         return await asyncio.get_running_loop().run_in_executor(
-            None, lambda: tokenizer.decode(list(token_ids), skip_special_tokens=not keep_special_tokens))
+            None, lambda: tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
     async def _prompt(self, request: GenerationRequest) -> Any:
         if request.messages is None:

@@ -13,10 +13,9 @@ UP_FLAGS := $(if $(ENGINE),--engine $(ENGINE)) $(if $(MODEL),--model $(MODEL)) $
 up: $(VENV)/.installed $(if $(filter vllm,$(ENGINE)),$(VENV)/.installed-vllm)
 	$(BIN)/sluice up $(UP_FLAGS)
 
-# TEST_PROCS=4 spreads the suite over four pytest-xdist processes (which tests share one, and in
-# what order they start: tests/conftest.py). One process stays the default while a spread run on a
-# slow 2-core host still misses timing bounds now and then (issue 35, docs/development.md).
-TEST_PROCS ?= 1
+# The suite runs spread over four pytest-xdist processes (which tests share one, and in what order
+# they start: tests/conftest.py); TEST_PROCS=1 runs it in one (docs/development.md).
+TEST_PROCS ?= 4
 ifeq ($(TEST_PROCS),1)
 SPREAD :=
 else

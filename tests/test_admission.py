@@ -176,7 +176,9 @@ def test_finished_request_gives_back_what_it_did_not_use(app, client):
     tenant_id = set_limits(app, client, tokens_per_minute=8100)
     limiter = services(app).admission.shared
     began = time.monotonic()
-    accepted = client.submit(prompt="tell me a story", max_tokens=8000, stop=[" "])
+    # Its own deadline: the promise judges 8,000 tokens by the session worker's measured speed,
+    # which a loaded host (four test processes on two cores) can bring below 8,000 in 300 s.
+    accepted = client.submit(prompt="tell me a story", max_tokens=8000, stop=[" "], deadline_s=3600)
     assert accepted.status_code == 202
     reserved_remaining = int(accepted.headers["x-ratelimit-remaining-tokens"])
     view = client.wait(accepted.get_json()["id"])

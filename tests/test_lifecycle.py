@@ -50,7 +50,8 @@ def test_size_class_and_priority_pick_the_queue(client):
 
 def test_running_request_is_cancelled_and_aborted_in_the_engine(client, worker):
     aborted_before = worker.stats().get("aborted", 0)
-    request_id = client.submit(prompt="a long story", max_tokens=8000).get_json()["id"]
+    # Deadlines of their own, as in test_admission: a loaded host's measured speed must not refuse them.
+    request_id = client.submit(prompt="a long story", max_tokens=8000, deadline_s=3600).get_json()["id"]
     client.wait(request_id, statuses={"running"})
     response = client.cancel(request_id)
     assert response.status_code == 200 and response.get_json()["cancel_requested"] is True
@@ -63,7 +64,7 @@ def test_running_request_is_cancelled_and_aborted_in_the_engine(client, worker):
 
 
 def test_time_limit_aborts_and_the_worker_goes_on(client, worker):
-    request_id = client.submit(prompt="never ending", max_tokens=8000, time_limit_s=0.5).get_json()["id"]
+    request_id = client.submit(prompt="never ending", max_tokens=8000, time_limit_s=0.5, deadline_s=3600).get_json()["id"]
     view = client.wait(request_id, timeout=30)
     assert view["status"] == "timed_out", view
     assert view["error"]["code"] == "time_limit_exceeded"

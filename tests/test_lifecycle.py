@@ -64,7 +64,8 @@ def test_running_request_is_cancelled_and_aborted_in_the_engine(client, worker):
 
 
 def test_time_limit_aborts_and_the_worker_goes_on(client, worker):
-    request_id = client.submit(prompt="never ending", max_tokens=8000, time_limit_s=0.5, deadline_s=3600).get_json()["id"]
+    request_id = client.submit(prompt="never ending", max_tokens=8000, time_limit_s=0.5,
+                               deadline_s=3600).get_json()["id"]
     view = client.wait(request_id, timeout=30)
     assert view["status"] == "timed_out", view
     assert view["error"]["code"] == "time_limit_exceeded"

@@ -229,7 +229,8 @@ def start_sluice(args: argparse.Namespace, setup: str, exits: contextlib.ExitSta
     port, admin_key = free_port(), uuid.uuid4().hex
     ladder = "none" if setup == "sluice-ladder-off" else Settings().ladder_steps  # "": unset, i.e. every step
     env = {"DATABASE_URL": database_url, "REDIS_URL": redis_url,
-           "SLUICE_WEB_PORT": str(port), "SLUICE_ADMIN_KEY": admin_key, "SLUICE_LOG_LEVEL": "WARNING",
+           "SLUICE_WEB_PORT": str(port), "SLUICE_ADMIN_KEY": admin_key,
+           "SLUICE_LOG_LEVEL": os.environ.get("SLUICE_BENCH_LOG_LEVEL", "WARNING"),
            "SLUICE_DATA_DIR": str(tmp), "SLUICE_LADDER_STEPS": ladder,
            "SLUICE_WORKER_CONCURRENCY": str(args.seqs), **engine_env(args)}
     settings = Settings.from_env(env)
@@ -633,7 +634,7 @@ def find_knee(front: SluiceFront | VllmFront, args: argparse.Namespace, prompts:
 
 def start(args: argparse.Namespace, setup: str, exits: contextlib.ExitStack) -> SluiceFront | VllmFront:
     """The setup's processes, stopped when ``exits`` closes; their logs are kept only if it fails
-    (or SLUICE_BENCH_KEEP_LOGS is set)."""
+    (or SLUICE_BENCH_KEEP_LOGS is set), at SLUICE_BENCH_LOG_LEVEL (WARNING unless set)."""
     tmp = Path(tempfile.mkdtemp(prefix=f"overload-{setup}-"))
 
     def logs(exc_type: type | None, *_: object) -> bool:  # runs last, once every process stopped

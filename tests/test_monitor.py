@@ -221,25 +221,33 @@ def test_a_tiers_share_of_the_engines_counts_its_prompts():
 
 def test_a_jobs_estimate_reads_the_busy_drain_of_a_backlog_that_lasted():
     """The drain a class was measured to take while busy (``busy_tps``: what a bulk job's estimate
-    reads) comes from a backlog of BUSY_MIN_S or more: a 2 s one in which threads held long
-    documents and few were claimed moves the drain the promise uses, not the estimate."""
+    reads) comes from BUSY_MIN_S of backlog or more, counted from FILL_S after each began and
+    faded over BUSY_TAU_S: a 2 s one in which threads held long documents and few were claimed
+    moves the drain the promise uses, not the estimate, and the burst that fills the engines' free
+    slots as a backlog begins is no drain."""
     monitor = Monitor(make_settings("postgresql://unused", "redis://unused"), redis.Redis(), None)  # never called
 
     def tick(t: float, claimed: int, queued: int = 50):
         return monitor._class_load("batch", "m", {"claimed_work": claimed, "queued_work": queued}, 1, 4, None, t, 0)
 
+    tick(-1.0, 0, queued=0)  # idle: the backlog below is seen to begin
     claimed = 0
-    for t in range(0, 7):  # 6 s of backlog at 100 tokens a second
+    for t in range(0, 9):  # 8 s of backlog at 100 tokens a second, after 1,000 claimed in its first second
         load = tick(float(t), claimed)
-        claimed += 100
-    assert load.busy_tps == pytest.approx(100.0) and load.drain_tps == pytest.approx(100.0)
-    tick(7.0, claimed, queued=0)  # the queue ran dry: a new backlog begins
-    for t in range(8, 11):  # 2 s in which 10 tokens a second were claimed
+        claimed += 1100 if t == 0 else 100
+    assert load.busy_tps == pytest.approx(100.0), "the fill is not counted"
+    assert load.drain_tps > 200, "the promise's drain counts it (a backlog just begun is measured at once)"
+    tick(9.0, claimed, queued=0)  # the queue ran dry: a new backlog begins
+    for t in range(10, 13):  # 2 s in which 10 tokens a second were claimed
         load = tick(float(t), claimed)
         claimed += 10
     assert load.drain_tps == pytest.approx(10.0), "the drain follows the latest backlog"
     assert load.busy_tps == pytest.approx(100.0), "the estimate keeps the one that lasted"
-    for t in range(11, 15):  # it goes on, at 10 tokens a second, past BUSY_MIN_S
+    for t in range(13, 18):  # it goes on at 10 tokens a second: the busy drain fades toward it
         load = tick(float(t), claimed)
         claimed += 10
-    assert load.busy_tps == pytest.approx(10.0)
+    assert 10.0 < load.busy_tps < 100.0
+    for t in range(18, 200):
+        load = tick(float(t), claimed)
+        claimed += 10
+    assert load.busy_tps == pytest.approx(10.0, rel=0.01)

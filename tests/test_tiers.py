@@ -282,20 +282,24 @@ def test_the_estimate_shares_the_engines_by_weight_and_what_realtime_leaves():
     assert estimate.finish_s(work, batch, realtime, tokens=11_000, ahead_tokens=0, weight=1, others=[]) == \
         pytest.approx(estimate.MARGIN * 15 / 0.5)
     assert estimate.finish_s(work, None, realtime, tokens=11_000, ahead_tokens=0, weight=1, others=[]) is None
-    # Other jobs keep the batch class busy: what it was measured to take, 20 output tokens a second,
-    # is its capacity (1,000 output tokens: 50 s alone). The other tenant's 2,200 tokens are 10 s
-    # of work at this job's 50 s per 11,000: at half the capacity each, that one ends at 20 s, and
-    # this one's last 40 s run alone: 60 s.
     # Measured busy before (20 output tokens a second while its queue never ran dry): that is its
     # capacity even while idle now, and over a window that just got busy (claimed_tps 5).
     measured = ClassLoad("batch", "m", 0, 0, 0, 100.0, 10.0, 0.0, 0, 1, 0, busy_tps=20.0, claimed_tps=5.0)
     for ahead in (0, 1000):
         assert estimate.finish_s(work, measured, realtime, tokens=11_000, ahead_tokens=ahead, weight=1,
                                  others=[]) == pytest.approx(estimate.MARGIN * (1000 + ahead / 11) / 20)
-    busy = ClassLoad("batch", "m", 0, 0, 0, 100.0, 10.0, 0.0, 0, 1, 0, claimed_tps=20.0)
-    assert estimate.finish_s(work, busy, realtime, tokens=11_000, ahead_tokens=0, weight=1,
+    # Other jobs keep the batch class busy: what it was measured to take (1,000 output tokens: 50 s
+    # alone). The other tenant's 2,200 tokens are 10 s of work at this job's 50 s per 11,000: at
+    # half the capacity each, that one ends at 20 s, and this one's last 40 s run alone: 60 s.
+    assert estimate.finish_s(work, measured, realtime, tokens=11_000, ahead_tokens=0, weight=1,
                              others=[estimate.Tenant(2200, 1.0)], overhead_s=2) == pytest.approx(
         estimate.MARGIN * 60 + 2)
+    # Not yet measured busy: the idle model, not what the class claimed over the window (a class
+    # just getting busy, or one never backlogged, claims less than it can take).
+    claimed = ClassLoad("batch", "m", 0, 0, 0, 100.0, 10.0, 0.0, 0, 1, 0, prefill_s_tok=0.001, engines=2,
+                        claimed_tps=20.0)
+    assert estimate.finish_s(work, claimed, realtime, tokens=11_000, ahead_tokens=0, weight=1, others=[]) == \
+        pytest.approx(estimate.MARGIN * 15 / 0.5)
 
 
 def test_finished_jobs_teach_their_models_estimates(app, db, tenant_id):
@@ -339,9 +343,52 @@ def test_finished_jobs_teach_their_models_estimates(app, db, tenant_id):
         with db.session() as session:
             job = session.get(Job, job.id)
         Settler(svc, {}, {})._finish(job, JobStatus.COMPLETED)
-        assert estimate.calibration(svc.redis, model) == pytest.approx((120 * estimate.MARGIN / 60) ** 0.25, rel=0.02)
+        learned = estimate.calibration(svc.redis, model)
+        assert learned == pytest.approx((120 * estimate.MARGIN / 60) ** 0.25, rel=0.02)
+
+        # One priced by the idle model (no busy stretch measured yet) teaches nothing: its miss
+        # is the Python around the engines, which measured prices already count.
+        idle = Job(tenant_id=tenant_id, status=JobStatus.IN_PROGRESS, model=model, priority="batch",
+                   instruction="Sum.", summary_tokens=8, completion_window_s=3600,
+                   started_at=now - timedelta(seconds=150), estimated_finish_at=now - timedelta(seconds=120))
+        with db.session() as session:
+            session.add(idle)
+        assert estimate.Lessons(svc.redis).unmeasured(idle.id, 3600)
+        with db.session() as session:
+            idle = session.get(Job, idle.id)
+        Settler(svc, {}, {})._finish(idle, JobStatus.COMPLETED)
+        assert estimate.calibration(svc.redis, model) == learned
+        assert not estimate.Lessons(svc.redis).unmeasured(idle.id), "the mark is read once"
     finally:
         svc.redis.delete(key)
+
+
+def test_the_requests_already_fed_go_before_every_job_and_a_job_takes_its_own_latency():
+    """What the feeder already put in the queues (2 of its 6 requests, 20 tokens) and in the
+    engines (the other 4, 40 tokens, half done on average) is ahead of a new job wherever it is
+    placed in its tenant's line. On engines with room a small job still takes its requests' own
+    time: a document summarised in two stages takes each stage's prefill and its output at the
+    speed one sequence gets, one after the other."""
+    busy = ClassLoad("batch", "m", 0, 2, 0, 100.0, 10.0, 0.0, 0, 1, 0, busy_tps=1.0)
+    one = estimate.Work()
+    one.add(0, 10)  # 10 output tokens at the measured 1 a second: a second a token
+    plan = estimate.capacity(one, busy, None, tokens=10, weight=1.0, others=[], in_flight=60.0, in_flight_requests=6)
+    assert plan.measured and plan.per_token_s == pytest.approx(1.0) and plan.ahead_s == pytest.approx(20 + 40 / 2)
+    assert estimate.place(plan, 10, []) == pytest.approx((20 + 40 / 2 + 10) * estimate.MARGIN)
+    assert estimate.place(plan, 10, [(500.0, 30.0)]) == pytest.approx((40 + 10) * estimate.MARGIN), \
+        "ahead of the tenant's later job, behind the pipeline"
+
+    work = estimate.Work()
+    work.document(5000, 10, 50, 2000)  # three chunks of 1,667 tokens, then their 150 tokens of summaries
+    assert work.requests == 4 and work.chain == ((1677, 50), (160, 50))
+    work.document(100, 10, 50, 2000)
+    assert work.chain == ((1677, 50), (160, 50)), "the longest chain"
+    idle = ClassLoad("batch", "m", 0, 0, 0, 1000.0, 10.0, 0.0, 0, 1, 0, prefill_s_tok=0.001, engines=1)
+    chain_s = (1677 + 160) * 0.001 + 2 * 50 / 10
+    assert estimate.latency_s(work, idle) == pytest.approx(chain_s)
+    plan = estimate.capacity(work, idle, None, tokens=7000, weight=1.0, others=[])
+    assert not plan.measured and estimate.engine_s(work, idle) < chain_s
+    assert plan.finish_s(7000) == pytest.approx(chain_s * estimate.MARGIN)
 
 
 def test_a_tenants_job_promised_first_is_fed_first():
@@ -364,9 +411,9 @@ def test_a_job_overtakes_the_tenants_later_promises_only_where_they_keep_them():
     second: expected at 50 s and 150 s). A job of 20 tokens fits ahead of both (the first is then
     expected at 70 s ≤ 100); one of 80 tokens would push the first to 130 s, so it goes behind it,
     where the second is expected at 230 s ≤ 300; one of 200 tokens keeps neither, so it goes
-    last. Each is promised its expected finish times the margin. A job already late does not
-    block a place."""
-    plan = estimate.Capacity(per_token_s=1.0, share=1.0, queued_s=0.0, weight=1.0, others={})
+    last. Each is promised its expected finish times the margin. A job already expected late
+    keeps room for LATE_ROOM of the time left to its promise only; one past it, none."""
+    plan = estimate.Capacity(per_token_s=1.0, share=1.0, ahead_s=0.0, weight=1.0, others={})
     margin = estimate.MARGIN
     line = [(100.0, 50.0), (300.0, 100.0)]
     assert estimate.place(plan, 20, line) == pytest.approx(20 * margin)
@@ -375,7 +422,11 @@ def test_a_job_overtakes_the_tenants_later_promises_only_where_they_keep_them():
     assert estimate.place(plan, 20, []) == pytest.approx(20 * margin)
     late = [(10.0, 50.0), (300.0, 100.0)]
     assert estimate.place(plan, 20, late) == pytest.approx(70 * margin), "behind the late one: it sorts after it"
-    assert estimate.place(plan, 5, late) == pytest.approx(5 * margin), "ahead of the late one: it is late anyway"
+    assert estimate.place(plan, 5, late) == pytest.approx(55 * margin), "behind the late one: not later still"
+    slightly = [(48.0, 50.0), (300.0, 100.0)]  # expected at 50 s, promised at 48 s: room to 52.8 s
+    assert estimate.place(plan, 2, slightly) == pytest.approx(2 * margin), "ahead: 52 s"
+    assert estimate.place(plan, 5, slightly) == pytest.approx(55 * margin), "behind: 55 s would be too late"
+    assert estimate.place(plan, 1, [(-5.0, 50.0)]) == pytest.approx(51 * margin), "past its promise: no room"
 
 
 def test_a_window_the_platform_cannot_keep_is_refused_with_the_earliest_it_could(isolated_app, new_client):

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import statistics
 import threading
 import time
@@ -80,10 +81,17 @@ LEADER_KEY = "sluice:monitor:leader"
 TICK_S = 1.0
 WINDOW_S = 10.0  # drain is measured over this much history ...
 MEASURE_MIN_S = 2.0  # ... once a backlog has lasted this long
-# What a job's estimate reads as the class's busy drain (``busy_tps``) comes from backlogs that
-# lasted this long at least: in a 2 s one the few requests claimed swing the figure (threads
-# holding long documents claimed a tenth of the drain, and a 27-document job was told 8 minutes).
+# What a job's estimate reads as the class's busy drain (``busy_tps``) comes from this much
+# backlog at least: in a 2 s one the few requests claimed swing the figure (threads holding long
+# documents claimed a tenth of the drain, and a 27-document job was told 8 minutes) ...
 BUSY_MIN_S = 5.0
+# ... counted from this long after the backlog began: its first seconds claim what the engines had
+# room for at once (64 documents in a second, where the class then drained ~5 a second), a burst
+# that read as a drain twice the real one on the simulated engine.
+FILL_S = 2.0
+# ... and faded over this much busy time: one 5 s stretch of documents that take seconds each
+# swung by ±20% from one job's submit to the next, and every estimate with it.
+BUSY_TAU_S = 30.0
 RECOUNT_S = 30.0
 RESERVATIONS_S = 5.0  # how often the tenants' reserved shares are copied to Redis (core/broker/fair.py)
 # Estimated wait ÷ the class's deadline at which each level (1..6) is entered; a level is left
@@ -145,8 +153,10 @@ class _ClassState:
     samples: deque = field(default_factory=deque)  # of _Sample, over WINDOW_S
     capacity_tps: float = 0.0  # drain measured while backlogged ...
     capacity_threads: int = 0  # ... by this many threads (of live workers, less those batch held)
-    busy_tps: float = 0.0  # the latest measurement over BUSY_MIN_S or more (what a job's estimate reads)
+    busy_tps: float = 0.0  # busy_work ÷ busy_time, once BUSY_MIN_S were counted (what a job's estimate reads)
     busy_threads: int = 0
+    busy_work: float = 0.0  # work claimed in backlogs past their fill, fading over BUSY_TAU_S ...
+    busy_time: float = 0.0  # ... and the seconds they lasted, faded alike
     seq_tps: float = 0.0
     policy: LevelPolicy = field(default_factory=LevelPolicy)
     fair_policy: LevelPolicy = field(default_factory=LevelPolicy)  # the level of the fair wait
@@ -373,8 +383,21 @@ class Monitor:
                 measured = (counters.get("claimed_work", 0) - claimed0) / (now - t0)
                 if measured > 0:
                     state.capacity_tps, state.capacity_threads = measured, threads
-                    if now - t0 >= BUSY_MIN_S:
-                        state.busy_tps, state.busy_threads = measured, threads
+            # The estimate's: each tick of a backlog from FILL_S after it was seen to begin, in a
+            # fading sum (BUSY_TAU_S of busy time), once BUSY_MIN_S of it were counted.
+            run = list(state.samples)[-backlog:]
+            began = backlog < len(state.samples)
+            settled = next((x for x in run if not began or x.t - t0 >= FILL_S), None)
+            if settled is not None and run[-2].t >= settled.t:
+                if threads != state.busy_threads:  # a measurement is of the threads that took it
+                    state.busy_work = state.busy_time = 0.0
+                    state.busy_threads = threads
+                step = now - run[-2].t
+                fade = math.exp(-step / BUSY_TAU_S)
+                state.busy_work = state.busy_work * fade + max(0, counters.get("claimed_work", 0) - run[-2].claimed)
+                state.busy_time = state.busy_time * fade + step
+                if state.busy_time >= BUSY_MIN_S:
+                    state.busy_tps = state.busy_work / state.busy_time
         # Remembered capacity scales with the threads serving the class now: a dead worker's, or
         # (for realtime) those batch work holds, leave it at once.
         drain = 0.0

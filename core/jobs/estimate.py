@@ -20,11 +20,18 @@ tenant's own jobs earliest promise first. The estimate follows that:
    lasted ``BUSY_MIN_S``, ``workers/monitor.py``, or while other jobs keep it busy the output it
    claimed per second over the monitor's window), that measurement replaces steps 1 and 2: it
    already counts the prompts, realtime beside them and the Python around the engines.
-4. **A margin** (``MARGIN``) over that, for what the model leaves out (realtime bursts, requests
+4. **The pipeline ahead of it**: what is queued in the batch class (plain batch requests, and
+   job requests the feeder put there) and the requests the feeder already put in the engines (its
+   bound per worker, ``SLUICE_JOB_INFLIGHT_PER_WORKER``, less the queued ones: on average half
+   done) go before any of this job's, whatever its place among the jobs, at the same price per
+   token as its own work. On an idle class a job takes at least its requests' own latency, each stage of a
+   document's map-reduce after the other (``floor_s``: the prompt at the prefill prices and the
+   output at the speed one sequence gets at the engines' limit, ``seq_tps``).
+5. **A margin** (``MARGIN``) over that, for what the model leaves out (realtime bursts, requests
    that end before max_tokens go the other way), and the feeder's rounds to start and settle a
    job (four of ``SLUICE_FEEDER_INTERVAL_S``).
 
-5. **Its place in its tenant's line** (:func:`place`). The estimate is a promise: the feeder feeds
+6. **Its place in its tenant's line** (:func:`place`). The estimate is a promise: the feeder feeds
    a tenant's jobs earliest promise first (a job without one: its window's end), so a job goes
    ahead of the tenant's jobs promised later only where each of them that is on time still keeps
    its promise with this job's work ahead of it. A later job with a short window overtakes an
@@ -32,12 +39,15 @@ tenant's own jobs earliest promise first. The estimate follows that:
    that room. So later jobs never push an accepted job past its promise, and the promise is what
    the job's own work and the work promised before it take.
 
-6. **What finished jobs teach** (:func:`learn`). Each job the feeder completes or expires
+7. **What finished jobs teach** (:func:`learn`). Each job the feeder completes or expires
    compares what it took with what it was expected to take (its promise without the margin); the
    model's factor moves by the fourth root of that ratio, within ``BOUNDS``, and scales the engine
    time of every later estimate for the model. A bias the model leaves out (the feeder's gaps, the
    stack around the engines, a realtime mix it does not see) is measured away in a few jobs;
-   one job's noise moves it little.
+   one job's noise moves it little. A job priced by the idle model (no busy stretch measured
+   yet) teaches nothing (``Lessons.unmeasured``): the idle model leaves out the Python around the
+   engines, which every measured price counts, and its miss (2.5 times, on the simulated engine
+   on 2 cores) would make the next measured prices that much too long.
 
 Without the monitor's figures for the model's classes (no warm worker, the monitor away) there is
 no estimate: the job is judged by its tenant's limits alone and says ``estimated_finish_at: null``.
@@ -55,10 +65,14 @@ from core.admission.load import ClassLoad
 MIN_SHARE = 0.05  # of the engines batch work gets however busy realtime is: the feeder always feeds some
 MARGIN = 1.1
 SAME_DUE_S = 1.0  # a tenant's jobs promised this close together are fed as due together
+# A job already expected past its promise may still be overtaken until it is expected this far past
+# it, counted on the time left to it (:func:`place`); one past its promise, not at all.
+LATE_ROOM = 1.1
 # Per model, the factor a job's engine time is scaled by: learned from the jobs that finished
 # (:func:`learn`). Each moves it by the GAIN-th power of how far it took from what was expected
 # of it, within BOUNDS: one job's noise moves it a little, a lasting bias all the way.
 CALIBRATION_PREFIX = "sluice:jobs:calibration:"
+UNMEASURED_PREFIX = "sluice:jobs:unmeasured:"  # jobs priced by the idle model: they teach nothing
 GAIN = 0.25
 BOUNDS = (0.5, 3.0)
 
@@ -72,21 +86,36 @@ class Work:
     prompt: int = 0
     squares: int = 0
     output: int = 0
+    # The longest chain of requests one line makes, one after another (a document's map-reduce
+    # stages): (prompt tokens, output tokens) of each.
+    chain: tuple[tuple[int, int], ...] = ()
 
     def add(self, prompt: int, output: int, times: int = 1) -> None:
+        self._add(prompt, output, times)
+        self._longest(((prompt, output),))
+
+    def document(self, tokens: int, overhead: int, output: int, budget: int) -> None:
+        """A document of ``tokens`` summarised in requests of at most ``budget`` input tokens
+        (``core/jobs/ingest.py item_tokens``: chunks, then their summaries, until one fits)."""
+        stages = []
+        while tokens > budget > 0:
+            chunks = math.ceil(tokens / budget)
+            prompt = math.ceil(tokens / chunks) + overhead
+            self._add(prompt, output, chunks)
+            stages.append((prompt, output))
+            tokens = chunks * output
+        self._add(tokens + overhead, output, 1)
+        self._longest((*stages, (tokens + overhead, output)))
+
+    def _add(self, prompt: int, output: int, times: int) -> None:
         self.requests += times
         self.prompt += prompt * times
         self.squares += prompt * prompt * times
         self.output += output * times
 
-    def document(self, tokens: int, overhead: int, output: int, budget: int) -> None:
-        """A document of ``tokens`` summarised in requests of at most ``budget`` input tokens
-        (``core/jobs/ingest.py item_tokens``: chunks, then their summaries, until one fits)."""
-        while tokens > budget > 0:
-            chunks = math.ceil(tokens / budget)
-            self.add(math.ceil(tokens / chunks) + overhead, output, chunks)
-            tokens = chunks * output
-        self.add(tokens + overhead, output)
+    def _longest(self, chain: tuple[tuple[int, int], ...]) -> None:
+        if (len(chain), sum(sum(r) for r in chain)) > (len(self.chain), sum(sum(r) for r in self.chain)):
+            self.chain = chain
 
 
 @dataclass(frozen=True)
@@ -103,6 +132,15 @@ def engine_s(work: Work, batch: ClassLoad) -> float | None:
         return None
     prefill = work.prompt * batch.prefill_s_tok + work.squares * batch.prefill_s_tok2
     return work.output / batch.drain_tps + prefill / max(1, batch.engines)
+
+
+def latency_s(work: Work, batch: ClassLoad) -> float:
+    """Seconds the longest chain of ``work``'s requests takes on engines with room, one request
+    after another: each prompt at the prefill prices, its output at the speed one sequence gets
+    at the engines' limit (``seq_tps``); 0 without that speed."""
+    if batch.seq_tps <= 0:
+        return 0.0
+    return sum(p * batch.prefill_s_tok + p * p * batch.prefill_s_tok2 + out / batch.seq_tps for p, out in work.chain)
 
 
 def batch_share(batch: ClassLoad, realtime: ClassLoad | None = None) -> float:
@@ -144,76 +182,96 @@ class Capacity:
 
     per_token_s: float
     share: float
-    queued_s: float
+    ahead_s: float  # what the queues and engines already hold, before any work not yet fed
     weight: float
     others: dict[object, tuple[float, float]]
     overhead_s: float = 0.0
+    floor_s: float = 0.0  # the job's own longest chain of requests, on engines with room
+    measured: bool = True  # priced by what the batch class was measured to take (not the idle model)
 
-    def finish_s(self, tokens: float, margin: float = MARGIN) -> float:
-        """Seconds from now until the tenant's first ``tokens`` (its jobs ahead, then this one's)
-        are done: with the margin, what is promised; with ``margin=1``, what is expected."""
+    def finish_s(self, tokens: float, margin: float = MARGIN, own: bool = True) -> float:
+        """Seconds from now until the tenant's first ``tokens`` of work not yet fed (its jobs
+        ahead, then this one's) are done: after what is queued in the batch class and half of
+        what the feeder put in the engines (on average half done), and (``own``: for the job being
+        estimated) never sooner than its own chain of requests takes. With the margin, what is
+        promised; with ``margin=1``, what is expected."""
         mine = tokens * self.per_token_s
-        return margin * (self.queued_s / self.share + fair_finish_s(mine, self.weight, self.others, self.share)) \
-            + self.overhead_s
+        expected = self.ahead_s / self.share + fair_finish_s(mine, self.weight, self.others, self.share)
+        return margin * max(expected, self.floor_s if own else 0.0) + self.overhead_s
 
 
 def capacity(work: Work, batch: ClassLoad | None, realtime: ClassLoad | None, *, tokens: int, weight: float,
-             others: list[Tenant], busy: bool = False, overhead_s: float = 0.0,
-             calibration: float = 1.0) -> Capacity | None:
+             others: list[Tenant], overhead_s: float = 0.0, calibration: float = 1.0,
+             in_flight: float = 0.0, in_flight_requests: int = 0) -> Capacity | None:
     """The :class:`Capacity` a job of ``work`` (``tokens`` as admission prices them) finishes in;
-    None without the batch class's figures. ``others``: the other tenants with unfinished jobs;
-    ``busy``: other jobs keep the batch class busy. What the batch class was measured to take
-    while it had queued work all along (``busy_tps``, the monitor's latest such stretch of 5 s) is its
-    capacity where there is one: what the engines, realtime beside them and the stack around them
-    really gave batch work, prompts included; else, while busy, what it took per second over the
-    monitor's window (``claimed_tps``, which a class just getting busy understates);
+    None without the batch class's figures. ``others``: the other tenants with unfinished jobs.
+    What the batch class was measured to take while it had queued work all along (``busy_tps``,
+    the monitor's latest such stretch) is its capacity where there is one: what the engines,
+    realtime beside them and the stack around them really gave batch work, prompts included. A
+    class not yet measured so is priced by the idle model (the engines' prices: ``measured``
+    False), not by what it claimed over the monitor's window, which understates a class just
+    getting busy, and one never backlogged (its arrivals, not its capacity).
     ``overhead_s``: the feeder's rounds a job takes to start and to settle, whatever its size;
-    ``calibration``: what the jobs that finished say of this model's estimates (:func:`learn`)."""
+    ``calibration``: what the jobs that finished say of this model's estimates (:func:`learn`);
+    ``in_flight``, ``in_flight_requests``: tokens and requests of the model's job requests the
+    feeder already put in the queues or the engines, any tenant's (ahead of every job not yet
+    fed: those still queued whole, those in the engines half, as on average half done)."""
     if batch is None:
         return None
     own = engine_s(work, batch)
     if own is None:
         return None
     share = batch_share(batch, realtime)
-    measured = batch.busy_tps or (batch.claimed_tps if busy or any(t.tokens > 0 for t in others) else 0.0)
+    measured = batch.busy_tps
     if measured > 0:
         own, share = work.output / measured, 1.0
     per_token = own * calibration / max(tokens, 1)
-    return Capacity(per_token, share, max(0.0, batch.wait_s) * calibration, weight,
-                    {i: (t.tokens * per_token, t.weight) for i, t in enumerate(others)}, overhead_s)
+    queued = max(0, batch.queued_requests)
+    running = max(0, in_flight_requests - queued)  # fed job requests the engines hold
+    ahead_s = in_flight * per_token * (1 - running / in_flight_requests / 2) if in_flight_requests else 0.0
+    if queued > in_flight_requests:  # plain batch requests queued beside them, at the promise's price
+        ahead_s += max(0.0, batch.wait_s) * calibration * (queued - in_flight_requests) / queued
+    return Capacity(per_token, share, ahead_s, weight,
+                    {i: (t.tokens * per_token, t.weight) for i, t in enumerate(others)}, overhead_s,
+                    latency_s(work, batch) * calibration, measured > 0)
 
 
 def finish_s(work: Work, batch: ClassLoad | None, realtime: ClassLoad | None, *, tokens: int,
              ahead_tokens: float, weight: float, others: list[Tenant], overhead_s: float = 0.0) -> float | None:
     """Seconds from now until a job of ``work`` finishes behind ``ahead_tokens`` of its tenant's
     other jobs (:func:`capacity`), with the margin; None without the batch class's figures."""
-    plan = capacity(work, batch, realtime, tokens=tokens, weight=weight, others=others, busy=ahead_tokens > 0,
-                    overhead_s=overhead_s)
+    plan = capacity(work, batch, realtime, tokens=tokens, weight=weight, others=others, overhead_s=overhead_s)
     return None if plan is None else plan.finish_s(ahead_tokens + tokens)
 
 
 def place(plan: Capacity, tokens: float, line: list[tuple[float, float]]) -> float:
     """When a job of ``tokens`` is promised to finish (seconds from now), placed in its tenant's
     line: ``line`` holds the tenant's other unfinished jobs as (seconds until their promised
-    finish, tokens left). The feeder feeds a tenant's jobs earliest promise first, so the job goes
-    at the earliest place where it finishes before the job behind it is due and where every job
-    behind it that is expected to keep its promise still is with this one's work ahead of it: a
-    1 h job overtakes a 24 h job as far as the 24 h job's promise (its margin over what it is
-    expected to take) leaves room, never further."""
+    finish, tokens not yet fed). The feeder feeds a tenant's jobs earliest promise first, so the
+    job goes at the earliest place where it finishes before the job behind it is due and where
+    every job behind it is still expected to keep its promise with this one's work ahead of it:
+    a 1 h job overtakes a 24 h job as far as the 24 h job's promise (its margin over what it is
+    expected to take) leaves room, never further; a job already expected late, only within
+    ``LATE_ROOM`` of the time left to its promise."""
     line = sorted(line)
     through, total = [], 0.0
     for _, left in line:
         total += left
         through.append(total)
-    # Whether a job is expected to keep its promise: the margin it was promised with is the room
-    # a job placed ahead of it may take.
-    on_time = [plan.finish_s(through[j], margin=1.0) <= line[j][0] for j in range(len(line))]
+    # A job behind keeps its promise with this one's work ahead of it: the margin it was promised
+    # with is the room a job placed ahead of it may take. One already expected late keeps only
+    # LATE_ROOM of the time left to its promise: overtaking a late job freely made it later still
+    # (a 767-document job, 5% behind, was overtaken by 759 documents of shorter windows and ended
+    # 45% past its promise); blocking it outright refused an 11-document job a 4 min window.
+    room = []
+    for j, (due, _) in enumerate(line):
+        late = plan.finish_s(through[j], margin=1.0, own=False) > due
+        room.append(due * LATE_ROOM if late else due)
     for k in range(len(line) + 1):
         finish = plan.finish_s((through[k - 1] if k else 0.0) + tokens)
         if k < len(line) and finish > line[k][0]:
             continue  # it would be due after the job at k: the feeder would put it behind
-        if all(plan.finish_s(through[j] + tokens, margin=1.0) <= line[j][0]
-               for j in range(k, len(line)) if on_time[j]):
+        if all(plan.finish_s(through[j] + tokens, margin=1.0, own=False) <= room[j] for j in range(k, len(line))):
             return finish
     raise AssertionError("the last place always holds")  # k == len(line): no job behind it
 
@@ -224,6 +282,31 @@ def window_text(seconds: float) -> str:
     if seconds < 7200:
         return f"{max(1, math.ceil(seconds / 60))}m"
     return f"{math.ceil(seconds / 3600)}h"
+
+
+@dataclass(frozen=True)
+class Lessons:
+    """What the jobs that finished taught a model's estimates, in Redis (``client`` None: nothing
+    was taught, and nothing is kept)."""
+
+    client: redis.Redis | None
+
+    def factor(self, model: str) -> float:
+        return 1.0 if self.client is None else calibration(self.client, model)
+
+    def unmeasured(self, job_id: object, window_s: float | None = None) -> bool:
+        """Mark a job priced by the idle model, for ``window_s`` and a day (``window_s`` given);
+        else whether it was so priced (and forget it). Without Redis: neither."""
+        if self.client is None:
+            return False
+        key = UNMEASURED_PREFIX + str(job_id)
+        try:
+            if window_s is not None:
+                self.client.set(key, "1", ex=int(window_s) + 86400)
+                return True
+            return bool(self.client.delete(key))
+        except redis.RedisError:
+            return False
 
 
 def calibration(client: redis.Redis, model: str) -> float:

@@ -69,12 +69,11 @@ class _NotValidating(Exception):
 
 
 def submit(settings: Settings, db: Database, tenant: Tenant, params: JobParams, stream: IO[bytes],
-           loads: Callable[[], list[ClassLoad]] = list,
-           calibration: Callable[[str], float] = lambda model: 1.0) -> uuid.UUID:
+           loads: Callable[[], list[ClassLoad]] = list, lessons: estimate.Lessons | None = None) -> uuid.UUID:
     """Create the job and read ``stream`` into its items; the job's id. Raises the refusal (the
     job row deleted, no item kept) when the file is refused. ``loads``: the monitor's figures for
     every class (``ClassLoad.read_all``), which the job's estimated finish is worked out from;
-    ``calibration``: a model's factor from the jobs that finished (``estimate.calibration``)."""
+    ``lessons``: what the jobs that finished taught each model's estimates (``estimate.Lessons``)."""
     job = Job(id=uuid.uuid4(), tenant_id=tenant.id, status=JobStatus.VALIDATING, model=params.model,
               priority=params.priority, service_tier=params.service_tier, instruction=params.instruction,
               summary_tokens=params.summary_tokens,
@@ -85,7 +84,7 @@ def submit(settings: Settings, db: Database, tenant: Tenant, params: JobParams, 
         session.add(job)
     bind_request(str(job.id))
     try:
-        tally = _load(settings, db, tenant, job, params, stream, loads, calibration)
+        tally = _load(settings, db, tenant, job, params, stream, loads, lessons or estimate.Lessons(None))
     except _NotValidating:
         log.info("job cancelled or failed while its file was read; its lines were dropped")
         return job.id
@@ -101,7 +100,7 @@ def submit(settings: Settings, db: Database, tenant: Tenant, params: JobParams, 
 
 
 def _load(settings: Settings, db: Database, tenant: Tenant, job: Job, params: JobParams, stream: IO[bytes],
-          loads: Callable[[], list[ClassLoad]], calibration: Callable[[str], float]) -> ingest.Tally:
+          loads: Callable[[], list[ClassLoad]], lessons: estimate.Lessons) -> ingest.Tally:
     """COPY the upload's lines into the job's items, refuse the file or admit the job, in one transaction."""
     model = settings.registry.get(params.model)
     assert model is not None
@@ -167,7 +166,7 @@ def _load(settings: Settings, db: Database, tenant: Tenant, job: Job, params: Jo
         Budgets(db).covers(tenant.id, tenant.via_key, priced,
                            price.cost(tally.input_tokens, 0, max(priced - tally.input_tokens, 0)),
                            queued=_queued(session, settings, tenant.id, job.id))
-        finish_s = _estimate(session, settings, params, tenant, job.id, work, priced, loads, calibration)
+        finish_s = _estimate(session, settings, params, tenant, job.id, work, priced, loads, lessons)
         if finish_s is not None and finish_s > params.completion_window_s:
             earliest = estimate.window_text(finish_s)
             raise ApiError(
@@ -239,7 +238,7 @@ class Standing:
 
 def _estimate(session, settings: Settings, params: JobParams, tenant: Tenant, job_id: uuid.UUID,
               work: estimate.Work, priced: int, loads: Callable[[], list[ClassLoad]],
-              calibration: Callable[[str], float]) -> float | None:
+              lessons: estimate.Lessons) -> float | None:
     """Seconds until the job would finish (``core/jobs/estimate.py``); None where the platform has
     no figures for its model's classes, or for a job whose lines run as realtime."""
     if params.priority != Priority.BATCH:
@@ -252,36 +251,46 @@ def _estimate(session, settings: Settings, params: JobParams, tenant: Tenant, jo
     batch, realtime = found.get(("batch", params.model)), found.get(("realtime", params.model))
     if batch is None:
         return None
-    waiting = (select(func.count()).where(JobItem.job_id == Job.id,
-                                          JobItem.status.in_((ItemStatus.PENDING, ItemStatus.RUNNING)))
-               .correlate(Job).scalar_subquery())
+    def items(status: ItemStatus):
+        return select(func.count()).where(JobItem.job_id == Job.id, JobItem.status == status) \
+            .correlate(Job).scalar_subquery()
+
     # Each job's place in its tenant's line: its promise, else its window's end (the feeder's key).
     due = func.extract("epoch", func.coalesce(Job.estimated_finish_at, Job.expires_at) - func.now())
     rows = session.execute(
-        select(Job.tenant_id, due, Job.estimated_tokens, Job.total_items, waiting, Tenant.batch_weight)
+        select(Job.tenant_id, due, Job.estimated_tokens, Job.total_items, items(ItemStatus.PENDING),
+               items(ItemStatus.RUNNING), Tenant.batch_weight)
         .join(Tenant, Tenant.id == Job.tenant_id)
         .where(Job.id != job_id, Job.model == params.model, Job.priority == Priority.BATCH,
                Job.status.in_(LIVE_JOB), Tenant.disabled_at.is_(None))).all()
-    # The tenant's own jobs make its line; other tenants share the engines with it by weight.
-    line, others = [], {}
-    for tenant_id, due_s, tokens, items, left, weight in rows:
-        remaining = (tokens or 0) * left / items if items else 0.0
+    # The tenant's own jobs make its line; other tenants share the engines with it by weight. What
+    # the feeder already put in the queues or the engines, any tenant's, is ahead of every job.
+    line, others, in_flight, in_flight_requests = [], {}, 0.0, 0
+    for tenant_id, due_s, tokens, total, pending, running, weight in rows:
+        per_item = (tokens or 0) / total if total else 0.0
+        remaining = per_item * pending
+        in_flight += per_item * running
+        in_flight_requests += running
         if tenant_id != tenant.id:
             total, _ = others.get(tenant_id, (0.0, 1.0))
             others[tenant_id] = (total + remaining, float(weight or 1.0))
         elif remaining > 0:
             line.append((float(due_s) if due_s is not None else math.inf, remaining))
-    factor = calibration(params.model)
+    factor = lessons.factor(params.model)
     plan = estimate.capacity(work, batch, realtime, tokens=priced, weight=float(tenant.batch_weight or 1.0),
-                             others=[estimate.Tenant(t, w) for t, w in others.values()], busy=bool(line),
-                             overhead_s=4 * settings.feeder_interval_s, calibration=factor)
+                             others=[estimate.Tenant(t, w) for t, w in others.values()],
+                             overhead_s=4 * settings.feeder_interval_s, calibration=factor, in_flight=in_flight,
+                             in_flight_requests=in_flight_requests)
     if plan is None:
         return None
     finish = estimate.place(plan, priced, line)
-    log.info("job %s estimated to finish in %.0f s: %d tokens at %.2g s each, share %.2f, %.0f s queued ahead, "
-             "%d of the tenant's jobs in line, %d other tenants (batch class: busy %.1f, claimed %.1f, drain %.1f "
-             "tokens/s; calibration %.2f)", job_id, finish, priced, plan.per_token_s, plan.share, plan.queued_s,
-             len(line), len(others), batch.busy_tps, batch.claimed_tps, batch.drain_tps, factor)
+    if not plan.measured:
+        lessons.unmeasured(job_id, params.completion_window_s)
+    log.info("job %s estimated to finish in %.0f s: %d tokens at %.2g s each, share %.2f, %.1f s ahead (%.0f "
+             "tokens in flight), its chain %.1f s, %d of the tenant's jobs in line, %d other tenants (batch "
+             "class: busy %.1f, claimed %.1f, drain %.1f tokens/s; calibration %.2f)", job_id, finish, priced,
+             plan.per_token_s, plan.share, plan.ahead_s, in_flight, plan.floor_s, len(line), len(others),
+             batch.busy_tps, batch.claimed_tps, batch.drain_tps, factor)
     return finish
 
 

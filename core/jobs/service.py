@@ -65,7 +65,7 @@ class JobService:
         """Create a job from an upload (refused with nothing kept, or admitted); its view."""
         return self.get(Caller(tenant.id), str(intake.submit(
             self.settings, self.db, tenant, params, stream, loads=lambda: ClassLoad.read_all(self.redis),
-            calibration=lambda model: estimate.calibration(self.redis, model))))
+            lessons=estimate.Lessons(self.redis))))
 
     # ------------------------------------------------------------------ read
 

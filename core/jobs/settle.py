@@ -97,6 +97,10 @@ class Settler:
             row = session.execute(select(
                 func.extract("epoch", Job.estimated_finish_at - Job.started_at),
                 func.extract("epoch", Job.finished_at - Job.started_at)).where(Job.id == job.id)).one_or_none()
+        if estimate.Lessons(self.svc.redis).unmeasured(job.id):
+            log.info("job %s was priced by the idle model: its %s s teach %s's estimates nothing", job.id,
+                     "?" if row is None or row[1] is None else f"{float(row[1]):.0f}", job.model)
+            return
         if row is None or row[0] is None or row[1] is None:
             return  # accepted without an estimate
         factor = estimate.learn(self.svc.redis, job.model, float(row[0]), float(row[1]), ended=ended)

@@ -228,9 +228,9 @@ class ClassLoad:
     # output at the drain, their prompts at the prefill prices. The class's, and its tier ahead's.
     claimed_share: float = 0.0
     ahead_share: float = 0.0
-    # Work claimed per second over the latest stretch (≥ 5 s, within the window: workers/monitor.py
-    # BUSY_MIN_S) in which the class never ran out of queued work: what its engines and the stack
-    # around them really give it while busy (0: not measured yet).
+    # Work claimed per second while the class had queued work all along, past each backlog's first
+    # seconds and faded over 30 s of such time (workers/monitor.py BUSY_MIN_S, FILL_S, BUSY_TAU_S):
+    # what its engines and the stack around them really give it while busy (0: not measured yet).
     busy_tps: float = 0.0
     # The engines' limit line (a step: step_base_s + step_seq_s × sequences, the slowest worker's)
     # and the share of its deadline a priority request decodes in (workers/governor.py

@@ -556,7 +556,9 @@ def test_one_queued_realtime_request_makes_one_of_two_full_workers_yield(databas
         client = new_client(application)
         for worker in workers:
             assert worker.wait_stats(lambda s: "engine_limit" in s)["engine_limit"] == 8
-        batch = burst(client, 16, priority="batch", max_tokens=400)
+        # Long enough that neither worker can finish its eight and take the other's before that
+        # one reads the queue: in a 4-process run on a slow host one worker had none 30 s later.
+        batch = burst(client, 16, priority="batch", max_tokens=1200)
         assert all(r.status_code == 202 for r in batch)
         for worker in workers:
             full = worker.wait_stats(lambda s: s.get("batch_in_flight", 0) == 8, timeout=30)

@@ -353,12 +353,12 @@ def test_finished_jobs_teach_their_models_estimates(app, db, tenant_id):
                    started_at=now - timedelta(seconds=150), estimated_finish_at=now - timedelta(seconds=120))
         with db.session() as session:
             session.add(idle)
-        assert estimate.Lessons(svc.redis).unmeasured(idle.id, 3600)
+        assert estimate.Lessons(svc.redis).mark_idle_priced(idle.id, 3600)
         with db.session() as session:
             idle = session.get(Job, idle.id)
         Settler(svc, {}, {})._finish(idle, JobStatus.COMPLETED)
         assert estimate.calibration(svc.redis, model) == learned
-        assert not estimate.Lessons(svc.redis).unmeasured(idle.id), "the mark is read once"
+        assert not estimate.Lessons(svc.redis).was_idle_priced(idle.id), "the mark is read once"
     finally:
         svc.redis.delete(key)
 

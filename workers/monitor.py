@@ -383,18 +383,17 @@ class Monitor:
                 measured = (counters.get("claimed_work", 0) - claimed0) / (now - t0)
                 if measured > 0:
                     state.capacity_tps, state.capacity_threads = measured, threads
-            # The estimate's: each tick of a backlog from FILL_S after it was seen to begin, in a
-            # fading sum (BUSY_TAU_S of busy time), once BUSY_MIN_S of it were counted.
-            run = list(state.samples)[-backlog:]
-            began = backlog < len(state.samples)
-            settled = next((x for x in run if not began or x.t - t0 >= FILL_S), None)
-            if settled is not None and run[-2].t >= settled.t:
+            # The estimate's: each tick of a backlog from FILL_S after it was seen to begin (one
+            # older than the window began before it), in a fading sum (BUSY_TAU_S of busy time),
+            # once BUSY_MIN_S of it were counted.
+            last = state.samples[-2]
+            if backlog == len(state.samples) or last.t - t0 >= FILL_S:
                 if threads != state.busy_threads:  # a measurement is of the threads that took it
                     state.busy_work = state.busy_time = 0.0
                     state.busy_threads = threads
-                step = now - run[-2].t
+                step = now - last.t
                 fade = math.exp(-step / BUSY_TAU_S)
-                state.busy_work = state.busy_work * fade + max(0, counters.get("claimed_work", 0) - run[-2].claimed)
+                state.busy_work = state.busy_work * fade + max(0, counters.get("claimed_work", 0) - last.claimed)
                 state.busy_time = state.busy_time * fade + step
                 if state.busy_time >= BUSY_MIN_S:
                     state.busy_tps = state.busy_work / state.busy_time

@@ -16,17 +16,17 @@ tenant's own jobs earliest promise first. The estimate follows that:
    jobs drains its remaining work at a rate in proportion to its weight, and a tenant that
    finishes leaves its share to the others. Other jobs' remaining work is priced at this job's
    engine seconds per token.
-   Where the batch class was measured busy (its latest stretch of queued work all along that
-   lasted ``BUSY_MIN_S``, ``workers/monitor.py``, or while other jobs keep it busy the output it
-   claimed per second over the monitor's window), that measurement replaces steps 1 and 2: it
-   already counts the prompts, realtime beside them and the Python around the engines.
+   Where the batch class was measured busy (the work it claimed while it had queued work all
+   along, ``busy_tps``, ``workers/monitor.py``), that measurement replaces steps 1 and 2: it
+   already counts the prompts, realtime beside them and the Python around the engines. A class
+   not yet measured so is priced by steps 1 and 2, the idle model.
 4. **The pipeline ahead of it**: what is queued in the batch class (plain batch requests, and
    job requests the feeder put there) and the requests the feeder already put in the engines (its
    bound per worker, ``SLUICE_JOB_INFLIGHT_PER_WORKER``, less the queued ones: on average half
    done) go before any of this job's, whatever its place among the jobs, at the same price per
-   token as its own work. On an idle class a job takes at least its requests' own latency, each stage of a
-   document's map-reduce after the other (``floor_s``: the prompt at the prefill prices and the
-   output at the speed one sequence gets at the engines' limit, ``seq_tps``).
+   token as its own work. On an idle class a job takes at least its requests' own latency, each
+   stage of a document's map-reduce after the other (``floor_s``: the prompt at the prefill
+   prices and the output at the speed one sequence gets at the engines' limit, ``seq_tps``).
 5. **A margin** (``MARGIN``) over that, for what the model leaves out (realtime bursts, requests
    that end before max_tokens go the other way), and the feeder's rounds to start and settle a
    job (four of ``SLUICE_FEEDER_INTERVAL_S``).
@@ -45,7 +45,7 @@ tenant's own jobs earliest promise first. The estimate follows that:
    time of every later estimate for the model. A bias the model leaves out (the feeder's gaps, the
    stack around the engines, a realtime mix it does not see) is measured away in a few jobs;
    one job's noise moves it little. A job priced by the idle model (no busy stretch measured
-   yet) teaches nothing (``Lessons.unmeasured``): the idle model leaves out the Python around the
+   yet) teaches nothing (``Lessons.mark_idle_priced``): the idle model leaves out the Python around the
    engines, which every measured price counts, and its miss (2.5 times, on the simulated engine
    on 2 cores) would make the next measured prices that much too long.
 
@@ -56,6 +56,7 @@ no estimate: the job is judged by its tenant's limits alone and says ``estimated
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
@@ -130,8 +131,12 @@ def engine_s(work: Work, batch: ClassLoad) -> float | None:
     """Seconds ``work`` takes with every engine of the batch class to itself; None without figures."""
     if batch.drain_tps <= 0:
         return None
-    prefill = work.prompt * batch.prefill_s_tok + work.squares * batch.prefill_s_tok2
-    return work.output / batch.drain_tps + prefill / max(1, batch.engines)
+    return work.output / batch.drain_tps + _prefill_s(batch, work.prompt, work.squares) / max(1, batch.engines)
+
+
+def _prefill_s(batch: ClassLoad, prompt: float, squares: float) -> float:
+    """Engine seconds prompts of ``prompt`` tokens (Σ P²: ``squares``) take at the prefill prices."""
+    return prompt * batch.prefill_s_tok + squares * batch.prefill_s_tok2
 
 
 def latency_s(work: Work, batch: ClassLoad) -> float:
@@ -140,7 +145,7 @@ def latency_s(work: Work, batch: ClassLoad) -> float:
     at the engines' limit (``seq_tps``); 0 without that speed."""
     if batch.seq_tps <= 0:
         return 0.0
-    return sum(p * batch.prefill_s_tok + p * p * batch.prefill_s_tok2 + out / batch.seq_tps for p, out in work.chain)
+    return sum(_prefill_s(batch, p, p * p) + out / batch.seq_tps for p, out in work.chain)
 
 
 def batch_share(batch: ClassLoad, realtime: ClassLoad | None = None) -> float:
@@ -294,17 +299,19 @@ class Lessons:
     def factor(self, model: str) -> float:
         return 1.0 if self.client is None else calibration(self.client, model)
 
-    def unmeasured(self, job_id: object, window_s: float | None = None) -> bool:
-        """Mark a job priced by the idle model, for ``window_s`` and a day (``window_s`` given);
-        else whether it was so priced (and forget it). Without Redis: neither."""
+    def mark_idle_priced(self, job_id: object, window_s: float) -> bool:
+        """Mark a job priced by the idle model, for its window and a day; False without Redis."""
+        return self._call(lambda c: bool(c.set(UNMEASURED_PREFIX + str(job_id), "1", ex=int(window_s) + 86400)))
+
+    def was_idle_priced(self, job_id: object) -> bool:
+        """Whether a job was marked priced by the idle model; the mark is gone once read."""
+        return self._call(lambda c: bool(c.delete(UNMEASURED_PREFIX + str(job_id))))
+
+    def _call(self, op: Callable[[redis.Redis], bool]) -> bool:
         if self.client is None:
             return False
-        key = UNMEASURED_PREFIX + str(job_id)
         try:
-            if window_s is not None:
-                self.client.set(key, "1", ex=int(window_s) + 86400)
-                return True
-            return bool(self.client.delete(key))
+            return op(self.client)
         except redis.RedisError:
             return False
 

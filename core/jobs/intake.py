@@ -251,7 +251,7 @@ def _estimate(session, settings: Settings, params: JobParams, tenant: Tenant, jo
     batch, realtime = found.get(("batch", params.model)), found.get(("realtime", params.model))
     if batch is None:
         return None
-    def items(status: ItemStatus):
+    def items(status: ItemStatus):  # each count reads its status's partial index (models/job.py)
         return select(func.count()).where(JobItem.job_id == Job.id, JobItem.status == status) \
             .correlate(Job).scalar_subquery()
 
@@ -266,14 +266,14 @@ def _estimate(session, settings: Settings, params: JobParams, tenant: Tenant, jo
     # The tenant's own jobs make its line; other tenants share the engines with it by weight. What
     # the feeder already put in the queues or the engines, any tenant's, is ahead of every job.
     line, others, in_flight, in_flight_requests = [], {}, 0.0, 0
-    for tenant_id, due_s, tokens, total, pending, running, weight in rows:
-        per_item = (tokens or 0) / total if total else 0.0
+    for tenant_id, due_s, tokens, count, pending, running, weight in rows:
+        per_item = (tokens or 0) / count if count else 0.0
         remaining = per_item * pending
         in_flight += per_item * running
         in_flight_requests += running
         if tenant_id != tenant.id:
-            total, _ = others.get(tenant_id, (0.0, 1.0))
-            others[tenant_id] = (total + remaining, float(weight or 1.0))
+            theirs, _ = others.get(tenant_id, (0.0, 1.0))
+            others[tenant_id] = (theirs + remaining, float(weight or 1.0))
         elif remaining > 0:
             line.append((float(due_s) if due_s is not None else math.inf, remaining))
     factor = lessons.factor(params.model)
@@ -285,7 +285,7 @@ def _estimate(session, settings: Settings, params: JobParams, tenant: Tenant, jo
         return None
     finish = estimate.place(plan, priced, line)
     if not plan.measured:
-        lessons.unmeasured(job_id, params.completion_window_s)
+        lessons.mark_idle_priced(job_id, params.completion_window_s)
     log.info("job %s estimated to finish in %.0f s: %d tokens at %.2g s each, share %.2f, %.1f s ahead (%.0f "
              "tokens in flight), its chain %.1f s, %d of the tenant's jobs in line, %d other tenants (batch "
              "class: busy %.1f, claimed %.1f, drain %.1f tokens/s; calibration %.2f)", job_id, finish, priced,

@@ -97,7 +97,7 @@ class Settler:
             row = session.execute(select(
                 func.extract("epoch", Job.estimated_finish_at - Job.started_at),
                 func.extract("epoch", Job.finished_at - Job.started_at)).where(Job.id == job.id)).one_or_none()
-        if estimate.Lessons(self.svc.redis).unmeasured(job.id):
+        if estimate.Lessons(self.svc.redis).was_idle_priced(job.id):
             log.info("job %s was priced by the idle model: its %s s teach %s's estimates nothing", job.id,
                      "?" if row is None or row[1] is None else f"{float(row[1]):.0f}", job.model)
             return

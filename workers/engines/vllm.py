@@ -42,21 +42,23 @@ from workers.engines.base import (
 # Keep the model inside vLLM's engine-core process instead of a third worker process: on one
 # device that saves a process and ~1 GB. Must be set before vllm is imported.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# How the engine core starts: forked unless the operator says otherwise (read before vLLM's CPU
+# platform overwrites the variable with "spawn" as it checks a config).
+START_METHOD = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork")
 
 import torch  # noqa: E402
-from vllm import (
-    AsyncEngineArgs,  # noqa: E402
-    PoolingParams,  # noqa: E402
-)
+from vllm import AsyncEngineArgs, PoolingParams  # noqa: E402
 from vllm import SamplingParams as VllmSamplingParams  # noqa: E402
 from vllm.config import StructuredOutputsConfig  # noqa: E402
 from vllm.exceptions import VLLMClientError  # noqa: E402
 from vllm.renderers.inputs.preprocess import parse_model_prompt  # noqa: E402
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams  # noqa: E402
+from vllm.usage.usage_lib import UsageContext  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
+from vllm.v1.executor import Executor  # noqa: E402
 from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -363,7 +365,14 @@ class VllmEngine(Engine):
         def build() -> AsyncLLM:
             os.environ[PREFILL_CAP_ENV] = path  # the engine core inherits it as it starts
             try:
-                return AsyncLLM.from_engine_args(args, stat_loggers=[lambda cfg, idx: _StatsProbe(self)])
+                config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+                # vLLM's CPU platform asks for a spawned engine core as it checks the config: the
+                # child would import torch and vLLM again, ~11 of the ~29 CPU-seconds a worker
+                # with a tiny model took to start on a 2-core VM (18 forked). Forked, it starts
+                # with what this process already loaded; the parent has run no OpenMP region yet.
+                os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = START_METHOD
+                return AsyncLLM(vllm_config=config, executor_class=Executor.get_class(config), log_stats=False,
+                                stat_loggers=[lambda cfg, idx: _StatsProbe(self)])
             finally:
                 os.environ.pop(PREFILL_CAP_ENV, None)
 

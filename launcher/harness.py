@@ -1,8 +1,11 @@
 """Real Sluice processes for tests and benchmarks: a worker, the web tier, beat, a scratch Postgres
 database, a scratch Redis database.
 
-Each starts the process the way an operator would (`sluice worker`, `sluice web`, `sluice beat`), in its own
-process group, logging to a file, so it can be killed like a crashed node.
+Each starts the process an operator's command starts, in its own process group, logging to a
+file, so it can be killed like a crashed node: `sluice web` itself; for a worker and beat, the
+Celery command that `sluice worker` and `sluice beat` exec, built here from the same settings the
+way `sluice up` builds it (the CLI's own start, ~1.7 CPU-seconds of imports on a 2-core VM, is
+spared: a test run starts over a hundred workers).
 """
 
 from __future__ import annotations
@@ -25,11 +28,23 @@ from urllib.parse import urlsplit, urlunsplit
 import redis as redis_lib
 
 from core.rediskeys import WORKER_PREFIX
+from core.settings import Settings
+from launcher.argv import beat_argv, worker_argv
 from launcher.database import create_database, drop_database
 from launcher.embedded import die_with_parent
+from launcher.options import settings_env
 
 ROOT = Path(__file__).resolve().parent.parent
 SLUICE = [sys.executable, "-m", "launcher.cli"]
+
+
+def exec_of(env: dict[str, str], argv_of: Callable[[Settings], list[str]]) -> tuple[list[str], dict[str, str]]:
+    """The command a `sluice` server command would exec under ``env`` (``argv_of`` builds it from
+    the settings, as the CLI does), and its environment: the CLI's, every setting that differs from
+    its default under its own variable, then ``env`` itself."""
+    full = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+    settings = Settings.from_env(full)
+    return argv_of(settings), {**settings_env(settings), **full}
 
 
 def pin_engine(cpu: int) -> None:
@@ -136,7 +151,7 @@ def _holder_gone(holder: str) -> bool:
 
 
 class WorkerProcess:
-    """A real `sluice worker` process; construction returns once its engine is warm."""
+    """A real worker, as `sluice worker` starts it; construction returns once its engine is warm."""
 
     def __init__(self, env: dict[str, str], redis_url: str, tmp: Path, role: str = "all",
                  ready_timeout: float = 60, model: str | None = None, concurrency: int = 64,
@@ -154,11 +169,9 @@ class WorkerProcess:
         self._ready_timeout = ready_timeout
         self._stopping = False
         self.worker_key = ""
-        self.proc = subprocess.Popen(
-            [*wrap, *SLUICE, "worker", "--role", role, "--concurrency", str(concurrency),
-             "--name", self.name, *(["--model", model] if model else [])],
-            cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, stdout=self._log,
-            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=tied())
+        argv, env = exec_of(env, lambda settings: worker_argv(settings, role, concurrency, self.name, model))
+        self.proc = subprocess.Popen([*wrap, *argv], cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, preexec_fn=tied())
         if wait:
             self.wait_ready()
 
@@ -301,13 +314,14 @@ def stop_process(proc: subprocess.Popen, group: bool, signalled: bool = False) -
 
 
 class BeatProcess:
-    """A real `sluice beat` process: schedules the sweep onto the maintenance queue."""
+    """A real beat, as `sluice beat` starts it: schedules the sweep onto the maintenance queue."""
 
     def __init__(self, env: dict[str, str], tmp: Path) -> None:
         self.log_path = tmp / f"beat-{uuid.uuid4().hex[:6]}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([*SLUICE, "beat"], cwd=ROOT, env={**os.environ, **env}, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=tied())
+        argv, env = exec_of(env, beat_argv)
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, preexec_fn=tied())
 
     def stop(self) -> None:
         if self.proc.poll() is None:

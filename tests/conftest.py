@@ -63,6 +63,11 @@ TEST_ENV = {
     # Requests other tests leave queued share one database, and the sweep is global: with the
     # 30 s default they would expire under a later test's sweep and skew its counts.
     "SLUICE_REALTIME_DEADLINE_S": "300",
+    # A web tier's Redis call past this falls to the local floor. The tests' Redis shares two
+    # cores with four test processes and their engines: in a spread run one call took longer than
+    # the 0.25 s default, and the floor refused a batch request of a test about batching
+    # (test_vllm_engine's two full workers). The floor's own tests stop or freeze their Redis.
+    "SLUICE_REDIS_TIMEOUT_S": "1",
     # Many workers and monitors run at once here: no metrics endpoints unless a test asks for one.
     "SLUICE_WORKER_METRICS_PORT": "0",
     "SLUICE_MONITOR_METRICS_PORT": "0",

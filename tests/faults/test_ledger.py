@@ -16,6 +16,7 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -143,15 +144,16 @@ class Load:
             if response.status_code in (429, 503) and "Retry-After" not in response.headers:
                 self.without_retry_after += 1
 
-    def until_refused(self, at_least_s: float, at_most_s: float = 90) -> None:
-        """Keep the load going for ``at_least_s``, then until something was refused (at most
-        ``at_most_s`` in all). A burst's rate is set from the drain the monitor states, but how
-        long its queue takes to pass the promise depends on the rate this thread really reaches:
-        on a loaded machine each submit is slower, and a fixed 10 s could end before the queue
-        made any refusal due."""
+    def until_refused(self, at_least_s: float, at_most_s: float = 90,
+                      also: Callable[[], bool] = lambda: True) -> None:
+        """Keep the load going for ``at_least_s``, then until something was refused and ``also``
+        holds (at most ``at_most_s`` in all). A burst's rate is set from the drain the monitor
+        states, but how long its queue takes to pass the promise depends on the rate this thread
+        really reaches: on a loaded machine each submit is slower, and a fixed 10 s could end
+        before the queue made any refusal due."""
         began = time.monotonic()
         self._stop.wait(at_least_s)
-        while not self.refused and time.monotonic() - began < at_most_s:
+        while not (self.refused and also()) and time.monotonic() - began < at_most_s:
             self._stop.wait(0.2)
 
     @property

@@ -167,3 +167,18 @@ def test_a_request_that_kills_its_vllm_worker_is_failed_not_run_into_the_next(vl
     assert view["status"] == "failed" and view["error"]["code"] == "stalled_worker", view
     assert first.proc.returncode == 70 and keeper.restarts == 1
     assert f"inside request {poison}" in first.log_path.read_text()
+
+
+def test_a_sigkilled_vllm_worker_takes_its_engine_core_with_it(vllm_platform):
+    """The OOM killer, or a supervisor that signals the main pid alone: the engine core, a child
+    forked from the worker, gets SIGKILL from the kernel as the worker dies
+    (workers/engines/vllm_plugin.py), and holds no memory or device after."""
+    _, _, keeper = vllm_platform
+    worker = keeper.workers[0]
+    core = engine_core(worker)
+    os.kill(worker.proc.pid, signal.SIGKILL)
+    worker.proc.wait(10)
+    deadline = time.monotonic() + 10
+    while not gone(core) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(core), f"engine core {core.pid} outlived its SIGKILLed worker"

@@ -47,6 +47,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 START_METHOD = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork")
 
 import torch  # noqa: E402
+import vllm.plugins  # noqa: E402
 from vllm import AsyncEngineArgs, PoolingParams  # noqa: E402
 from vllm import SamplingParams as VllmSamplingParams  # noqa: E402
 from vllm.config import StructuredOutputsConfig  # noqa: E402
@@ -62,6 +63,17 @@ from vllm.v1.executor import Executor  # noqa: E402
 from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
 
 log = logging.getLogger(__name__)
+
+
+def _plugins_again_in_child() -> None:
+    """A forked engine core inherits this process's "plugins loaded" and would skip vLLM's general
+    plugins; it runs them as a spawned one does. Sluice's (workers/engines/vllm_plugin.py) asks
+    the kernel to kill the core with its worker: without it a SIGKILLed worker left its core
+    running (tests/faults/test_vllm_faults.py)."""
+    vllm.plugins.plugins_loaded = False
+
+
+os.register_at_fork(after_in_child=_plugins_again_in_child)
 
 # Where the engine-core process finds the prefill cap its worker sets (a file of one int64, mapped
 # by both): set in the environment only while the engine is built, so the core inherits it.

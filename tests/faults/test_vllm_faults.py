@@ -67,7 +67,8 @@ def gone(process: psutil.Process) -> bool:
 def vllm_module(database_url, redis_dbs, vllm_env, tmp_path_factory):  # noqa: F811
     """An app, beat, and a Keeper of vLLM workers with a short watchdog, for the whole module: a
     test takes over the worker the previous one left (restarted, warm), so the module starts one
-    engine per fault, not two (a start is ~25 CPU-seconds on a 2-core host)."""
+    engine per fault, not two (a start is ~19 CPU-seconds on a 2-core host, ~30 before the engine
+    core was forked)."""
     from web import create_app
 
     redis_url = redis_dbs()

@@ -32,7 +32,7 @@ from core.settings import Settings
 from launcher.argv import beat_argv, worker_argv
 from launcher.database import create_database, drop_database
 from launcher.embedded import die_with_parent
-from launcher.options import settings_env
+from launcher.supervisor import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 SLUICE = [sys.executable, "-m", "launcher.cli"]
@@ -40,11 +40,10 @@ SLUICE = [sys.executable, "-m", "launcher.cli"]
 
 def exec_of(env: dict[str, str], argv_of: Callable[[Settings], list[str]]) -> tuple[list[str], dict[str, str]]:
     """The command a `sluice` server command would exec under ``env`` (``argv_of`` builds it from
-    the settings, as the CLI does), and its environment: the CLI's, every setting that differs from
-    its default under its own variable, then ``env`` itself."""
-    full = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
-    settings = Settings.from_env(full)
-    return argv_of(settings), {**settings_env(settings), **full}
+    the settings, as the CLI does), and its environment: a `sluice up` child's, then ``env``
+    itself (which may hold variables that are no setting, an engine's OMP_WAIT_POLICY say)."""
+    settings = Settings.from_env({**os.environ, **env})
+    return argv_of(settings), {**child_env(settings), **env}
 
 
 def pin_engine(cpu: int) -> None:

@@ -381,7 +381,7 @@ class VllmEngine(Engine):
                 # vLLM's CPU platform asks for a spawned engine core as it checks the config: the
                 # child would import torch and vLLM again, ~11 of the ~29 CPU-seconds a worker
                 # with a tiny model took to start on a 2-core VM (18 forked). Forked, it starts
-                # with what this process already loaded; the parent has run no OpenMP region yet.
+                # with what this process already loaded.
                 os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = START_METHOD
                 return AsyncLLM(vllm_config=config, executor_class=Executor.get_class(config), log_stats=False,
                                 stat_loggers=[lambda cfg, idx: _StatsProbe(self)])

@@ -216,6 +216,31 @@ def test_a_seat_that_comes_free_goes_to_the_lines_next_request_not_to_a_queued_m
         worker.stop()
 
 
+def test_a_seat_a_take_left_free_is_filled_by_its_engine_without_the_load_monitor(isolated, database_url,
+                                                                                 tmp_path):
+    """Every take counts what other takers let through and have not pushed yet, so a take can leave
+    a free seat unfilled (a taker that died after its take, or two takers in the instant a message
+    is both pushed and still marked on its way). With no load monitor and no request leaving the
+    engine, no later take would come: the engine, seeing a seat free with no take for a second,
+    tops its queues up itself."""
+    application, client, redis_url = isolated
+    svc = services(application)
+    worker = WorkerProcess(database_url, redis_url, tmp_path, concurrency=2)
+    try:
+        queue = "realtime.small"
+        seconds, micros = svc.redis.time()
+        now_ms = seconds * 1000 + micros // 1000
+        # Two messages a taker let through and never pushed: the engine's two seats look spoken for
+        # (stamped 3 s ahead, so that they last 5 s: a slow submit still finds them).
+        svc.redis.zadd(sending_key(queue), {f"3:{uuid.uuid4()}": now_ms + 3000 for _ in range(2)})
+        request_id = client.submit(prompt="a question nobody tops up", max_tokens=8).get_json()["id"]
+        assert request_id in svc.fair.in_line(queue), "the put's own take saw no free seat"
+        # The marks lapse; nothing else takes from the line here.
+        assert client.wait(request_id, timeout=20)["status"] == "succeeded"
+    finally:
+        worker.stop()
+
+
 def test_a_request_taken_off_the_line_by_a_process_that_died_is_published_by_the_sweep(isolated, database_url,
                                                                                       tmp_path):
     """The row is the contract: taken off the line and never published (the process died between

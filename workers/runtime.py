@@ -67,6 +67,9 @@ PREFILL_WAIT_S = 0.02
 PENDING_MAX_S = 10.0
 # How often the governor learns from the engine's steps and sets the in-engine limit.
 GOVERN_S = 0.25
+# An engine with a free seat that no take filled for this long tops its queues up from their fair
+# lines itself (one Lua call a second while it has room): the floor that needs no load monitor.
+TOP_UP_FLOOR_S = 1.0
 # How long a request that stalled the loop stays marked for the sweep (which acts within seconds).
 STALLED_TTL_S = 86400
 # The watchdog's patience: a step may take this many times the slowest one seen lately ...
@@ -141,6 +144,7 @@ class EngineRuntime:
         # limit risen: the worker tops up its queues from their fair lines (core/broker/fair.py).
         self.on_room = lambda: None
         self._room_seen = 0
+        self._topped_up_at = 0.0  # monotonic: when on_room last ran
         self._arriving: set[str] = set()  # messages received, not yet in the governor's hands
         self.limit = self.governor.max_seqs
         # The highest limit governed since start: the engine never holds more than this (a lowered
@@ -445,10 +449,14 @@ class EngineRuntime:
                     self._room_written, written = None, False
                     log.warning("could not write the engine's room (%s)", type(exc).__name__)
         if grew and written:
-            try:
-                self.on_room()
-            except Exception:  # the load monitor tops the queues up within a second
-                log.warning("could not top up the queues from their fair lines", exc_info=True)
+            self._top_up()
+
+    def _top_up(self) -> None:
+        self._topped_up_at = time.monotonic()
+        try:
+            self.on_room()
+        except Exception:  # the next governor round with room left, or the load monitor, tries again
+            log.warning("could not top up the queues from their fair lines", exc_info=True)
 
     def _await_start(self, rid: str, prompt_tokens: int, batch: bool, limit_s: float, ends_as: str) -> str | None:
         """Wait until the governor lets this request into the engine (``Governor.take_prefill``:
@@ -727,6 +735,12 @@ class EngineRuntime:
             log.info("in-engine limit %d -> %d (%s)", self.limit, limit, self._curve_text())
         self.limit, self.limit_peak = limit, max(self.limit_peak, limit)
         self.write_room()
+        # A take can leave a free seat unfilled: several takers at once each count a message in the
+        # instant it is both pushed and still marked on its way, or one in a worker's hands before
+        # it is received. No later take comes until a request leaves, or the load monitor's tick,
+        # and without a monitor never: so an engine with room looks at its lines itself.
+        if not self.draining.is_set() and self.room() > 0 and time.monotonic() - self._topped_up_at >= TOP_UP_FLOOR_S:
+            self._top_up()
         try:
             self.on_limit(limit)
         except Exception:

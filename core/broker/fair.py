@@ -13,6 +13,9 @@ live; ``depth`` messages where none does), taken off the line in fair order:
 * by a worker each time it takes a message off the queue for good (``workers/tasks.py``; not one
   it hands back), and by its engine each time a seat comes free (``workers/bootstrap.py
   top_up``), so a seat goes to the line's next request, not to a message queued before it;
+* by an engine that has had a seat free for a second since its last take (a take counts what
+  others let through and have not pushed yet, so it can leave a seat unfilled, and with no
+  monitor no later take might come);
 * by the load monitor's leader every tick, the floor for a line nobody else topped up.
 
 A tenant that floods a class queues far ahead in the line's virtual time, so another tenant's

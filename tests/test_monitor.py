@@ -10,12 +10,20 @@ import redis
 from conftest import ApiClient, WorkerProcess, make_settings
 from sqlalchemy import func, select
 
-from core.admission.load import SNAPSHOT_PREFIX, ClassLoad, LoadLevel, counters_key, write_level
+from core.admission.load import (
+    SNAPSHOT_PREFIX,
+    ClassLoad,
+    LoadLevel,
+    capacity_entry,
+    counters_key,
+    decode_drain,
+    write_level,
+)
 from core.rediskeys import LOAD_LEVEL_KEY
 from launcher.harness import stop_all
 from models import InferenceRequest, Priority, Status
 from web.services import services
-from workers.monitor import Engines, LevelPolicy, Monitor, with_realtime_share
+from workers.monitor import Engines, LevelPolicy, Monitor, engines, with_realtime_share
 
 
 def test_levels_rise_at_once_and_fall_one_step_per_calm_hold():
@@ -217,6 +225,41 @@ def test_a_tiers_share_of_the_engines_counts_its_prompts():
     assert load.claimed_share == pytest.approx(0.3 + 0.55)
     batch = ClassLoad("batch", "m", 0, 0, 0, 100.0, 10.0, 0.0, 0, 1, 0)
     assert with_realtime_share([load, batch])[1].realtime_share == load.claimed_share
+
+
+def test_a_batch_class_drains_only_the_seats_batch_work_may_hold(database_url, scratch_redis_url, new_client,
+                                                                 tmp_path):
+    """A worker that serves realtime too keeps threads for it and lets only some batch requests
+    start while realtime runs (workers/bootstrap.py BatchSlots): its batch class drains what those
+    seats decode, not its whole limit. Pricing batch at the whole limit promised jobs a 2.5-3x
+    faster drain than the simulated engine gave them beside a realtime stream (64 seats, 24 of
+    them batch's while realtime ran). The heartbeat states the seats, faded over how long
+    realtime ran; the monitor and the capacity entries price the batch class by them."""
+    beat = {"limit_seq_tps": 10.0, "decode_tps": 80.0, "engine_limit": 8, "batch_seats": 4.5}
+    assert engines([beat], "batch").drain_tps == pytest.approx(45.0)
+    assert engines([beat], "realtime").drain_tps == pytest.approx(80.0)
+    assert float(capacity_entry(beat, 0, batch=True).split()[1]) == pytest.approx(45.0)
+    assert float(capacity_entry(beat, 0).split()[1]) == pytest.approx(80.0)
+    assert decode_drain({**beat, "batch_seats": 20}, batch=True) == pytest.approx(80.0), "never past the limit"
+
+    from web import create_app
+
+    application = create_app(make_settings(database_url, scratch_redis_url))
+    client = new_client(application)
+    # Eight threads: two kept for realtime, six for batch, three of them while realtime runs.
+    worker = WorkerProcess(database_url, scratch_redis_url, tmp_path, concurrency=8,
+                           extra_env={"SLUICE_SIM_SPEED": "0.2"})
+    try:
+        assert worker.wait_stats(lambda s: "batch_seats" in s)["batch_seats"] == 6.0
+        request_id = client.submit(prompt="a long question", max_tokens=400, ignore_eos=True,
+                                   deadline_s=600).get_json()["id"]
+        client.wait(request_id, statuses={"running"}, timeout=30)
+        fewer = worker.wait_stats(lambda s: s.get("batch_seats", 6.0) < 5.9, timeout=30)
+        assert 3.0 <= fewer["batch_seats"] < 5.9, fewer
+        client.cancel(request_id)
+    finally:
+        worker.stop()
+        services(application).db.dispose()
 
 
 def test_a_jobs_estimate_reads_the_busy_drain_of_a_backlog_that_lasted():

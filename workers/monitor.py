@@ -188,7 +188,7 @@ def engines(serving: list[dict], priority: str = "realtime") -> Engines | None:
     if not serving or not all(w.get("limit_seq_tps") for w in serving):
         return None
     full = [w.get("slot_wait_s", 0.0) for w in serving if w.get("room", 0) <= 0]
-    return Engines(drain_tps=sum(decode_drain(w) for w in serving),
+    return Engines(drain_tps=sum(decode_drain(w, priority == Priority.BATCH.value) for w in serving),
                    seq_tps=statistics.median(w["limit_seq_tps"] for w in serving),
                    room=sum(max(0, w.get("room", 0)) for w in serving),
                    slot_wait_s=min(full) if len(full) == len(serving) else 0.0,

@@ -100,14 +100,21 @@ def capacity_key(priority: Priority | str, model: str) -> str:
     return CAPACITY_PREFIX + class_name(priority, model)
 
 
-def decode_drain(beat: dict) -> float:
+def decode_drain(beat: dict, batch: bool = False) -> float:
     """What a governed worker's heartbeat ``beat`` says its limit decodes a second, its prompts'
     prefill priced apart (``decode_tps``; a worker that does not state it: its limit × the speed a
-    sequence gets there)."""
-    return float(beat.get("decode_tps") or beat.get("engine_limit", 0) * float(beat["limit_seq_tps"]))
+    sequence gets there). For a batch class (``batch``), only the sequences batch work may hold
+    there: a worker that serves realtime too keeps threads for it and lets fewer batch requests
+    start while realtime runs (``batch_seats``, workers/bootstrap.py ``BatchSlots``), each at the
+    speed a sequence gets at the limit."""
+    drain = float(beat.get("decode_tps") or beat.get("engine_limit", 0) * float(beat["limit_seq_tps"]))
+    seats, limit = beat.get("batch_seats"), beat.get("engine_limit") or 0
+    if batch and seats is not None and limit > 0:
+        drain *= min(1.0, float(seats) / limit)
+    return drain
 
 
-def capacity_entry(beat: dict, at_ms: int) -> str | None:
+def capacity_entry(beat: dict, at_ms: int, batch: bool = False) -> str | None:
     """A worker's capacity as its heartbeat ``beat`` states it, in the form admission's script
     reads (``at_ms drain_tps seq_tps slot_wait_s prefill_s_tok prefill_s_tok2 step_base_s step_seq_s
     priority_safety``); None while it knows no speed yet.
@@ -119,7 +126,7 @@ def capacity_entry(beat: dict, at_ms: int) -> str | None:
     finished runs got, discounted for a full batch (PRIOR_SHARE)."""
     if beat.get("limit_seq_tps"):
         seq = float(beat["limit_seq_tps"])
-        drain = decode_drain(beat)
+        drain = decode_drain(beat, batch)
     elif beat.get("seq_tps"):
         seq = float(beat["seq_tps"])
         drain = beat.get("threads", 0) * seq * PRIOR_SHARE

@@ -178,8 +178,8 @@ def start_runtime(svc: Services, hostname: str, queues: list[str], threads: int 
     runtime.start()
     exporter.export(runtime, settings)
     WORKER.batch = slots = batch_slots(settings, info["threads"], queues, lambda: runtime.realtime_in_flight() > 0)
-    if slots.limit < info["threads"] or slots.beside < slots.limit:
-        runtime.batch_cap = (slots.limit, slots.beside)
+    if slots.limit < info["threads"]:
+        runtime.batch_cap = slots.limit
     queue_order.set_batch_gate(lambda: runtime.batch_open() and slots.has_room())
     WORKER.runtime = runtime
     log.info("%d of %d threads may hold batch work (%d may start while realtime runs)", WORKER.batch.limit,

@@ -104,9 +104,8 @@ def decode_drain(beat: dict, batch: bool = False) -> float:
     """What a governed worker's heartbeat ``beat`` says its limit decodes a second, its prompts'
     prefill priced apart (``decode_tps``; a worker that does not state it: its limit × the speed a
     sequence gets there). For a batch class (``batch``), only the sequences batch work may hold
-    there: a worker that serves realtime too keeps threads for it and lets fewer batch requests
-    start while realtime runs (``batch_seats``, workers/bootstrap.py ``BatchSlots``), each at the
-    speed a sequence gets at the limit."""
+    there: a worker that serves realtime too keeps threads for it (``batch_seats``,
+    workers/bootstrap.py ``BatchSlots``), each at the speed a sequence gets at the limit."""
     drain = float(beat.get("decode_tps") or beat.get("engine_limit", 0) * float(beat["limit_seq_tps"]))
     seats, limit = beat.get("batch_seats"), beat.get("engine_limit") or 0
     if batch and seats is not None and limit > 0:

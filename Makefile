@@ -13,10 +13,10 @@ UP_FLAGS := $(if $(ENGINE),--engine $(ENGINE)) $(if $(MODEL),--model $(MODEL)) $
 up: $(VENV)/.installed $(if $(filter vllm,$(ENGINE)),$(VENV)/.installed-vllm)
 	$(BIN)/sluice up $(UP_FLAGS)
 
-# TEST_PROCS=4 spreads the suite over four pytest-xdist processes (which tests share one, and in
-# what order they start: tests/conftest.py). One process stays the default: on the slower 2-core
-# hosts a spread run takes ~25 min and still finds a timing race now and then (docs/development.md).
-TEST_PROCS ?= 1
+# The suite runs spread over four pytest-xdist processes (which tests share one, and in what order
+# they start: tests/conftest.py): ~12 min on a 2-core Intel host, ~18 on the slower AMD ones.
+# TEST_PROCS=1 runs it in one process (~36-50 min), as it ran before (docs/development.md).
+TEST_PROCS ?= 4
 ifeq ($(TEST_PROCS),1)
 SPREAD :=
 else

@@ -17,7 +17,6 @@ from conftest import ROOT, make_settings, service_env
 from selenium import webdriver
 from selenium.webdriver.chrome.options import Options
 from selenium.webdriver.chrome.service import Service
-from selenium.webdriver.common.by import By
 from test_metrics import post, wait_for_http
 
 from core.admission.load import SNAPSHOT_PREFIX
@@ -61,19 +60,23 @@ def test_the_dashboard_shows_live_data_in_a_browser(database_url, redis_url, wor
         for i in range(12):  # traffic while the page samples: queues, timings, engine batches move
             post(web.url, key, {"prompt": f"dashboard traffic {i}", "max_tokens": 64, "ignore_eos": True})
             time.sleep(0.3)
+        # The page redraws its charts and tables every sample: each read is one script in the page,
+        # so nothing it found can be replaced before its text is read (a row found, then read, went
+        # stale between the two calls in a 4-process run).
         deadline = time.monotonic() + 60
         while True:
-            points = [int(el.get_attribute("data-points") or 0)
-                      for el in browser.find_elements(By.CSS_SELECTOR, "figure.chart")]
+            points = browser.execute_script("return [...document.querySelectorAll('figure.chart')]"
+                                            ".map(el => parseInt(el.getAttribute('data-points') || '0'))")
             if len(points) == CHARTS and all(p >= 2 for p in points) or time.monotonic() > deadline:
                 break
             time.sleep(1)
         assert len(points) == CHARTS and all(p >= 2 for p in points), points
         assert "key=" not in browser.current_url  # the admin key left the address bar
-        assert browser.find_elements(By.CSS_SELECTOR, "polyline.series")
-        assert browser.find_element(By.ID, "level").text.startswith("0")
-        worker_rows = browser.find_elements(By.CSS_SELECTOR, "#workers tr")
-        assert len(worker_rows) >= 2 and "simulated-llama-8b" in worker_rows[1].text
+        assert browser.execute_script("return document.querySelectorAll('polyline.series').length") > 0
+        assert browser.execute_script("return document.getElementById('level').innerText").startswith("0")
+        worker_rows = browser.execute_script(
+            "return [...document.querySelectorAll('#workers tr')].map(row => row.innerText)")
+        assert len(worker_rows) >= 2 and "simulated-llama-8b" in worker_rows[1], worker_rows
         shot = Path(os.environ.get("SLUICE_DASHBOARD_SCREENSHOT", tmp_path / "dashboard.png"))
         assert browser.save_screenshot(str(shot))
     finally:

@@ -12,16 +12,19 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import pytest
+import redis
 from conftest import ApiClient, WorkerProcess, admitted_once_idle, make_settings
 from sqlalchemy import select
 
 from core.admission.load import room_key
+from core.broker.queues import queue_lists
 from launcher.harness import start_all, stop_all
 from models import InferenceRequest, Status
 from web.services import services
 from workers.engines.base import StepSample
 from workers.governor import MIN_PREFILL_CHUNK, Governor, StepCurve
 from workers.monitor import Monitor
+from workers.preemption import Claims
 
 
 class Clock:
@@ -540,6 +543,26 @@ def test_batch_in_a_full_engine_makes_room_for_realtime_and_still_finishes(datab
     finally:
         worker.stop()
         services(application).db.dispose()
+
+
+def test_a_claim_is_granted_on_the_queue_as_it_is_not_as_a_worker_read_it(scratch_redis_url):
+    """One queued realtime message, two workers: the first claims the preemption. The message is
+    consumed and the first releases its claim; the second, whose governor read the queue before
+    that (a starved thread: in a 4-process run the read and the grant were ~1 s apart), asks with
+    its stale count and is granted nothing, since the claim reads the lists again."""
+    client = redis.Redis.from_url(scratch_redis_url)
+    lists = queue_lists("realtime.small")  # one list per priority step
+    client.delete(*lists)
+    first, second = (Claims(client, worker, "m", lists=lists) for worker in ("w1", "w2"))
+    client.rpush(lists[0], "a question")
+    assert first.grant(1, 1) == 1
+    assert second.grant(1, 1) == 0, "the first one's claim stands"
+    client.lpop(lists[0])  # consumed...
+    first.release()  # ... and seen gone by the first worker
+    assert second.grant(1, 1) == 0, "a count read before the message left grants nothing"
+    client.rpush(lists[1], "another question")
+    assert second.grant(1, 1) == 1, "one queued now (at another step), granted"
+    client.close()
 
 
 def test_one_queued_realtime_request_makes_one_of_two_full_workers_yield(database_url, scratch_redis_url,

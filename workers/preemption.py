@@ -46,7 +46,15 @@ for i = 1, #all, 2 do
     others = others + tonumber(n)
   end
 end
-local grant = math.max(0, math.min(tonumber(ARGV[2]), tonumber(ARGV[3]) - others))
+-- Queued as the lists hold it now (KEYS 2..), not as the caller read it a moment ago: a reading
+-- taken before another worker consumed the message and released its claim would grant again.
+local queued = tonumber(ARGV[3])
+if #KEYS > 1 then
+  local now_queued = 0
+  for k = 2, #KEYS do now_queued = now_queued + redis.call('LLEN', KEYS[k]) end
+  queued = math.min(queued, now_queued)
+end
+local grant = math.max(0, math.min(tonumber(ARGV[2]), queued - others))
 if grant > 0 then
   redis.call('HSET', KEYS[1], ARGV[1], grant .. ' ' .. (now + tonumber(ARGV[4])))
   redis.call('PEXPIRE', KEYS[1], ARGV[4])
@@ -58,9 +66,12 @@ return grant
 class Claims:
     """The preemptions one worker may make for realtime requests queued on its model's queues."""
 
-    def __init__(self, client: redis.Redis, worker_id: str, model: str, tier: str | None = None) -> None:
+    def __init__(self, client: redis.Redis, worker_id: str, model: str, tier: str | None = None,
+                 lists: list[str] = ()) -> None:
         self.redis = client
         self.worker_id = worker_id
+        # The broker's lists the queued requests wait in, read again inside each grant.
+        self.lists = list(lists)
         # Claims for one tier's queued requests (the priority tier's, taking default work out) are
         # counted apart from those for every realtime request (taking batch work out).
         self.key = CLAIMS_PREFIX + model + (f":{tier}" if tier else "")
@@ -75,7 +86,8 @@ class Claims:
         if want <= 0 or queued <= 0:
             return 0
         try:
-            granted = int(self._claim(keys=[self.key], args=[self.worker_id, want, queued, int(CLAIM_TTL_S * 1000)]))
+            granted = int(self._claim(keys=[self.key, *self.lists],
+                                      args=[self.worker_id, want, queued, int(CLAIM_TTL_S * 1000)]))
             self._claimed = self._claimed or granted > 0
             return granted
         except redis.RedisError as exc:

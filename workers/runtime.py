@@ -173,8 +173,9 @@ class EngineRuntime:
         self._room_written: list[str] | None = None
         # Preemptions for queued realtime are claimed fleet-wide: one queued request, one worker
         # yields; those of default work for the priority tier's queued requests apart.
-        self._claims = Claims(redis_client, worker_id, model) if model else None
-        self._priority_claims = Claims(redis_client, worker_id, model, tier="priority") if model else None
+        self._claims = Claims(redis_client, worker_id, model, lists=self._realtime_lists) if model else None
+        self._priority_claims = (Claims(redis_client, worker_id, model, tier="priority",
+                                        lists=sorted(self._priority_lists)) if model else None)
         self._room_lock = threading.RLock()  # drain() may run in a signal handler
         self._learn_lock = threading.Lock()
         self._governing = False  # the governor thread runs: requests waiting to go in learn steps too

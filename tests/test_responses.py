@@ -133,6 +133,26 @@ def test_a_stream_sends_the_typed_events_in_order(client, app):
     jsonschema.validate(json.loads(done[0].arguments), WEATHER["parameters"])
 
 
+def test_each_streamed_event_is_as_the_openapi_document_says(client):
+    """/openapi.json states what one event of a streamed response is (its type and its JSON), as
+    an SSE reader parses it: the fuzz test's SSE check read the old `{"type": "string"}` as each
+    event's schema and found every event violating it, once its examples asked for a stream."""
+    spec = client.http.get("/openapi.json").get_json()
+    schema = spec["paths"]["/v1/responses"]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+    answer = client.http.post("/v1/responses", headers=client.headers,
+                              json={"model": MODEL, "input": said("sse"), "max_output_tokens": 8, "stream": True})
+    assert answer.status_code == 200 and answer.mimetype == "text/event-stream"
+    events = []
+    for block in answer.get_data(as_text=True).split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+        if fields:
+            events.append(fields)
+    assert len(events) > 4 and events[0]["event"] == "response.created"
+    for event in events:
+        jsonschema.validate(event, schema)
+        assert json.loads(event["data"])["type"] == event["event"]
+
+
 def test_background_responses_are_polled_and_cancelled(client, app):
     openai, api = sdk(app, client.key)
     queued = api.responses.create(model=MODEL, input=said("later"), max_output_tokens=8, background=True)

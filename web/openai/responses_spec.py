@@ -47,6 +47,14 @@ SCHEMAS = {
 }
 
 
+# One event of a streamed response, as a client's SSE reader parses it: its type, and the event
+# itself as JSON (the same type inside, with its sequence_number).
+STREAM_EVENT = {"type": "object", "required": ["event", "data"],
+                "properties": {"event": {"type": "string", "description": "response.created, "
+                                         "response.output_text.delta, ... response.completed"},
+                               "data": {"type": "string", "contentMediaType": "application/json"}}}
+
+
 def add_paths(spec: APISpec) -> None:
     for name, schema in SCHEMAS.items():
         spec.components.schema(name, schema)
@@ -60,7 +68,7 @@ def add_paths(spec: APISpec) -> None:
         "requestBody": {"required": True, "content": {"application/json": {"schema": "OpenAIResponseCreate"}}},
         "responses": {"200": {**_json("OpenAIResponse", "The response (queued when background)."),
                               "content": {"application/json": {"schema": "OpenAIResponse"},
-                                          "text/event-stream": {"schema": {"type": "string"}}}},
+                                          "text/event-stream": {"schema": STREAM_EVENT}}},
                       **auth, "400": _error("Invalid or refused fields, each named (param)."),
                       "413": _error("Longer than the model's context."),
                       "429": {**_error("Over the tenant's limits; Retry-After."),

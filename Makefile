@@ -13,11 +13,10 @@ UP_FLAGS := $(if $(ENGINE),--engine $(ENGINE)) $(if $(MODEL),--model $(MODEL)) $
 up: $(VENV)/.installed $(if $(filter vllm,$(ENGINE)),$(VENV)/.installed-vllm)
 	$(BIN)/sluice up $(UP_FLAGS)
 
-# TEST_PROCS=4 spreads the suite over four pytest-xdist processes (which tests share one, and in
-# what order they start: tests/conftest.py): ~12 min on a 2-core Intel host, ~18 on the slower AMD
-# ones. One process stays the default until two spread runs in a row pass: each spread run still
-# finds a race a serial run hides now and then (docs/development.md).
-TEST_PROCS ?= 1
+# The suite runs spread over four pytest-xdist processes (which tests share one, and in what order
+# they start: tests/conftest.py): ~12 min on a 2-core Intel host, ~18 on the slower AMD ones.
+# TEST_PROCS=1 runs it in one process, ~36-50 min (docs/development.md).
+TEST_PROCS ?= 4
 ifeq ($(TEST_PROCS),1)
 SPREAD :=
 else
